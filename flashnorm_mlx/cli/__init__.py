@@ -1,0 +1,46 @@
+"""`flashnorm-mlx COMMAND ...`: dispatch to one module per command."""
+
+import importlib
+import sys
+
+# command -> (module in flashnorm_mlx.cli, one-line help)
+COMMANDS = {
+    "chat": ("chat", "chat with a model in the terminal"),
+    "generate": ("generate", "generate one completion for a prompt"),
+    "verify": ("verify", "check FlashNorm against stock mlx-lm on the same weights"),
+    "bench": ("bench", "tokens/sec of stock vs FlashNorm vs the norm-removed bound"),
+    "convert": ("convert", "write a folded (optionally quantized) checkpoint"),
+    "perplexity": ("perplexity", "perplexity of stock vs FlashNorm on real text"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: flashnorm-mlx COMMAND [options]   (COMMAND --help for details)", ""]
+    lines.append("Exact FlashNorm inference for Llama and OpenELM models on MLX.")
+    lines.append("MODEL defaults to the embedded SmolLM2-135M-Instruct (4-bit GGUF).")
+    lines.append("")
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from .. import __version__
+
+        print(f"flashnorm-mlx {__version__}")
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"flashnorm-mlx: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"flashnorm_mlx.cli.{COMMANDS[name][0]}")
+    sys.argv = [f"flashnorm-mlx {name}", *argv[1:]]
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

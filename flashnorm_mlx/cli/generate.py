@@ -1,0 +1,64 @@
+"""`flashnorm-mlx generate [MODEL] -p PROMPT`: one streamed completion."""
+
+import argparse
+import sys
+
+import mlx.core as mx
+
+from ..loading import build_model, read_source
+from .common import add_model_args, model_kwargs, need_tokenizer, run_main
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flashnorm-mlx generate",
+        description="Generate one completion; prints tokens/sec and peak memory after it.",
+    )
+    add_model_args(p)
+    p.add_argument("-p", "--prompt", default="Hello", help="prompt text ('-' reads stdin)")
+    p.add_argument("-m", "--max-tokens", type=int, default=100, help="tokens to generate")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--system-prompt", default=None, help="system message for the chat template")
+    p.add_argument(
+        "--ignore-chat-template", action="store_true", help="feed the prompt as raw text"
+    )
+    return p
+
+
+def build_prompt(tokenizer, prompt: str, system_prompt=None, raw: bool = False) -> list:
+    """Token ids for a user prompt, through the chat template when the model has one."""
+    if not raw and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode(prompt))
+
+
+@run_main
+def main(argv=None):
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    args = setup_arg_parser().parse_args(argv)
+    if args.max_tokens < 1:
+        setup_arg_parser().error("--max-tokens must be at least 1")
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    source = read_source(args.model, tokenizer=args.tokenizer)
+    tokenizer = need_tokenizer(source.tokenizer, source.name)
+    model, _ = build_model(source, args.mode, **model_kwargs(args))
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
+    ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
+    sampler = make_sampler(args.temp, args.top_p)
+    last = None
+    for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler):
+        print(last.text, end="", flush=True)
+    print()
+    print("=" * 10)
+    print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+    print(f"Peak memory: {last.peak_memory:.3f} GB")
+    return 0

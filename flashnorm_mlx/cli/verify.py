@@ -1,0 +1,47 @@
+"""`flashnorm-mlx verify [MODEL]`: FlashNorm vs stock mlx-lm on the same weights."""
+
+import argparse
+import json
+
+from ..loading import read_source
+from ..verify import compare, prompt_tokens
+from .common import add_model_args, model_kwargs, run_main
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flashnorm-mlx verify",
+        description="Run stock mlx-lm and FlashNorm on the same weights and tokens; "
+        "report logit differences, KL divergence and greedy agreement.",
+    )
+    add_model_args(p, mode=False)
+    p.add_argument("-p", "--prompt", default=None, help="prompt text (default: a fixed sentence)")
+    p.add_argument("-g", "--horizon", type=int, default=32, help="greedy decode steps compared")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+@run_main
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    source = read_source(args.model, tokenizer=args.tokenizer)
+    tokens = prompt_tokens(source, args.prompt)
+    r = compare(source, tokens, horizon=args.horizon, **model_kwargs(args))
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"FlashNorm vs stock mlx-lm: {r['model']} ({r['dtype']})")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("prompt tokens", str(r["prompt_tokens"]))
+    t.add_row("max |logit diff|", f"{r['max_abs_logit_diff']:.3e}")
+    t.add_row("max |logit diff| / max |logit|", f"{r['max_rel_logit_diff']:.3e}")
+    t.add_row("KL(stock || flashnorm) mean", f"{r['kl']:.3e}")
+    t.add_row("KL max", f"{r['kl_max']:.3e}")
+    t.add_row("greedy tokens agreeing", f"{r['greedy_match']} / {r['greedy_horizon']}")
+    t.add_row("finite logits (stock, flashnorm)", f"{r['stock_finite']}, {r['flashnorm_finite']}")
+    Console().print(t)
+    return 0

@@ -1,0 +1,241 @@
+"""Pure weight transforms: fold RMSNorm gains into the linear layers they feed.
+
+Every function here takes a weights dict (Hugging Face names, as mlx-lm's
+`sanitize` leaves them) and a config dict, and returns new ones; nothing is
+modified in place and nothing runs inside a model's `__call__`.
+
+    RMSNorm(x) @ W.T == (x @ (W * g[None, :]).T) * rsqrt(mean(x^2) + eps)
+
+MLX Linear weights are (out, in), so the gain scales input columns.
+"""
+
+import copy
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import mlx.core as mx
+
+Weights = Dict[str, mx.array]
+
+# config.json key that marks a folded checkpoint (and how it was folded).
+MARKER = "flashnorm"
+FORMAT_VERSION = 1
+
+
+class FoldError(ValueError):
+    """The weights cannot be folded as asked (e.g. they are quantized)."""
+
+
+def is_folded(config: dict) -> bool:
+    return bool(config.get(MARKER, {}).get("folded", False))
+
+
+def is_quantized(weights: Weights) -> bool:
+    return any(k.endswith(".scales") for k in weights)
+
+
+# --- which norm feeds which linear layers, per architecture -----------------
+
+
+def _llama_pairs(config: dict, weights: Weights) -> Iterator[Tuple[str, List[str]]]:
+    n_layers = config["num_hidden_layers"]
+    for i in range(n_layers):
+        p = f"model.layers.{i}"
+        if f"{p}.self_attn.qkv_proj.weight" in weights:
+            attn = [f"{p}.self_attn.qkv_proj"]
+        else:
+            attn = [f"{p}.self_attn.{n}_proj" for n in "qkv"]
+        if f"{p}.mlp.gate_up_proj.weight" in weights:
+            mlp = [f"{p}.mlp.gate_up_proj"]
+        else:
+            mlp = [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
+        yield f"{p}.input_layernorm", attn
+        yield f"{p}.post_attention_layernorm", mlp
+
+
+def _openelm_pairs(config: dict, weights: Weights) -> Iterator[Tuple[str, List[str]]]:
+    for i in range(config["num_transformer_layers"]):
+        p = f"transformer.layers.{i}"
+        yield f"{p}.attn_norm", [f"{p}.attn.qkv_proj"]
+        yield f"{p}.ffn_norm", [f"{p}.ffn.proj_1"]
+
+
+# family -> (per-layer pairs, final norm, input embedding, lm_head, tie flag)
+_ARCH = {
+    "llama": (
+        _llama_pairs,
+        "model.norm",
+        "model.embed_tokens",
+        "lm_head",
+        "tie_word_embeddings",
+    ),
+    "openelm": (
+        _openelm_pairs,
+        "transformer.norm",
+        "transformer.token_embeddings",
+        "lm_head",
+        "share_input_output_layers",
+    ),
+}
+
+# mlx-lm model types that run as the Llama architecture.
+LLAMA_TYPES = ("llama", "mistral")
+
+
+def family(config: dict) -> str:
+    """The architecture family of a config, or raise ValueError."""
+    mt = config.get("model_type")
+    if mt in LLAMA_TYPES:
+        return "llama"
+    if mt == "openelm":
+        return "openelm"
+    raise ValueError(
+        f"unsupported model_type {mt!r}: flashnorm-mlx runs "
+        f"{', '.join(LLAMA_TYPES)} and openelm"
+    )
+
+
+def _is_tied(config: dict, tie_key: str) -> bool:
+    return bool(config.get(tie_key, True))
+
+
+def norm_pairs(config: dict, weights: Weights) -> List[Tuple[str, List[str]]]:
+    """(norm module, [linear modules it feeds]) for every foldable norm."""
+    pairs_fn, final, embed, head, tie_key = _ARCH[family(config)]
+    pairs = list(pairs_fn(config, weights))
+    if not _is_tied(config, tie_key):
+        pairs.append((final, [head]))
+    return pairs
+
+
+# --- the transforms ----------------------------------------------------------
+
+
+def fold_gain(weights: Weights, gain: mx.array, linear: str) -> Weights:
+    """W* = W diag(g), computed in float32 and cast back to W's dtype."""
+    if f"{linear}.scales" in weights:
+        raise FoldError(
+            f"{linear} is quantized; dequantize before folding "
+            "(folding changes the weight, so fold in float then quantize)"
+        )
+    w = weights[f"{linear}.weight"]
+    folded = (w.astype(mx.float32) * gain.astype(mx.float32)[None, :]).astype(w.dtype)
+    return {**weights, f"{linear}.weight": folded}
+
+
+def fold_norms(
+    weights: Weights, config: dict, untie: bool = False, compat: bool = False
+) -> Tuple[Weights, dict]:
+    """Fold every RMSNorm gain into the linear layers it feeds.
+
+    untie:  with tied embeddings, make an lm_head = embedding and fold the
+            final norm into it (more storage, same decode bandwidth).
+    compat: keep all-ones norm tensors so stock mlx-lm still loads the result.
+    A folded config is returned unchanged: folding twice equals folding once.
+    """
+    if is_folded(config):
+        return weights, config
+    fam = family(config)
+    _, final, embed, head, tie_key = _ARCH[fam]
+    weights = dict(weights)
+    config = copy.deepcopy(config)
+
+    if untie and _is_tied(config, tie_key):
+        if f"{embed}.scales" in weights:
+            raise FoldError("cannot untie a quantized embedding; dequantize first")
+        weights[f"{head}.weight"] = weights[f"{embed}.weight"]
+        config[tie_key] = False
+
+    folded_norms = []
+    for norm, linears in norm_pairs(config, weights):
+        gain = weights[f"{norm}.weight"]
+        for linear in linears:
+            weights = fold_gain(weights, gain, linear)
+        folded_norms.append(norm)
+        if compat:
+            weights[f"{norm}.weight"] = mx.ones_like(gain)
+        else:
+            del weights[f"{norm}.weight"]
+
+    config[MARKER] = {
+        "folded": True,
+        "format": FORMAT_VERSION,
+        "compat": compat,
+        # The final norm keeps its gain when the head is tied to the embedding.
+        "final_norm_folded": final in folded_norms,
+    }
+    return weights, config
+
+
+def restore_unit_norms(weights: Weights, config: dict) -> Weights:
+    """Give a folded checkpoint all-ones norm tensors, so stock classes run it.
+
+    A folded model with unit gains is the same function as the original one.
+    """
+    if not is_folded(config):
+        return weights
+    weights = dict(weights)
+    for norm, _ in norm_pairs(config, weights):
+        key = f"{norm}.weight"
+        if key not in weights:
+            width = _norm_width(config)
+            weights[key] = mx.ones((width,), dtype=mx.float32)
+    return weights
+
+
+def drop_unit_norms(weights: Weights, config: dict) -> Weights:
+    """Remove the placeholder ones that `--compat` keeps in a folded checkpoint."""
+    if not is_folded(config):
+        return weights
+    weights = dict(weights)
+    for norm, _ in norm_pairs(config, weights):
+        weights.pop(f"{norm}.weight", None)
+    return weights
+
+
+def _norm_width(config: dict) -> int:
+    return config.get("hidden_size") or config["model_dim"]
+
+
+def quant_params(config: dict, module: str) -> Optional[dict]:
+    """The (group_size, bits, mode) a quantized module was stored with."""
+    q = config.get("quantization")
+    if not q:
+        return None
+    per = q.get(module)
+    if isinstance(per, dict):
+        return {"group_size": per["group_size"], "bits": per["bits"], "mode": per.get("mode", "affine")}
+    return {"group_size": q["group_size"], "bits": q["bits"], "mode": q.get("mode", "affine")}
+
+
+def dequantize_weights(
+    weights: Weights, config: dict, dtype: mx.Dtype = mx.float32
+) -> Tuple[Weights, dict]:
+    """Quantized (weight, scales, biases) triples -> float weights in `dtype`."""
+    out: Weights = {}
+    for key, value in weights.items():
+        if key.endswith(".scales") or key.endswith(".biases"):
+            continue
+        module = key[: -len(".weight")] if key.endswith(".weight") else None
+        if module is not None and f"{module}.scales" in weights:
+            qp = quant_params(config, module)
+            if qp is None:
+                raise FoldError(f"{module} is quantized but config has no quantization")
+            value = mx.dequantize(
+                value,
+                weights[f"{module}.scales"],
+                weights.get(f"{module}.biases"),
+                group_size=qp["group_size"],
+                bits=qp["bits"],
+                mode=qp["mode"],
+            ).astype(dtype)
+        out[key] = value
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    return out, config
+
+
+def map_floats(weights: Weights, fn: Callable[[mx.array], mx.array]) -> Weights:
+    """Apply fn to every floating-point tensor (quantized uint32 packs untouched)."""
+    return {
+        k: fn(v) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in weights.items()
+    }

@@ -1,0 +1,233 @@
+"""FlashNorm Llama: mlx-lm's Llama with folded norm gains and deferred 1/RMS.
+
+Runs on weights folded by `flashnorm_mlx.fold.fold_norms`. Per block, with s the
+per-token rsqrt(mean(x^2) + eps) in float32 (DESIGN.md section 2):
+    q' = RoPE(x @ Wq*) * s / sqrt(h),  k' = RoPE(x @ Wk*) * s,  v' = (x @ Wv*) * s
+    ffn = down(silu(s * (x @ Wg*)) * (x @ Wu*)) * s
+so no normalized copy of x is ever materialized. Attention runs with scale 1.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import (
+    BaseModelArgs,
+    create_attention_mask,
+    scaled_dot_product_attention,
+)
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .. import kernels
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    rms_norm_eps: float
+    vocab_size: int
+    head_dim: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_theta: float = 10000
+    rope_traditional: bool = False
+    rope_scaling: Optional[Dict[str, Union[float, str]]] = None
+    tie_word_embeddings: bool = True
+    layer_types: Optional[List[str]] = None
+    sliding_window: Optional[int] = None
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = h = args.head_dim
+        self.scale = h**-0.5
+        out = (self.n_heads + 2 * self.n_kv_heads) * h
+        # Fused q|k|v rows; the bias (if any) is added after the deferred scaling.
+        self.qkv_proj = nn.Linear(args.hidden_size, out, bias=False)
+        if args.attention_bias:
+            self.qkv_bias = mx.zeros((out,))
+        self.o_proj = nn.Linear(self.n_heads * h, args.hidden_size, bias=args.attention_bias)
+        self.rope = initialize_rope(
+            h,
+            args.rope_theta,
+            args.rope_traditional,
+            args.rope_scaling,
+            args.max_position_embeddings,
+        )
+
+    def __call__(self, x, s, mask=None, cache=None):
+        # x: (B, L, D) residual, possibly pre-scaled by a power of two; s: (B, L, 1)
+        B, L, _ = x.shape
+        qkv = self.qkv_proj(x)
+        if "qkv_bias" in self:
+            qkv = (qkv * s).astype(x.dtype) + self.qkv_bias
+            s_q, s_kv = self.scale, None
+        else:
+            s_q, s_kv = s * self.scale, s
+        qkv = qkv.reshape(B, L, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        qkv = qkv.transpose(0, 2, 1, 3)
+        q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
+
+        # RoPE is linear per token, so the per-token scalar rides along with it.
+        s_q = s_q if isinstance(s_q, float) else s_q[:, None]
+        q = (self.rope(q, offset=cache.offset if cache else 0) * s_q).astype(x.dtype)
+        k = self.rope(k, offset=cache.offset if cache else 0)
+        if s_kv is not None:
+            k = (k * s_kv[:, None]).astype(x.dtype)
+            v = (v * s_kv[:, None]).astype(x.dtype)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+
+        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim, hidden = args.hidden_size, args.intermediate_size
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=False)
+        if args.mlp_bias:
+            self.gate_up_bias = mx.zeros((2 * hidden,))
+        self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
+
+    def __call__(self, x, s):
+        """Returns (y, s_out): the block output is y * s_out (s_out None: y as is)."""
+        gu = self.gate_up_proj(x)
+        if "gate_up_bias" in self:
+            # A bias on up stops the deferral past down: scale both before the GLU.
+            gate, up = mx.split((gu * s).astype(x.dtype) + self.gate_up_bias, 2, -1)
+            return self.down_proj(nn.silu(gate) * up), None
+        return self.down_proj(kernels.deferred_glu(gu, s)), s
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, use_sliding: bool = False):
+        super().__init__()
+        self.eps = args.rms_norm_eps
+        self.use_sliding = use_sliding
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+
+    def _scaled(self, x):
+        ms = kernels.mean_square(x, self.eps)
+        p, s = kernels.pow2_prescale(ms, x.dtype)
+        return (x if p is None else (x * p).astype(x.dtype)), s
+
+    def __call__(self, x, mask=None, cache=None):
+        xs, s = self._scaled(x)
+        h = x + self.self_attn(xs, s, mask, cache)
+        hs, s = self._scaled(h)
+        y, s_out = self.mlp(hs, s)
+        return h + y if s_out is None else kernels.deferred_residual(h, y, s_out)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, final_norm: bool):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [
+            TransformerBlock(args, use_sliding=t == "sliding_attention")
+            for t in args.layer_types
+        ]
+        # Kept only when the head is tied to the embedding (nothing to fold into).
+        if final_norm:
+            self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.fa_idx = args.layer_types.index("full_attention")
+        self.swa_idx = next(
+            (i for i, l in enumerate(self.layers) if l.use_sliding), None
+        )
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        cache = cache or [None] * len(self.layers)
+        fa_mask = create_attention_mask(h, cache[self.fa_idx])
+        if self.swa_idx is not None:
+            swa_mask = create_attention_mask(
+                h, cache[self.swa_idx], window_size=self.args.sliding_window
+            )
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, swa_mask if layer.use_sliding else fa_mask, cache=c)
+        return h
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.eps = args.rms_norm_eps
+        self.model = LlamaModel(args, final_norm=args.tie_word_embeddings)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs, cache=None, input_embeddings=None):
+        h = self.model(inputs, cache, input_embeddings)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(self.model.norm(h))
+        # Final norm folded into lm_head: one scalar per token after the matmul.
+        ms = kernels.mean_square(h, self.eps)
+        p, s = kernels.pow2_prescale(ms, h.dtype)
+        out = self.lm_head(h if p is None else (h * p).astype(h.dtype))
+        return (out * s).astype(out.dtype)
+
+    def sanitize(self, weights):
+        """Folded Hugging Face names -> this class's fused layout (applied once, at load)."""
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        for i in range(self.args.num_hidden_layers):
+            p = f"model.layers.{i}"
+            weights = _fuse(weights, [f"{p}.self_attn.{n}_proj" for n in "qkv"],
+                            f"{p}.self_attn.qkv_proj", f"{p}.self_attn.qkv_bias")
+            weights = _fuse(weights, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
+                            f"{p}.mlp.gate_up_proj", f"{p}.mlp.gate_up_bias")
+        return weights
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def make_cache(self):
+        return [
+            RotatingKVCache(max_size=self.args.sliding_window) if l.use_sliding else KVCache()
+            for l in self.layers
+        ]
+
+
+def _fuse(weights, parts, fused, fused_bias):
+    """Stack the rows of linear layers that read the same input into one matmul.
+
+    Exact for quantized layers too: quantization groups run along the input axis.
+    """
+    if f"{parts[0]}.weight" not in weights:
+        return weights
+    weights = dict(weights)
+    for suffix in ("weight", "scales", "biases"):
+        tensors = [weights.pop(f"{p}.{suffix}", None) for p in parts]
+        if all(t is not None for t in tensors):
+            weights[f"{fused}.{suffix}"] = mx.concatenate(tensors, axis=0)
+    biases = [weights.pop(f"{p}.bias", None) for p in parts]
+    if all(b is not None for b in biases):
+        weights[fused_bias] = mx.concatenate(biases, axis=0)
+    return weights

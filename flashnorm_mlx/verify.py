@@ -1,0 +1,97 @@
+"""Numeric equivalence of FlashNorm against stock mlx-lm on the same weights."""
+
+from typing import List, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from .loading import Source, build_model
+
+DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time,"
+
+
+def prompt_tokens(source: Source, prompt: Optional[str], n_random: int = 16) -> List[int]:
+    """The prompt's ids with the source's tokenizer; fixed random ids without one."""
+    if source.tokenizer is not None:
+        return list(source.tokenizer.encode(prompt or DEFAULT_PROMPT))
+    vocab = source.config.get("vocab_size", 32000)
+    return np.random.default_rng(0).integers(0, vocab, n_random).tolist()
+
+
+def _log_softmax(x: mx.array) -> mx.array:
+    x = x.astype(mx.float32)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def compare(
+    source: Source,
+    tokens: List[int],
+    horizon: int = 32,
+    dtype=None,
+    quantize=None,
+    dequantize: bool = False,
+) -> dict:
+    """Prefill `tokens`, then `horizon` cached greedy decode steps, on both models.
+
+    Stock picks the greedy tokens; FlashNorm is fed the same tokens (teacher
+    forcing), so every logit row compares the same inputs. greedy_match counts
+    the leading steps where FlashNorm's argmax equals stock's token.
+    """
+    kw = dict(dtype=dtype, quantize=quantize, dequantize=dequantize)
+    stock, _ = build_model(source, "stock", **kw)
+    flash, _ = build_model(source, "flashnorm", **kw)
+    caches = {"stock": make_prompt_cache(stock), "flash": make_prompt_cache(flash)}
+
+    x = mx.array(tokens)[None]
+    rows_s, rows_f, matches = [], [], []
+    for step in range(horizon + 1):
+        ls = stock(x, cache=caches["stock"])[0].astype(mx.float32)
+        lf = flash(x, cache=caches["flash"])[0].astype(mx.float32)
+        mx.eval(ls, lf)
+        rows_s.append(ls)
+        rows_f.append(lf)
+        nxt_s, nxt_f = mx.argmax(ls[-1]).item(), mx.argmax(lf[-1]).item()
+        if step < horizon:
+            matches.append(nxt_s == nxt_f)
+        x = mx.array([[nxt_s]])
+    ls, lf = mx.concatenate(rows_s), mx.concatenate(rows_f)
+    diff = mx.abs(ls - lf)
+    finite_s, finite_f = bool(mx.isfinite(ls).all()), bool(mx.isfinite(lf).all())
+    ps = _log_softmax(ls)
+    # Clamp float round-off: KL is non-negative.
+    kl = mx.maximum(mx.sum(mx.exp(ps) * (ps - _log_softmax(lf)), axis=-1), 0.0)
+    greedy = next((i for i, m in enumerate(matches) if not m), len(matches))
+    scale = mx.abs(ls).max().item()
+    return {
+        "model": source.name,
+        "model_type": source.config.get("model_type"),
+        "dtype": _dtype_of(stock),
+        "quantized": "quantization" in _cfg(source, kw),
+        "prompt_tokens": len(tokens),
+        "max_abs_logit_diff": diff.max().item(),
+        "max_rel_logit_diff": diff.max().item() / max(scale, 1e-30),
+        "logit_scale": scale,
+        "kl": mx.mean(kl).item(),
+        "kl_max": mx.max(kl).item(),
+        "greedy_match": greedy,
+        "greedy_horizon": horizon,
+        "stock_finite": finite_s,
+        "flashnorm_finite": finite_f,
+    }
+
+
+def _dtype_of(model) -> str:
+    from mlx.utils import tree_flatten
+
+    for _, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return str(v.dtype).replace("mlx.core.", "")
+    return "unknown"
+
+
+def _cfg(source: Source, kw: dict) -> dict:
+    quantized = kw.get("quantize") or (
+        any(k.endswith(".scales") for k in source.weights) and not kw.get("dequantize")
+    )
+    return {"quantization": True} if quantized else {}

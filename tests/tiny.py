@@ -1,0 +1,120 @@
+"""Tiny random models in Hugging Face layout, written to disk like real checkpoints.
+
+Norm gains are random in [0.25, 4] (far from 1), so a fold that is wrong shows.
+"""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+VOCAB = 300  # >= the byte-level tokenizer below (256 bytes + specials)
+
+LLAMA_BASE = dict(
+    model_type="llama",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=VOCAB,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=512,
+)
+
+# A spread of Llama shapes: GQA/MHA, tied/untied, odd widths, explicit head_dim,
+# llama3 and linear rope scaling, biases.
+LLAMA_CONFIGS = {
+    "gqa_untied": {},
+    "mha_tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
+    "odd_sizes": dict(hidden_size=40, num_attention_heads=5, num_key_value_heads=1,
+                      intermediate_size=72, num_hidden_layers=3),
+    "head_dim_llama3": dict(head_dim=24, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "linear_bias": dict(attention_bias=True, mlp_bias=True,
+                        rope_scaling={"type": "linear", "factor": 2.0}),
+}
+
+
+def _gain(rng, n):
+    return rng.uniform(0.25, 4.0, size=(n,)).astype(np.float32)
+
+
+def _lin(rng, out, inp):
+    return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
+
+
+def llama_weights(cfg: dict, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hq, hkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    h = cfg.get("head_dim") or D // hq
+    w = {"model.embed_tokens.weight": rng.standard_normal((V, D)).astype(np.float32),
+         "model.norm.weight": _gain(rng, D)}
+    if not cfg.get("tie_word_embeddings", True):
+        w["lm_head.weight"] = _lin(rng, V, D)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = _gain(rng, D)
+        w[f"{p}.post_attention_layernorm.weight"] = _gain(rng, D)
+        for n, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
+            w[f"{p}.self_attn.{n}_proj.weight"] = _lin(rng, out, D)
+            if cfg.get("attention_bias"):
+                w[f"{p}.self_attn.{n}_proj.bias"] = rng.standard_normal(out).astype(np.float32) * 0.1
+        w[f"{p}.self_attn.o_proj.weight"] = _lin(rng, D, hq * h)
+        if cfg.get("attention_bias"):
+            w[f"{p}.self_attn.o_proj.bias"] = rng.standard_normal(D).astype(np.float32) * 0.1
+        for n, (o, i_) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            w[f"{p}.mlp.{n}_proj.weight"] = _lin(rng, o, i_)
+            if cfg.get("mlp_bias"):
+                w[f"{p}.mlp.{n}_proj.bias"] = rng.standard_normal(o).astype(np.float32) * 0.1
+        # A precomputed rotary buffer, as some HF checkpoints carry; must be ignored.
+        w[f"{p}.self_attn.rotary_emb.inv_freq"] = np.ones(h // 2, np.float32)
+    return w
+
+
+def write_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer (no merges) with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    byte_vocab = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(sorted(byte_vocab))}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    for s in specials:
+        vocab[s] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    tok.save(str(path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": template,
+    }))
+
+
+def write_model(path: Path, config: dict, weights: dict, tokenizer: bool = True) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(path / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    if tokenizer:
+        write_tokenizer(path)
+    return path
+
+
+def llama_config(name: str) -> dict:
+    return {**LLAMA_BASE, **LLAMA_CONFIGS[name]}
+
+
+def make_llama(path: Path, name: str = "gqa_untied", seed: int = 0, tokenizer: bool = True) -> Path:
+    cfg = llama_config(name)
+    return write_model(path, cfg, llama_weights(cfg, seed), tokenizer)
