@@ -35,7 +35,11 @@ def main(argv=None) -> int:
         return 0
     name = argv[0]
     if name not in COMMANDS:
-        print(f"flashnorm-mlx: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        choices = ", ".join(COMMANDS)
+        print(
+            f"flashnorm-mlx: error: unknown command {name!r} (choose from {choices})",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(f"flashnorm_mlx.cli.{COMMANDS[name][0]}")
     sys.argv = [f"flashnorm-mlx {name}", *argv[1:]]

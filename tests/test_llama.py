@@ -1,0 +1,160 @@
+"""FlashNorm Llama against stock mlx-lm's Llama on the same (random) weights."""
+
+import json
+
+import mlx.core as mx
+import pytest
+import tiny
+from mlx_lm.models.cache import make_prompt_cache
+
+from flashnorm_mlx import fold
+from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.verify import compare
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
+
+
+@pytest.fixture(scope="module", params=list(tiny.LLAMA_CONFIGS))
+def source(request, tmp_path_factory):
+    path = tiny.make_llama(tmp_path_factory.mktemp(request.param), request.param)
+    return read_source(str(path))
+
+
+def test_float32_matches_stock_over_prompt_and_32_decode_steps(source):
+    r = compare(source, PROMPT, horizon=32, dtype=mx.float32)
+    assert r["max_rel_logit_diff"] < 1e-4, r
+    assert r["greedy_match"] == 32, r
+
+
+def test_stock_is_mlx_lm_and_flashnorm_has_no_norm_gains(source):
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    assert type(stock).__module__ == "mlx_lm.models.llama"
+    assert type(flash).__module__ == "flashnorm_mlx.models.llama"
+    norms = [n for n, m in flash.named_modules() if type(m).__name__ == "RMSNorm"]
+    # Only the final norm of a tied head survives (nothing to fold it into).
+    assert norms == (["model.norm"] if source.config["tie_word_embeddings"] else []), norms
+
+
+# Stated tolerances for low precision, as max |logit diff| / max |logit| against
+# the float32 stock model. Stock itself drifts by 0.3-0.7% (fp16) and 2.5-7% (bf16)
+# on these random models; FlashNorm rounds in different places, so allow ~3x that.
+LOW_PRECISION_TOL = {mx.float16: 0.03, mx.bfloat16: 0.12}
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
+def test_low_precision_close_to_float32_stock(source, dtype):
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    stock, _ = build_model(source, "stock", dtype=dtype)
+    flash, _ = build_model(source, "flashnorm", dtype=dtype)
+    x = mx.array([PROMPT])
+    r = ref(x)
+    scale = mx.abs(r).max().item()
+    err_stock = mx.abs(stock(x).astype(mx.float32) - r).max().item() / scale
+    err_flash = mx.abs(flash(x).astype(mx.float32) - r).max().item() / scale
+    assert err_flash < LOW_PRECISION_TOL[dtype], (
+        f"{dtype}: flashnorm {err_flash:.3e}, stock {err_stock:.3e}"
+    )
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_no_inf_nan_with_residuals_scaled_by_1000(source, dtype):
+    """x @ W* sees the unnormalized residual: fp16 would overflow without the
+    power-of-two prescale (DESIGN.md section 2)."""
+    key = "model.embed_tokens.weight"
+    scaled = type(source)(
+        source.name, source.config, {**source.weights, key: source.weights[key] * 1000}
+    )
+    x = mx.array([PROMPT])
+    for mode in ("stock", "flashnorm"):
+        model, _ = build_model(scaled, mode, dtype=dtype)
+        cache = make_prompt_cache(model)
+        out = model(x, cache=cache)
+        out2 = model(mx.array([[9]]), cache=cache)
+        finite = bool(mx.isfinite(out).all()) and bool(mx.isfinite(out2).all())
+        if mode == "stock":
+            stock_finite = finite
+        else:
+            assert finite or not stock_finite, f"{dtype}: flashnorm inf/NaN, stock finite"
+    if dtype == mx.float32:
+        r = compare(scaled, PROMPT, horizon=4, dtype=mx.float32)
+        assert r["max_rel_logit_diff"] < 1e-4, r
+
+
+def test_fold_twice_equals_fold_once(source):
+    w, c = source.weights, source.config
+    once_w, once_c = fold.fold_norms(w, c)
+    twice_w, twice_c = fold.fold_norms(once_w, once_c)
+    assert once_c == twice_c
+    assert once_w.keys() == twice_w.keys()
+    for k in once_w:
+        assert mx.array_equal(once_w[k], twice_w[k]), k
+    # And folding changed something: the gains are far from 1.
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not mx.allclose(once_w[name], w[name]), name
+
+
+def test_saved_folded_checkpoint_loads_without_second_fold(source, tmp_path, monkeypatch):
+    w, c = fold.fold_norms(source.weights, source.config)
+    tiny.write_model(tmp_path, c, {k: v for k, v in w.items()}, tokenizer=False)
+    assert json.loads((tmp_path / "config.json").read_text())[fold.MARKER]["folded"]
+
+    expected, _ = build_model(source, "flashnorm", dtype=mx.float32)
+
+    def no_fold(*a, **k):
+        raise AssertionError("a folded checkpoint was folded again")
+
+    monkeypatch.setattr(fold, "fold_norms", no_fold)
+    loaded, _ = build_model(read_source(str(tmp_path)), "flashnorm", dtype=mx.float32)
+    stock_on_folded, _ = build_model(read_source(str(tmp_path)), "stock", dtype=mx.float32)
+    x = mx.array([PROMPT])
+    diff = mx.abs(loaded(x) - expected(x)).max().item()
+    assert diff == 0.0, diff
+    # Stock mlx-lm on the folded weights (unit gains restored) is the same function.
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    rel = (mx.abs(stock_on_folded(x) - ref(x)).max() / mx.abs(ref(x)).max()).item()
+    assert rel < 1e-4, rel
+
+
+def _skip_if_not_quantizable(source):
+    if source.config["hidden_size"] % 32:
+        pytest.skip("hidden_size not a multiple of the 32-wide quantization groups")
+
+
+def test_quantized_tensors_are_never_refolded(source):
+    _skip_if_not_quantizable(source)
+    w = dict(source.weights)
+    name = "model.layers.0.self_attn.q_proj"
+    wq, s, b = mx.quantize(w[f"{name}.weight"], group_size=32, bits=4)
+    w.update({f"{name}.weight": wq, f"{name}.scales": s, f"{name}.biases": b})
+    with pytest.raises(fold.FoldError, match="quantized"):
+        fold.fold_norms(w, source.config)
+
+
+def test_quantized_source_is_dequantized_folded_requantized(source):
+    """4-bit source: both variants are quantized from the same float weights with
+    the source's settings; FlashNorm's quantized model equals quantizing the
+    in-memory fold of the dequantized weights."""
+    from flashnorm_mlx.loading import Source
+
+    _skip_if_not_quantizable(source)
+    cfg = {**source.config, "quantization": {"group_size": 32, "bits": 4}}
+    qw = {}
+    for k, v in source.weights.items():
+        if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % 32 == 0:
+            m = k[: -len(".weight")]
+            qw[k], qw[f"{m}.scales"], qw[f"{m}.biases"] = mx.quantize(v, 32, 4)
+        else:
+            qw[k] = v
+    qsrc = Source("q", cfg, qw)
+    deq_w, deq_c = fold.dequantize_weights(qw, cfg)
+    fsrc = Source("f", deq_c, deq_w)
+    x = mx.array([PROMPT])
+    a, _ = build_model(qsrc, "flashnorm")
+    b, _ = build_model(fsrc, "flashnorm", dtype=mx.float32, quantize=(4, 32))
+    assert mx.array_equal(a(x), b(x)), mx.abs(a(x) - b(x)).max().item()
+    s, _ = build_model(qsrc, "stock")
+    assert type(s.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    # Exact mode: dequantize and run float; matches stock on the dequantized weights.
+    r = compare(qsrc, PROMPT, horizon=8, dtype=mx.float32, dequantize=True)
+    assert r["max_rel_logit_diff"] < 1e-4 and r["greedy_match"] == 8, r
