@@ -118,3 +118,107 @@ def llama_config(name: str) -> dict:
 def make_llama(path: Path, name: str = "gqa_untied", seed: int = 0, tokenizer: bool = True) -> Path:
     cfg = llama_config(name)
     return write_model(path, cfg, llama_weights(cfg, seed), tokenizer)
+
+
+# --- OpenELM (Apple's Hugging Face layout, as mlx-lm's openelm reads it) -------
+
+OPENELM_BASE = dict(
+    model_type="openelm",
+    model_dim=48,
+    head_dim=8,
+    num_transformer_layers=3,
+    num_query_heads=[4, 6, 8],
+    num_kv_heads=[1, 2, 2],
+    ffn_multipliers=[0.5, 1.25, 2.0],
+    ffn_dim_divisor=8,
+    ffn_with_glu=True,
+    normalize_qk_projections=True,
+    share_input_output_layers=True,
+    rope_freq_constant=10000,
+    rope_max_length=4096,
+    vocab_size=VOCAB,
+    # Apple's configs carry no rms_norm_eps (mlx-lm defaults to 1e-6).
+)
+
+# Per-layer head counts and FFN widths vary in all of them; odd widths, an
+# untied head, a large eps (so the QK-norm epsilon adjustment matters), no QK-norm.
+OPENELM_CONFIGS = {
+    "shared": {},
+    "odd_unshared": dict(
+        model_dim=40,
+        head_dim=10,
+        num_query_heads=[5, 3, 4, 2],
+        num_kv_heads=[5, 1, 2, 1],
+        ffn_multipliers=[0.7, 1.9, 1.1, 3.0],
+        num_transformer_layers=4,
+        ffn_dim_divisor=4,
+        share_input_output_layers=False,
+        rope_freq_constant=500000,
+    ),
+    "big_eps": dict(
+        rms_norm_eps=0.1,
+        head_dim=12,
+        num_query_heads=[2, 4, 6],
+        num_kv_heads=[2, 2, 3],
+        ffn_multipliers=[1.0, 0.5, 4.0],
+    ),
+    "no_qk_norm": dict(
+        normalize_qk_projections=False,
+        num_transformer_layers=2,
+        num_query_heads=[3, 6],
+        num_kv_heads=[1, 3],
+        ffn_multipliers=[2, 1],
+    ),
+}
+
+
+def openelm_config(name: str) -> dict:
+    return {**OPENELM_BASE, **OPENELM_CONFIGS[name]}
+
+
+def _openelm_ffn_dim(cfg: dict, i: int) -> int:
+    from mlx_lm.models.openelm import make_divisible
+
+    return int(
+        make_divisible(
+            cfg["ffn_multipliers"][i] * cfg["model_dim"], divisor=cfg["ffn_dim_divisor"]
+        )
+    )
+
+
+def openelm_weights(cfg: dict, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    D, V, h = cfg["model_dim"], cfg["vocab_size"], cfg["head_dim"]
+    w = {
+        "transformer.token_embeddings.weight": rng.standard_normal((V, D)).astype(
+            np.float32
+        ),
+        "transformer.norm.weight": _gain(rng, D),
+    }
+    if not cfg.get("share_input_output_layers", True):
+        w["lm_head.weight"] = _lin(rng, V, D)
+    for i in range(cfg["num_transformer_layers"]):
+        p = f"transformer.layers.{i}"
+        hq, hkv, F = (
+            cfg["num_query_heads"][i],
+            cfg["num_kv_heads"][i],
+            _openelm_ffn_dim(cfg, i),
+        )
+        w[f"{p}.attn_norm.weight"] = _gain(rng, D)
+        w[f"{p}.ffn_norm.weight"] = _gain(rng, D)
+        w[f"{p}.attn.qkv_proj.weight"] = _lin(rng, (hq + 2 * hkv) * h, D)
+        if cfg.get("normalize_qk_projections", True):
+            w[f"{p}.attn.q_norm.weight"] = _gain(rng, h)
+            w[f"{p}.attn.k_norm.weight"] = _gain(rng, h)
+        w[f"{p}.attn.out_proj.weight"] = _lin(rng, D, hq * h)
+        w[f"{p}.ffn.proj_1.weight"] = _lin(rng, 2 * F, D)
+        w[f"{p}.ffn.proj_2.weight"] = _lin(rng, D, F)
+    return w
+
+
+def make_openelm(
+    path: Path, name: str = "shared", seed: int = 0, tokenizer: bool = False
+) -> Path:
+    """Apple's OpenELM repos ship no tokenizer, so none is written by default."""
+    cfg = openelm_config(name)
+    return write_model(path, cfg, openelm_weights(cfg, seed), tokenizer)
