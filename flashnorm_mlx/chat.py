@@ -1,0 +1,282 @@
+"""A multi-turn chat that keeps its KV cache across turns.
+
+Each turn renders the whole conversation with the model's chat template and
+prefills only the tokens the cache does not already hold: the cache is trimmed
+to the longest common prefix of what it holds and the new rendering, so a
+template that re-renders earlier turns differently (or a reply whose text does
+not re-tokenize to the generated ids) costs a partial re-prefill, never a wrong
+answer. Generation is mlx-lm's `stream_generate` on the shared prompt cache.
+
+Ctrl-C (KeyboardInterrupt) during `send` stops the reply and keeps the session:
+the partial reply stays in the history and the cache keeps exactly the tokens
+known to be fed (a reply interrupted before its first token is dropped with
+its user message). A conversation that outgrows the context drops its oldest
+turns (the system prompt stays); a message that cannot fit even alone is
+refused with `ContextOverflow`.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+
+# Config keys that give a model's trained context length, in order of preference.
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_context_length",
+    "max_sequence_length",
+    "n_positions",
+    "seq_length",
+)
+
+
+class ChatError(Exception):
+    """A chat turn that cannot run (one line for the user)."""
+
+
+class ContextOverflow(ChatError):
+    """The message does not fit in the context even without earlier turns."""
+
+
+@dataclass
+class TurnStats:
+    """What one `ChatSession.send` did."""
+
+    reply: str  # the reply text as kept in the history
+    reply_ids: List[int]  # generated ids, end-of-sequence included when hit
+    prompt_tokens: int  # tokens prefilled this turn
+    cached_tokens: int  # tokens of the prompt reused from the cache
+    trimmed_tokens: int  # cached tokens discarded because the rendering changed
+    context_tokens: int  # tokens the cache holds after the turn
+    generation_tokens: int
+    prompt_tps: float  # prefill tokens/sec of this turn's prefill
+    generation_tps: float  # decode tokens/sec
+    peak_memory_gb: float  # peak during this turn
+    finish_reason: str  # "stop", "length" or "interrupted"
+    dropped_messages: int = 0  # oldest messages dropped to fit the context
+    max_tokens: int = 0  # the reply budget after capping to the context
+
+    def line(self) -> str:
+        """One human-readable stats line."""
+        cached = f" (+{self.cached_tokens} cached)" if self.cached_tokens else ""
+        end = " | interrupted" if self.finish_reason == "interrupted" else ""
+        return (
+            f"{self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s | "
+            f"prompt {self.prompt_tokens} tokens{cached}, {self.prompt_tps:.1f} tok/s"
+            f" | peak {self.peak_memory_gb:.3f} GB{end}"
+        )
+
+
+def context_length(config: dict) -> Optional[int]:
+    """The trained context length a config states, or None."""
+    for key in _CONTEXT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def common_prefix(a: List[int], b: List[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class ChatSession:
+    """Model, tokenizer, message history and the prompt cache that matches it.
+
+    `cache_ids` are the token ids the KV cache holds, in order; the cache's
+    offset always equals `len(cache_ids)` between turns.
+    """
+
+    model: object
+    tokenizer: object  # mlx-lm TokenizerWrapper with a chat template
+    system_prompt: Optional[str] = None
+    max_tokens: int = 256
+    sampler: Optional[Callable] = None  # default: greedy
+    logits_processors: Optional[list] = None
+    max_context: Optional[int] = None  # tokens; None: unlimited
+    prefill_step_size: int = 2048
+    messages: List[dict] = field(default_factory=list, init=False)
+    cache: list = field(default_factory=list, init=False)
+    cache_ids: List[int] = field(default_factory=list, init=False)
+
+    def __post_init__(self):
+        if not _has_chat_template(self.tokenizer):
+            raise ChatError(
+                "the tokenizer has no chat template; `chat` needs one "
+                "(use `generate --ignore-chat-template` for plain completion)"
+            )
+        if self.max_context is not None and self.max_context < 2:
+            raise ChatError(
+                f"the context must hold at least 2 tokens, not {self.max_context}"
+            )
+        self.reset()
+
+    # --- conversation ------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays) and empty the cache."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.messages = (
+            [{"role": "system", "content": self.system_prompt}]
+            if self.system_prompt
+            else []
+        )
+        self.cache = make_prompt_cache(self.model)
+        self.cache_ids = []
+
+    def render(self, messages: Optional[List[dict]] = None) -> List[int]:
+        """Token ids of a conversation through the chat template, ready for a reply."""
+        ids = self.tokenizer.apply_chat_template(
+            self.messages if messages is None else messages,
+            add_generation_prompt=True,
+        )
+        return [int(i) for i in ids]
+
+    def _fit(self, messages: List[dict], max_tokens: int):
+        """(ids, messages, dropped): drop the oldest turns until prompt + reply fit."""
+        ids = self.render(messages)
+        limit = self.max_context
+        if limit is None:
+            return ids, messages, 0
+        first = 1 if messages and messages[0]["role"] == "system" else 0
+        dropped = 0
+        while len(ids) + max_tokens > limit and len(messages) - first > 1:
+            # Drop the oldest user message and everything up to the next one.
+            end = first + 1
+            while end < len(messages) - 1 and messages[end]["role"] != "user":
+                end += 1
+            dropped += end - first
+            messages = messages[:first] + messages[end:]
+            ids = self.render(messages)
+        if len(ids) >= limit:
+            raise ContextOverflow(
+                f"message refused: the prompt needs {len(ids)} tokens and the "
+                f"context holds {limit} (shorten it or raise --max-context)"
+            )
+        return ids, messages, dropped
+
+    # --- cache -------------------------------------------------------------
+
+    def _reuse_cache(self, ids: List[int]) -> int:
+        """Trim the cache to its common prefix with ids (one token left to feed)."""
+        from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+        keep = min(common_prefix(self.cache_ids, ids), len(ids) - 1)
+        excess = len(self.cache_ids) - keep
+        if excess and trim_prompt_cache(self.cache, excess) != excess:
+            # Not trimmable (e.g. a rotating cache past its window): start over.
+            self.cache, keep = make_prompt_cache(self.model), 0
+        self.cache_ids = self.cache_ids[:keep]
+        return keep
+
+    def _sync_cache(self, fed: List[int]) -> None:
+        """Make the cache hold a prefix of `fed` in every layer, as far as it got.
+
+        After an interrupt some layers may have taken a token others have not;
+        trim all to the shortest, never past what is known to have been fed.
+        """
+        from mlx_lm.models.cache import make_prompt_cache
+
+        offsets = [_offset(c) for c in self.cache]
+        keep = min([len(fed), *offsets])
+        for c, off in zip(self.cache, offsets):
+            if off > keep and (
+                not c.is_trimmable() or c.trim(off - keep) != off - keep
+            ):
+                self.cache, keep = make_prompt_cache(self.model), 0
+                break
+        self.cache_ids = list(fed[:keep])
+
+    @property
+    def cache_offset(self) -> int:
+        """Tokens the KV cache itself holds (first layer)."""
+        return _offset(self.cache[0]) if self.cache else 0
+
+    # --- one turn ----------------------------------------------------------
+
+    def send(
+        self,
+        text: str,
+        on_text: Optional[Callable[[str], None]] = None,
+        max_tokens: Optional[int] = None,
+    ) -> TurnStats:
+        """Add a user message, stream the reply through on_text, return its stats."""
+        from mlx_lm import stream_generate
+
+        max_tokens = max_tokens or self.max_tokens
+        messages = self.messages + [{"role": "user", "content": text}]
+        ids, messages, dropped = self._fit(messages, max_tokens)
+        if self.max_context is not None:
+            max_tokens = min(max_tokens, self.max_context - len(ids))
+        cached = len(self.cache_ids)
+        try:
+            keep = self._reuse_cache(ids)
+        except KeyboardInterrupt:
+            self._sync_cache(self.cache_ids)  # the trim may have run half-way
+            raise
+        trimmed = cached - keep
+        new_ids = ids[keep:]
+
+        mx.reset_peak_memory()
+        reply_ids, last, interrupted = [], None, False
+        responses = stream_generate(
+            self.model,
+            self.tokenizer,
+            mx.array(new_ids),
+            max_tokens=max_tokens,
+            sampler=self.sampler,
+            logits_processors=self.logits_processors,
+            prompt_cache=self.cache,
+            prefill_step_size=self.prefill_step_size,
+        )
+        try:
+            for last in responses:
+                # Every token stream_generate yields has been fed to the cache.
+                reply_ids.append(last.token)
+                if on_text and last.text:
+                    on_text(last.text)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            responses.close()
+
+        fed = self.cache_ids + new_ids + reply_ids if reply_ids else self.cache_ids
+        self._sync_cache(fed)
+        eos = set(self.tokenizer.eos_token_ids)
+        reply = self.tokenizer.decode([t for t in reply_ids if t not in eos])
+        if reply_ids:  # an interrupt before the first token leaves no trace
+            self.messages = messages + [{"role": "assistant", "content": reply}]
+        return TurnStats(
+            reply=reply,
+            reply_ids=reply_ids,
+            prompt_tokens=len(new_ids),
+            cached_tokens=keep,
+            trimmed_tokens=trimmed,
+            context_tokens=len(self.cache_ids),
+            generation_tokens=len(reply_ids),
+            prompt_tps=last.prompt_tps if last else 0.0,
+            generation_tps=last.generation_tps if last else 0.0,
+            peak_memory_gb=mx.get_peak_memory() / 1e9,
+            finish_reason=(
+                "interrupted" if interrupted else (last.finish_reason or "stop")
+            ),
+            dropped_messages=dropped,
+            max_tokens=max_tokens,
+        )
+
+
+def _offset(c) -> int:
+    return int(getattr(c, "offset", 0))
+
+
+def _has_chat_template(tokenizer) -> bool:
+    flag = getattr(tokenizer, "has_chat_template", None)
+    if flag is not None:
+        return bool(flag)
+    return getattr(tokenizer, "chat_template", None) is not None

@@ -1,0 +1,218 @@
+"""`flashnorm-mlx chat [MODEL]`: chat in the terminal, one stats line per reply.
+
+With a terminal on stdin it draws a rich header and prompts; with piped stdin
+it reads one message per line and prints only replies, stats lines and notices.
+"""
+
+import argparse
+import sys
+
+import mlx.core as mx
+
+from ..chat import ChatError, ChatSession, ContextOverflow, context_length
+from ..loading import build_model, read_source
+from .common import UserError, add_model_args, model_kwargs, need_tokenizer, run_main
+
+HELP = """\
+/help   show this help
+/reset  forget the conversation (the system prompt stays) and clear the KV cache
+/quit   leave (also /exit, or Ctrl-D)
+Ctrl-C stops a reply; the partial reply stays in the conversation."""
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flashnorm-mlx chat",
+        description="Chat with a model; the KV cache is kept across turns. "
+        "Reads one message per line from stdin when it is not a terminal.",
+    )
+    add_model_args(p)
+    p.add_argument("--system-prompt", default=None, help="system message")
+    p.add_argument(
+        "-m", "--max-tokens", type=int, default=256, help="most tokens per reply"
+    )
+    p.add_argument(
+        "--temp", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling threshold"
+    )
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="context length in tokens (default: the model's, from its config); "
+        "the oldest turns are dropped to fit a reply of --max-tokens",
+    )
+    return p
+
+
+class PlainUI:
+    """Piped stdin: no prompts, no styling; replies, stats lines and notices."""
+
+    def header(self, rows):
+        pass
+
+    def read(self):
+        line = sys.stdin.readline()
+        return None if line == "" else line.rstrip("\n")
+
+    def text(self, segment: str):
+        sys.stdout.write(segment)
+        sys.stdout.flush()
+
+    def end_reply(self, stats):
+        print()
+        if stats is not None:
+            print(stats.line(), flush=True)
+
+    def notice(self, message: str):
+        print(message, flush=True)
+
+    def help(self):
+        print(HELP, flush=True)
+
+    def bye(self):
+        pass
+
+
+class RichUI(PlainUI):
+    """A terminal on stdin: header panel, styled prompt, dim stats lines."""
+
+    def __init__(self):
+        from rich.console import Console
+
+        self.console = Console(highlight=False)
+
+    def header(self, rows):
+        from rich.markup import escape
+        from rich.panel import Panel
+        from rich.table import Table
+
+        table = Table.grid(padding=(0, 2))
+        for key, value in rows:
+            table.add_row(f"[dim]{key}[/dim]", escape(str(value)))
+        self.console.print(Panel(table, title="flashnorm-mlx chat", expand=False))
+        self.help()
+
+    def read(self):
+        try:
+            return self.console.input("[bold green]>> [/bold green]")
+        except EOFError:
+            self.console.print()
+            return None
+
+    def text(self, segment: str):
+        # Raw writes: reply text is neither markup nor to be re-wrapped.
+        self.console.file.write(segment)
+        self.console.file.flush()
+
+    def end_reply(self, stats):
+        self.console.print()
+        if stats is not None:
+            self.console.print(stats.line(), style="dim", markup=False, soft_wrap=True)
+
+    def notice(self, message: str):
+        self.console.print(message, style="yellow", markup=False)
+
+    def help(self):
+        self.console.print(HELP, style="dim", markup=False)
+
+    def bye(self):
+        self.console.print("bye", style="dim")
+
+
+def turn_notices(stats, requested_max_tokens: int, limit) -> list:
+    notes = []
+    if stats.dropped_messages:
+        notes.append(
+            f"(context: dropped the {stats.dropped_messages} oldest messages "
+            f"to fit {limit} tokens)"
+        )
+    if stats.max_tokens < requested_max_tokens:
+        notes.append(f"(context: reply limited to {stats.max_tokens} tokens)")
+    return notes
+
+
+def run_chat(session: ChatSession, ui, max_tokens: int) -> int:
+    """The read-reply loop; returns the exit status."""
+    while True:
+        try:
+            line = ui.read()
+        except KeyboardInterrupt:
+            ui.notice("\n(type /quit or press Ctrl-D to leave)")
+            continue
+        if line is None:  # end of input
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            command = line.split()[0].lower()
+            if command in ("/quit", "/exit"):
+                break
+            if command == "/reset":
+                session.reset()
+                ui.notice("(conversation reset)")
+            elif command == "/help":
+                ui.help()
+            else:
+                ui.notice(f"unknown command {command}; /help lists the commands")
+            continue
+        try:
+            stats = session.send(line, on_text=ui.text)
+        except ContextOverflow as e:
+            ui.notice(str(e))
+            continue
+        except KeyboardInterrupt:  # before the reply started
+            ui.end_reply(None)
+            ui.notice("(interrupted)")
+            continue
+        ui.end_reply(stats)
+        for note in turn_notices(stats, max_tokens, session.max_context):
+            ui.notice(note)
+    ui.bye()
+    return 0
+
+
+@run_main
+def main(argv=None):
+    from mlx_lm.sample_utils import make_sampler
+
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        parser.error("--max-tokens must be at least 1")
+    if args.max_context is not None and args.max_context < 2:
+        parser.error("--max-context must be at least 2")
+    if args.mode == "nonorm":
+        raise UserError("--mode nonorm is a speed bound for `bench`, not a chat model")
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    source = read_source(args.model, tokenizer=args.tokenizer)
+    tokenizer = need_tokenizer(source.tokenizer, source.name)
+    model, config = build_model(source, args.mode, **model_kwargs(args))
+    limit = args.max_context or context_length(config)
+    try:
+        session = ChatSession(
+            model,
+            tokenizer,
+            system_prompt=args.system_prompt,
+            max_tokens=args.max_tokens,
+            sampler=make_sampler(args.temp, args.top_p),
+            max_context=limit,
+        )
+    except ChatError as e:
+        raise UserError(f"{source.name}: {e}") from None
+    ui = RichUI() if sys.stdin.isatty() else PlainUI()
+    ui.header(
+        [
+            ("model", source.name),
+            ("mode", args.mode),
+            ("context", f"{limit} tokens" if limit else "unlimited"),
+            ("max tokens", args.max_tokens),
+            ("system", args.system_prompt or "(template default)"),
+        ]
+    )
+    return run_chat(session, ui, args.max_tokens)

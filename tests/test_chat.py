@@ -1,0 +1,296 @@
+"""`chat`: KV cache kept across turns, checked against generation from scratch.
+
+The reference for every reply is mlx-lm's `stream_generate` on the full
+templated conversation with a fresh cache (greedy), so a turn that reused the
+wrong cache entries would show as a different reply.
+"""
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+import tiny
+from mlx_lm import stream_generate
+
+from flashnorm_mlx.chat import ChatSession, ContextOverflow, common_prefix
+from flashnorm_mlx.cli import main
+from flashnorm_mlx.loading import build_model, read_source
+
+STATS = re.compile(r"^(\d+) tokens, [\d.]+ tok/s \| prompt (\d+) tokens.* GB.*$", re.M)
+SYSTEM = "You are a terse assistant."
+LONG = (
+    "Here is a rather long first message, so that the whole conversation is much "
+    "longer than the tokens a second turn adds: the quick brown fox jumps over the "
+    "lazy dog, again and again, until the story ends."
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny.make_llama(tmp_path_factory.mktemp("chat"), "gqa_untied")
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    source = read_source(str(model_dir))
+    model, _ = build_model(source, "flashnorm")
+    return model, source.tokenizer
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def reference(model, tok, messages, max_tokens, processors=None):
+    """(ids, streamed text) of a greedy reply from scratch on a fresh cache."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    out = list(
+        stream_generate(
+            model, tok, ids, max_tokens=max_tokens, logits_processors=processors
+        )
+    )
+    return [r.token for r in out], "".join(r.text for r in out)
+
+
+def printable_only(tok):
+    """Allow only ids that decode to one printable ASCII character that encodes
+    back to the same id, plus end-of-sequence: such replies survive the chat
+    template's re-rendering token for token (random weights pick anything)."""
+    allowed = list(tok.eos_token_ids)
+    for i in range(256):
+        ch = tok.decode([i])
+        if len(ch) == 1 and " " <= ch <= "~" and tok.encode(ch) == [i]:
+            allowed.append(i)
+    mask = mx.full((tiny.VOCAB,), -1e9)
+    mask[mx.array(allowed)] = 0.0
+    return lambda tokens, logits: logits + mask
+
+
+class InterruptAt:
+    """Logits processor that raises KeyboardInterrupt on its n-th call (a Ctrl-C
+    landing inside a model step), once."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def __call__(self, tokens, logits):
+        self.calls += 1
+        if self.calls == self.n:
+            raise KeyboardInterrupt
+        return logits
+
+
+def test_second_turn_prefills_only_new_tokens(loaded):
+    model, tok = loaded
+    proc = [printable_only(tok)]
+    s = ChatSession(model, tok, SYSTEM, max_tokens=10, logits_processors=proc)
+    msgs1 = [{"role": "system", "content": SYSTEM}, user(LONG)]
+    full1 = tok.apply_chat_template(msgs1, add_generation_prompt=True)
+    t1 = s.send(LONG)
+    ref1, _ = reference(model, tok, msgs1, 10, proc)
+    assert t1.reply_ids == ref1, (t1.reply_ids, ref1)
+    assert (t1.prompt_tokens, t1.cached_tokens) == (len(full1), 0), t1
+    n1 = s.cache_offset  # what the KV cache itself holds
+    assert n1 == len(s.cache_ids) == len(full1) + len(t1.reply_ids), (
+        n1,
+        len(s.cache_ids),
+        len(full1),
+        len(t1.reply_ids),
+    )
+
+    msgs2 = s.messages + [user("And then?")]
+    full2 = tok.apply_chat_template(msgs2, add_generation_prompt=True)
+    assert full2[:n1] == s.cache_ids, "turn 1 cache is not a prefix of turn 2"
+    t2 = s.send("And then?")
+    print(
+        f"turn 2: prefilled {t2.prompt_tokens}, cached {t2.cached_tokens}, "
+        f"full conversation {len(full2)}"
+    )
+    assert t2.prompt_tokens == len(full2) - n1 > 0, (t2.prompt_tokens, len(full2), n1)
+    assert (t2.cached_tokens, t2.trimmed_tokens) == (n1, 0), t2
+    assert 4 * t2.prompt_tokens < len(full2), (t2.prompt_tokens, len(full2))
+    ref2, _ = reference(model, tok, msgs2, 10, proc)
+    assert t2.reply_ids == ref2, (t2.reply_ids, ref2)
+    assert s.cache_offset == len(full2) + len(ref2), (s.cache_offset, len(full2))
+    assert t2.generation_tokens == len(ref2) and t2.peak_memory_gb > 0, t2
+    assert t2.finish_reason in ("stop", "length") and t2.prompt_tps > 0, t2
+
+
+def test_rerendered_history_trims_the_cache(loaded):
+    """A template that renders earlier turns differently: reuse only the common
+    prefix, and still answer exactly as from scratch."""
+    model, tok = loaded
+    s = ChatSession(model, tok, SYSTEM, max_tokens=6)
+    s.send(LONG)
+    old = list(s.cache_ids)
+    s.messages[-1]["content"] = "A different reply."  # as a re-rendering would
+    msgs2 = s.messages + [user("Why?")]
+    full2 = tok.apply_chat_template(msgs2, add_generation_prompt=True)
+    t2 = s.send("Why?")
+    shared = common_prefix(old, full2)
+    assert t2.cached_tokens == shared < len(old), (t2.cached_tokens, shared, len(old))
+    assert t2.trimmed_tokens == len(old) - shared, (t2.trimmed_tokens, len(old), shared)
+    assert t2.prompt_tokens == len(full2) - shared, (t2.prompt_tokens, len(full2))
+    ref2, _ = reference(model, tok, msgs2, 6)
+    assert t2.reply_ids == ref2, (t2.reply_ids, ref2)
+
+
+def test_reset_clears_history_and_cache(loaded):
+    model, tok = loaded
+    s = ChatSession(model, tok, SYSTEM, max_tokens=4)
+    s.send(LONG)
+    s.reset()
+    assert s.messages == [{"role": "system", "content": SYSTEM}], s.messages
+    assert s.cache_offset == 0 and s.cache_ids == [], s.cache_offset
+    t = s.send("Hi")
+    full = s.render([{"role": "system", "content": SYSTEM}, user("Hi")])
+    assert (t.prompt_tokens, t.cached_tokens) == (len(full), 0), t
+
+
+@pytest.mark.parametrize("at", [1, 4])
+def test_ctrl_c_keeps_session_consistent(loaded, at):
+    """at=1: interrupted before the first token (turn dropped); at=4: mid-reply
+    (partial reply kept). Either way the cache matches the history."""
+    model, tok = loaded
+    stop = InterruptAt(-1)
+    s = ChatSession(model, tok, SYSTEM, max_tokens=8, logits_processors=[stop])
+    s.send(LONG)
+    stop.n, stop.calls = at, 0
+    before, cached_before = list(s.messages), list(s.cache_ids)
+    t = s.send("Go on.")
+    assert t.finish_reason == "interrupted", t
+    assert s.cache_offset == len(s.cache_ids), (s.cache_offset, len(s.cache_ids))
+    if at == 1:
+        assert t.reply_ids == [] and s.messages == before, (t.reply_ids, s.messages)
+        # Back to the part of the old cache this turn reused; nothing of it fed.
+        assert s.cache_ids == cached_before[: t.cached_tokens], (
+            len(s.cache_ids),
+            t.cached_tokens,
+        )
+    else:
+        # Call k samples token k-1; token k-2 was the last one handed out.
+        assert len(t.reply_ids) == at - 2, t.reply_ids
+        assert s.messages[-1] == {"role": "assistant", "content": t.reply}, s.messages
+        assert s.messages[-2] == user("Go on."), s.messages
+    stop.n = -1  # no more interrupts
+    msgs = s.messages + [user("Finish.")]
+    t2 = s.send("Finish.")
+    ref, _ = reference(model, tok, msgs, 8)
+    assert t2.reply_ids == ref, (t2.reply_ids, ref)
+
+
+def test_context_overflow_refuses_or_drops_turns(loaded):
+    model, tok = loaded
+    limit = 90
+    s = ChatSession(model, tok, SYSTEM, max_tokens=8, max_context=limit)
+    with pytest.raises(ContextOverflow, match="refused"):
+        s.send(LONG)  # ~180 tokens: never fits
+    assert s.messages == [{"role": "system", "content": SYSTEM}], s.messages
+    dropped = 0
+    for i in range(4):
+        t = s.send(f"Message number {i}.")
+        dropped += t.dropped_messages
+        assert s.cache_offset <= limit, (i, s.cache_offset, limit)
+        assert t.generation_tokens <= t.max_tokens <= 8, t
+    assert dropped > 0, "four turns of ~30 tokens never outgrew 90 tokens?"
+    assert s.messages[0]["role"] == "system", s.messages
+
+
+# --- the CLI -------------------------------------------------------------------
+
+
+def run_cli(monkeypatch, capsys, args, stdin):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    rc = main(["chat", *args])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def replies(out):
+    """The text before each stats line (each reply ends with one newline)."""
+    return re.split(r"^\d+ tokens, .* GB.*\n", out, flags=re.M)[:-1]
+
+
+def test_cli_two_turns_match_reference(loaded, model_dir, monkeypatch, capsys):
+    model, tok = loaded
+    rc, out, err = run_cli(
+        monkeypatch, capsys, [str(model_dir), "-m", "8", "--temp", "0"], "Hello\nMore\n"
+    )
+    assert rc == 0, (rc, err)
+    stats = STATS.findall(out)
+    assert len(stats) == 2, out
+    ids1, text1 = reference(model, tok, [user("Hello")], 8)
+    eos = tok.eos_token_ids
+    a1 = {"role": "assistant", "content": tok.decode([t for t in ids1 if t not in eos])}
+    ids2, text2 = reference(model, tok, [user("Hello"), a1, user("More")], 8)
+    assert replies(out) == [text1 + "\n", text2 + "\n"], (out, text1, text2)
+    assert [int(g) for g, _ in stats] == [len(ids1), len(ids2)], (stats, ids1, ids2)
+    full1 = tok.apply_chat_template([user("Hello")], add_generation_prompt=True)
+    assert int(stats[0][1]) == len(full1), (stats, len(full1))
+
+
+def test_cli_stock_mode_gives_the_same_replies(model_dir, monkeypatch, capsys):
+    outs = {}
+    for mode in ("flashnorm", "stock"):
+        args = [str(model_dir), "-m", "6", "--mode", mode, "--system-prompt", SYSTEM]
+        rc, out, err = run_cli(monkeypatch, capsys, args, "Hi\nWhat?\n")
+        assert rc == 0 and len(STATS.findall(out)) == 2, (mode, rc, out, err)
+        outs[mode] = replies(out)
+    assert outs["stock"] == outs["flashnorm"], outs
+
+
+def test_cli_commands(model_dir, monkeypatch, capsys):
+    stdin = "/help\nHi\n/reset\nHi\n/bogus\n/quit\nnever sent\n"
+    rc, out, err = run_cli(monkeypatch, capsys, [str(model_dir), "-m", "4"], stdin)
+    assert rc == 0, (rc, err)
+    assert "/reset" in out and "/quit" in out, out  # the help text
+    assert "unknown command /bogus" in out, out
+    stats = STATS.findall(out)
+    assert len(stats) == 2, out  # nothing after /quit
+    assert stats[0] == stats[1], stats  # after /reset: the same full prefill
+    assert "cached" not in out, out
+    first, second = replies(out)
+    first = first.split("conversation.\n")[-1]  # after the help text
+    second = second.split("(conversation reset)\n")[-1]
+    assert first == second and first.strip(), out
+
+
+def test_cli_context_overflow_message(model_dir, monkeypatch, capsys):
+    args = [str(model_dir), "-m", "8", "--max-context", "40"]
+    rc, out, err = run_cli(monkeypatch, capsys, args, LONG + "\nHi\n")
+    assert rc == 0, (rc, err)
+    assert "message refused" in out and "holds 40" in out, out
+    assert "Traceback" not in out + err, err
+    assert len(STATS.findall(out)) == 1, out  # the short message still gets a reply
+
+
+def test_cli_subprocess_piped_stdin_exits_0_on_eof(model_dir):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    args = ["-m", "4", "--temp", "0.7", "--top-p", "0.9", "--seed", "1"]
+    r = subprocess.run(
+        [sys.executable, "-m", "flashnorm_mlx", "chat", str(model_dir), *args],
+        input="Hello\n\nHow are you?\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert len(STATS.findall(r.stdout)) == 2, r.stdout
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_cli_model_without_chat_template(model_dir, tmp_path, capsys):
+    plain = shutil.copytree(model_dir, tmp_path / "plain")
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    rc = main(["chat", str(plain)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and "no chat template" in err[0], (rc, err)
