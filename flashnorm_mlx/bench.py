@@ -1,0 +1,447 @@
+"""Decode and prompt tokens/sec of stock mlx-lm, FlashNorm and the norm-removed bound.
+
+Measured as DESIGN.md section 4 says: every variant is built from one `Source`
+(same weights, dtype, quantization), runs the same random prompt (fixed seed)
+through mlx-lm's own `generate_step` for exactly G tokens (it never stops at
+end-of-sequence), gets one warm-up, then N trial rounds interleaved across the
+variants in a rotating order. `run_bench` returns every trial and a summary.
+
+Timing follows mlx-lm's `stream_generate`: prompt time runs until the first
+token is known (prefill + one sample); decode time runs from the first token to
+the G-th, which is G - 1 decode steps (mlx-lm divides G by that same interval,
+so its decode numbers read G / (G - 1) higher).
+"""
+
+import hashlib
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from . import fold
+from .loading import LoadError, Source, build_model, model_classes, weight_bytes
+from .nonorm import rms_norm_paths
+
+VARIANTS = ("stock", "flashnorm", "nonorm")
+DECODE_BYTES_NOTE = (
+    "bytes of parameters one decode step reads: every linear (packed weights, "
+    "scales, biases) and norm gain; the input embedding table only when it is "
+    "also the output head (tied), since a step gathers just one row of it; "
+    "KV-cache reads are not counted"
+)
+
+# progress(description, steps done, steps in all)
+Progress = Callable[[str, int, int], None]
+
+
+class BenchError(LoadError):
+    """Bad benchmark settings (unknown variant, no trials, ...): one line."""
+
+
+# --- what was run, on what ---------------------------------------------------
+
+
+def weights_checksum(weights: Dict[str, mx.array]) -> str:
+    """blake2b over names, dtypes, shapes and raw bytes of every tensor, sorted."""
+    h = hashlib.blake2b(digest_size=16)
+    for key in sorted(weights):
+        v = weights[key]
+        h.update(f"{key}|{v.dtype}|{tuple(v.shape)}|".encode())
+        h.update(memoryview(np.asarray(v.reshape(-1).view(mx.uint8))))
+    return h.hexdigest()
+
+
+def decode_bytes(model: nn.Module, config: dict) -> int:
+    """Parameter bytes one decode step reads (see DECODE_BYTES_NOTE)."""
+    _, _, embed, head, _ = fold._ARCH[fold.family(config)]
+    params = tree_flatten(model.parameters())
+    has_head = any(k.startswith(f"{head}.") for k, _ in params)
+    table = sum(v.nbytes for k, v in params if k.startswith(f"{embed}."))
+    return weight_bytes(model) - (table if has_head else 0)
+
+
+def model_dtype(model: nn.Module) -> str:
+    """The compute dtype: quantization scales' dtype, else the first float weight's."""
+    params = tree_flatten(model.parameters())
+    floats = [(k, v) for k, v in params if mx.issubdtype(v.dtype, mx.floating)]
+    scales = [v for k, v in floats if k.endswith(".scales")]
+    v = scales[0] if scales else floats[0][1]
+    return str(v.dtype).replace("mlx.core.", "")
+
+
+def _sh(*cmd) -> Optional[str]:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
+        return out.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_model() -> Optional[str]:
+    if sys.platform == "darwin":
+        return _sh("sysctl", "-n", "machdep.cpu.brand_string")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def device_info() -> dict:
+    """The machine: Apple chip, GPU name or CPU model, and the MLX backend in use."""
+    if mx.metal.is_available():
+        backend = "metal"
+    elif mx.cuda.is_available():
+        backend = "cuda"
+    else:
+        backend = "cpu"
+    info = {
+        "backend": backend,
+        "mlx_device": str(mx.default_device()),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        raw = mx.device_info()
+        info["mlx_device_info"] = {
+            k: v for k, v in raw.items() if isinstance(v, (str, int, float, bool))
+        }
+    except Exception:  # older MLX or a backend without it
+        raw = {}
+    gpu = raw.get("device_name") if backend != "cpu" else None
+    if backend == "metal":
+        info["name"] = f"{info['cpu'] or gpu or 'Apple silicon'} (Metal GPU)"
+    elif backend == "cuda":
+        info["name"] = f"{gpu or 'NVIDIA GPU'} (CUDA)"
+    else:
+        info["name"] = (
+            f"{info['cpu'] or raw.get('device_name') or 'CPU'} "
+            f"(CPU, {os.cpu_count()} cores)"
+        )
+    return info
+
+
+def versions() -> dict:
+    import mlx_lm
+
+    from . import __version__
+
+    return {
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "flashnorm_mlx": __version__,
+        "python": platform.python_version(),
+    }
+
+
+# --- one timed generation ----------------------------------------------------
+
+
+def time_generation(
+    model: nn.Module,
+    prompt: mx.array,
+    gen_tokens: int,
+    sampler=None,
+    prefill_step_size: int = 2048,
+) -> dict:
+    """Exactly `gen_tokens` tokens through mlx-lm's generate_step, timed."""
+    from mlx_lm.generate import generate_step, generation_stream, wired_limit
+
+    mx.synchronize()
+    mx.reset_peak_memory()
+    resident = mx.get_active_memory()  # every built variant's weights, and more
+    tokens: List[int] = []
+    logprobs = None
+    with wired_limit(model, [generation_stream]):
+        tic = time.perf_counter()
+        t_first = t_last = tic
+        for token, logprobs in generate_step(
+            prompt,
+            model,
+            max_tokens=gen_tokens,
+            sampler=sampler,
+            prefill_step_size=prefill_step_size,
+        ):
+            t_last = time.perf_counter()
+            if not tokens:
+                t_first = t_last
+            tokens.append(int(token))
+        # generate_step queues one step beyond the last token: let it finish untimed.
+        mx.synchronize()
+    prompt_s, decode_s = t_first - tic, t_last - t_first
+    return {
+        "prompt_s": prompt_s,
+        "decode_s": decode_s,
+        "prompt_tps": prompt.size / prompt_s,
+        "decode_tps": (len(tokens) - 1) / decode_s if decode_s > 0 else float("nan"),
+        "generated_tokens": len(tokens),
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        # What the trial itself added: activations, KV cache, logits.
+        "trial_memory_gb": (mx.get_peak_memory() - resident) / 1e9,
+        "last_logprobs_finite": bool(mx.isfinite(logprobs).all().item()),
+        "tokens": tokens,
+    }
+
+
+def check_logits(model: nn.Module, tokens: List[int]) -> dict:
+    """One uncached forward pass over `tokens`: are all logits finite, how large."""
+    logits = model(mx.array(tokens)[None]).astype(mx.float32)
+    finite = mx.isfinite(logits).all()
+    peak = mx.max(mx.where(mx.isfinite(logits), mx.abs(logits), 0.0))
+    mx.eval(finite, peak)
+    return {"logits_finite": bool(finite.item()), "max_abs_logit": peak.item()}
+
+
+# --- statistics --------------------------------------------------------------
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Median, min, max and quartiles (inclusive method) of trial values."""
+    vals = sorted(values)
+    q = (
+        statistics.quantiles(vals, n=4, method="inclusive")
+        if len(vals) > 1
+        else vals * 3
+    )
+    return {
+        "median": statistics.median(vals),
+        "min": vals[0],
+        "max": vals[-1],
+        "q1": q[0],
+        "q3": q[2],
+    }
+
+
+def _ratios(trials: List[dict], variant: str, base: str, key: str) -> dict:
+    by_round: Dict[int, Dict[str, float]] = {}
+    for t in trials:
+        by_round.setdefault(t["round"], {})[t["variant"]] = t[key]
+    per_round = [
+        r[variant] / r[base] for r in by_round.values() if variant in r and base in r
+    ]
+    med_v = statistics.median(r[variant] for r in by_round.values() if variant in r)
+    med_b = statistics.median(r[base] for r in by_round.values() if base in r)
+    return {
+        "median_of_ratios": statistics.median(per_round),
+        "ratio_of_medians": med_v / med_b,
+        "rounds_faster": sum(x > 1.0 for x in per_round),
+        "rounds": len(per_round),
+    }
+
+
+def _headroom(summary: dict) -> dict:
+    """Share of the stock -> nonorm decode speed-up that FlashNorm captures."""
+    need = ("stock", "flashnorm", "nonorm")
+    if not all(v in summary for v in need):
+        return {"share": None, "note": "needs all of stock, flashnorm and nonorm"}
+    st, fn, nn_ = (summary[v]["decode_tps"]["median"] for v in need)
+    gap = nn_ - st
+    out = {
+        "stock_tps": st,
+        "flashnorm_tps": fn,
+        "nonorm_tps": nn_,
+        "headroom_tps": gap,
+        "share": (fn - st) / gap if gap > 0 else None,
+    }
+    pst, pfn, pnn = (summary[v]["prompt_tps"]["median"] for v in need)
+    out["prompt_share"] = (pfn - pst) / (pnn - pst) if pnn > pst else None
+    if gap <= 0:
+        out["note"] = "nonorm is not faster than stock here: no headroom to share"
+    return out
+
+
+# --- the benchmark -----------------------------------------------------------
+
+
+def validate(variants: Sequence[str], prompt_tokens: int, gen_tokens: int, trials: int):
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise BenchError(
+            f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}"
+        )
+    if not variants or len(set(variants)) != len(variants):
+        raise BenchError("--variants needs one or more distinct variants")
+    if trials < 1:
+        raise BenchError(f"-n/--num-trials must be at least 1 (got {trials})")
+    if prompt_tokens < 1:
+        raise BenchError(f"-p/--prompt-tokens must be at least 1 (got {prompt_tokens})")
+    if gen_tokens < 2:
+        raise BenchError(
+            f"-g/--generation-tokens must be at least 2 (got {gen_tokens}): "
+            "decode speed needs two tokens"
+        )
+
+
+def prompt_ids(config: dict, n: int, seed: int) -> List[int]:
+    vocab = config.get("vocab_size") or 32000
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def run_bench(
+    source: Source,
+    variants: Sequence[str] = VARIANTS,
+    prompt_tokens: int = 256,
+    gen_tokens: int = 128,
+    trials: int = 5,
+    *,
+    dtype: Optional[mx.Dtype] = None,
+    quantize: Optional[Tuple[int, int]] = None,
+    dequantize: bool = False,
+    seed: int = 0,
+    prefill_step_size: int = 2048,
+    sampler=None,
+    progress: Optional[Progress] = None,
+) -> dict:
+    """Build every variant from `source`, warm each up, time `trials` rounds.
+
+    Returns {"settings", "device", "versions", "source", "variants" (per-variant
+    summary), "ratios" (to stock), "headroom", "trials" (every timed run)}.
+    sampler: mlx-lm sampler (default greedy); generation never stops early.
+    """
+    variants = list(variants)
+    validate(variants, prompt_tokens, gen_tokens, trials)
+    n_steps = len(variants) * (2 + trials)
+    done = 0
+
+    def step(desc: str):
+        nonlocal done
+        if progress:
+            progress(desc, done, n_steps)
+        done += 1
+
+    t0 = time.perf_counter()
+    checksum = weights_checksum(source.weights)
+    checksum_s = time.perf_counter() - t0
+    prompt = mx.array(prompt_ids(source.config, prompt_tokens, seed))
+
+    for v in variants:  # import the model modules now, so build_s times only the build
+        try:
+            model_classes(source.config, "stock" if v == "nonorm" else v)
+        except ImportError as e:
+            raise BenchError(f"no {v} model for {source.config['model_type']}: {e}")
+    models, info = {}, {}
+    for v in variants:
+        step(f"building {v}")
+        t0 = time.perf_counter()
+        model, config = build_model(
+            source, v, dtype=dtype, quantize=quantize, dequantize=dequantize
+        )
+        build_s = time.perf_counter() - t0
+        cls = type(model)
+        q = config.get("quantization")
+        models[v] = model
+        info[v] = {
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "build_s": build_s,
+            # Re-hashed after each build: every variant saw these exact weights.
+            "source_checksum": weights_checksum(source.weights),
+            "rms_norm_modules": len(rms_norm_paths(model)),
+            "dtype": model_dtype(model),
+            "quantization": (
+                {"bits": q["bits"], "group_size": q["group_size"]} if q else None
+            ),
+            "weight_bytes": weight_bytes(model),
+            "decode_bytes_per_token": decode_bytes(model, config),
+        }
+
+    for v in variants:
+        step(f"warm-up {v}")
+        warm = time_generation(
+            models[v], prompt, gen_tokens, sampler, prefill_step_size
+        )
+        info[v].update(check_logits(models[v], prompt.tolist() + warm["tokens"]))
+
+    records = []
+    for r in range(trials):
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
+        for pos, v in enumerate(order):
+            step(f"round {r + 1}/{trials}: {v}")
+            t = time_generation(
+                models[v], prompt, gen_tokens, sampler, prefill_step_size
+            )
+            t.pop("tokens")
+            records.append({"round": r, "position": pos, "variant": v, **t})
+    if progress:
+        progress("done", n_steps, n_steps)
+
+    summary = {}
+    for v in variants:
+        rows = [t for t in records if t["variant"] == v]
+        decode = spread([t["decode_tps"] for t in rows])
+        summary[v] = {
+            **info[v],
+            "prompt_tps": spread([t["prompt_tps"] for t in rows]),
+            "decode_tps": decode,
+            "peak_memory_gb": spread([t["peak_memory_gb"] for t in rows]),
+            "trial_memory_gb": spread([t["trial_memory_gb"] for t in rows]),
+            "effective_gbps": decode["median"]
+            * info[v]["decode_bytes_per_token"]
+            / 1e9,
+            "all_trials_finite": all(t["last_logprobs_finite"] for t in rows),
+        }
+    ratios = {}
+    if "stock" in variants:
+        for v in variants:
+            if v != "stock":
+                ratios[v] = {
+                    "decode": _ratios(records, v, "stock", "decode_tps"),
+                    "prompt": _ratios(records, v, "stock", "prompt_tps"),
+                }
+    device = device_info()
+    notes = []
+    dtypes = {info[v]["dtype"] for v in variants}
+    if device["backend"] == "cpu" and dtypes & {"float16", "bfloat16"}:
+        notes.append(
+            "MLX's CPU backend has no fast float16/bfloat16 matmul (6-16x slower "
+            "than float32 on SmolLM2 here): pass --dtype float32 for CPU numbers"
+        )
+    if any(
+        not summary[v]["logits_finite"] or not summary[v]["all_trials_finite"]
+        for v in variants
+    ):
+        notes.append(
+            "a variant produced NaN/inf logits: its timings are not meaningful"
+        )
+    return {
+        "notes": notes,
+        "settings": {
+            "variants": variants,
+            "prompt_tokens": prompt_tokens,
+            "gen_tokens": gen_tokens,
+            "trials": trials,
+            "seed": seed,
+            "prefill_step_size": prefill_step_size,
+            "dtype": str(dtype).replace("mlx.core.", "") if dtype else None,
+            "quantize": list(quantize) if quantize else None,
+            "dequantize": dequantize,
+            "decode_tps": "(G - 1) / time from the first generated token to the G-th",
+            "decode_bytes": DECODE_BYTES_NOTE,
+        },
+        "device": device,
+        "versions": versions(),
+        "source": {
+            "name": source.name,
+            "model_type": source.config.get("model_type"),
+            "checksum": checksum,
+            "checksum_algorithm": "blake2b-128 over sorted (name, dtype, shape, bytes)",
+            "checksum_s": checksum_s,
+            "quantized": fold.is_quantized(source.weights),
+        },
+        "variants": summary,
+        "ratios": ratios,
+        "headroom": _headroom(summary),
+        "trials": records,
+    }

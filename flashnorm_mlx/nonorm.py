@@ -1,0 +1,270 @@
+"""The paper's speed bound: stock mlx-lm with every RMSNorm removed.
+
+Each RMSNorm  y = x * rsqrt(mean(x^2) + eps) * g  becomes the fixed map
+y = x * c  with  c = g / r,  r the norm's typical input RMS (mean over token
+positions), measured once in float32 over a few random tokens, in order, each
+norm seeing the activations of the norms before it already made constant
+(`measure_rms`). c is folded into the weights the norm feeds (a pure dict
+transform), and the norm modules become nn.Identity: zero norm ops, while
+activations stay finite (naive removal overflows to inf/NaN, and NaN arithmetic
+runs ~20x slower on CPUs).
+
+Where c goes, per norm (architecture-generic: a walk over the RMSNorm modules):
+- a norm in `fold.norm_pairs`: input columns of the linears it feeds;
+- the final norm before a tied head: the head is untied (lm_head = embedding * c),
+  which costs storage, not decode bandwidth;
+- a per-head QK-norm (OpenELM q_norm/k_norm): the q or k output rows of qkv_proj.
+Not the same function as stock (only a bound on its speed).
+"""
+
+import copy
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import fold
+from . import loading
+
+CALIBRATION_TOKENS = 32
+CALIBRATION_SEED = 1234
+MARKER = "nonorm"
+
+
+@dataclass(frozen=True)
+class NormSite:
+    """One norm and where its calibration constant c (its width) is folded."""
+
+    norm: str  # module path = weight prefix, e.g. "model.layers.0.input_layernorm"
+    into: Tuple[str, ...]  # linears that take c on their input columns (or rows)
+    rows: Optional[Tuple[int, int]] = None  # QK-norm: rows [a, b) of into[0], per head
+    untie: bool = False  # final norm of a tied head: make lm_head = embedding first
+
+
+# --- walking the modules -----------------------------------------------------
+
+
+def is_rms_norm(module) -> bool:
+    """nn.RMSNorm or a model file's own RMSNorm class."""
+    return isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+def rms_norm_paths(model: nn.Module) -> List[str]:
+    return [name for name, m in model.named_modules() if name and is_rms_norm(m)]
+
+
+def _get_module(root: nn.Module, path: str):
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if isinstance(obj, (list, tuple)) else getattr(obj, part)
+    return obj
+
+
+def _set_module(root: nn.Module, path: str, new) -> None:
+    parent_path, _, last = path.rpartition(".")
+    parent = _get_module(root, parent_path) if parent_path else root
+    if isinstance(parent, list):
+        parent[int(last)] = new
+    else:
+        setattr(parent, last, new)
+
+
+def strip_norms(model: nn.Module) -> List[str]:
+    """Replace every RMSNorm module with nn.Identity; returns their paths."""
+    paths = rms_norm_paths(model)
+    for p in paths:
+        _set_module(model, p, nn.Identity())
+    return paths
+
+
+# --- calibration -------------------------------------------------------------
+
+
+class _ConstantNorm(nn.Module):
+    """Calibration stand-in for one norm: measures r, then applies y = x * g / r.
+
+    r is the mean over token positions (and heads, for a QK-norm) of the input's
+    RMS. Norms run in order, so each one measures the input that the norms
+    before it, already constant, produce: the nonorm model's own activations,
+    not stock's, which keeps deep layers at stock's scale instead of drifting.
+    """
+
+    def __init__(self, norm: nn.Module, path: str, rms: dict):
+        super().__init__()
+        self.norm = norm
+        self._path, self._rms = path, rms
+
+    def __call__(self, x):
+        if self._path not in self._rms:  # a norm called twice keeps its first r
+            ms = mx.mean(mx.square(x.astype(mx.float32)), axis=-1)
+            self._rms[self._path] = mx.mean(
+                mx.sqrt(ms + getattr(self.norm, "eps", 0.0))
+            )
+        gain = self.norm["weight"] if "weight" in self.norm else 1.0
+        return (x * (gain / self._rms[self._path])).astype(x.dtype)
+
+
+def measure_rms(
+    model: nn.Module,
+    vocab_size: int,
+    n_tokens: int = CALIBRATION_TOKENS,
+    seed: int = CALIBRATION_SEED,
+) -> Dict[str, float]:
+    """{norm path: typical input RMS r}, from one forward pass over random tokens
+    with every norm already replaced by its constant x * g / r (see _ConstantNorm).
+    """
+    paths = rms_norm_paths(model)
+    originals = {p: _get_module(model, p) for p in paths}
+    rms: Dict[str, mx.array] = {}
+    for p, norm in originals.items():
+        _set_module(model, p, _ConstantNorm(norm, p, rms))
+    try:
+        tokens = np.random.default_rng(seed).integers(0, vocab_size, (1, n_tokens))
+        mx.eval(model(mx.array(tokens)), rms)
+    finally:
+        for p, norm in originals.items():
+            _set_module(model, p, norm)
+    missing = [p for p in paths if p not in rms]
+    if missing:
+        raise fold.FoldError(f"nonorm: calibration never reached {missing[0]}")
+    return {p: v.item() for p, v in rms.items()}
+
+
+# --- where each norm's constant goes -----------------------------------------
+
+
+def norm_sites(model: nn.Module, config: dict, weights: fold.Weights) -> List[NormSite]:
+    """A NormSite for every RMSNorm module of the stock `model` (else FoldError)."""
+    _, final, embed, head, tie_key = fold._ARCH[fold.family(config)]
+    pairs = dict(fold.norm_pairs(config, weights))
+    sites = []
+    for path in rms_norm_paths(model):
+        parent_path, _, name = path.rpartition(".")
+        parent = _get_module(model, parent_path) if parent_path else model
+        if path in pairs:
+            sites.append(NormSite(path, tuple(pairs[path])))
+        elif path == final:
+            sites.append(NormSite(path, (head,), untie=True))
+        elif name in ("q_norm", "k_norm") and "qkv_proj" in parent:
+            # qkv_proj rows: [q heads | k heads | v heads], head_dim rows each.
+            n_q, n_kv, h = parent.n_heads, parent.n_kv_heads, parent.head_dim
+            rows = (0, n_q * h) if name == "q_norm" else (n_q * h, (n_q + n_kv) * h)
+            sites.append(NormSite(path, (f"{parent_path}.qkv_proj",), rows=rows))
+        else:
+            raise fold.FoldError(f"nonorm: no place to fold the constant of {path}")
+    return sites
+
+
+def fold_constants(
+    weights: fold.Weights, config: dict, sites: List[NormSite], rms: Dict[str, float]
+) -> Tuple[fold.Weights, dict]:
+    """Fold c = gain / rms of every site into the weights it feeds; drop the gains.
+
+    Pure: new dicts are returned. Weights must be float (dequantize first).
+    """
+    _, final, embed, head, tie_key = fold._ARCH[fold.family(config)]
+    weights, config = dict(weights), copy.deepcopy(config)
+    for site in sites:
+        gain = weights.pop(f"{site.norm}.weight")
+        c = gain.astype(mx.float32) / rms[site.norm]  # (width,)
+        if site.untie:
+            if f"{embed}.scales" in weights:
+                raise fold.FoldError("nonorm: cannot untie a quantized embedding")
+            weights[f"{head}.weight"] = weights[f"{embed}.weight"]
+            config[tie_key] = False
+        for linear in site.into:
+            if site.rows is None:
+                weights = fold.fold_gain(weights, c, linear)
+            else:
+                weights = _fold_rows(weights, c, linear, *site.rows)
+    config[MARKER] = {"calibrated_norms": len(sites)}
+    return weights, config
+
+
+def _fold_rows(weights: fold.Weights, c: mx.array, linear: str, a: int, b: int):
+    """Scale output rows [a, b) of `linear` (heads of width len(c)) by c, per head."""
+    out = dict(weights)
+    for suffix in (".weight", ".bias"):
+        w = weights.get(linear + suffix)
+        if w is None:
+            continue
+        part = w[a:b].astype(mx.float32)
+        shape = part.shape
+        part = part.reshape(-1, c.shape[0], *shape[1:]) * c.reshape(
+            1, -1, *[1] * (len(shape) - 1)
+        )
+        out[linear + suffix] = mx.concatenate(
+            [w[:a], part.reshape(shape).astype(w.dtype), w[b:]], axis=0
+        )
+    return out
+
+
+# --- building ----------------------------------------------------------------
+
+
+def build_nonorm(
+    source: "loading.Source",
+    dtype: Optional[mx.Dtype] = None,
+    quantize: Optional[Tuple[int, int]] = None,
+    dequantize: bool = False,
+) -> Tuple[nn.Module, dict]:
+    """Stock mlx-lm class, norms removed, constants folded; returns (model, config).
+
+    Same weight path as `loading.build_model`: a quantized source is dequantized
+    to float32, the constants folded, then requantized with the source's own
+    settings (or left in float with dequantize=True); quantize=(bits, group)
+    quantizes a float source uniformly, exactly as for stock and FlashNorm.
+    """
+    config, weights = source.config, source.weights
+    if fold.is_folded(config):
+        # A folded checkpoint with unit gains is the same function as the original.
+        weights = fold.restore_unit_norms(weights, config)
+    qspec = None
+    if fold.is_quantized(weights):
+        if not dequantize:
+            qspec = loading._source_qspec(weights, config)
+        dtype = dtype or loading.compute_dtype(weights)
+        weights, config = fold.dequantize_weights(weights, config, mx.float32)
+    else:
+        dtype = dtype or loading.compute_dtype(weights)
+    weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
+
+    # Calibrate in float32 on mlx-lm's class (and its sanitize).
+    calib = loading._instantiate(config, weights, "stock", pre_quantized=False)
+    weights = calib.sanitize(weights) if hasattr(calib, "sanitize") else weights
+    rms = measure_rms(calib, config["vocab_size"])
+    sites = norm_sites(calib, config, weights)
+    del calib
+    weights, config = fold_constants(weights, config, sites, rms)
+
+    _, _, embed, head, _ = fold._ARCH[fold.family(config)]
+    if quantize and qspec is None:
+        qspec = loading._uniform_qspec(weights, *quantize)
+    elif qspec and embed in qspec and head not in qspec and f"{head}.weight" in weights:
+        qspec[head] = qspec[embed]  # an untied head takes its embedding's settings
+
+    weights = fold.map_floats(weights, lambda v: v.astype(dtype))
+    model_cls, args_cls = loading.model_classes(config, "stock")
+    model = model_cls(args_cls.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    stripped = strip_norms(model)
+    if set(stripped) != {s.norm for s in sites}:
+        raise fold.FoldError(
+            "nonorm: the norm modules changed between calibration and build"
+        )
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise loading.LoadError(
+            f"nonorm: weights do not match the model: {e}"
+        ) from None
+    if qspec:
+        loading._apply_qspec(model, qspec)
+        bits = next(iter(qspec.values()))["bits"]
+        gs = next(iter(qspec.values()))["group_size"]
+        config = loading._with_quantization(config, qspec, bits, gs)
+    mx.eval(model.parameters())
+    return model, config

@@ -1,0 +1,334 @@
+"""`bench` and the nonorm bound on tiny random models (small -p/-g/-n, no timing)."""
+
+import importlib.util
+import json
+
+import mlx.core as mx
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+
+from flashnorm_mlx import bench, fold, nonorm
+from flashnorm_mlx.cli import main
+from flashnorm_mlx.loading import Source, build_model, read_source
+
+P, G, N = 8, 4, 2
+SUMMARY_KEYS = (
+    "class",
+    "build_s",
+    "source_checksum",
+    "rms_norm_modules",
+    "dtype",
+    "quantization",
+    "weight_bytes",
+    "decode_bytes_per_token",
+    "logits_finite",
+    "max_abs_logit",
+    "prompt_tps",
+    "decode_tps",
+    "peak_memory_gb",
+    "effective_gbps",
+    "all_trials_finite",
+)
+TRIAL_KEYS = (
+    "round",
+    "position",
+    "variant",
+    "prompt_s",
+    "decode_s",
+    "prompt_tps",
+    "decode_tps",
+    "generated_tokens",
+    "peak_memory_gb",
+    "trial_memory_gb",
+    "last_logprobs_finite",
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny.make_llama(tmp_path_factory.mktemp("bench"), "gqa_untied")
+
+
+@pytest.fixture(scope="module")
+def source(model_dir):
+    return read_source(str(model_dir), need_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def result(source):
+    return bench.run_bench(source, bench.VARIANTS, P, G, N)
+
+
+def _count_rms_norm_ops(model, tokens, monkeypatch) -> int:
+    calls = []
+    real = mx.fast.rms_norm
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(mx.fast, "rms_norm", counting)
+    mx.eval(model(mx.array(tokens)[None]))
+    monkeypatch.setattr(mx.fast, "rms_norm", real)
+    return len(calls)
+
+
+# --- the result of one run ---------------------------------------------------
+
+
+def test_every_trial_and_summary(result):
+    trials = result["trials"]
+    assert len(trials) == N * len(bench.VARIANTS), trials
+    for t in trials:
+        assert all(k in t for k in TRIAL_KEYS), t
+        assert t["generated_tokens"] == G, t
+        assert t["prompt_tps"] > 0 and t["decode_tps"] > 0, t
+    # Rounds interleave all variants, each round starting one variant later.
+    for r in range(N):
+        order = [t["variant"] for t in trials if t["round"] == r]
+        assert sorted(order) == sorted(bench.VARIANTS) and order[0] == bench.VARIANTS[r]
+    for v, s in result["variants"].items():
+        assert all(k in s for k in SUMMARY_KEYS), (v, sorted(s))
+        for k in ("median", "min", "max", "q1", "q3"):
+            assert k in s["decode_tps"] and k in s["prompt_tps"], s
+        assert s["decode_bytes_per_token"] <= s["weight_bytes"], s
+    same = {(s["dtype"], str(s["quantization"])) for s in result["variants"].values()}
+    assert len(same) == 1, same
+    for v in ("flashnorm", "nonorm"):
+        for k in ("median_of_ratios", "ratio_of_medians", "rounds"):
+            assert k in result["ratios"][v]["decode"], result["ratios"]
+    h = result["headroom"]
+    assert {"stock_tps", "flashnorm_tps", "nonorm_tps", "share"} <= set(h), h
+    assert result["device"]["name"] and result["device"]["backend"], result["device"]
+    assert result["versions"]["mlx"] == mx.__version__, result["versions"]
+
+
+def test_variants_ran_on_the_same_weights(result, source):
+    sums = {v: s["source_checksum"] for v, s in result["variants"].items()}
+    assert set(sums.values()) == {result["source"]["checksum"]}, sums
+    # The checksum does see a change of one element.
+    w = dict(source.weights)
+    k = "model.layers.1.mlp.down_proj.weight"
+    w[k] = mx.concatenate([w[k][:1] + 1e-3, w[k][1:]])
+    assert bench.weights_checksum(w) != result["source"]["checksum"]
+
+
+def test_stock_is_mlx_lm_class(result):
+    cls = {v: s["class"] for v, s in result["variants"].items()}
+    assert cls["stock"].startswith("mlx_lm.models."), cls
+    assert cls["nonorm"].startswith("mlx_lm.models."), cls  # stock, norms removed
+    assert cls["flashnorm"].startswith("flashnorm_mlx.models."), cls
+
+
+def test_nonorm_logits_finite_and_no_norms(result):
+    s = result["variants"]["nonorm"]
+    assert s["logits_finite"] and s["all_trials_finite"], s
+    assert s["rms_norm_modules"] == 0, s
+    assert result["variants"]["stock"]["rms_norm_modules"] == 5, result["variants"]
+
+
+def test_decode_bytes_count_the_head_not_the_gathered_table(result, source):
+    embed = source.weights["model.embed_tokens.weight"].nbytes
+    s = result["variants"]["stock"]
+    assert s["weight_bytes"] - s["decode_bytes_per_token"] == embed, s
+
+
+# --- nonorm ------------------------------------------------------------------
+
+
+def test_nonorm_is_stock_with_zero_norm_ops(source, monkeypatch):
+    from mlx_lm.models.llama import Model
+
+    stock, _ = build_model(source, "stock")
+    model, config = build_model(source, "nonorm")
+    assert type(model) is Model
+    assert nonorm.rms_norm_paths(model) == []
+    assert not any("norm" in k for k in dict(tree_flatten(model.parameters())))
+    tokens = list(range(1, 13))
+    n_stock = _count_rms_norm_ops(stock, tokens, monkeypatch)
+    n_nonorm = _count_rms_norm_ops(model, tokens, monkeypatch)
+    assert (n_stock, n_nonorm) == (5, 0), (n_stock, n_nonorm)
+    assert config["nonorm"]["calibrated_norms"] == 5
+
+
+def _residuals_scaled(src: Source, scale: float) -> Source:
+    """Embedding and every residual branch x scale: stock barely changes (RMSNorm)."""
+    w = dict(src.weights)
+    for k in list(w):
+        if k.endswith(("embed_tokens.weight", "o_proj.weight", "down_proj.weight")):
+            w[k] = w[k] * scale
+    return Source(f"{src.name} x{scale}", src.config, w)
+
+
+# float16 tops out at 65504: with x1000 stock's own residual reaches ~25000 there.
+@pytest.mark.parametrize(
+    "dtype, scale", [(mx.float32, 1000.0), (mx.bfloat16, 1000.0), (mx.float16, 100.0)]
+)
+def test_nonorm_finite_with_residuals_scaled(source, dtype, scale):
+    big = _residuals_scaled(source, scale)
+    tokens = mx.array([list(range(3, 40))])
+    stock, _ = build_model(big, "stock", dtype=dtype)
+    ref = stock(tokens).astype(mx.float32)
+    assert mx.isfinite(ref).all().item()
+
+    # Norms removed without the calibration constants: inf in fp16, huge otherwise.
+    naive, _ = build_model(big, "stock", dtype=dtype)
+    nonorm.strip_norms(naive)
+    out_naive = naive(tokens).astype(mx.float32)
+    peak_naive = mx.abs(out_naive).max().item()
+    assert not mx.isfinite(out_naive).all().item() or peak_naive > 1e6, peak_naive
+
+    model, _ = build_model(big, "nonorm", dtype=dtype)
+    out = model(tokens).astype(mx.float32)
+    peak, peak_ref = mx.abs(out).max().item(), mx.abs(ref).max().item()
+    assert mx.isfinite(out).all().item() and peak < 10 * peak_ref, (peak, peak_ref)
+
+
+def _quantized_source(src: Source, bits=4, group_size=32) -> Source:
+    """`src` stored pre-quantized (weight, scales, biases), as a 4-bit checkpoint is."""
+    w = {}
+    for k, v in src.weights.items():
+        if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group_size == 0:
+            q, s, b = mx.quantize(v, group_size=group_size, bits=bits)
+            m = k[: -len(".weight")]
+            w.update({f"{m}.weight": q, f"{m}.scales": s, f"{m}.biases": b})
+        else:
+            w[k] = v
+    cfg = {**src.config, "quantization": {"group_size": group_size, "bits": bits}}
+    return Source(src.name + " q4", cfg, w)
+
+
+def test_nonorm_from_a_quantized_source(source):
+    qsrc = _quantized_source(source)
+    tokens = mx.array([list(range(5, 25))])
+    for dequantize in (False, True):
+        model, config = build_model(qsrc, "nonorm", dequantize=dequantize)
+        stock, _ = build_model(qsrc, "stock", dequantize=dequantize)
+        qlayers = {
+            type(model.model.layers[0].self_attn.q_proj).__name__,
+            type(stock.model.layers[0].self_attn.q_proj).__name__,
+        }
+        assert qlayers == ({"Linear"} if dequantize else {"QuantizedLinear"}), qlayers
+        if not dequantize:
+            assert config["quantization"]["bits"] == 4, config["quantization"]
+            assert model.lm_head.group_size == stock.lm_head.group_size == 32
+        assert mx.isfinite(model(tokens)).all().item()
+        assert nonorm.rms_norm_paths(model) == []
+        assert bench.model_dtype(model) == bench.model_dtype(stock)
+
+
+def test_nonorm_unties_a_tied_head(tmp_path):
+    src = read_source(
+        str(tiny.make_llama(tmp_path, "mha_tied", tokenizer=False)),
+        need_tokenizer=False,
+    )
+    model, config = build_model(src, "nonorm", quantize=(4, 32))
+    assert config["tie_word_embeddings"] is False and "lm_head" in model, config
+    assert type(model.lm_head).__name__ == "QuantizedLinear"
+    assert nonorm.rms_norm_paths(model) == []
+    assert mx.isfinite(model(mx.array([[1, 2, 3, 4]]))).all().item()
+
+
+def test_fold_constants_is_pure(source):
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    w = stock.sanitize(dict(source.weights))
+    before = {k: v for k, v in w.items()}
+    cfg_before = json.dumps(source.config, sort_keys=True)
+    sites = nonorm.norm_sites(stock, source.config, w)
+    rms = {s.norm: 2.0 for s in sites}
+    out, cfg = nonorm.fold_constants(w, source.config, sites, rms)
+    assert all(w[k] is before[k] for k in before) and set(w) == set(before)
+    assert json.dumps(source.config, sort_keys=True) == cfg_before
+    assert not any(
+        k.endswith("layernorm.weight") or k == "model.norm.weight" for k in out
+    )
+    # c = gain / rms on the input columns of the linears the norm feeds.
+    k, g = (
+        "model.layers.0.self_attn.q_proj.weight",
+        w["model.layers.0.input_layernorm.weight"],
+    )
+    expect = w[k] * (g / 2.0)[None, :]
+    assert mx.allclose(out[k], expect, rtol=1e-6, atol=1e-7).item()
+
+
+# --- generation loop ---------------------------------------------------------
+
+
+def test_exactly_g_tokens_even_when_eos_is_sampled(model_dir, source):
+    from mlx_lm.utils import load_tokenizer
+
+    eos = next(iter(load_tokenizer(model_dir).eos_token_ids))
+    model, _ = build_model(source, "stock")
+    prompt = mx.array(bench.prompt_ids(source.config, P, 0))
+    t = bench.time_generation(model, prompt, 7, sampler=lambda lp: mx.array([eos]))
+    assert t["generated_tokens"] == 7 and t["tokens"] == [eos] * 7, t
+
+
+# --- CLI ---------------------------------------------------------------------
+
+
+def test_cli_end_to_end_json(model_dir, tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        str(model_dir),
+        "-p",
+        str(P),
+        "-g",
+        str(G),
+        "-n",
+        "2",
+        "--variants",
+        "stock,nonorm",
+        "--json",
+        str(path),
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "decode tok/s" in out and "nonorm" in out and "device:" in out, out
+    r = json.loads(path.read_text())
+    assert [t["variant"] for t in r["trials"]] == ["stock", "nonorm", "nonorm", "stock"]
+    assert set(r["variants"]) == {"stock", "nonorm"} and "nonorm" in r["ratios"], r
+    assert r["settings"]["prompt_tokens"] == P and r["settings"]["gen_tokens"] == G
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temp file left
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["-n", "0"], "at least 1"),
+        (["--variants", "stock,bogus"], "unknown variant 'bogus'"),
+        (["-g", "1"], "at least 2"),
+        (["--json", "/no/such/dir/x.json"], "no such folder"),
+    ],
+)
+def test_cli_bad_flags_one_line(model_dir, flags, message, capsys):
+    rc = main(["bench", str(model_dir), *flags])
+    err = capsys.readouterr().err
+    assert rc != 0 and len(err.strip().splitlines()) == 1 and message in err, (rc, err)
+
+
+# --- OpenELM -----------------------------------------------------------------
+
+
+def test_openelm_variants(tmp_path):
+    if not hasattr(tiny, "make_openelm"):
+        pytest.skip("tests/tiny.py has no make_openelm yet")
+    src = read_source(str(tiny.make_openelm(tmp_path, "shared")), need_tokenizer=False)
+    variants = ["stock", "nonorm"]
+    if importlib.util.find_spec("flashnorm_mlx.models.openelm") is not None:
+        variants.insert(1, "flashnorm")
+    r = bench.run_bench(src, variants, P, G, 1)
+    v = r["variants"]
+    assert v["stock"]["class"] == "mlx_lm.models.openelm.Model", v["stock"]
+    # 3 layers x (attn, ffn, q, k) + final = 13 norms, all removed (QK-norms too).
+    assert v["stock"]["rms_norm_modules"] == 13 and v["nonorm"]["rms_norm_modules"] == 0
+    assert v["nonorm"]["logits_finite"] and v["nonorm"]["all_trials_finite"], v[
+        "nonorm"
+    ]
+    assert len({s["source_checksum"] for s in v.values()}) == 1
+    if "flashnorm" not in variants:
+        pytest.skip(
+            "flashnorm_mlx/models/openelm.py not there yet: ran stock and nonorm"
+        )
