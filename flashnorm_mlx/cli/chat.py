@@ -26,7 +26,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         description="Chat with a model; the KV cache is kept across turns. "
         "Reads one message per line from stdin when it is not a terminal.",
     )
-    add_model_args(p)
+    add_model_args(p, exact_default=True)
     p.add_argument("--system-prompt", default=None, help="system message")
     p.add_argument(
         "-m", "--max-tokens", type=int, default=256, help="most tokens per reply"
@@ -186,8 +186,6 @@ def main(argv=None):
         parser.error("--max-tokens must be at least 1")
     if args.max_context is not None and args.max_context < 2:
         parser.error("--max-context must be at least 2")
-    if args.mode == "nonorm":
-        raise UserError("--mode nonorm is a speed bound for `bench`, not a chat model")
     if args.seed is not None:
         mx.random.seed(args.seed)
     source = read_source(args.model, tokenizer=args.tokenizer)

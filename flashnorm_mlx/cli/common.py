@@ -7,14 +7,25 @@ import sys
 import mlx.core as mx
 
 from ..fold import FoldError
-from ..loading import DTYPES, MODES, LoadError
+from ..loading import DTYPES, LoadError
 
 
 class UserError(Exception):
     """A bad flag or input detected by a command: reported as one line."""
 
 
-def add_model_args(parser: argparse.ArgumentParser, mode: bool = True) -> None:
+# The modes a user runs; bench adds the "nonorm" speed bound itself.
+RUN_MODES = ("flashnorm", "stock")
+
+
+def add_model_args(
+    parser: argparse.ArgumentParser, mode: bool = True, exact_default: bool = False
+) -> None:
+    """MODEL, --tokenizer, --mode, --dtype and the quantization flags.
+
+    exact_default: a quantized source runs dequantized (exact) unless --requantize;
+    otherwise it is requantized unless --dequantize.
+    """
     parser.add_argument(
         "model",
         nargs="?",
@@ -30,7 +41,7 @@ def add_model_args(parser: argparse.ArgumentParser, mode: bool = True) -> None:
     if mode:
         parser.add_argument(
             "--mode",
-            choices=MODES,
+            choices=RUN_MODES,
             default="flashnorm",
             help="flashnorm (ours, default) or stock (mlx-lm's own model class "
             "on the same weights)",
@@ -39,18 +50,30 @@ def add_model_args(parser: argparse.ArgumentParser, mode: bool = True) -> None:
         "--dtype",
         choices=list(DTYPES),
         default=None,
-        help="compute dtype (default: the checkpoint's; float16 for a dequantized GGUF)",
+        help="compute dtype (default: float32 on MLX's CPU backend, whose float16 "
+        "kernels are slow; the checkpoint's own dtype on Metal and CUDA)",
     )
     parser.add_argument(
         "-q", "--quantize", action="store_true", help="quantize a float model after folding"
     )
     parser.add_argument("--q-bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8))
     parser.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128))
-    parser.add_argument(
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
         "--dequantize",
+        dest="dequantize",
         action="store_true",
-        help="for a quantized source: run unquantized in float (exact FlashNorm) "
-        "instead of requantizing the folded weights with the source's settings",
+        default=exact_default,
+        help="quantized source: dequantize, fold and run in float, the same function "
+        "as the source" + (" (default)" if exact_default else ""),
+    )
+    group.add_argument(
+        "--requantize",
+        dest="dequantize",
+        action="store_false",
+        help="quantized source: dequantize, fold in float32, requantize with the "
+        "source's bits and group size (stock is requantized the same way)"
+        + ("" if exact_default else " (default)"),
     )
 
 

@@ -14,7 +14,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         prog="flashnorm-mlx generate",
         description="Generate one completion; prints tokens/sec and peak memory after it.",
     )
-    add_model_args(p)
+    add_model_args(p, exact_default=True)
     p.add_argument("-p", "--prompt", default="Hello", help="prompt text ('-' reads stdin)")
     p.add_argument("-m", "--max-tokens", type=int, default=100, help="tokens to generate")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
