@@ -1,10 +1,174 @@
-"""The deferred-scaling ops FlashNorm models call.
+"""The deferred-scaling ops FlashNorm models call, as custom kernels and plain ops.
 
-Each op `<op>` is what the models use; `<op>_ops` is its plain-MLX twin. Custom
-`mx.fast` kernels (`<op>_kernel`) are picked by `<op>` where a GPU backend exists.
+Each op `<op>` is what the models call: it picks `<op>_kernel` (one `mx.fast`
+kernel launch) where a Metal or CUDA backend runs it, else `<op>_ops`, its
+plain-MLX twin with the same signature. FLASHNORM_KERNELS=0 forces the twins;
+FLASHNORM_KERNELS=op1,op2 enables only those kernels (for measuring one at a time).
+
+Each kernel body is written once, below, in a small dialect: FN_* macros for
+thread indices, shared memory, barriers and math, `T` for the output type, and
+`#if FN_<FLAG>` for render-time variants. `render` puts a per-backend prelude
+that defines those macros in front of the body; the result is the `source` of
+`mx.fast.metal_kernel` or `mx.fast.cuda_kernel` (created lazily, once, since
+creating a cuda_kernel raises on a build without CUDA). All kernel arithmetic
+is float32; outputs take the input dtype.
 """
 
+import functools
+import math
+import os
+from typing import Optional, Tuple, Union
+
 import mlx.core as mx
+import mlx.nn as nn
+
+Offset = Union[int, mx.array]
+
+# --- rendering -----------------------------------------------------------------
+
+BODY_MARK = "// ---- body ----\n"
+
+# Metal finds thread attributes by name in the source, so they must appear here.
+PRELUDES = {
+    "metal": """\
+#define FN_LANE ((int)thread_position_in_threadgroup.x)
+#define FN_GROUP ((int)threadgroup_position_in_grid.x)
+#define FN_GLOBAL ((int)thread_position_in_grid.x)
+#define FN_SHARED threadgroup
+#define FN_SYNC() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define FN_RSQRT(x) metal::precise::rsqrt(x)
+#define FN_EXP(x) metal::precise::exp(x)
+#define FN_COS(x) metal::precise::cos(x)
+#define FN_SIN(x) metal::precise::sin(x)
+""",
+    "cuda": """\
+#define FN_LANE ((int)threadIdx.x)
+#define FN_GROUP ((int)blockIdx.x)
+#define FN_GLOBAL ((int)(blockIdx.x * blockDim.x + threadIdx.x))
+#define FN_SHARED __shared__
+#define FN_SYNC() __syncthreads()
+#define FN_RSQRT(x) rsqrtf(x)
+#define FN_EXP(x) expf(x)
+#define FN_COS(x) cosf(x)
+#define FN_SIN(x) sinf(x)
+""",
+}
+
+
+def render(body: str, backend: str, **flags: bool) -> str:
+    """Kernel source for `backend`: prelude, `#define FN_<FLAG> 0|1`, then `body`."""
+    defines = "".join(
+        f"#define FN_{name.upper()} {int(bool(value))}\n"
+        for name, value in sorted(flags.items())
+    )
+    return PRELUDES[backend] + defines + BODY_MARK + body
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _available_backend() -> Optional[str]:
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return None
+
+
+def _gpu_backend() -> Optional[str]:
+    """The build's GPU backend ("metal", "cuda") if arrays go to the GPU, else None."""
+    return _available_backend() if mx.default_device() == mx.gpu else None
+
+
+def backend(op: Optional[str] = None) -> Optional[str]:
+    """Where `op`'s kernel would run now: "metal", "cuda" or None (use the twin).
+
+    FLASHNORM_KERNELS=0 turns every kernel off; a comma list of op names turns
+    on only those.
+    """
+    env = os.environ.get("FLASHNORM_KERNELS", "1").strip()
+    if env == "0":
+        return None
+    if op is not None and env not in ("", "1") and op not in env.split(","):
+        return None
+    return _gpu_backend()
+
+
+def pick(op: str, kernel, ops):
+    """The picker: `kernel` where a Metal or CUDA backend runs it now, else `ops`."""
+    return kernel if backend(op) is not None else ops
+
+
+@functools.cache
+def _make_kernel(name: str, backend_name: str, body: str, inputs, outputs, flags):
+    source = render(body, backend_name, **dict(flags))
+    make = mx.fast.metal_kernel if backend_name == "metal" else mx.fast.cuda_kernel
+    variant = "".join(f"_{k}{int(v)}" for k, v in flags)
+    return make(
+        name=f"flashnorm_{name}{variant}",
+        input_names=list(inputs),
+        output_names=list(outputs),
+        source=source,
+    )
+
+
+def _kernel(name: str, body: str, inputs, outputs, **flags):
+    b = _gpu_backend()
+    if b is None:
+        raise RuntimeError(
+            f"{name}_kernel needs a Metal or CUDA backend; use {name}_ops"
+        )
+    return _make_kernel(
+        name, b, body, tuple(inputs), tuple(outputs), tuple(sorted(flags.items()))
+    )
+
+
+@functools.cache
+def _consts(*values: float) -> mx.array:
+    # Float parameters travel as a small float32 array (templates take ints only).
+    return mx.array(values, dtype=mx.float32)
+
+
+def _rows(x: mx.array) -> mx.array:
+    return x.reshape(-1, x.shape[-1])
+
+
+# Tree sum over the NT threads of a threadgroup into red[0] (RP: a power of
+# two >= NT). Every thread of the group must reach it: no early return before.
+_TREE_SUM = """\
+  for (int stride = RP / 2; stride > 0; stride /= 2) {
+    FN_SYNC();
+    if (lane < stride && lane + stride < NT) {
+      red[lane] += red[lane + stride];
+    }
+  }
+  FN_SYNC();
+"""
+
+# --- mean square ---------------------------------------------------------------
+
+MEAN_SQUARE_BODY = (
+    """\
+  // x (N, D) -> ms (N,) float32: one threadgroup of NT threads per row.
+  const int lane = FN_LANE;
+  const int row = FN_GROUP;
+  float acc = 0.0f;
+  for (int i = lane; i < D; i += NT) {
+    const float xi = static_cast<float>(x[row * D + i]);
+    acc += xi * xi;
+  }
+  FN_SHARED float red[RP];
+  red[lane] = acc;
+"""
+    + _TREE_SUM
+    + """\
+  if (lane == 0) {
+    ms[row] = red[0] / static_cast<float>(D) + eps[0];
+  }
+"""
+)
 
 
 def mean_square_ops(x: mx.array, eps: float) -> mx.array:
@@ -13,8 +177,24 @@ def mean_square_ops(x: mx.array, eps: float) -> mx.array:
     return mx.mean(x * x, axis=-1, keepdims=True) + eps
 
 
+def mean_square_kernel(x: mx.array, eps: float) -> mx.array:
+    D = x.shape[-1]
+    rows = _rows(x)
+    nt = min(256, max(32, _next_pow2(D) // 4))
+    kernel = _kernel("mean_square", MEAN_SQUARE_BODY, ["x", "eps"], ["ms"])
+    (ms,) = kernel(
+        inputs=[rows, _consts(float(eps))],
+        template=[("D", D), ("NT", nt), ("RP", nt)],
+        grid=(rows.shape[0] * nt, 1, 1),
+        threadgroup=(nt, 1, 1),
+        output_shapes=[(rows.shape[0],)],
+        output_dtypes=[mx.float32],
+    )
+    return ms.reshape(*x.shape[:-1], 1)
+
+
 def mean_square(x: mx.array, eps: float) -> mx.array:
-    return mean_square_ops(x, eps)
+    return pick("mean_square", mean_square_kernel, mean_square_ops)(x, eps)
 
 
 def pow2_prescale(ms: mx.array, dtype: mx.Dtype):
@@ -33,13 +213,60 @@ def pow2_prescale(ms: mx.array, dtype: mx.Dtype):
     return p, s / p
 
 
+# --- deferred residual ---------------------------------------------------------
+
+DEFERRED_RESIDUAL_BODY = """\
+  // out = h + s * y; h, y (N, D), s (N,) float32: one thread per element.
+  const int i = FN_GLOBAL;
+  if (i >= h_shape[0] * D) {
+    return;
+  }
+  const float hi = static_cast<float>(h[i]);
+  out[i] = static_cast<T>(hi + static_cast<float>(y[i]) * s[i / D]);
+"""
+
+
 def deferred_residual_ops(h: mx.array, y: mx.array, s: mx.array) -> mx.array:
     """h + s * y: the deferred scaling of a block's output, s (B, L, 1)."""
     return h + (y * s).astype(h.dtype)
 
 
+def deferred_residual_kernel(h: mx.array, y: mx.array, s: mx.array) -> mx.array:
+    D = h.shape[-1]
+    kernel = _kernel(
+        "deferred_residual", DEFERRED_RESIDUAL_BODY, ["h", "y", "s"], ["out"]
+    )
+    (out,) = kernel(
+        inputs=[_rows(h), _rows(y), s.astype(mx.float32).reshape(-1)],
+        template=[("T", h.dtype), ("D", D)],
+        grid=(h.size, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[h.shape],
+        output_dtypes=[h.dtype],
+    )
+    return out
+
+
 def deferred_residual(h: mx.array, y: mx.array, s: mx.array) -> mx.array:
-    return deferred_residual_ops(h, y, s)
+    return pick("deferred_residual", deferred_residual_kernel, deferred_residual_ops)(
+        h, y, s
+    )
+
+
+# --- deferred GLU ----------------------------------------------------------------
+
+DEFERRED_GLU_BODY = """\
+  // out = silu(s * gate) * up; gate_up (N, 2F) = [gate | up], s (N,) float32.
+  const int i = FN_GLOBAL;
+  if (i >= gate_up_shape[0] * F) {
+    return;
+  }
+  const int row = i / F;
+  const int col = i - row * F;
+  const float g = static_cast<float>(gate_up[row * 2 * F + col]) * s[row];
+  const float u = static_cast<float>(gate_up[row * 2 * F + F + col]);
+  out[i] = static_cast<T>(g / (1.0f + FN_EXP(-g)) * u);
+"""
 
 
 def deferred_glu_ops(gate_up: mx.array, s: mx.array) -> mx.array:
@@ -52,5 +279,267 @@ def deferred_glu_ops(gate_up: mx.array, s: mx.array) -> mx.array:
     return (g * mx.sigmoid(g) * up).astype(gate_up.dtype)
 
 
+def deferred_glu_kernel(gate_up: mx.array, s: mx.array) -> mx.array:
+    F = gate_up.shape[-1] // 2
+    rows = _rows(gate_up)
+    kernel = _kernel("deferred_glu", DEFERRED_GLU_BODY, ["gate_up", "s"], ["out"])
+    (out,) = kernel(
+        inputs=[rows, s.astype(mx.float32).reshape(-1)],
+        template=[("T", gate_up.dtype), ("F", F)],
+        grid=(rows.shape[0] * F, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(*gate_up.shape[:-1], F)],
+        output_dtypes=[gate_up.dtype],
+    )
+    return out
+
+
 def deferred_glu(gate_up: mx.array, s: mx.array) -> mx.array:
-    return deferred_glu_ops(gate_up, s)
+    return pick("deferred_glu", deferred_glu_kernel, deferred_glu_ops)(gate_up, s)
+
+
+# --- qkv epilogue --------------------------------------------------------------
+
+QKV_EPILOGUE_BODY = (
+    """\
+  // qkv (B, L, NH * HD) -> q (B, HQ, L, HD), k and v (B, HKV, L, HD), HD = 2 * HALF.
+  // One threadgroup of HALF threads per (token, head); thread `lane` owns the
+  // half-split rotary pair (lane, lane + HALF).
+  const int lane = FN_LANE;
+  const int group = FN_GROUP;
+  const int NH = HQ + 2 * HKV;
+  const int HD = 2 * HALF;
+  const int L = qkv_shape[1];
+  const int head = group % NH;
+  const int token = group / NH;
+  const int b = token / L;
+  const int l = token - b * L;
+  const int src = token * NH * HD + head * HD + lane;
+  const float x1 = static_cast<float>(qkv[src]);
+  const float x2 = static_cast<float>(qkv[src + HALF]);
+  const float mst = ms[token];
+#if FN_PRESCALE
+  // x was pre-scaled by the power of two p: s = rsqrt(ms) / p, 1/s^2 = ms * p^2.
+  const float pt = p[token];
+  const float s = FN_RSQRT(mst) / pt;
+  const float inv_s2 = mst * pt * pt;
+#else
+  const float s = FN_RSQRT(mst);
+  const float inv_s2 = mst;
+#endif
+  if (head >= HQ + HKV) {
+    const int dst = ((b * HKV + head - HQ - HKV) * L + l) * HD + lane;
+    v[dst] = static_cast<T>(x1 * s);
+    v[dst + HALF] = static_cast<T>(x2 * s);
+    return;
+  }
+  const bool is_q = head < HQ;
+  const float theta = static_cast<float>(offset[b * OFS] + l) * inv_freq[lane];
+  const float c = FN_COS(theta);
+  const float sn = FN_SIN(theta);
+#if FN_QK_NORM
+  // rms_norm(s * y, eps) = y * rsqrt(mean(y^2) + eps / s^2): s cancels and only
+  // the epsilon changes. The gains (1/sqrt(h) in q's) go with cos and sin.
+  FN_SHARED float red[RP];
+  red[lane] = x1 * x1 + x2 * x2;
+"""
+    + _TREE_SUM
+    + """\
+  const float eps = is_q ? params[0] : params[1];
+  const float r = FN_RSQRT(red[0] / static_cast<float>(HD) + eps * inv_s2);
+  const int j = lane + HALF;
+  const float g1 = is_q ? static_cast<float>(q_gain[lane]) : static_cast<float>(k_gain[lane]);
+  const float g2 = is_q ? static_cast<float>(q_gain[j]) : static_cast<float>(k_gain[j]);
+  const float y1 = x1 * r;
+  const float y2 = x2 * r;
+  const float o1 = y1 * (g1 * c) - y2 * (g2 * sn);
+  const float o2 = y2 * (g2 * c) + y1 * (g1 * sn);
+#else
+  // RoPE is linear per token: s (and q's 1/sqrt(h) in params[0]) ride along.
+  const float scale = is_q ? s * params[0] : s;
+  const float o1 = (x1 * c - x2 * sn) * scale;
+  const float o2 = (x1 * sn + x2 * c) * scale;
+#endif
+  if (is_q) {
+    const int dst = ((b * HQ + head) * L + l) * HD + lane;
+    q[dst] = static_cast<T>(o1);
+    q[dst + HALF] = static_cast<T>(o2);
+  } else {
+    const int dst = ((b * HKV + head - HQ) * L + l) * HD + lane;
+    k[dst] = static_cast<T>(o1);
+    k[dst + HALF] = static_cast<T>(o2);
+  }
+"""
+)
+
+
+def rope_inv_freq(rope: nn.Module, head_dim: int) -> Optional[mx.array]:
+    """(head_dim/2,) float32 angles per position of an mlx-lm RoPE module, or None.
+
+    None where the epilogue cannot reproduce the module: interleaved (traditional)
+    layout, partial rotary dims, or a module that also scales its input.
+    """
+    if getattr(rope, "traditional", False):
+        return None
+    if type(rope) is nn.RoPE:
+        if rope.dims != head_dim:
+            return None
+        half = head_dim // 2
+        # mx.fast.rope's own float32 formula; nn.RoPE's scale multiplies positions.
+        inv = mx.exp(mx.arange(half, dtype=mx.float32) * (-math.log(rope.base) / half))
+        return inv if rope.scale == 1.0 else inv * rope.scale
+    freqs = getattr(rope, "_freqs", None)
+    dims = getattr(rope, "dims", getattr(rope, "dim", None))
+    if freqs is None or dims != head_dim or freqs.shape != (head_dim // 2,):
+        return None
+    if getattr(rope, "mscale", 1.0) != 1.0 or getattr(rope, "_scale", 1.0) != 1.0:
+        return None
+    return mx.reciprocal(freqs.astype(mx.float32))
+
+
+def _rope_tables(offset: Offset, L: int, inv_freq: mx.array):
+    """cos, sin of (offset + l) * inv_freq, float32: (L, h/2) or (B, 1, L, h/2)."""
+    pos = mx.arange(L, dtype=mx.float32)
+    if isinstance(offset, mx.array) and offset.size > 1:
+        pos = (pos + offset.reshape(-1, 1, 1)).reshape(-1, 1, L, 1)
+    else:
+        pos = (pos + offset)[:, None]
+    theta = pos * inv_freq
+    return mx.cos(theta), mx.sin(theta)
+
+
+def _rope(y, cos, sin):
+    # Half-split RoPE with float32 tables, as mx.fast.rope computes it.
+    y1, y2 = mx.split(y, 2, axis=-1)
+    return mx.concatenate([y1 * cos - y2 * sin, y1 * sin + y2 * cos], axis=-1)
+
+
+def _gain_rope(y, gain, cos, sin):
+    # RoPE(y * g) = y * (g*cos) + rotate_half(y) * (swap_halves(g)*sin), half-split.
+    g1, g2 = mx.split(gain.astype(mx.float32), 2)
+    y1, y2 = mx.split(y, 2, axis=-1)
+    return mx.concatenate(
+        [y1 * (g1 * cos) - y2 * (g2 * sin), y2 * (g2 * cos) + y1 * (g1 * sin)], axis=-1
+    )
+
+
+def qkv_epilogue_ops(
+    qkv: mx.array,
+    ms: mx.array,
+    offset: Offset,
+    inv_freq: mx.array,
+    n_heads: int,
+    n_kv_heads: int,
+    *,
+    p: Optional[mx.array] = None,
+    scale: Optional[float] = None,
+    q_gain: Optional[mx.array] = None,
+    k_gain: Optional[mx.array] = None,
+    eps_q: float = 0.0,
+    eps_k: float = 0.0,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """q', k', v' in (B, H, L, h) from the fused qkv matmul output (B, L, (Hq+2Hkv)h).
+
+    ms (B, L, 1) float32 is mean(x^2) + eps of the block input x; p (B, L, 1),
+    if given, the power of two x was pre-scaled by (`pow2_prescale`), so the
+    deferred scalar is s = rsqrt(ms) / p. RoPE (half-split) angle at position
+    offset + l is (offset + l) * inv_freq, offset an int or a (B,) array.
+    Llama mode (no gains):  q' = RoPE(q) * s * scale (scale default h**-0.5),
+        k' = RoPE(k) * s,  v' = v * s.
+    OpenELM mode (q_gain, k_gain (h,), 1/sqrt(h) folded into q_gain by the caller):
+        q' = RoPE(rms_norm(s * q, eps_q) * q_gain), k' likewise, v' = v * s.
+    """
+    B, L, _ = qkv.shape
+    heads = n_heads + 2 * n_kv_heads
+    h = qkv.shape[-1] // heads
+    dtype = qkv.dtype
+    s = mx.rsqrt(ms)
+    if p is not None:
+        s = s / p
+    # float32 math as the kernel does it; one cast here (none for float32 input)
+    # rather than one per mixed-dtype product.
+    x = qkv.astype(mx.float32).reshape(B, L, heads, h).transpose(0, 2, 1, 3)
+    q, k, v = mx.split(x, [n_heads, n_heads + n_kv_heads], axis=1)
+    s = s[:, None]  # (B, 1, L, 1)
+    cos, sin = _rope_tables(offset, L, inv_freq)
+    if q_gain is None:
+        scale = h**-0.5 if scale is None else scale
+        q = (_rope(q, cos, sin) * (s * scale)).astype(dtype)
+        k = (_rope(k, cos, sin) * s).astype(dtype)
+    else:
+        # The incoming s cancels in the QK-norm; only its epsilon scales by 1/s^2.
+        inv_s2 = ms[:, None] if p is None else ms[:, None] * (p * p)[:, None]
+        q = q * mx.rsqrt(mx.mean(q * q, axis=-1, keepdims=True) + eps_q * inv_s2)
+        k = k * mx.rsqrt(mx.mean(k * k, axis=-1, keepdims=True) + eps_k * inv_s2)
+        q = _gain_rope(q, q_gain, cos, sin).astype(dtype)
+        k = _gain_rope(k, k_gain, cos, sin).astype(dtype)
+    v = (v * s).astype(dtype)
+    return q, k, v
+
+
+def _offset_array(offset: Offset) -> mx.array:
+    if isinstance(offset, mx.array):
+        return offset.reshape(-1).astype(mx.int32)
+    return mx.array([offset], dtype=mx.int32)
+
+
+def qkv_epilogue_kernel(
+    qkv: mx.array,
+    ms: mx.array,
+    offset: Offset,
+    inv_freq: mx.array,
+    n_heads: int,
+    n_kv_heads: int,
+    *,
+    p: Optional[mx.array] = None,
+    scale: Optional[float] = None,
+    q_gain: Optional[mx.array] = None,
+    k_gain: Optional[mx.array] = None,
+    eps_q: float = 0.0,
+    eps_k: float = 0.0,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    B, L, _ = qkv.shape
+    heads = n_heads + 2 * n_kv_heads
+    h = qkv.shape[-1] // heads
+    half = h // 2
+    qk_norm = q_gain is not None
+    inputs = {
+        "qkv": qkv,
+        "ms": ms,
+        "offset": _offset_array(offset),
+        "inv_freq": inv_freq,
+    }
+    if p is not None:
+        inputs["p"] = p
+    if qk_norm:
+        inputs.update(q_gain=q_gain, k_gain=k_gain, params=_consts(eps_q, eps_k))
+    else:
+        inputs["params"] = _consts(h**-0.5 if scale is None else float(scale))
+    kernel = _kernel(
+        "qkv_epilogue",
+        QKV_EPILOGUE_BODY,
+        inputs,
+        ["q", "k", "v"],
+        qk_norm=qk_norm,
+        prescale=p is not None,
+    )
+    template = [("T", qkv.dtype), ("HQ", n_heads), ("HKV", n_kv_heads), ("HALF", half)]
+    template.append(("OFS", int(inputs["offset"].size > 1)))
+    if qk_norm:  # the per-head reduction: NT threads, shared array of RP floats
+        template += [("NT", half), ("RP", _next_pow2(half))]
+    q_shape, kv_shape = (B, n_heads, L, h), (B, n_kv_heads, L, h)
+    return tuple(
+        kernel(
+            inputs=list(inputs.values()),
+            template=template,
+            grid=(B * L * heads * half, 1, 1),
+            threadgroup=(half, 1, 1),
+            output_shapes=[q_shape, kv_shape, kv_shape],
+            output_dtypes=[qkv.dtype] * 3,
+        )
+    )
+
+
+def qkv_epilogue(qkv, ms, offset, inv_freq, n_heads, n_kv_heads, **kw):
+    fn = pick("qkv_epilogue", qkv_epilogue_kernel, qkv_epilogue_ops)
+    return fn(qkv, ms, offset, inv_freq, n_heads, n_kv_heads, **kw)

@@ -5,6 +5,7 @@ per-token rsqrt(mean(x^2) + eps) in float32 (DESIGN.md section 2):
     q' = RoPE(x @ Wq*) * s / sqrt(h),  k' = RoPE(x @ Wk*) * s,  v' = (x @ Wv*) * s
     ffn = down(silu(s * (x @ Wg*)) * (x @ Wu*)) * s
 so no normalized copy of x is ever materialized. Attention runs with scale 1.
+q', k', v' come out of the fused qkv matmul in one `kernels.qkv_epilogue` pass.
 """
 
 from dataclasses import dataclass
@@ -73,13 +74,37 @@ class Attention(nn.Module):
             args.rope_scaling,
             args.max_position_embeddings,
         )
+        # RoPE angles per position for the fused epilogue ("_": not a parameter);
+        # None where the epilogue cannot reproduce this RoPE variant.
+        self._inv_freq = kernels.rope_inv_freq(self.rope, h)
 
-    def __call__(self, x, s, mask=None, cache=None):
-        # x: (B, L, D) residual, possibly pre-scaled by a power of two; s: (B, L, 1)
-        B, L, _ = x.shape
+    def __call__(self, x, ms, p, s, mask=None, cache=None):
+        # x: (B, L, D) residual, pre-scaled by p (float16) or not (p None);
+        # ms = mean(x^2) + eps, p and s = rsqrt(ms) / p: (B, L, 1) float32.
         qkv = self.qkv_proj(x)
+        offset = cache.offset if cache is not None else 0
+        if self._inv_freq is not None and "qkv_bias" not in self:
+            # One pass: heads out, RoPE, s / sqrt(h) on q, s on k and v.
+            heads = (self.n_heads, self.n_kv_heads)
+            q, k, v = kernels.qkv_epilogue(
+                qkv, ms, offset, self._inv_freq, *heads, p=p, scale=self.scale
+            )
+        else:
+            q, k, v = self._split_rope_scale(qkv, s, offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+
+        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
+        B, L, _ = x.shape
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _split_rope_scale(self, qkv, s, offset):
+        """Unfused epilogue, for biases (added after the deferred scaling) and
+        RoPE variants the epilogue does not cover."""
+        B, L, _ = qkv.shape
+        dtype = qkv.dtype
         if "qkv_bias" in self:
-            qkv = (qkv * s).astype(x.dtype) + self.qkv_bias
+            qkv = (qkv * s).astype(dtype) + self.qkv_bias
             s_q, s_kv = self.scale, None
         else:
             s_q, s_kv = s * self.scale, s
@@ -89,16 +114,12 @@ class Attention(nn.Module):
 
         # RoPE is linear per token, so the per-token scalar rides along with it.
         s_q = s_q if isinstance(s_q, float) else s_q[:, None]
-        q = (self.rope(q, offset=cache.offset if cache else 0) * s_q).astype(x.dtype)
-        k = self.rope(k, offset=cache.offset if cache else 0)
+        q = (self.rope(q, offset=offset) * s_q).astype(dtype)
+        k = self.rope(k, offset=offset)
         if s_kv is not None:
-            k = (k * s_kv[:, None]).astype(x.dtype)
-            v = (v * s_kv[:, None]).astype(x.dtype)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-
-        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            k = (k * s_kv[:, None]).astype(dtype)
+            v = (v * s_kv[:, None]).astype(dtype)
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -131,12 +152,12 @@ class TransformerBlock(nn.Module):
     def _scaled(self, x):
         ms = kernels.mean_square(x, self.eps)
         p, s = kernels.pow2_prescale(ms, x.dtype)
-        return (x if p is None else (x * p).astype(x.dtype)), s
+        return (x if p is None else (x * p).astype(x.dtype)), ms, p, s
 
     def __call__(self, x, mask=None, cache=None):
-        xs, s = self._scaled(x)
-        h = x + self.self_attn(xs, s, mask, cache)
-        hs, s = self._scaled(h)
+        xs, ms, p, s = self._scaled(x)
+        h = x + self.self_attn(xs, ms, p, s, mask, cache)
+        hs, _, _, s = self._scaled(h)
         y, s_out = self.mlp(hs, s)
         return h + y if s_out is None else kernels.deferred_residual(h, y, s_out)
 

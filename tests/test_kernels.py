@@ -1,0 +1,730 @@
+"""Deferred-scaling kernels, their plain-MLX twins, the pickers and the renderings.
+
+Three kinds of evidence, against independent references:
+- twins (what runs on CPU) vs the unfused model math: mlx-lm's RoPE modules,
+  mx.fast.rms_norm, numpy float64;
+- kernels vs twins on a real Metal/CUDA backend, where this MLX build has one;
+- kernel bodies vs twins everywhere a C++ compiler exists: the CUDA rendering's
+  body, with a host prelude instead of the CUDA one, compiled with g++ and run with
+  one OS thread per GPU thread (barriers and shared memory included), called
+  through the real `<op>_kernel` wrappers (inputs, template ints, grid).
+"""
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+from typing import NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import tiny
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from flashnorm_mlx import kernels as K
+from flashnorm_mlx.loading import build_model, read_source
+
+HAS_GPU_KERNELS = mx.metal.is_available() or mx.cuda.is_available()
+needs_backend = pytest.mark.skipif(
+    not HAS_GPU_KERNELS,
+    reason="no Metal or CUDA backend in this MLX build: kernels cannot run here; "
+    "twins are tested against the model math",
+)
+HOST_CXX = shutil.which("g++") or shutil.which("clang++")
+needs_cxx = pytest.mark.skipif(
+    HOST_CXX is None, reason="no C++ compiler to run the kernel bodies on the CPU"
+)
+
+DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
+# Max |error| / max |reference| per output: one rounding to the dtype, with room.
+TOL = {mx.float32: 2e-6, mx.float16: 1.5e-3, mx.bfloat16: 1.2e-2}
+
+# GQA ratio -> (Hq, Hkv, head_dim, rope_theta, rope_scaling): each ratio also
+# brings its own RoPE variant and a head_dim whose half is not a power of two.
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+HEADS = {
+    1: (4, 4, 64, 10000.0, None),
+    2: (4, 2, 24, 500000.0, LLAMA3),
+    4: (8, 2, 16, 10000.0, {"type": "linear", "factor": 2.0}),
+}
+OFFSETS = {"off0": 0, "off5": 5, "per_batch": [3, 11]}
+EPS_Q, EPS_K = 0.5, 1e-2  # large eps_q: dropping the eps adjustment would show
+
+GRID = [
+    pytest.param(dt, L, off, ratio, mode, id=f"{mode}-{dn}-L{L}-{off}-gqa{ratio}")
+    for mode in ("llama", "openelm")
+    for dn, dt in DTYPES.items()
+    for L in (1, 7)
+    for off in OFFSETS
+    for ratio in HEADS
+]
+
+
+def rel_err(out: mx.array, ref: mx.array) -> float:
+    out, ref = out.astype(mx.float32), ref.astype(mx.float32)
+    return (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
+
+
+def make_case(dtype, L, off, ratio, mode, seed=0):
+    hq, hkv, h, theta, scaling = HEADS[ratio]
+    B = 2
+    k = mx.random.split(mx.random.key(seed + 7 * L + ratio), 4)
+    qkv = (mx.random.normal((B, L, (hq + 2 * hkv) * h), key=k[0]) * 3).astype(dtype)
+    ms = mx.random.uniform(0.05, 20.0, (B, L, 1), key=k[1])
+    p, _ = K.pow2_prescale(ms, dtype)  # a power of two for float16, else None
+    rope = initialize_rope(h, theta, False, scaling, 512)
+    offset = OFFSETS[off]
+    offset = mx.array(offset, mx.int32) if isinstance(offset, list) else offset
+    case = dict(qkv=qkv, ms=ms, p=p, offset=offset, rope=rope, hq=hq, hkv=hkv, h=h)
+    if mode == "openelm":
+        case["gq"] = mx.random.uniform(0.25, 4.0, (h,), key=k[2])
+        case["gk"] = mx.random.uniform(0.25, 4.0, (h,), key=k[3])
+    return case
+
+
+def run_epilogue(fn, c):
+    kw = dict(p=c["p"])
+    if "gq" in c:  # 1/sqrt(h) folded into q's gain, as the OpenELM model does at load
+        kw.update(
+            q_gain=c["gq"] * c["h"] ** -0.5, k_gain=c["gk"], eps_q=EPS_Q, eps_k=EPS_K
+        )
+    inv_freq = K.rope_inv_freq(c["rope"], c["h"])
+    return fn(c["qkv"], c["ms"], c["offset"], inv_freq, c["hq"], c["hkv"], **kw)
+
+
+def reference(c):
+    """The unfused model math in float32: split, stock norm, mlx-lm RoPE module, scale."""
+    B, L, _ = c["qkv"].shape
+    hq, hkv, h = c["hq"], c["hkv"], c["h"]
+    x = c["qkv"].astype(mx.float32)
+    s = mx.rsqrt(c["ms"]) if c["p"] is None else mx.rsqrt(c["ms"]) / c["p"]
+    s = s[:, None]  # (B, 1, L, 1)
+
+    def heads(lo, n):
+        return x[..., lo * h : (lo + n) * h].reshape(B, L, n, h).transpose(0, 2, 1, 3)
+
+    q, k, v = heads(0, hq), heads(hq, hkv), heads(hq + hkv, hkv)
+    rope = lambda y: c["rope"](y, offset=c["offset"])  # noqa: E731
+    if "gq" not in c:  # Llama: RoPE, then s / sqrt(h) on q and s on k
+        return rope(q) * s * h**-0.5, rope(k) * s, v * s
+    # OpenELM: stock QK-norm of the normalized-input projections, RoPE, 1/sqrt(h)
+    q = rope(mx.fast.rms_norm(q * s, c["gq"], EPS_Q)) * h**-0.5
+    k = rope(mx.fast.rms_norm(k * s, c["gk"], EPS_K))
+    return q, k, v * s
+
+
+def check_against(outs, refs, dtype, tol, label):
+    for name, out, ref in zip("qkv", outs, refs):
+        assert out.shape == ref.shape and out.dtype == dtype, (
+            name,
+            out.shape,
+            ref.shape,
+        )
+        err = rel_err(out, ref)
+        assert err < tol, f"{label} {name}: max rel err {err:.3e} >= {tol:.1e}"
+
+
+# --- twins vs the model math -------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,L,off,ratio,mode", GRID)
+def test_qkv_epilogue_twin_matches_unfused_model_math(dtype, L, off, ratio, mode):
+    c = make_case(dtype, L, off, ratio, mode)
+    outs = run_epilogue(K.qkv_epilogue_ops, c)
+    check_against(outs, reference(c), dtype, TOL[dtype], "twin vs reference")
+
+
+def test_openelm_epsilon_adjustment_matters():
+    """Without eps * ms the QK-norm of s*q is wrong: the test grid would see it."""
+    c = make_case(mx.float32, 7, "off5", 2, "openelm")
+    q_ref = reference(c)[0]
+    c_naive = dict(c, ms=mx.ones_like(c["ms"]))  # eps unadjusted (and s = 1)
+    q_naive = run_epilogue(K.qkv_epilogue_ops, c_naive)[0]
+    assert rel_err(q_naive, q_ref) > 1e-2, rel_err(q_naive, q_ref)
+
+
+@pytest.mark.parametrize("name", ["gqa_untied", "head_dim_llama3", "linear_bias"])
+def test_rope_inv_freq_reproduces_the_models_rope_bit_for_bit(name):
+    cfg = tiny.llama_config(name)
+    h = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rope = initialize_rope(h, cfg["rope_theta"], False, cfg.get("rope_scaling"), 512)
+    inv_freq = K.rope_inv_freq(rope, h)
+    x = mx.random.normal((2, 3, 5, h), key=mx.random.key(1))
+    for offset in (0, 9, 300, mx.array([4, 100], mx.int32)):
+        cos, sin = K._rope_tables(offset, 5, inv_freq)
+        ours, ref = K._rope(x, cos, sin), rope(x, offset=offset)
+        assert mx.array_equal(ours, ref).item(), (
+            offset,
+            mx.abs(ours - ref).max().item(),
+        )
+
+
+def test_rope_inv_freq_declines_what_the_epilogue_cannot_do():
+    assert K.rope_inv_freq(nn.RoPE(16, traditional=True), 16) is None
+    assert K.rope_inv_freq(nn.RoPE(8), 16) is None  # partial rotary dims
+    yarn = initialize_rope(
+        16,
+        10000.0,
+        False,
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        512,
+    )
+    assert K.rope_inv_freq(yarn, 16) is None  # scales its input (mscale)
+
+
+SHAPES = [(1, 1, 64), (2, 7, 40), (1, 5, 576)]
+
+
+def np64(x):
+    return np.array(x.astype(mx.float32), dtype=np.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_mean_square_twin_vs_numpy(dtype, shape):
+    x = (mx.random.normal(shape, key=mx.random.key(2)) * 30).astype(dtype)
+    out = K.mean_square_ops(x, 1e-5)
+    ref = (np64(x) ** 2).mean(-1, keepdims=True) + 1e-5
+    err = np.abs(np64(out) - ref).max() / ref.max()
+    assert out.dtype == mx.float32 and out.shape == (*shape[:-1], 1), (
+        out.dtype,
+        out.shape,
+    )
+    assert err < 2e-6, f"{dtype} {shape}: rel err {err:.3e}"
+
+
+def glu_case(dtype, shape):
+    k = mx.random.split(mx.random.key(3), 2)
+    gate_up = (mx.random.normal((*shape[:-1], 2 * shape[-1]), key=k[0]) * 4).astype(
+        dtype
+    )
+    s = mx.random.uniform(0.05, 3.0, (*shape[:-1], 1), key=k[1])
+    return gate_up, s
+
+
+def residual_case(dtype, shape):
+    k = mx.random.split(mx.random.key(4), 3)
+    h = (mx.random.normal(shape, key=k[0]) * 10).astype(dtype)
+    y = (mx.random.normal(shape, key=k[1]) * 10).astype(dtype)
+    return h, y, mx.random.uniform(0.05, 3.0, (*shape[:-1], 1), key=k[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_deferred_glu_twin_vs_numpy(dtype, shape):
+    gate_up, s = glu_case(dtype, shape)
+    out = K.deferred_glu_ops(gate_up, s)
+    g, u = np.split(np64(gate_up), 2, axis=-1)
+    g = g * np64(s)
+    ref = g / (1 + np.exp(-g)) * u
+    err = np.abs(np64(out) - ref).max() / np.abs(ref).max()
+    assert out.dtype == dtype and out.shape == shape, (out.dtype, out.shape)
+    assert err < TOL[dtype], f"{dtype} {shape}: rel err {err:.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_deferred_residual_twin_vs_numpy(dtype, shape):
+    h, y, s = residual_case(dtype, shape)
+    out = K.deferred_residual_ops(h, y, s)
+    ref = np64(h) + np64(s) * np64(y)
+    err = np.abs(np64(out) - ref).max() / np.abs(ref).max()
+    # The twin rounds s*y to the dtype before the add: two roundings.
+    assert out.dtype == dtype and out.shape == shape, (out.dtype, out.shape)
+    assert err < 2 * TOL[dtype], f"{dtype} {shape}: rel err {err:.3e}"
+
+
+# --- pickers -----------------------------------------------------------------------
+
+OPS = ["qkv_epilogue", "deferred_glu", "deferred_residual", "mean_square"]
+
+
+def impls(op):
+    return getattr(K, f"{op}_kernel"), getattr(K, f"{op}_ops")
+
+
+@pytest.mark.skipif(HAS_GPU_KERNELS, reason="this MLX build has a GPU backend")
+@pytest.mark.parametrize("op", OPS)
+def test_picker_returns_twin_on_cpu_build(op, monkeypatch):
+    monkeypatch.delenv("FLASHNORM_KERNELS", raising=False)
+    kernel, ops = impls(op)
+    assert K.backend(op) is None
+    assert K.pick(op, kernel, ops) is ops
+    with pytest.raises(RuntimeError, match="Metal or CUDA"):
+        K._kernel(op, "", ["x"], ["y"])
+
+
+@pytest.mark.parametrize("env", ["1", "0"])
+def test_picked_op_runs_the_twin_without_backend_or_with_kernels_off(env, monkeypatch):
+    if env == "1" and HAS_GPU_KERNELS:
+        pytest.skip("this MLX build has a GPU backend: the kernel runs")
+    monkeypatch.setenv("FLASHNORM_KERNELS", env)
+    c = make_case(mx.float16, 7, "per_batch", 2, "llama")
+    picked = run_epilogue(K.qkv_epilogue, c)
+    twin = run_epilogue(K.qkv_epilogue_ops, c)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(picked, twin))
+
+
+@pytest.mark.parametrize("fake", ["metal", "cuda"])
+def test_picker_honours_flashnorm_kernels_env(fake, monkeypatch):
+    monkeypatch.setattr(K, "_gpu_backend", lambda: fake)
+    monkeypatch.delenv("FLASHNORM_KERNELS", raising=False)
+    for op in OPS:
+        assert K.pick(op, *impls(op)) is impls(op)[0], op
+    monkeypatch.setenv("FLASHNORM_KERNELS", "0")
+    for op in OPS:
+        assert K.pick(op, *impls(op)) is impls(op)[1], op
+    monkeypatch.setenv("FLASHNORM_KERNELS", "deferred_glu,mean_square")
+    for op in OPS:
+        want = impls(op)[0 if op in ("deferred_glu", "mean_square") else 1]
+        assert K.pick(op, *impls(op)) is want, op
+
+
+# --- renderings --------------------------------------------------------------------
+
+BODIES = {
+    "qkv_epilogue": K.QKV_EPILOGUE_BODY,
+    "deferred_glu": K.DEFERRED_GLU_BODY,
+    "deferred_residual": K.DEFERRED_RESIDUAL_BODY,
+    "mean_square": K.MEAN_SQUARE_BODY,
+}
+VARIANTS = [
+    ("qkv_epilogue", dict(qk_norm=a, prescale=b)) for a in (0, 1) for b in (0, 1)
+]
+VARIANTS += [(op, {}) for op in BODIES if op != "qkv_epilogue"]
+
+
+@pytest.mark.parametrize("op,flags", VARIANTS, ids=lambda v: str(v))
+def test_metal_and_cuda_renderings_differ_only_in_prelude(op, flags):
+    metal = K.render(BODIES[op], "metal", **flags)
+    cuda = K.render(BODIES[op], "cuda", **flags)
+    metal_prelude, metal_body = metal.split(K.BODY_MARK)
+    cuda_prelude, cuda_body = cuda.split(K.BODY_MARK)
+    assert metal_body == cuda_body == BODIES[op]
+    assert metal_prelude != cuda_prelude
+    assert (
+        "thread_position_in_threadgroup" in metal_prelude
+        and "threadIdx" in cuda_prelude
+    )
+    for backend_only in (
+        "threadIdx",
+        "blockIdx",
+        "__syncthreads",
+        "__shared__",
+        "metal::",
+        "threadgroup_barrier",
+        "thread_position",
+    ):
+        assert backend_only not in metal_body, backend_only
+
+
+def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path):
+    """Creating metal_kernel objects works without Metal; exporting a graph records
+    the call without running it, and verbose=True prints MLX's full Metal source."""
+    real = mx.fast.metal_kernel
+
+    def verbose_metal_kernel(**kw):
+        kernel = real(**kw)
+        return lambda **call: kernel(**call, verbose=True)
+
+    monkeypatch.setattr(mx.fast, "metal_kernel", verbose_metal_kernel)
+    monkeypatch.setattr(K, "_gpu_backend", lambda: "metal")
+    K._make_kernel.cache_clear()
+    c = make_case(mx.float16, 7, "per_batch", 2, "openelm")
+    c_llama = make_case(mx.bfloat16, 1, "off5", 4, "llama")
+    gate_up, s = glu_case(mx.float16, (2, 7, 40))
+
+    def graph(qkv, qkv2, gate_up):
+        q = run_epilogue(K.qkv_epilogue_kernel, dict(c, qkv=qkv))
+        q2 = run_epilogue(K.qkv_epilogue_kernel, dict(c_llama, qkv=qkv2))
+        ms = K.mean_square_kernel(gate_up, 1e-5)
+        glu = K.deferred_glu_kernel(gate_up, s)
+        return (*q, *q2, ms, glu, K.deferred_residual_kernel(glu, glu, s))
+
+    try:
+        mx.export_function(
+            str(tmp_path / "g.mlxfn"), graph, c["qkv"], c_llama["qkv"], gate_up
+        )
+    finally:
+        K._make_kernel.cache_clear()
+    text = capfd.readouterr().out
+    sources = text.split("Generated source code for `")[1:]
+    names = sorted(src.split("`")[0] for src in sources)
+    assert names == [
+        "flashnorm_deferred_glu",
+        "flashnorm_deferred_residual",
+        "flashnorm_mean_square",
+        "flashnorm_qkv_epilogue_prescale0_qk_norm0",
+        "flashnorm_qkv_epilogue_prescale1_qk_norm1",
+    ], names
+    by_name = {src.split("`")[0]: src for src in sources}
+    qkv_src = by_name["flashnorm_qkv_epilogue_prescale1_qk_norm1"]
+    for line in (
+        "template <typename T, int HQ, int HKV, int HALF, int OFS, int NT, int RP>",
+        "const device float16_t* qkv [[buffer(0)]]",
+        "const constant int* qkv_shape [[buffer(1)]]",
+        "const constant int32_t* offset",
+        "device float16_t* v [[buffer(",
+        "uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]",
+        "#define FN_QK_NORM 1",
+        "<float16_t, 4, 2, 12, 1, 12, 16>",
+    ):
+        assert line in qkv_src, (line, qkv_src[:2000])
+    assert (
+        "<bfloat16_t, 8, 2, 8, 0>"
+        in by_name["flashnorm_qkv_epilogue_prescale0_qk_norm0"]
+    )
+    for name, src in by_name.items():
+        op = name[len("flashnorm_") :].split("_prescale")[0]
+        assert K.BODY_MARK + BODIES[op] in src, name
+        assert "[[kernel]] void custom_kernel_" + name in src, name
+        assert 'template [[host_name("custom_kernel_' + name in src, name
+
+
+# --- kernels vs twins on a real backend -------------------------------------------
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype,L,off,ratio,mode", GRID)
+def test_qkv_epilogue_kernel_matches_twin(dtype, L, off, ratio, mode):
+    c = make_case(dtype, L, off, ratio, mode)
+    outs = run_epilogue(K.qkv_epilogue_kernel, c)
+    check_against(
+        outs, run_epilogue(K.qkv_epilogue_ops, c), dtype, 2 * TOL[dtype], "kernel"
+    )
+    check_against(outs, reference(c), dtype, TOL[dtype], "kernel vs reference")
+
+
+def elementwise_checks(dtype, shape):
+    gate_up, s = glu_case(dtype, shape)
+    h, y, s2 = residual_case(dtype, shape)
+    yield "deferred_glu", (gate_up, s), 2 * TOL[dtype]
+    yield "deferred_residual", (h, y, s2), 2 * TOL[dtype]
+    yield "mean_square", (h, 1e-5), 1e-5  # float32 sums in another order
+
+
+def check_elementwise_kernels(dtype, shape):
+    for op, args, tol in elementwise_checks(dtype, shape):
+        kernel, ops = impls(op)
+        out, ref = kernel(*args), ops(*args)
+        assert (out.shape, out.dtype) == (ref.shape, ref.dtype), (op, out.shape)
+        err = rel_err(out, ref)
+        assert err < tol, f"{op} {dtype} {shape}: kernel vs twin {err:.3e} >= {tol:.1e}"
+
+
+@needs_backend
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_elementwise_kernels_match_twins(dtype, shape):
+    check_elementwise_kernels(dtype, shape)
+
+
+# --- kernel bodies run on the CPU (host C++ rendering) ------------------------------
+
+HOST_PRELUDE = """\
+#define FN_LANE lane_
+#define FN_GROUP group_
+#define FN_GLOBAL (group_ * nt_ + lane_)
+#define FN_SHARED static
+#define FN_SYNC() bar_->arrive_and_wait()
+#define FN_RSQRT(x) (1.0f / std::sqrt(x))
+#define FN_EXP(x) std::exp(x)
+#define FN_COS(x) std::cos(x)
+#define FN_SIN(x) std::sin(x)
+"""
+HOST_HEADER = """\
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+struct bf16 {  // bfloat16 storage, float32 arithmetic (round to nearest even)
+  uint16_t bits;
+  bf16(float f) { uint32_t u; std::memcpy(&u, &f, 4);
+    bits = std::isnan(f) ? 0x7fc0 : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); }
+  operator float() const { uint32_t u = (uint32_t)bits << 16; float f;
+    std::memcpy(&f, &u, 4); return f; }
+};
+"""
+CTYPES = {
+    mx.float32: "float",
+    mx.float16: "_Float16",
+    mx.bfloat16: "bf16",
+    mx.int32: "int",
+}
+NP_STORAGE = {
+    mx.float32: np.float32,
+    mx.float16: np.float16,
+    mx.bfloat16: np.uint16,
+    mx.int32: np.int32,
+}
+HOST_RP = 1024  # the host's shared array: any power of two >= the threads works
+
+
+def to_numpy(x):
+    x = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
+    return np.ascontiguousarray(np.array(x))
+
+
+def from_numpy(a, dtype):
+    x = mx.array(a)
+    return x.view(mx.bfloat16) if dtype == mx.bfloat16 else x
+
+
+HOST_KERNEL = """\
+static void {key}_body(void** bufs_, const int* ints_, int lane_, int group_, int nt_,
+                       std::barrier<>* bar_) {{
+  constexpr int RP = {rp};
+{decls}
+{prelude}{defines}{body}}}
+{undefs}
+extern "C" void {key}(void** bufs, const int* ints, int groups, int nt, int threaded) {{
+  if (!threaded) {{  // no barriers: the lanes of a group one after another
+    for (int g = 0; g < groups; ++g)
+      for (int l = 0; l < nt; ++l) {key}_body(bufs, ints, l, g, nt, nullptr);
+    return;
+  }}
+  std::barrier<> bar(nt);  // one OS thread per lane, groups in lock-step
+  std::vector<std::thread> lanes;
+  for (int l = 0; l < nt; ++l)
+    lanes.emplace_back([&, l] {{
+      for (int g = 0; g < groups; ++g) {{
+        {key}_body(bufs, ints, l, g, nt, &bar);
+        bar.arrive_and_wait();
+      }}
+    }});
+  for (auto& t : lanes) t.join();
+}}
+"""
+
+
+class Spec(NamedTuple):
+    body: str
+    names: list
+    outputs: list
+    flags: dict
+    in_dtypes: list
+    template: list
+    out_dtypes: list
+
+
+class HostKernels:
+    """Stands in for `kernels._kernel`: the same body, g++-compiled, one thread per
+    GPU thread (CUDA's grid rounding: whole blocks, so bounds checks are exercised)."""
+
+    def __init__(self, workdir: Path):
+        self.workdir, self.specs, self.lib = workdir, {}, None
+
+    def record(self, name, body, inputs, outputs, **flags):
+        """Recording pass: note the variant and its dtypes, return dummy outputs."""
+        names = list(inputs)
+
+        def call(inputs=None, template=(), output_shapes=(), output_dtypes=(), **_):
+            key = self.key(name, body, names, flags, inputs, template, output_dtypes)
+            in_dtypes = [x.dtype for x in inputs]
+            self.specs[key] = Spec(
+                body, names, list(outputs), flags, in_dtypes, template, output_dtypes
+            )
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return call
+
+    @staticmethod
+    def key(name, body, names, flags, inputs, template, output_dtypes):
+        sig = (
+            name,
+            body,
+            tuple(names),
+            tuple(sorted(flags.items())),
+            tuple(str(x.dtype) for x in inputs),
+            tuple(t for t, _ in template),
+            tuple(str(v) for _, v in template if isinstance(v, mx.Dtype)),
+            tuple(str(d) for d in output_dtypes),
+        )
+        return "k" + hashlib.sha1(repr(sig).encode()).hexdigest()[:16]
+
+    @staticmethod
+    def source(key: str, spec: Spec) -> str:
+        # The CUDA rendering minus its prelude: the very text the GPU compiles.
+        rendered = K.render(spec.body, "cuda", **spec.flags)
+        cuda_prelude, body = rendered.split(K.BODY_MARK)
+        defines = cuda_prelude[len(K.PRELUDES["cuda"]) :]  # the variant's FN_ flags
+        decls = []  # buffers: input i at 2i, its shape at 2i + 1, then the outputs
+        for i, (n, dt) in enumerate(zip(spec.names, spec.in_dtypes)):
+            c = CTYPES[dt]
+            decls.append(f"const {c}* {n} = (const {c}*)bufs_[{2 * i}];")
+            decls.append(f"const int* {n}_shape = (const int*)bufs_[{2 * i + 1}];")
+        for j, (n, dt) in enumerate(zip(spec.outputs, spec.out_dtypes)):
+            c = CTYPES[dt]
+            decls.append(f"{c}* {n} = ({c}*)bufs_[{2 * len(spec.names) + j}];")
+        ints = [t for t, v in spec.template if not isinstance(v, mx.Dtype)]
+        decls += [f"const int {t} = ints_[{i}];" for i, t in enumerate(ints)]
+        decls = [d for d in decls if not d.startswith("const int RP ")]
+        decls += [f"using T = {CTYPES[v]};" for t, v in spec.template if t == "T"]
+        return HOST_KERNEL.format(
+            key=key,
+            rp=HOST_RP,
+            decls="".join(f"  {d}\n" for d in decls),
+            prelude=HOST_PRELUDE,
+            defines=defines,
+            body=body,
+            undefs="".join(f"#undef FN_{f.upper()}\n" for f in spec.flags),
+        )
+
+    def compile(self):
+        src = self.workdir / "host_kernels.cpp"
+        parts = [self.source(key, spec) for key, spec in self.specs.items()]
+        src.write_text(HOST_HEADER + "\n".join(parts))
+        lib = self.workdir / "host_kernels.so"
+        flags = ["-std=c++20", "-O1", "-shared", "-fPIC", "-pthread"]
+        r = subprocess.run(
+            [HOST_CXX, *flags, "-o", str(lib), str(src)], capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr[-4000:]
+        self.lib = ctypes.CDLL(str(lib))
+
+    def run(self, name, body, inputs, outputs, **flags):
+        names = list(inputs)
+
+        def call(
+            inputs=None,
+            template=(),
+            grid=None,
+            threadgroup=None,
+            output_shapes=(),
+            output_dtypes=(),
+            **_,
+        ):
+            key = self.key(name, body, names, flags, inputs, template, output_dtypes)
+            assert key in self.specs, f"{name} {flags}: variant not compiled"
+            tmpl = dict(template)
+            tx, gx = threadgroup[0], grid[0]
+            nt, groups = min(tx, gx), -(-gx // tx)
+            threaded = "FN_SYNC" in body
+            if threaded:  # barriers need whole threadgroups
+                assert gx % tx == 0, (gx, tx)
+            if "RP" in tmpl:  # a reduction over exactly NT threads
+                rp = tmpl["RP"]
+                assert tmpl["NT"] == tx, (tmpl, tx)
+                assert rp >= tx and rp & (rp - 1) == 0 and rp <= HOST_RP, (rp, tx)
+            keep = []
+            for x in inputs:
+                keep += [to_numpy(x), np.array(x.shape or (1,), np.int32)]
+            outs = []
+            for shape, dt in zip(output_shapes, output_dtypes):
+                fill = 0x7FC0 if dt == mx.bfloat16 else np.nan  # unwritten shows as NaN
+                outs.append(np.full(shape, fill, NP_STORAGE[dt]))
+            bufs = (ctypes.c_void_p * (len(keep) + len(outs)))(
+                *[a.ctypes.data for a in keep + outs]
+            )
+            ints = [v for t, v in template if not isinstance(v, mx.Dtype)]
+            ints = (ctypes.c_int * max(1, len(ints)))(*ints)
+            getattr(self.lib, key)(bufs, ints, groups, nt, int(threaded))
+            return [from_numpy(o, dt) for o, dt in zip(outs, output_dtypes)]
+
+        return call
+
+
+def record_all_variants(host, monkeypatch):
+    """One call per variant and dtype through the real wrappers, recording only."""
+    monkeypatch.setattr(K, "_kernel", host.record)
+    for dtype in DTYPES.values():
+        for mode in ("llama", "openelm"):
+            for off in ("off5", "per_batch"):
+                run_epilogue(K.qkv_epilogue_kernel, make_case(dtype, 1, off, 2, mode))
+            # p only comes with float16; record the other prescale variant too
+            c = make_case(dtype, 1, "off0", 2, mode)
+            c["p"] = None if c["p"] is not None else mx.ones_like(c["ms"])
+            run_epilogue(K.qkv_epilogue_kernel, c)
+        for op, args, _ in elementwise_checks(dtype, (1, 2, 8)):
+            impls(op)[0](*args)
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    if HOST_CXX is None:
+        pytest.skip("no C++ compiler")
+    host = HostKernels(tmp_path_factory.mktemp("host_kernels"))
+    with pytest.MonkeyPatch.context() as mp:
+        record_all_variants(host, mp)
+    host.compile()
+    return host
+
+
+@pytest.fixture
+def host_backend(host_kernels, monkeypatch):
+    monkeypatch.setattr(K, "_kernel", host_kernels.run)
+    monkeypatch.setattr(K, "_gpu_backend", lambda: "cuda")
+    monkeypatch.delenv("FLASHNORM_KERNELS", raising=False)
+    return host_kernels
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype,L,off,ratio,mode", GRID)
+def test_qkv_epilogue_body_on_host_matches_twin(
+    host_backend, dtype, L, off, ratio, mode
+):
+    c = make_case(dtype, L, off, ratio, mode)
+    outs = run_epilogue(K.qkv_epilogue_kernel, c)
+    check_against(
+        outs, run_epilogue(K.qkv_epilogue_ops, c), dtype, 2 * TOL[dtype], "body"
+    )
+    check_against(outs, reference(c), dtype, TOL[dtype], "body vs reference")
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", SHAPES + [(3, 1, 1000)], ids=str)
+def test_elementwise_bodies_on_host_match_twins(host_backend, dtype, shape):
+    check_elementwise_kernels(dtype, shape)
+
+
+# --- the Llama model uses the epilogue ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gqa_untied", "linear_bias"])
+def test_llama_attention_uses_the_epilogue_unless_biased(name, tmp_path, monkeypatch):
+    source = read_source(str(tiny.make_llama(tmp_path, name, tokenizer=False)))
+    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    calls = []
+    real = K.qkv_epilogue
+    monkeypatch.setattr(
+        K, "qkv_epilogue", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    model(mx.array([[1, 2, 3]]))
+    n_layers = source.config["num_hidden_layers"]
+    assert len(calls) == (0 if source.config.get("attention_bias") else n_layers), calls
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["f32", "f16"])
+def test_llama_with_every_kernel_body_matches_twins(host_backend, dtype, tmp_path):
+    """The whole model with all four kernels (run as host C++) vs its plain-ops self,
+    over a prompt and cached decode steps (int offsets through the KV cache)."""
+    source = read_source(
+        str(tiny.make_llama(tmp_path, "head_dim_llama3", tokenizer=False))
+    )
+    model, _ = build_model(source, "flashnorm", dtype=dtype)
+    prompt = mx.array([[5, 17, 99, 3, 250, 42, 7]])
+    logits = {}
+    for env in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("FLASHNORM_KERNELS", env)
+            cache = make_prompt_cache(model)
+            rows = [model(prompt, cache=cache)[0]]
+            for tok in (9, 250, 31):
+                rows.append(model(mx.array([[tok]]), cache=cache)[0])
+            logits[env] = mx.concatenate(rows).astype(mx.float32)
+    err = rel_err(logits["1"], logits["0"])
+    assert err < (1e-5 if dtype == mx.float32 else 2e-2), f"{dtype}: {err:.3e}"
