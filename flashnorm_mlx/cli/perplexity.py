@@ -1,0 +1,96 @@
+"""`flashnorm-mlx perplexity [MODEL]`: stock vs FlashNorm perplexity on real text."""
+
+import argparse
+import json
+import sys
+
+from ..loading import read_source
+from ..perplexity import MODES, load_text, perplexity
+from .common import add_model_args, model_kwargs, need_tokenizer, run_main
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flashnorm-mlx perplexity",
+        description="Perplexity of stock mlx-lm and FlashNorm on the same text and "
+        "weights (both quantized from the same float weights with the same "
+        "settings). -q quantizes with --q-bits/--q-group-size, dequantizing a "
+        "quantized source first; without -q a quantized source is requantized "
+        "with its own settings, or run in float with --dequantize.",
+    )
+    add_model_args(p, mode=False)
+    p.add_argument(
+        "--data",
+        default=None,
+        help="UTF-8 text file (default: the pydoc topics that ship with Python)",
+    )
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    p.add_argument(
+        "--num-seqs", type=int, default=16, help="windows to score (0: all of the text)"
+    )
+    p.add_argument(
+        "-b", "--batch-size", type=int, default=4, help="windows per forward"
+    )
+    p.add_argument(
+        "--mode", choices=("both", *MODES), default="both", help="models to score"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+@run_main
+def main(argv=None):
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if args.num_seqs < 0 or args.batch_size < 1 or args.seq_len < 2:
+        parser.error("--seq-len >= 2, --num-seqs >= 0 and --batch-size >= 1 required")
+    text = load_text(args.data)
+    source = read_source(args.model, tokenizer=args.tokenizer)
+    tokenizer = need_tokenizer(source.tokenizer, source.name)
+    r = perplexity(
+        source,
+        tokens=list(tokenizer.encode(text)),
+        seq_len=args.seq_len,
+        num_seqs=args.num_seqs,
+        modes=MODES if args.mode == "both" else (args.mode,),
+        batch_size=args.batch_size,
+        progress=sys.stderr.isatty(),
+        **model_kwargs(args),
+    )
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    _print_table(r)
+    return 0
+
+
+def _print_table(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    quant = r["quantization"] or "not quantized"
+    t = Table(title=f"Perplexity: {r['model']} ({r['dtype']}, {quant})")
+    t.add_column("model")
+    t.add_column("perplexity", justify="right")
+    t.add_column("mean NLL", justify="right")
+    t.add_column("tokens/sec", justify="right")
+    for mode in MODES:
+        if mode in r:
+            t.add_row(
+                mode,
+                f"{r[mode]:.4f}",
+                f"{r[f'{mode}_nll']:.6f}",
+                f"{r[f'{mode}_tokens_per_sec']:.0f}",
+            )
+    console = Console()
+    console.print(t)
+    console.print(
+        f"{r['num_seqs']} windows of {r['seq_len']} tokens, "
+        f"{r['tokens_scored']} tokens scored"
+    )
+    if "diff_rel" in r:
+        console.print(
+            f"FlashNorm vs stock perplexity: {r['diff_rel']:+.3e} relative "
+            f"({100 * r['diff_rel']:+.2g}%), largest per-token NLL difference "
+            f"{r['max_token_nll_diff']:.3e}"
+        )

@@ -1,0 +1,177 @@
+"""Perplexity of stock mlx-lm and FlashNorm on the same text and the same weights.
+
+The text is tokenized once and cut into non-overlapping windows of seq_len
+tokens, spread evenly over it; each window predicts its tokens 2..seq_len from
+the ones before (as mlx-lm's perplexity does). Both models are built with
+`loading.build_model` from one Source, so they are quantized from the same float
+weights with the same settings. Perplexity = exp(mean next-token NLL).
+"""
+
+import math
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .loading import LoadError, Source, build_model
+
+MODES = ("stock", "flashnorm")
+
+
+def default_text() -> str:
+    """English prose that ships with Python: the pydoc help topics."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def load_text(path: Optional[str]) -> str:
+    """The text of a UTF-8 file, or the default text for None."""
+    if path is None:
+        return default_text()
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise LoadError(f"no such data file: {path}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as e:
+        raise LoadError(f"{path}: not a readable UTF-8 text file ({e})") from None
+    if not text.strip():
+        raise LoadError(f"{path}: the data file is empty")
+    return text
+
+
+def windows(tokens: Sequence[int], seq_len: int, num_seqs: Optional[int]) -> mx.array:
+    """(K, seq_len) non-overlapping windows spread evenly over the tokens."""
+    if seq_len < 2:
+        raise LoadError("--seq-len must be at least 2")
+    available = len(tokens) // seq_len
+    if available == 0:
+        raise LoadError(
+            f"the text has {len(tokens)} tokens, fewer than one window of {seq_len}"
+        )
+    k = available if not num_seqs else min(num_seqs, available)
+    starts = np.linspace(0, available - 1, k).round().astype(int) * seq_len
+    arr = np.asarray(tokens, dtype=np.int32)
+    return mx.array(np.stack([arr[s : s + seq_len] for s in starts]))
+
+
+def token_nll(model, batch: mx.array) -> mx.array:
+    """(B, L-1) next-token negative log-likelihoods, computed in float32."""
+    logits = model(batch[:, :-1]).astype(mx.float32)
+    targets = batch[:, 1:]
+    picked = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return mx.logsumexp(logits, axis=-1) - picked
+
+
+def _model_nll(model, data: mx.array, batch_size: int, advance=None) -> np.ndarray:
+    out = []
+    for s in range(0, data.shape[0], batch_size):
+        nll = token_nll(model, data[s : s + batch_size])
+        mx.eval(nll)
+        out.append(np.array(nll, dtype=np.float64).ravel())
+        if advance is not None:
+            advance(min(batch_size, data.shape[0] - s))
+    return np.concatenate(out)
+
+
+def perplexity(
+    source: Source,
+    text: Optional[str] = None,
+    tokens: Optional[List[int]] = None,
+    seq_len: int = 256,
+    num_seqs: Optional[int] = 16,
+    modes: Iterable[str] = MODES,
+    batch_size: int = 4,
+    dtype: Optional[mx.Dtype] = None,
+    quantize: Optional[Tuple[int, int]] = None,
+    dequantize: bool = False,
+    progress: bool = False,
+) -> dict:
+    """Perplexity per mode on `tokens` (or `text`, default: `default_text()`).
+
+    Returns {"stock": ppl, "flashnorm": ppl, "diff_rel": (flashnorm - stock) /
+    stock, ...} (the keys of the modes asked for; diff_rel and the largest
+    per-token NLL difference when both ran). quantize=(bits, group_size)
+    quantizes the float weights with these settings, also for a quantized
+    source (which is dequantized first); without it a quantized source is
+    requantized with its own settings, or run in float with dequantize.
+    """
+    modes = list(modes)
+    for m in modes:
+        if m not in MODES:
+            raise LoadError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    if tokens is None:
+        if source.tokenizer is None:
+            raise LoadError(f"{source.name} has no tokenizer; pass --tokenizer")
+        tokens = list(
+            source.tokenizer.encode(text if text is not None else default_text())
+        )
+    data = windows(tokens, seq_len, num_seqs)
+    kw = dict(dtype=dtype, quantize=quantize, dequantize=dequantize or bool(quantize))
+
+    result: Dict[str, object] = {
+        "model": source.name,
+        "seq_len": seq_len,
+        "num_seqs": int(data.shape[0]),
+        "tokens_scored": int(data.shape[0] * (seq_len - 1)),
+    }
+    nll: Dict[str, np.ndarray] = {}
+    with _progress(progress) as bar:
+        for mode in modes:
+            model, config = build_model(source, mode, **kw)
+            result["dtype"] = _dtype_name(model)
+            result["quantization"] = _quant_name(config)
+            task = bar.add_task(mode, total=int(data.shape[0]))
+            start = time.perf_counter()
+            nll[mode] = _model_nll(
+                model, data, batch_size, lambda n: bar.advance(task, n)
+            )
+            seconds = time.perf_counter() - start
+            del model
+            mean = float(nll[mode].mean())
+            result[mode] = math.exp(mean)
+            result[f"{mode}_nll"] = mean
+            result[f"{mode}_tokens_per_sec"] = data.size / seconds
+    if len(nll) == 2:
+        result["diff_rel"] = (result["flashnorm"] - result["stock"]) / result["stock"]
+        result["max_token_nll_diff"] = float(
+            np.abs(nll["flashnorm"] - nll["stock"]).max()
+        )
+    return result
+
+
+def _progress(enabled: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}[/] windows"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+        transient=True,
+    )
+
+
+def _dtype_name(model) -> str:
+    from mlx.utils import tree_flatten
+
+    for k, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return str(v.dtype).split(".")[-1]
+    return "?"
+
+
+def _quant_name(config: dict) -> Optional[str]:
+    q = config.get("quantization")
+    if not q:
+        return None
+    extra = [v["bits"] for v in q.values() if isinstance(v, dict)]
+    tail = (
+        f" ({', '.join(sorted({f'{b}-bit' for b in extra}))} for some)" if extra else ""
+    )
+    return f"{q['bits']}-bit, group size {q['group_size']}{tail}"

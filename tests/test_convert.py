@@ -1,0 +1,338 @@
+"""`convert`: folded (and quantized) checkpoints load without a second fold and
+give the same logits as folding in memory; stock mlx-lm runs --compat ones."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+
+from flashnorm_mlx import fold
+from flashnorm_mlx.cli import main
+from flashnorm_mlx.convert import convert
+from flashnorm_mlx.loading import LoadError, Source, build_model, read_source
+
+PROMPT = [[5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]]
+QUANT = {"float": None, "4bit_gs32": (4, 32), "4bit_gs64": (4, 64)}
+
+
+def _qflags(q):
+    return (
+        [] if q is None else ["-q", "--q-bits", str(q[0]), "--q-group-size", str(q[1])]
+    )
+
+
+def _rel(a, b):
+    return mx.abs(a - b).max().item() / mx.abs(b).max().item()
+
+
+def _files(path: Path) -> dict:
+    weights = {}
+    for f in sorted(path.glob("model*.safetensors")):
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def _leftovers(out: Path) -> list:
+    return sorted(p.name for p in out.parent.glob(f"{out.name}.*"))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return tiny.make_llama(tmp_path_factory.mktemp("src"), "gqa_untied")
+
+
+def _load_converted(out: Path, monkeypatch, **kw):
+    """build_model on a converted folder, failing if anything folds again."""
+
+    def no_fold(*a, **k):
+        raise AssertionError("fold_norms called on a converted checkpoint")
+
+    with monkeypatch.context() as m:
+        m.setattr(fold, "fold_norms", no_fold)
+        model, config = build_model(read_source(str(out)), "flashnorm", **kw)
+    return model, config
+
+
+def _assert_loaded_as_stored(model, out: Path):
+    """The loaded parameters are the file's tensors (fused by sanitize), bit for bit."""
+    cfg = json.loads((out / "config.json").read_text())
+    stored = model.sanitize(fold.drop_unit_norms(_files(out), cfg))
+    params = dict(tree_flatten(model.parameters()))
+    assert sorted(params) == sorted(stored), (sorted(params), sorted(stored))
+    changed = [k for k in params if not mx.array_equal(params[k], stored[k]).item()]
+    assert not changed, f"loading changed {changed}"
+
+
+def _check_converted(src: Path, out: Path, q, monkeypatch):
+    """Marker, no second fold/quantization, logits equal to fold-then-quantize in memory."""
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg[fold.MARKER]["folded"] is True, cfg
+    if q is None:
+        assert "quantization" not in cfg, cfg
+    else:
+        want = {"bits": q[0], "group_size": q[1], "mode": "affine"}
+        assert cfg["quantization"] == want == cfg["quantization_config"], cfg
+    model, _ = _load_converted(out, monkeypatch)
+    _assert_loaded_as_stored(model, out)
+
+    source = read_source(str(src))
+    ref, _ = build_model(source, "flashnorm", quantize=q)
+    x = mx.array(PROMPT)
+    got, want_logits = model(x), ref(x)
+    if q is None:
+        stock, _ = build_model(source, "stock")
+        err, err_stock = _rel(got, want_logits), _rel(got, stock(x))
+        assert err < 1e-5 and err_stock < 1e-5, (err, err_stock)
+    else:
+        # Same packed tensors as quantizing the fused in-memory model: bit-identical.
+        ours = dict(tree_flatten(model.parameters()))
+        theirs = dict(tree_flatten(ref.parameters()))
+        assert sorted(ours) == sorted(theirs)
+        diff = [k for k in ours if not mx.array_equal(ours[k], theirs[k]).item()]
+        assert not diff, f"differs from in-memory fold-then-quantize: {diff}"
+        err = mx.abs(got - want_logits).max().item()
+        assert err == 0.0, f"max |logit diff| {err}"
+    return model
+
+
+@pytest.mark.parametrize("quant", list(QUANT))
+def test_convert_llama_loads_without_second_fold(
+    llama_dir, tmp_path, quant, monkeypatch
+):
+    q = QUANT[quant]
+    out = tmp_path / "out"
+    assert main(["convert", str(llama_dir), "-o", str(out), *_qflags(q)]) == 0
+    names = list(_files(out))
+    assert not [k for k in names if "layernorm" in k or k == "model.norm.weight"], names
+    assert (out / "tokenizer.json").is_file() and (
+        out / "tokenizer_config.json"
+    ).is_file()
+    assert _leftovers(out) == [], _leftovers(out)
+    model = _check_converted(llama_dir, out, q, monkeypatch)
+    if q == (4, 64):  # down_proj's input width 96 is not a multiple of 64
+        kinds = {n: type(m).__name__ for n, m in model.named_modules()}
+        assert kinds["model.layers.0.mlp.down_proj"] == "Linear", kinds
+        assert kinds["model.layers.0.self_attn.qkv_proj"] == "QuantizedLinear", kinds
+
+
+@pytest.mark.parametrize("quant", ["float", "4bit_gs32"])
+def test_compat_runs_in_stock_mlx_lm_load(llama_dir, tmp_path, quant, monkeypatch):
+    from mlx_lm import load as mlx_lm_load
+
+    out = tmp_path / "out"
+    assert (
+        main(
+            [
+                "convert",
+                str(llama_dir),
+                "-o",
+                str(out),
+                "--compat",
+                *_qflags(QUANT[quant]),
+            ]
+        )
+        == 0
+    )
+    norms = {k: v for k, v in _files(out).items() if "norm" in k}
+    assert len(norms) == 2 * 2 + 1 and all(
+        mx.all(v == 1).item() for v in norms.values()
+    ), norms
+    ours = _check_converted(llama_dir, out, QUANT[quant], monkeypatch)
+    stock, tokenizer = mlx_lm_load(str(out))
+    assert type(stock).__module__ == "mlx_lm.models.llama"
+    x = mx.array(PROMPT)
+    err = _rel(ours(x), stock(x))
+    assert err < 1e-5, f"stock mlx_lm.load vs ours: {err:.3e}"
+    assert tokenizer.encode("hi there") == read_source(str(llama_dir)).tokenizer.encode(
+        "hi there"
+    )
+
+
+def _openelm_or_skip():
+    if not (Path(fold.__file__).parent / "models" / "openelm.py").is_file():
+        pytest.skip("flashnorm_mlx/models/openelm.py does not exist yet")
+    if not all(
+        hasattr(tiny, n) for n in ("make_openelm", "openelm_config", "openelm_weights")
+    ):
+        pytest.skip("tests/tiny.py has no OpenELM builder yet")
+
+
+@pytest.mark.parametrize("quant", ["float", "4bit_gs32", "4bit_gs64"])
+def test_convert_openelm(tmp_path, quant, monkeypatch):
+    _openelm_or_skip()
+    from mlx_lm.utils import load_model
+
+    # model_dim 64 so group sizes 32 and 64 divide it; an untied head folds the final norm.
+    cfg = {
+        **tiny.openelm_config("shared"),
+        "model_dim": 64,
+        "share_input_output_layers": False,
+    }
+    src = tiny.write_model(
+        tmp_path / "src", cfg, tiny.openelm_weights(cfg), tokenizer=False
+    )
+    q = QUANT[quant]
+    out = tmp_path / "out"
+    convert(str(src), out, quantize=q, compat=True, progress=False)
+    ours = _check_converted(src, out, q, monkeypatch)
+    assert type(ours).__module__ == "flashnorm_mlx.models.openelm"
+    stock, _ = load_model(out)
+    assert type(stock).__module__ == "mlx_lm.models.openelm"
+    err = _rel(ours(mx.array(PROMPT)), stock(mx.array(PROMPT)))
+    assert err < 1e-5, f"stock mlx-lm on the --compat OpenELM vs ours: {err:.3e}"
+
+
+def test_existing_output_is_refused_and_untouched(llama_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    rc = main(["convert", str(llama_dir), "-o", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "already exists" in err[0], (rc, err)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert (out / "keep.txt").read_text() == "precious"
+    assert _leftovers(out) == [], _leftovers(out)
+    # --force replaces it, only once the new checkpoint is complete.
+    assert main(["convert", str(llama_dir), "-o", str(out), "--force"]) == 0
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert _leftovers(out) == [], _leftovers(out)
+
+
+def _fail_after_first(i, n):
+    if i >= 1:
+        raise RuntimeError(f"injected failure after layer group {i} of {n}")
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "force"])
+def test_failure_midway_leaves_nothing_behind(llama_dir, tmp_path, existing):
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "keep.txt").write_text("precious")
+    with pytest.raises(RuntimeError, match="injected"):
+        convert(
+            str(llama_dir), out, force=True, progress=False, on_layer=_fail_after_first
+        )
+    if existing:
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    else:
+        assert not out.exists()
+    assert _leftovers(out) == [], _leftovers(out)
+
+
+def test_folded_source_is_refused_unless_requantized(llama_dir, tmp_path):
+    folded, direct, requant = tmp_path / "f", tmp_path / "d", tmp_path / "r"
+    convert(str(llama_dir), folded, progress=False)
+    with pytest.raises(LoadError, match="already folded"):
+        convert(str(folded), tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
+    # Quantizing a folded float checkpoint == quantizing while folding.
+    convert(str(folded), requant, quantize=(4, 32), progress=False)
+    convert(str(llama_dir), direct, quantize=(4, 32), progress=False)
+    a, b = _files(requant), _files(direct)
+    assert sorted(a) == sorted(b)
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    with pytest.raises(LoadError, match="already folded and quantized"):
+        convert(str(requant), tmp_path / "y", quantize=(4, 64), progress=False)
+
+
+def test_sharded_output_and_dtype(llama_dir, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    r = convert(str(llama_dir), out, dtype=mx.bfloat16, max_shard_gb=0, progress=False)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) == r["tensors"] > 1, (shards, r)
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert all(v.dtype == mx.bfloat16 for v in _files(out).values())
+    # (On the CPU, build_model computes in float32 unless told otherwise.)
+    model, _ = _load_converted(out, monkeypatch, dtype=mx.bfloat16)
+    _assert_loaded_as_stored(model, out)
+    assert model.model.embed_tokens.weight.dtype == mx.bfloat16
+    ref, _ = build_model(read_source(str(llama_dir)), "flashnorm", dtype=mx.bfloat16)
+    err = mx.abs(model(mx.array(PROMPT)) - ref(mx.array(PROMPT))).max().item()
+    assert err == 0.0, err
+
+
+def test_tokenizer_without_folder_is_saved_with_transformers(llama_dir, tmp_path):
+    """A GGUF source has a tokenizer object but no files: save_pretrained writes them."""
+    from mlx_lm.utils import load_tokenizer
+
+    src = read_source(str(llama_dir))
+    gguf_like = Source("gguf-like", src.config, src.weights, src.tokenizer, folder=None)
+    out = tmp_path / "out"
+    convert(gguf_like, out, progress=False)
+    tok = load_tokenizer(out)
+    text = "Hello, FlashNorm!"
+    assert tok.encode(text) == src.tokenizer.encode(text)
+    assert tok.chat_template == src.tokenizer.chat_template
+
+
+def test_bad_output_parent_is_one_line(llama_dir, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc = main(["convert", str(llama_dir), "-o", str(blocker / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and "cannot create" in err[0], (rc, err)
+
+
+def _quantized_source(folder: Path) -> Source:
+    """An unfolded quantized checkpoint like a GGUF: 4-bit gs 32, 8-bit embedding."""
+    src = read_source(str(folder))
+    spec = {"group_size": 32, "bits": 4, "mode": "affine"}
+    emb = {**spec, "bits": 8}
+    weights = {}
+    for k, v in src.weights.items():
+        module = k[: -len(".weight")]
+        if v.ndim != 2 or v.shape[-1] % 32:
+            weights[k] = v
+            continue
+        q = emb if module == "model.embed_tokens" else spec
+        w, s, b = mx.quantize(v, group_size=32, bits=q["bits"])
+        weights.update({k: w, f"{module}.scales": s, f"{module}.biases": b})
+    quant = {**spec, "model.embed_tokens": emb}
+    config = {**src.config, "quantization": quant, "quantization_config": quant}
+    return Source("quantized", config, weights, src.tokenizer, folder=folder)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        dict(),  # requantize with the source's own settings
+        dict(dequantize=True),  # float
+        dict(dequantize=True, quantize=(4, 64)),  # other settings, from float
+        dict(quantize=(4, 64)),  # -q alone also means: from float, these settings
+    ],
+    ids=["requant_source_settings", "dequantize", "dequantize_q64", "q64"],
+)
+def test_quantized_source_matches_in_memory(llama_dir, tmp_path, how, monkeypatch):
+    src = _quantized_source(llama_dir)
+    out = tmp_path / "out"
+    # A tiny chunk_elements makes every weight go in row chunks: still bit-identical.
+    convert(src, out, progress=False, chunk_elements=1000, **how)
+    model, config = _load_converted(out, monkeypatch)
+    _assert_loaded_as_stored(model, out)
+    # (build_model ignores quantize for a quantized source unless dequantize.)
+    ref_kw = {**how, "dequantize": how.get("dequantize") or "quantize" in how}
+    ref, ref_config = build_model(src, "flashnorm", dtype=mx.float32, **ref_kw)
+    ours = dict(tree_flatten(model.parameters()))
+    theirs = dict(tree_flatten(ref.parameters()))
+    assert sorted(ours) == sorted(theirs)
+    diff = [k for k in ours if not mx.array_equal(ours[k], theirs[k]).item()]
+    assert not diff, f"differs from build_model{how}: {diff}"
+    _assert_config_describes_tensors(out, read_source(str(llama_dir)).weights)
+
+
+def _assert_config_describes_tensors(out: Path, float_weights: dict):
+    """config.json's quantization block gives every packed tensor's bits and group size."""
+    cfg = json.loads((out / "config.json").read_text())
+    files = _files(out)
+    for key in [k for k in files if k.endswith(".scales")]:
+        module = key[: -len(".scales")]
+        qp = fold.quant_params(cfg, module)
+        width = float_weights[f"{module}.weight"].shape[-1]
+        packed, scales = files[f"{module}.weight"], files[key]
+        got = (packed.shape[-1] * 32 // qp["bits"], scales.shape[-1] * qp["group_size"])
+        assert got == (width, width), (module, qp, got, width)

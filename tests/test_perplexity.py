@@ -1,0 +1,86 @@
+"""Perplexity: stock and FlashNorm agree in float32; the NLL matches mlx-lm's own."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+
+from flashnorm_mlx.cli import main
+from flashnorm_mlx.loading import LoadError, build_model, read_source
+from flashnorm_mlx.perplexity import default_text, perplexity, windows
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny.make_llama(tmp_path_factory.mktemp("m"), "gqa_untied")
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_text(default_text()[:6000])
+    return path
+
+
+def test_stock_and_flashnorm_agree_in_float32(model_dir, data_file):
+    source = read_source(str(model_dir))
+    r = perplexity(
+        source, text=data_file.read_text(), seq_len=48, num_seqs=6, dtype=mx.float32
+    )
+    assert r["num_seqs"] == 6 and r["tokens_scored"] == 6 * 47, r
+    assert abs(r["diff_rel"]) < 1e-4, r
+    assert r["max_token_nll_diff"] < 1e-3, r
+    # Independent reference: mlx-lm's own perplexity loop on the stock model.
+    from mlx_lm.perplexity import eval_ppl
+
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    data = windows(source.tokenizer.encode(data_file.read_text()), 48, 6)
+    ppl_mlx_lm, _ = eval_ppl(stock, data, batch_size=4)
+    for mode in ("stock", "flashnorm"):
+        rel = abs(r[mode] - ppl_mlx_lm) / ppl_mlx_lm
+        assert rel < 1e-4, (mode, r[mode], ppl_mlx_lm)
+
+
+def test_windows_are_spread_and_disjoint():
+    data = np.array(windows(list(range(1000)), 50, 4))
+    assert data.shape == (4, 50), data.shape
+    assert data[:, 0].tolist() == [0, 300, 650, 950], data[:, 0]
+    assert np.array(windows(list(range(1000)), 50, None)).shape == (20, 50)
+    with pytest.raises(LoadError, match="fewer than one window"):
+        windows(list(range(10)), 50, 4)
+
+
+def test_default_text_is_substantial_english():
+    text = default_text()
+    words = text.lower().split()
+    counts = {w: words.count(w) for w in ("the", "of", "and", "is")}
+    letters = sum(c.isalpha() for c in text) / len(text)
+    assert len(text) > 200_000 and len(words) > 30_000, (len(text), len(words))
+    assert all(c > 500 for c in counts.values()) and letters > 0.6, (counts, letters)
+
+
+def test_cli_end_to_end(model_dir, data_file, capsys):
+    args = ["perplexity", str(model_dir), "--data", str(data_file), "--seq-len", "32"]
+    assert main([*args, "--num-seqs", "3", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "stock" in out and "flashnorm" in out and "FlashNorm vs stock" in out, out
+    assert main([*args, "--num-seqs", "2", "--mode", "flashnorm", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert "flashnorm" in r and "stock" not in r and "diff_rel" not in r, r
+    assert r["num_seqs"] == 2 and np.isfinite(r["flashnorm"]), r
+
+
+def test_cli_quantized_both_from_same_settings(model_dir, data_file, capsys):
+    args = ["perplexity", str(model_dir), "--data", str(data_file), "--seq-len", "32"]
+    assert main([*args, "--num-seqs", "2", "-q", "--q-group-size", "32", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["quantization"] == "4-bit, group size 32", r
+    assert np.isfinite(r["stock"]) and np.isfinite(r["flashnorm"]), r
+
+
+def test_cli_bad_data_file_is_one_line(model_dir, tmp_path, capsys):
+    rc = main(["perplexity", str(model_dir), "--data", str(tmp_path / "missing.txt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and "no such data file" in err[0], (rc, err)
