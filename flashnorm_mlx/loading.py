@@ -288,21 +288,11 @@ def build_model(
         if quantize and not pre_q:
             qspec = _uniform_qspec(weights, *quantize)
             _apply_qspec(model, qspec)
-            config = _with_quantization(config, qspec, *quantize)
+            config = _with_quantization(config, qspec)
         mx.eval(model.parameters())
         return model, config
 
-    qspec = None
-    if fold.is_quantized(weights):
-        if not dequantize:
-            qspec = _source_qspec(weights, config)
-        dtype = dtype or compute_dtype(weights)
-        weights, config = fold.dequantize_weights(weights, config, mx.float32)
-    else:
-        dtype = dtype or compute_dtype(weights)
-    if quantize and qspec is None:
-        qspec = _uniform_qspec(weights, *quantize)
-
+    weights, config, dtype, qspec = float_weights(weights, config, dtype, quantize, dequantize)
     if mode == "flashnorm":
         weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
         weights, config = fold.fold_norms(weights, config)
@@ -310,14 +300,32 @@ def build_model(
     model = _instantiate(config, weights, mode, pre_quantized=False)
     if qspec:
         _apply_qspec(model, qspec)
-        bits = next(iter(qspec.values()))["bits"]
-        gs = next(iter(qspec.values()))["group_size"]
-        config = _with_quantization(config, qspec, bits, gs)
+        config = _with_quantization(config, qspec)
     mx.eval(model.parameters())
     return model, config
 
 
-def _with_quantization(config: dict, qspec: dict, bits: int, group_size: int) -> dict:
+def float_weights(weights, config, dtype, quantize, dequantize):
+    """(float weights, config, compute dtype, qspec): the shared first step of
+    every variant. A quantized source is dequantized to float32; qspec says how
+    to quantize again after the fold: the source's own settings, unless -q asks
+    for others or dequantize keeps it in float."""
+    qspec = None
+    dtype = dtype or compute_dtype(weights)
+    if fold.is_quantized(weights):
+        if not dequantize and not quantize:
+            qspec = _source_qspec(weights, config)
+        weights, config = fold.dequantize_weights(weights, config, mx.float32)
+    if quantize and qspec is None:
+        qspec = _uniform_qspec(weights, *quantize)
+    return weights, config, dtype, qspec
+
+
+def _with_quantization(config: dict, qspec: dict) -> dict:
+    """mlx-lm's quantization block: the most common setting, per-module exceptions."""
+    from collections import Counter
+
+    bits, group_size = Counter((v["bits"], v["group_size"]) for v in qspec.values()).most_common(1)[0][0]
     q = {"group_size": group_size, "bits": bits, "mode": "affine"}
     q.update({k: v for k, v in qspec.items() if v["bits"] != bits or v["group_size"] != group_size})
     return {**config, "quantization": q, "quantization_config": q}

@@ -221,14 +221,9 @@ def build_nonorm(
     if fold.is_folded(config):
         # A folded checkpoint with unit gains is the same function as the original.
         weights = fold.restore_unit_norms(weights, config)
-    qspec = None
-    if fold.is_quantized(weights):
-        if not dequantize:
-            qspec = loading._source_qspec(weights, config)
-        dtype = dtype or loading.compute_dtype(weights)
-        weights, config = fold.dequantize_weights(weights, config, mx.float32)
-    else:
-        dtype = dtype or loading.compute_dtype(weights)
+    weights, config, dtype, qspec = loading.float_weights(
+        weights, config, dtype, quantize, dequantize
+    )
     weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
 
     # Calibrate in float32 on mlx-lm's class (and its sanitize).
@@ -240,9 +235,7 @@ def build_nonorm(
     weights, config = fold_constants(weights, config, sites, rms)
 
     _, _, embed, head, _ = fold._ARCH[fold.family(config)]
-    if quantize and qspec is None:
-        qspec = loading._uniform_qspec(weights, *quantize)
-    elif qspec and embed in qspec and head not in qspec and f"{head}.weight" in weights:
+    if qspec and embed in qspec and head not in qspec and f"{head}.weight" in weights:
         qspec[head] = qspec[embed]  # an untied head takes its embedding's settings
 
     weights = fold.map_floats(weights, lambda v: v.astype(dtype))
@@ -263,8 +256,6 @@ def build_nonorm(
         ) from None
     if qspec:
         loading._apply_qspec(model, qspec)
-        bits = next(iter(qspec.values()))["bits"]
-        gs = next(iter(qspec.values()))["group_size"]
-        config = loading._with_quantization(config, qspec, bits, gs)
+        config = loading._with_quantization(config, qspec)
     mx.eval(model.parameters())
     return model, config
