@@ -1,8 +1,8 @@
 """The paper's speed bound: stock mlx-lm with every RMSNorm removed.
 
 Each RMSNorm  y = x * rsqrt(mean(x^2) + eps) * g  becomes the fixed map
-y = x * c  with  c = g / r,  r the norm's typical input RMS (mean over token
-positions), measured once in float32 over a few random tokens, in order, each
+y = x * c  with  c = g / r,  r twice the norm's largest input RMS over token
+positions, measured once in float32 over a few random tokens, in order, each
 norm seeing the activations of the norms before it already made constant
 (`measure_rms`). c is folded into the weights the norm feeds (a pure dict
 transform), and the norm modules become nn.Identity: zero norm ops, while
@@ -30,6 +30,11 @@ from . import loading
 
 CALIBRATION_TOKENS = 32
 CALIBRATION_SEED = 1234
+# r = margin x the largest RMS seen, not the mean: without norms a GLU FFN is
+# quadratic in its input's scale, so a token at rho x r grows like rho^(2^layers)
+# and overflows when rho > 1 (seen on SmolLM2's 30 layers), while rho < 1 only
+# shrinks each block's contribution and the residual stays at embedding scale.
+CALIBRATION_MARGIN = 2.0
 MARKER = "nonorm"
 
 
@@ -85,8 +90,8 @@ def strip_norms(model: nn.Module) -> List[str]:
 class _ConstantNorm(nn.Module):
     """Calibration stand-in for one norm: measures r, then applies y = x * g / r.
 
-    r is the mean over token positions (and heads, for a QK-norm) of the input's
-    RMS. Norms run in order, so each one measures the input that the norms
+    r is CALIBRATION_MARGIN x the largest input RMS over token positions (and heads,
+    for a QK-norm). Norms run in order, so each one measures the input that the norms
     before it, already constant, produce: the nonorm model's own activations,
     not stock's, which keeps deep layers at stock's scale instead of drifting.
     """
@@ -99,9 +104,8 @@ class _ConstantNorm(nn.Module):
     def __call__(self, x):
         if self._path not in self._rms:  # a norm called twice keeps its first r
             ms = mx.mean(mx.square(x.astype(mx.float32)), axis=-1)
-            self._rms[self._path] = mx.mean(
-                mx.sqrt(ms + getattr(self.norm, "eps", 0.0))
-            )
+            rms = mx.sqrt(ms + getattr(self.norm, "eps", 0.0))
+            self._rms[self._path] = CALIBRATION_MARGIN * mx.max(rms)
         gain = self.norm["weight"] if "weight" in self.norm else 1.0
         return (x * (gain / self._rms[self._path])).astype(x.dtype)
 
