@@ -384,10 +384,7 @@ def rope_inv_freq(rope: nn.Module, head_dim: int) -> Optional[mx.array]:
     if type(rope) is nn.RoPE:
         if rope.dims != head_dim:
             return None
-        half = head_dim // 2
-        # mx.fast.rope's own float32 formula; nn.RoPE's scale multiplies positions.
-        inv = mx.exp(mx.arange(half, dtype=mx.float32) * (-math.log(rope.base) / half))
-        return inv if rope.scale == 1.0 else inv * rope.scale
+        return _plain_inv_freq(head_dim, float(rope.base), float(rope.scale))
     freqs = getattr(rope, "_freqs", None)
     dims = getattr(rope, "dims", getattr(rope, "dim", None))
     if freqs is None or dims != head_dim or freqs.shape != (head_dim // 2,):
@@ -397,8 +394,34 @@ def rope_inv_freq(rope: nn.Module, head_dim: int) -> Optional[mx.array]:
     return mx.reciprocal(freqs.astype(mx.float32))
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_inv_freq(head_dim: int, base: float, scale: float) -> mx.array:
+    # One array per RoPE config, shared by every layer, so _rope_tables' cache hits.
+    half = head_dim // 2
+    # mx.fast.rope's own float32 formula; nn.RoPE's scale multiplies positions.
+    inv = mx.exp(mx.arange(half, dtype=mx.float32) * (-math.log(base) / half))
+    return inv if scale == 1.0 else inv * scale
+
+
+# The last (inv_freq, offset, L) tables: every layer of a decode step asks for the
+# same ones, and on the CPU each op costs more than its arithmetic.
+_last_tables: dict = {}
+
+
 def _rope_tables(offset: Offset, L: int, inv_freq: mx.array):
     """cos, sin of (offset + l) * inv_freq, float32: (L, h/2) or (B, 1, L, h/2)."""
+    if isinstance(offset, int):
+        hit = _last_tables.get((offset, L))
+        if hit is not None and hit[0] is inv_freq:
+            return hit[1], hit[2]
+        cos, sin = _compute_rope_tables(offset, L, inv_freq)
+        _last_tables.clear()
+        _last_tables[(offset, L)] = (inv_freq, cos, sin)
+        return cos, sin
+    return _compute_rope_tables(offset, L, inv_freq)
+
+
+def _compute_rope_tables(offset: Offset, L: int, inv_freq: mx.array):
     pos = mx.arange(L, dtype=mx.float32)
     if isinstance(offset, mx.array) and offset.size > 1:
         pos = (pos + offset.reshape(-1, 1, 1)).reshape(-1, 1, L, 1)

@@ -4,13 +4,15 @@ Tiny models in Apple's layout with per-layer head counts and FFN widths, random
 gains in [0.25, 4] on attn_norm, ffn_norm, q_norm, k_norm and the final norm.
 """
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
 import tiny
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from flashnorm_mlx import fold
+from flashnorm_mlx import fold, kernels
 from flashnorm_mlx.loading import Source, build_model, read_source
 from flashnorm_mlx.models import openelm
 from flashnorm_mlx.verify import compare
@@ -93,7 +95,7 @@ def test_stock_is_mlx_lm_and_flashnorm_keeps_only_qk_gains(source):
     for i, (sl, fl) in enumerate(zip(stock.layers, flash.layers)):
         for n in ("q_norm", "k_norm"):
             if n not in sl.attn:  # normalize_qk_projections=False: plain RoPE
-                assert "weight" not in fl.attn[n], f"layer {i} {n} has a gain"
+                assert n not in fl.attn, f"layer {i} has a {n} without QK-norm"
                 continue
             d = mx.abs(sl.attn[n].weight - fl.attn[n].weight).max().item()
             assert d == 0, f"layer {i} {n} gain differs by {d}"
@@ -171,8 +173,8 @@ def test_no_inf_nan_with_scaled_residuals(source, dtype):
 # --- longer contexts, batched (array) offsets, mlx-lm generation ------------------
 
 
-def test_long_prompt_crosses_rope_table_growth(tmp_path):
-    """A 300-token prompt and decode past the first table size (256 positions)."""
+def test_long_prompt_and_decode_past_256_positions(tmp_path):
+    """A 300-token prompt, and 250 + 8 cached decode steps, against stock."""
     src = read_source(str(tiny.make_openelm(tmp_path / "m", "odd_unshared", seed=3)))
     prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, 300).tolist()
     stock, _ = build_model(src, "stock", dtype=mx.float32)
@@ -181,10 +183,8 @@ def test_long_prompt_crosses_rope_table_growth(tmp_path):
     out = _forced(flash, prompt[:250], tokens)
     rel1 = _rel(out, ref)
     rel2 = _rel(flash(mx.array([prompt])), stock(mx.array([prompt])))
-    sizes = {fl.attn.q_norm._cos.shape[0] for fl in flash.layers}
-    print(f"rel diff: 250+8 cached {rel1:.2e}, 300 uncached {rel2:.2e}, tables {sizes}")
+    print(f"rel diff: 250+8 cached {rel1:.2e}, 300 uncached {rel2:.2e}")
     assert rel1 < 1e-4 and rel2 < 1e-4, f"{rel1:.3e} {rel2:.3e}"
-    assert sizes == {512}, f"table sizes {sizes}: expected one doubling 256 -> 512"
 
 
 def test_batched_cache_with_array_offsets_matches_stock(source):
@@ -220,107 +220,171 @@ def test_mlx_lm_stream_generate_runs_flashnorm(tmp_path):
     assert texts["flashnorm"] == texts["stock"], texts
 
 
-# --- the two identities, unit level ---------------------------------------------
+# --- the attention epilogue, unit level ------------------------------------------
 
 
-def _rope_tol(offset: int, magnitude: float) -> float:
-    """1e-5 on CPU, where the tables use mx.fast.rope's own float32 formula.
-
-    Metal and CUDA compute the frequencies another way (exp2, fast cos), so
-    there add the float32 rounding of an angle near `offset` radians.
-    """
+def _rope_tol(offset: int) -> float:
+    """Relative tolerance: 1e-6 on CPU, where the angles use mx.fast.rope's own
+    float32 formula. Metal and CUDA compute the frequencies another way (exp2,
+    fast cos): there allow 1e-5 plus the float32 rounding of an angle near
+    `offset` radians."""
     if mx.default_device() == mx.cpu:
-        return 1e-5
-    return 1e-5 + 4 * offset * 2**-24 * magnitude
+        return 1e-6
+    return 1e-5 + 4 * offset * 2**-24
+
+
+def _max_rel(out, ref):
+    """max |out - ref| / max |ref| of one output (q', k' or v')."""
+    return mx.abs(out - ref).max().item() / mx.abs(ref).max().item()
+
+
+def _attention(head_dim, base, eps, hq=3, hkv=1, qk_norm=True, seed=0):
+    cfg = dict(tiny.OPENELM_BASE, head_dim=head_dim, rope_freq_constant=base)
+    cfg.update(rms_norm_eps=eps, num_query_heads=[hq], num_kv_heads=[hkv])
+    cfg.update(normalize_qk_projections=qk_norm)
+    attn = openelm.Attention(openelm.ModelArgs.from_dict(cfg), 0)
+    if qk_norm:
+        k = mx.random.split(mx.random.key(seed))
+        attn.q_norm.weight = mx.random.uniform(0.25, 4.0, (head_dim,), key=k[0])
+        attn.k_norm.weight = mx.random.uniform(0.25, 4.0, (head_dim,), key=k[1])
+    return attn
+
+
+def _epilogue(attn, qkv, ms, offset, **kw):
+    """The model's epilogue call (Attention.__call__ minus the matmul and sdpa)."""
+    args = {**attn.epilogue_args(), **kw}
+    return kernels.qkv_epilogue(
+        qkv, ms, offset, attn._inv_freq, attn.n_heads, attn.n_kv_heads, **args
+    )
+
+
+def _stock_qkv(attn, qkv, ms, offset: int, base):
+    """Stock OpenELM on the normalized input: split, rms_norm, mx.fast.rope, and
+    1/sqrt(h) (stock's sdpa scale) on q; x@W* times s is the normalized x @ W."""
+    B, L, _ = qkv.shape
+    hq, hkv, h = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    x = (qkv * mx.rsqrt(ms)).reshape(B, L, hq + 2 * hkv, h).transpose(0, 2, 1, 3)
+    q, k, v = mx.split(x, [hq, hq + hkv], axis=1)
+    if "q_norm" in attn:
+        q = mx.fast.rms_norm(q, attn.q_norm.weight, attn.eps)
+        k = mx.fast.rms_norm(k, attn.k_norm.weight, attn.eps)
+
+    def rope(y):
+        return mx.fast.rope(
+            y, h, traditional=False, base=base, scale=1.0, offset=offset
+        )
+
+    return rope(q) * h**-0.5, rope(k), v
 
 
 @pytest.mark.parametrize("head_dim,base", [(16, 10000.0), (10, 500000.0), (64, 1e4)])
-def test_rope_tables_equal_gain_then_fast_rope(head_dim, base):
-    mx.random.seed(head_dim)
-    gain = mx.random.uniform(0.25, 4.0, (head_dim,))
-    y = mx.random.normal((2, 3, 5, head_dim))
-    scale = head_dim**-0.5
-    errs, tols = [], []
-    for offset in (0, 1, 7, 255, 300, 4093, 20000):
-        cos_t, sin_t = openelm.rope_tables(
-            gain, head_dim, base, mx.arange(offset, offset + 5), scale
-        )
-        got = openelm.apply_rope_tables(y, cos_t, sin_t)
-        want = mx.fast.rope(
-            y * gain, head_dim, traditional=False, base=base, scale=1.0, offset=offset
-        )
-        errs.append(mx.abs(got - want * scale).max().item())
-        tols.append(_rope_tol(offset, mx.abs(want * scale).max().item()))
-    print(f"h={head_dim} base={base}: max errors by offset {errs}")
-    assert all(e <= t for e, t in zip(errs, tols)), f"errors {errs}, limits {tols}"
-
-
-def test_rope_tables_identity_written_with_rotate_half():
-    """sin_t = swap_halves(g) * sin * [-1, 1]: the DESIGN.md form, sign moved."""
-    h = 12
-    gain = mx.random.uniform(0.25, 4.0, (h,))
-    y = mx.random.normal((4, h))
-    pos = mx.arange(4)
-    cos_1, sin_1 = openelm.rope_tables(None, h, 10000.0, pos)  # plain [cos|cos], ...
-    sin_plain = mx.concatenate([sin_1[:, h // 2 :], sin_1[:, h // 2 :]], -1)
-    rotate_half = mx.concatenate([-y[:, h // 2 :], y[:, : h // 2]], -1)
-    design = y * (gain * cos_1) + rotate_half * (openelm.swap_halves(gain) * sin_plain)
-    cos_t, sin_t = openelm.rope_tables(gain, h, 10000.0, pos)
-    err = mx.abs(openelm.apply_rope_tables(y, cos_t, sin_t) - design).max().item()
-    assert err <= 1e-6, f"table form vs rotate_half form: {err:.2e}"
-
-
-def test_qk_norm_rope_module_matches_stock_norm_then_rope():
-    """QKNormRope (tables, int and array offsets, growth) vs nn.RMSNorm + nn.RoPE."""
-    h, eps, base = 16, 0.3, 10000.0
-    mod = openelm.QKNormRope(h, base, eps, h**-0.5, normalize=True)
-    mod.weight = mx.random.uniform(0.25, 4.0, (h,))
-    B, H, L = 2, 3, 4
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_qk_norm"])
+def test_attention_epilogue_equals_stock_norm_then_fast_rope(head_dim, base, qk_norm):
+    """What Attention hands the epilogue (angles, gains with 1/sqrt(h), eps, or
+    Llama's scale without QK-norm) reproduces stock's rms_norm of the
+    normalized projections and mx.fast.rope, for int, scalar-array and per-batch
+    offsets up to 20000. eps = 0.5 and ms over 1e-3..1e3, so the
+    epsilon adjustment shows: dropping it (ms = 1) is visibly wrong."""
+    eps, B, L = 0.5, 2, 5
+    attn = _attention(head_dim, base, eps, qk_norm=qk_norm, seed=head_dim)
+    half = head_dim // 2
+    want_inv = mx.exp(mx.arange(half, dtype=mx.float32) * (-math.log(base) / half))
+    assert mx.array_equal(attn._inv_freq, want_inv), "not mx.fast.rope's formula"
+    k = mx.random.split(mx.random.key(head_dim + qk_norm))
+    qkv = mx.random.normal((B, L, 5 * head_dim), key=k[0]) * 3
+    ms = mx.array(10.0 ** np.linspace(-3, 3, B * L, dtype=np.float32))
+    ms = ms.reshape(B, L, 1)
     errs = {}
-    for offset in (0, 5, 254, 600):  # 254 + 4 and 600 grow the table 256 -> 1024
-        q = mx.random.normal((B, H, L, h)) * 3
-        ms = mx.random.uniform(0.01, 100.0, (B, 1, L, 1))
-        stock = mx.fast.rms_norm(q * mx.rsqrt(ms), mod.weight, eps)
-        want = mx.fast.rope(
-            stock, h, traditional=False, base=base, scale=1.0, offset=offset
-        )
-        want = want * h**-0.5
+    for offset in (0, 1, 7, 255, 300, 4093, 20000):
+        want = _stock_qkv(attn, qkv, ms, offset, base)
+        tol = _rope_tol(offset)
         for kind, off in (
             ("int", offset),
             ("array", mx.array(offset)),
             ("batch", mx.array([offset] * B)),
         ):
-            err = mx.abs(mod(q, ms, off) - want).max().item()
+            got = _epilogue(attn, qkv, ms, off)
+            err = max(_max_rel(g, w) for g, w in zip(got, want))
             errs[(offset, kind)] = err
-            tol = _rope_tol(offset, mx.abs(want).max().item())
             assert err <= tol, f"offset {offset} ({kind}): {err:.2e} > {tol:.2e}"
-    print(errs, "table size", mod._cos.shape[0])
-    assert mod._cos.shape[0] == 1024, mod._cos.shape
-    mod.weight = mod.weight * 2  # new weights rebuild the tables
-    q = mx.random.normal((1, 1, 1, h))
-    ms = mx.ones((1, 1, 1, 1))
-    normed = mx.fast.rms_norm(q, mod.weight, eps)
-    want = mx.fast.rope(normed, h, traditional=False, base=base, scale=1.0, offset=3)
-    err = mx.abs(mod(q, ms, 3) - want * h**-0.5).max().item()
-    assert err <= 1e-5, f"after a weight update: {err:.2e}"
+        # Distinct per-sequence offsets: row b at offset + 3b.
+        got = _epilogue(attn, qkv, ms, mx.array([offset, offset + 3]))
+        want1 = _stock_qkv(attn, qkv, ms, offset + 3, base)
+        err = max(
+            max(_max_rel(g[0], w0[0]), _max_rel(g[1], w1[1]))
+            for g, w0, w1 in zip(got, want, want1)
+        )
+        assert err <= tol, f"offsets [{offset}, {offset + 3}]: {err:.2e} > {tol:.2e}"
+    print(
+        f"h={head_dim} base={base} {qk_norm=}: max rel error {max(errs.values()):.2e}"
+    )
+    if qk_norm:  # the eliminated 1/RMS only enters through eps * ms
+        naive = _epilogue(attn, qkv, mx.ones_like(ms), 7)[0]
+        err = _max_rel(naive, _stock_qkv(attn, qkv, ms, 7, base)[0])
+        assert err > 1e-2, f"dropping the eps adjustment should show: {err:.2e}"
 
 
-def test_eps_adjustment_makes_the_eliminated_rms_exact():
-    """rms_norm(s*q, eps) == q * rsqrt(mean(q^2) + eps*ms); dropping s is not."""
-    eps = 0.5
-    q = mx.random.normal((2, 4, 6, 32))
-    s = mx.array(np.logspace(-1.5, 1.5, 12, dtype=np.float32).reshape(2, 1, 6, 1))
-    ms = 1.0 / (s * s)  # s = rsqrt(ms): ms from 0.001 to 1000
-    stock = mx.fast.rms_norm(q * s, None, eps)
-    adjusted = openelm.qk_norm_adjusted(q, eps * ms)
-    naive = openelm.qk_norm_adjusted(q, mx.array(eps))
-    err_adj = mx.abs(adjusted - stock).max().item()
-    err_naive = mx.abs(naive - stock).max().item()
-    print(f"eps={eps}: adjusted error {err_adj:.2e}, naive drop error {err_naive:.2e}")
-    assert (
-        err_adj <= 1e-6
-    ), f"adjusted {err_adj:.2e} (limit 1e-6), naive {err_naive:.2e}"
-    assert err_naive > 1e-2, f"naive drop {err_naive:.2e} should be visibly wrong"
+def test_epilogue_gains_are_built_once_per_weight():
+    """The gains (q's with 1/sqrt(h)) are float32 arrays made at first use and
+    reused, not multiplied per token; new weights (load_weights, set_dtype)
+    rebuild them."""
+    h = 16
+    attn = _attention(h, 10000.0, 1e-6)
+    first = attn.epilogue_args()
+    assert attn.epilogue_args() is first
+    assert first["q_gain"].dtype == mx.float32 and first["k_gain"].dtype == mx.float32
+    assert mx.array_equal(first["q_gain"], attn.q_norm.weight * h**-0.5)
+    assert mx.array_equal(first["k_gain"], attn.k_norm.weight)
+    assert first["eps_q"] == first["eps_k"] == 1e-6
+    attn.load_weights([("q_norm.weight", attn.q_norm.weight * 2)], strict=False)
+    second = attn.epilogue_args()
+    assert second is not first and attn.epilogue_args() is second
+    assert mx.array_equal(second["q_gain"], first["q_gain"] * 2)
+    assert mx.array_equal(second["k_gain"], first["k_gain"])
+    attn.set_dtype(mx.bfloat16)
+    third = attn.epilogue_args()
+    assert third is not second and third["q_gain"].dtype == mx.float32
+    want = attn.q_norm.weight.astype(mx.float32) * h**-0.5
+    assert mx.array_equal(third["q_gain"], want)
+    # Without QK-norm: Llama mode, 1/sqrt(h) on q' (stock's sdpa scale).
+    plain = _attention(h, 10000.0, 1e-6, qk_norm=False)
+    assert plain.epilogue_args() == {"scale": h**-0.5}
+
+
+def test_model_calls_the_qkv_epilogue_once_per_layer(source, monkeypatch):
+    """Attention = qkv matmul -> one kernels.qkv_epilogue call -> cache -> sdpa."""
+    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    calls = []
+    real = kernels.qkv_epilogue
+
+    def counting(qkv, ms, offset, inv_freq, n_heads, n_kv_heads, **kw):
+        calls.append((qkv.shape, n_heads, n_kv_heads, sorted(kw)))
+        return real(qkv, ms, offset, inv_freq, n_heads, n_kv_heads, **kw)
+
+    monkeypatch.setattr(kernels, "qkv_epilogue", counting)
+    cache = make_prompt_cache(flash)
+    out = [flash(mx.array([PROMPT]), cache=cache), flash(mx.array([[9]]), cache=cache)]
+    cfg = source.config
+    n = cfg["num_transformer_layers"]
+    assert len(calls) == 2 * n, f"{len(calls)} epilogue calls for {n} layers x 2"
+    mode = (
+        ["eps_k", "eps_q", "k_gain", "p", "q_gain"]
+        if cfg["normalize_qk_projections"]
+        else ["p", "scale"]
+    )
+    for i, (shape, hq, hkv, kw) in enumerate(calls):
+        layer = i % n
+        assert (hq, hkv) == (cfg["num_query_heads"][layer], cfg["num_kv_heads"][layer])
+        assert shape[-1] == (hq + 2 * hkv) * cfg["head_dim"], shape
+        assert kw == mode, kw
+    ref_cache = make_prompt_cache(stock)
+    ref = [
+        stock(mx.array([PROMPT]), cache=ref_cache),
+        stock(mx.array([[9]]), cache=ref_cache),
+    ]
+    rel = _rel(mx.concatenate(out, axis=1), mx.concatenate(ref, axis=1))
+    assert rel < 1e-4, f"rel diff {rel:.3e}"
 
 
 # --- folding ---------------------------------------------------------------------

@@ -7,13 +7,15 @@ s = rsqrt(ms) (DESIGN.md section 2):
     q' = RoPE(gq * q / sqrt(mean(q^2) + eps*ms)) / sqrt(h)   (exact QK-norm of s*q)
     k' = RoPE(gk * k / sqrt(mean(k^2) + eps*ms)),   v' = v * s
     ffn = proj_2(silu(s * gate) * up) * s
-The QK-norm gains (and 1/sqrt(h)) live in per-layer RoPE tables, so attention
-runs with scale 1 and nothing multiplies q or k by a gain at run time.
+q', k', v' come out of the fused qkv matmul in one `kernels.qkv_epilogue` pass
+(OpenELM mode): the QK-norm gains, with 1/sqrt(h) folded into q's once, ride
+with RoPE's cos and sin, so attention runs with scale 1. Without QK-norm
+(normalize_qk_projections=False) it is the Llama epilogue: q' = RoPE(q) * s /
+sqrt(h), k' = RoPE(k) * s.
 """
 
-import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,9 +28,6 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.openelm import make_divisible
 
 from .. import kernels
-
-# Positions the RoPE tables hold at first use; they double when a longer context comes.
-MIN_TABLE_POSITIONS = 256
 
 
 @dataclass
@@ -47,116 +46,23 @@ class ModelArgs(BaseModelArgs):
     share_input_output_layers: bool = True
     rms_norm_eps: float = 1e-6
     rope_freq_constant: float = 10000
-    # Apple's precomputed RoPE length; informational here (the tables grow on demand).
+    # Apple's precomputed RoPE length; informational (angles come from inv_freq).
     rope_max_length: Optional[int] = None
-
-
-# --- pure helpers (unit-tested on their own) ---------------------------------
-
-
-def swap_halves(x: mx.array) -> mx.array:
-    """[x1, x2] -> [x2, x1] over the last axis (half-split RoPE layout)."""
-    half = x.shape[-1] // 2
-    return mx.concatenate([x[..., half:], x[..., :half]], axis=-1)
-
-
-def rope_tables(
-    gain: Optional[mx.array],
-    head_dim: int,
-    base: float,
-    positions: mx.array,
-    scale: float = 1.0,
-) -> Tuple[mx.array, mx.array]:
-    """(cos_t, sin_t), each positions.shape + (head_dim,) float32, gain fused in.
-
-    For y (..., P, head_dim):  apply_rope_tables(y, cos_t, sin_t) equals
-    mx.fast.rope(y * gain, head_dim, traditional=False, base=base) * scale.
-    Half-split identity: RoPE(y*g) = y*(g*cos) + rotate_half(y)*(swap_halves(g)*sin)
-    with rotate_half(y) = [-y2, y1] = swap_halves(y) * [-1, 1]; that sign is
-    stored in sin_t, so sin_t = [-g2*sin, g1*sin] and no negation runs per token.
-    """
-    half = head_dim // 2
-    # mx.fast.rope's own float32 formula, so angles match it bit for bit on CPU.
-    inv_freq = mx.exp(mx.arange(half, dtype=mx.float32) * (-math.log(base) / half))
-    angles = positions.astype(mx.float32)[..., None] * inv_freq  # (..., half)
-    cos, sin = mx.cos(angles), mx.sin(angles)
-    g = mx.ones((head_dim,), mx.float32) if gain is None else gain.astype(mx.float32)
-    g1, g2 = g[:half] * scale, g[half:] * scale
-    cos_t = mx.concatenate([cos * g1, cos * g2], axis=-1)
-    sin_t = mx.concatenate([-sin * g2, sin * g1], axis=-1)
-    return cos_t, sin_t
-
-
-def apply_rope_tables(y: mx.array, cos_t: mx.array, sin_t: mx.array) -> mx.array:
-    """y * cos_t + swap_halves(y) * sin_t (tables broadcast over batch and heads)."""
-    return y * cos_t + swap_halves(y) * sin_t
-
-
-def qk_norm_adjusted(y: mx.array, eps_ms: mx.array) -> mx.array:
-    """The weightless QK-norm of s*y from y alone, in float32.
-
-    rms_norm(s*y, eps) = y * rsqrt(mean(y^2) + eps/s^2) and 1/s^2 = ms, so
-    eps_ms = eps * ms makes it exact. y (B, H, L, h); eps_ms (B, 1, L, 1).
-    """
-    y = y.astype(mx.float32)
-    return y * mx.rsqrt(mx.mean(y * y, axis=-1, keepdims=True) + eps_ms)
 
 
 # --- blocks --------------------------------------------------------------------
 
 
-class QKNormRope(nn.Module):
-    """QK-norm (weight = its gain, as checkpoints name it) fused with RoPE.
+class QKNorm(nn.Module):
+    """A QK-norm's gain, under the checkpoint's name (attn.q_norm.weight).
 
-    The gain and the output scale live in (positions, head_dim) float32 tables,
-    built from `weight` at first use, then re-built (doubling) only when a
-    longer context or new weights arrive; int offsets slice them. Without
-    QK-norm (normalize=False) it is plain RoPE that applies the deferred s.
+    The norm itself runs inside the qkv epilogue: rms_norm(s*y, eps) =
+    y * rsqrt(mean(y^2) + eps * ms), so s cancels and only eps changes.
     """
 
-    def __init__(
-        self, head_dim: int, base: float, eps: float, scale: float, normalize: bool
-    ):
+    def __init__(self, head_dim: int):
         super().__init__()
-        if normalize:
-            self.weight = mx.ones((head_dim,))
-        self.head_dim, self.base, self.eps, self.scale = head_dim, base, eps, scale
-        self._cos = self._sin = self._built_from = None  # "_": not parameters
-
-    def _tables(self, gain: Optional[mx.array], end: int):
-        if (
-            self._cos is None
-            or self._cos.shape[0] < end
-            or self._built_from is not gain
-        ):
-            size = MIN_TABLE_POSITIONS if self._cos is None else self._cos.shape[0]
-            while size < end:
-                size *= 2
-            self._cos, self._sin = rope_tables(
-                gain, self.head_dim, self.base, mx.arange(size), self.scale
-            )
-            self._built_from = gain
-        return self._cos, self._sin
-
-    def __call__(self, y, ms, offset: Union[int, mx.array] = 0):
-        # y (B, H, L, h) matmul output; ms (B, 1, L, 1) float32 = 1/s^2 for this y.
-        L = y.shape[2]
-        gain = self.weight if "weight" in self else None
-        if isinstance(offset, int):
-            cos_t, sin_t = self._tables(gain, offset + L)
-            cos_t, sin_t = cos_t[offset : offset + L], sin_t[offset : offset + L]
-        else:
-            # Array offsets (batched generation, (B,) or scalar): build just these
-            # rows from the gain, which needs no host sync to size a table.
-            pos = offset[..., None] + mx.arange(L)  # (L,) or (B, L)
-            cos_t, sin_t = rope_tables(gain, self.head_dim, self.base, pos, self.scale)
-            if pos.ndim == 2:
-                cos_t, sin_t = cos_t[:, None], sin_t[:, None]  # (B, 1, L, h)
-        if gain is not None:
-            y_hat = qk_norm_adjusted(y, self.eps * ms)
-        else:
-            y_hat = y.astype(mx.float32) * mx.rsqrt(ms)
-        return apply_rope_tables(y_hat, cos_t, sin_t).astype(y.dtype)
+        self.weight = mx.ones((head_dim,))
 
 
 class Attention(nn.Module):
@@ -165,31 +71,61 @@ class Attention(nn.Module):
         self.head_dim = h = args.head_dim
         self.n_heads = args.num_query_heads[layer_id]
         self.n_kv_heads = args.num_kv_heads[layer_id]
+        self.scale = h**-0.5
+        self.eps = args.rms_norm_eps
         op_size = (self.n_heads + 2 * self.n_kv_heads) * h
         self.qkv_proj = nn.Linear(args.model_dim, op_size, bias=False)
         self.out_proj = nn.Linear(self.n_heads * h, args.model_dim, bias=False)
-        norm = args.normalize_qk_projections
-        eps, base = args.rms_norm_eps, args.rope_freq_constant
-        self.q_norm = QKNormRope(h, base, eps, h**-0.5, norm)
-        self.k_norm = QKNormRope(h, base, eps, 1.0, norm)
+        if args.normalize_qk_projections:
+            self.q_norm = QKNorm(h)
+            self.k_norm = QKNorm(h)
+        # RoPE angles per position, mx.fast.rope's own float32 formula, and the
+        # epilogue's gains, derived from the norm weights at first use ("_": not
+        # parameters).
+        rope = nn.RoPE(h, traditional=False, base=args.rope_freq_constant)
+        self._inv_freq = kernels.rope_inv_freq(rope, h)
+        if self._inv_freq is None:
+            raise ValueError(f"head_dim {h}: the qkv epilogue needs an even head_dim")
+        self._gains = self._gains_from = None
 
-    def __call__(self, x, ms, s, mask=None, cache=None):
-        # x: (B, L, D) residual, possibly pre-scaled by a power of two p;
-        # ms: (B, L, 1) = 1/(s/p)^2 and s: (B, L, 1) = s/p, both float32.
-        B, L, _ = x.shape
-        qkv = self.qkv_proj(x).reshape(B, L, self.n_heads + 2 * self.n_kv_heads, -1)
-        qkv = qkv.transpose(0, 2, 1, 3)
-        q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
+    def epilogue_args(self) -> dict:
+        """The epilogue's mode keywords: OpenELM's float32 gains (1/sqrt(h) in
+        q's) and epsilons, built once and again only when a norm weight object
+        is replaced (loading, dtype casts); else Llama's scale."""
+        if "q_norm" not in self:
+            return {"scale": self.scale}
+        weights = (self.q_norm.weight, self.k_norm.weight)
+        built = self._gains_from
+        if built is None or built[0] is not weights[0] or built[1] is not weights[1]:
+            gq, gk = (w.astype(mx.float32) for w in weights)
+            self._gains = dict(
+                q_gain=gq * self.scale, k_gain=gk, eps_q=self.eps, eps_k=self.eps
+            )
+            self._gains_from = weights
+        return self._gains
 
-        # Q and K go straight into their QK-norm (s cancels, eps absorbs ms); V gets s.
+    def __call__(self, x, ms, p, mask=None, cache=None):
+        # x: (B, L, D) residual, pre-scaled by p (float16) or not (p None);
+        # ms = mean(x^2) + eps of the unscaled residual, p: (B, L, 1) float32.
+        qkv = self.qkv_proj(x)
         offset = cache.offset if cache is not None else 0
-        q = self.q_norm(q, ms[:, None], offset)
-        k = self.k_norm(k, ms[:, None], offset)
-        v = (v * s[:, None]).astype(x.dtype)
+        # One pass: heads out, QK-norm of s*q and s*k (or s / sqrt(h) on q, s on
+        # k without QK-norm), RoPE with the gains, s on v.
+        q, k, v = kernels.qkv_epilogue(
+            qkv,
+            ms,
+            offset,
+            self._inv_freq,
+            self.n_heads,
+            self.n_kv_heads,
+            p=p,
+            **self.epilogue_args(),
+        )
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
 
         o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
+        B, L, _ = x.shape
         return self.out_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -211,14 +147,13 @@ class MLP(nn.Module):
 
 
 def _scaled(x, eps):
-    """(x * p, ms_eff, s_eff): p = 2^k near s for float16 (else 1), s_eff = s/p.
+    """(x * p, ms, p, s/p): p = 2^k near s for float16 (else None, x as is).
 
-    ms_eff = ms * p^2 = 1/s_eff^2 exactly (p is a power of two)."""
+    ms = mean(x^2) + eps and s = rsqrt(ms) in float32; scaling by a power of
+    two is exact, so x * p @ W* times s/p equals x @ W* times s."""
     ms = kernels.mean_square(x, eps)
     p, s = kernels.pow2_prescale(ms, x.dtype)
-    if p is None:
-        return x, ms, s
-    return (x * p).astype(x.dtype), (ms * p) * p, s
+    return (x if p is None else (x * p).astype(x.dtype)), ms, p, s
 
 
 class TransformerBlock(nn.Module):
@@ -229,9 +164,9 @@ class TransformerBlock(nn.Module):
         self.ffn = MLP(args, layer_id)
 
     def __call__(self, x, mask=None, cache=None):
-        xs, ms, s = _scaled(x, self.eps)
-        h = x + self.attn(xs, ms, s, mask, cache)
-        hs, _, s = _scaled(h, self.eps)
+        xs, ms, p, _ = _scaled(x, self.eps)
+        h = x + self.attn(xs, ms, p, mask, cache)
+        hs, _, _, s = _scaled(h, self.eps)
         return kernels.deferred_residual(h, self.ffn(hs, s), s)
 
 
@@ -272,7 +207,7 @@ class Model(nn.Module):
             embed = self.transformer.token_embeddings
             return embed.as_linear(self.transformer.norm(h))
         # Final norm folded into lm_head: one scalar per token after the matmul.
-        hs, _, s = _scaled(h, self.args.rms_norm_eps)
+        hs, _, _, s = _scaled(h, self.args.rms_norm_eps)
         out = self.lm_head(hs)
         return (out * s).astype(out.dtype)
 
