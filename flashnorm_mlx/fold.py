@@ -203,8 +203,16 @@ def quant_params(config: dict, module: str) -> Optional[dict]:
         return None
     per = q.get(module)
     if isinstance(per, dict):
-        return {"group_size": per["group_size"], "bits": per["bits"], "mode": per.get("mode", "affine")}
-    return {"group_size": q["group_size"], "bits": q["bits"], "mode": q.get("mode", "affine")}
+        return {
+            "group_size": per["group_size"],
+            "bits": per["bits"],
+            "mode": per.get("mode", "affine"),
+        }
+    return {
+        "group_size": q["group_size"],
+        "bits": q["bits"],
+        "mode": q.get("mode", "affine"),
+    }
 
 
 def dequantize_weights(
@@ -229,7 +237,11 @@ def dequantize_weights(
                 mode=qp["mode"],
             ).astype(dtype)
         out[key] = value
-    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    config = {
+        k: v
+        for k, v in config.items()
+        if k not in ("quantization", "quantization_config")
+    }
     return out, config
 
 

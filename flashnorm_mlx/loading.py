@@ -11,7 +11,7 @@ import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -83,12 +83,20 @@ def _download(repo: str) -> Path:
         return Path(
             snapshot_download(
                 repo,
-                allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"],
+                allow_patterns=[
+                    "*.json",
+                    "*.safetensors",
+                    "tokenizer.model",
+                    "*.txt",
+                    "*.jinja",
+                ],
             )
         )
     except Exception as e:  # network down, repo missing, auth: all one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise LoadError(f"could not get {repo} from the Hugging Face hub: {first}") from None
+        raise LoadError(
+            f"could not get {repo} from the Hugging Face hub: {first}"
+        ) from None
 
 
 # --- reading -----------------------------------------------------------------
@@ -105,7 +113,9 @@ def read_source(
             raise LoadError(f"{path}: expected a model folder or a .gguf file")
         from .gguf import read_gguf
 
-        config, weights, tok = read_gguf(path, load_tokenizer=need_tokenizer and tokenizer is None)
+        config, weights, tok = read_gguf(
+            path, load_tokenizer=need_tokenizer and tokenizer is None
+        )
         src = Source(name, config, weights, tok)
     else:
         src = _read_folder(path, name)
@@ -148,10 +158,15 @@ def _read_folder(path: Path, name: str) -> Source:
 
 
 def _folder_tokenizer(path: Path, required: bool = False):
-    has_files = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    has_files = any(
+        (path / f).exists()
+        for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    )
     if not has_files:
         if required:
-            raise LoadError(f"{path}: no tokenizer files (tokenizer.json or tokenizer.model)")
+            raise LoadError(
+                f"{path}: no tokenizer files (tokenizer.json or tokenizer.model)"
+            )
         return None
     from mlx_lm.utils import load_tokenizer
 
@@ -178,7 +193,9 @@ def model_classes(config: dict, mode: str):
 def source_dtype(weights: Dict[str, mx.array]) -> mx.Dtype:
     """The dtype a checkpoint stores its float tensors in (scales for quantized ones)."""
     for k, v in weights.items():
-        if (k.endswith(".scales") or k.endswith(".weight")) and mx.issubdtype(v.dtype, mx.floating):
+        if (k.endswith(".scales") or k.endswith(".weight")) and mx.issubdtype(
+            v.dtype, mx.floating
+        ):
             if k.endswith(".scales") or f"{k[:-7]}.scales" not in weights:
                 return v.dtype
     return mx.float32
@@ -191,7 +208,10 @@ def compute_dtype(weights: Dict[str, mx.array]) -> mx.Dtype:
 
 
 # Our Llama stacks q|k|v and gate|up: they take the quantization of their first part.
-_FUSED_PARTS = {"self_attn.qkv_proj": "self_attn.q_proj", "mlp.gate_up_proj": "mlp.gate_proj"}
+_FUSED_PARTS = {
+    "self_attn.qkv_proj": "self_attn.q_proj",
+    "mlp.gate_up_proj": "mlp.gate_proj",
+}
 
 
 def _lookup_qspec(qspec: dict, path: str) -> Optional[dict]:
@@ -217,7 +237,11 @@ def _uniform_qspec(weights: Dict[str, mx.array], bits: int, group_size: int) -> 
     spec = {}
     for k, v in weights.items():
         if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group_size == 0:
-            spec[k[: -len(".weight")]] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+            spec[k[: -len(".weight")]] = {
+                "group_size": group_size,
+                "bits": bits,
+                "mode": "affine",
+            }
     return spec
 
 
@@ -229,7 +253,9 @@ def _source_qspec(weights, config) -> dict:
     }
 
 
-def _instantiate(config: dict, weights: dict, mode: str, pre_quantized: bool) -> nn.Module:
+def _instantiate(
+    config: dict, weights: dict, mode: str, pre_quantized: bool
+) -> nn.Module:
     model_cls, args_cls = model_classes(config, mode)
     model = model_cls(args_cls.from_dict(config))
     if hasattr(model, "sanitize"):
@@ -248,7 +274,9 @@ def _instantiate(config: dict, weights: dict, mode: str, pre_quantized: bool) ->
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise LoadError(f"weights do not match the {config['model_type']} config: {e}") from None
+        raise LoadError(
+            f"weights do not match the {config['model_type']} config: {e}"
+        ) from None
     return model
 
 
@@ -272,7 +300,9 @@ def build_model(
     if mode == "nonorm":  # the norm-removed speed bound, for `bench`
         from .nonorm import build_nonorm
 
-        return build_nonorm(source, dtype=dtype, quantize=quantize, dequantize=dequantize)
+        return build_nonorm(
+            source, dtype=dtype, quantize=quantize, dequantize=dequantize
+        )
     config, weights = source.config, source.weights
 
     if fold.is_folded(config):
@@ -292,7 +322,9 @@ def build_model(
         mx.eval(model.parameters())
         return model, config
 
-    weights, config, dtype, qspec = float_weights(weights, config, dtype, quantize, dequantize)
+    weights, config, dtype, qspec = float_weights(
+        weights, config, dtype, quantize, dequantize
+    )
     if mode == "flashnorm":
         weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
         weights, config = fold.fold_norms(weights, config)
@@ -325,9 +357,17 @@ def _with_quantization(config: dict, qspec: dict) -> dict:
     """mlx-lm's quantization block: the most common setting, per-module exceptions."""
     from collections import Counter
 
-    bits, group_size = Counter((v["bits"], v["group_size"]) for v in qspec.values()).most_common(1)[0][0]
+    bits, group_size = Counter(
+        (v["bits"], v["group_size"]) for v in qspec.values()
+    ).most_common(1)[0][0]
     q = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    q.update({k: v for k, v in qspec.items() if v["bits"] != bits or v["group_size"] != group_size})
+    q.update(
+        {
+            k: v
+            for k, v in qspec.items()
+            if v["bits"] != bits or v["group_size"] != group_size
+        }
+    )
     return {**config, "quantization": q, "quantization_config": q}
 
 
@@ -341,7 +381,9 @@ def load(
 ):
     """(model, tokenizer) for MODEL: FlashNorm-folded at load unless already folded."""
     source = read_source(model, tokenizer=tokenizer)
-    m, _ = build_model(source, mode=mode, dtype=dtype, quantize=quantize, dequantize=dequantize)
+    m, _ = build_model(
+        source, mode=mode, dtype=dtype, quantize=quantize, dequantize=dequantize
+    )
     return m, source.tokenizer
 
 

@@ -11,7 +11,9 @@ from .loading import Source, build_model
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time,"
 
 
-def prompt_tokens(source: Source, prompt: Optional[str], n_random: int = 16) -> List[int]:
+def prompt_tokens(
+    source: Source, prompt: Optional[str], n_random: int = 16
+) -> List[int]:
     """The prompt's ids with the source's tokenizer; fixed random ids without one."""
     if source.tokenizer is not None:
         return list(source.tokenizer.encode(prompt or DEFAULT_PROMPT))

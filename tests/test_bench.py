@@ -8,7 +8,7 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 
-from flashnorm_mlx import bench, fold, nonorm
+from flashnorm_mlx import bench, nonorm
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.loading import Source, build_model, read_source
 

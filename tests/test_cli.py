@@ -29,8 +29,14 @@ def test_verify_json_end_to_end(model_dir, capsys):
     rc = main(["verify", str(model_dir), "--json", "--dtype", "float32", "-g", "8"])
     r = json.loads(capsys.readouterr().out)
     assert rc == 0
-    for key in ("max_abs_logit_diff", "max_rel_logit_diff", "kl", "greedy_match",
-                "greedy_horizon", "dtype"):
+    for key in (
+        "max_abs_logit_diff",
+        "max_rel_logit_diff",
+        "kl",
+        "greedy_match",
+        "greedy_horizon",
+        "dtype",
+    ):
         assert key in r, r
     assert r["dtype"] == "float32" and r["greedy_horizon"] == 8, r
     assert r["max_rel_logit_diff"] < 1e-4 and r["greedy_match"] == 8, r
@@ -45,7 +51,10 @@ def _run(*args):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
         [sys.executable, "-m", "flashnorm_mlx", *args],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
 
 

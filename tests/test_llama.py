@@ -33,7 +33,9 @@ def test_stock_is_mlx_lm_and_flashnorm_has_no_norm_gains(source):
     assert type(flash).__module__ == "flashnorm_mlx.models.llama"
     norms = [n for n, m in flash.named_modules() if type(m).__name__ == "RMSNorm"]
     # Only the final norm of a tied head survives (nothing to fold it into).
-    assert norms == (["model.norm"] if source.config["tie_word_embeddings"] else []), norms
+    assert norms == (
+        ["model.norm"] if source.config["tie_word_embeddings"] else []
+    ), norms
 
 
 # Stated tolerances for low precision, as max |logit diff| / max |logit| against
@@ -52,9 +54,9 @@ def test_low_precision_close_to_float32_stock(source, dtype):
     scale = mx.abs(r).max().item()
     err_stock = mx.abs(stock(x).astype(mx.float32) - r).max().item() / scale
     err_flash = mx.abs(flash(x).astype(mx.float32) - r).max().item() / scale
-    assert err_flash < LOW_PRECISION_TOL[dtype], (
-        f"{dtype}: flashnorm {err_flash:.3e}, stock {err_stock:.3e}"
-    )
+    assert (
+        err_flash < LOW_PRECISION_TOL[dtype]
+    ), f"{dtype}: flashnorm {err_flash:.3e}, stock {err_stock:.3e}"
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
@@ -75,7 +77,9 @@ def test_no_inf_nan_with_residuals_scaled_by_1000(source, dtype):
         if mode == "stock":
             stock_finite = finite
         else:
-            assert finite or not stock_finite, f"{dtype}: flashnorm inf/NaN, stock finite"
+            assert (
+                finite or not stock_finite
+            ), f"{dtype}: flashnorm inf/NaN, stock finite"
     if dtype == mx.float32:
         r = compare(scaled, PROMPT, horizon=4, dtype=mx.float32)
         assert r["max_rel_logit_diff"] < 1e-4, r
@@ -94,7 +98,9 @@ def test_fold_twice_equals_fold_once(source):
     assert not mx.allclose(once_w[name], w[name]), name
 
 
-def test_saved_folded_checkpoint_loads_without_second_fold(source, tmp_path, monkeypatch):
+def test_saved_folded_checkpoint_loads_without_second_fold(
+    source, tmp_path, monkeypatch
+):
     w, c = fold.fold_norms(source.weights, source.config)
     tiny.write_model(tmp_path, c, {k: v for k, v in w.items()}, tokenizer=False)
     assert json.loads((tmp_path / "config.json").read_text())[fold.MARKER]["folded"]
@@ -106,7 +112,9 @@ def test_saved_folded_checkpoint_loads_without_second_fold(source, tmp_path, mon
 
     monkeypatch.setattr(fold, "fold_norms", no_fold)
     loaded, _ = build_model(read_source(str(tmp_path)), "flashnorm", dtype=mx.float32)
-    stock_on_folded, _ = build_model(read_source(str(tmp_path)), "stock", dtype=mx.float32)
+    stock_on_folded, _ = build_model(
+        read_source(str(tmp_path)), "stock", dtype=mx.float32
+    )
     x = mx.array([PROMPT])
     diff = mx.abs(loaded(x) - expected(x)).max().item()
     assert diff == 0.0, diff

@@ -30,13 +30,29 @@ LLAMA_BASE = dict(
 LLAMA_CONFIGS = {
     "gqa_untied": {},
     "mha_tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
-    "odd_sizes": dict(hidden_size=40, num_attention_heads=5, num_key_value_heads=1,
-                      intermediate_size=72, num_hidden_layers=3),
-    "head_dim_llama3": dict(head_dim=24, rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    "linear_bias": dict(attention_bias=True, mlp_bias=True,
-                        rope_scaling={"type": "linear", "factor": 2.0}),
+    "odd_sizes": dict(
+        hidden_size=40,
+        num_attention_heads=5,
+        num_key_value_heads=1,
+        intermediate_size=72,
+        num_hidden_layers=3,
+    ),
+    "head_dim_llama3": dict(
+        head_dim=24,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "linear_bias": dict(
+        attention_bias=True,
+        mlp_bias=True,
+        rope_scaling={"type": "linear", "factor": 2.0},
+    ),
 }
 
 
@@ -51,10 +67,15 @@ def _lin(rng, out, inp):
 def llama_weights(cfg: dict, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    hq, hkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    hq, hkv = (
+        cfg["num_attention_heads"],
+        cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+    )
     h = cfg.get("head_dim") or D // hq
-    w = {"model.embed_tokens.weight": rng.standard_normal((V, D)).astype(np.float32),
-         "model.norm.weight": _gain(rng, D)}
+    w = {
+        "model.embed_tokens.weight": rng.standard_normal((V, D)).astype(np.float32),
+        "model.norm.weight": _gain(rng, D),
+    }
     if not cfg.get("tie_word_embeddings", True):
         w["lm_head.weight"] = _lin(rng, V, D)
     for i in range(cfg["num_hidden_layers"]):
@@ -64,14 +85,20 @@ def llama_weights(cfg: dict, seed: int = 0) -> dict:
         for n, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
             w[f"{p}.self_attn.{n}_proj.weight"] = _lin(rng, out, D)
             if cfg.get("attention_bias"):
-                w[f"{p}.self_attn.{n}_proj.bias"] = rng.standard_normal(out).astype(np.float32) * 0.1
+                w[f"{p}.self_attn.{n}_proj.bias"] = (
+                    rng.standard_normal(out).astype(np.float32) * 0.1
+                )
         w[f"{p}.self_attn.o_proj.weight"] = _lin(rng, D, hq * h)
         if cfg.get("attention_bias"):
-            w[f"{p}.self_attn.o_proj.bias"] = rng.standard_normal(D).astype(np.float32) * 0.1
+            w[f"{p}.self_attn.o_proj.bias"] = (
+                rng.standard_normal(D).astype(np.float32) * 0.1
+            )
         for n, (o, i_) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
             w[f"{p}.mlp.{n}_proj.weight"] = _lin(rng, o, i_)
             if cfg.get("mlp_bias"):
-                w[f"{p}.mlp.{n}_proj.bias"] = rng.standard_normal(o).astype(np.float32) * 0.1
+                w[f"{p}.mlp.{n}_proj.bias"] = (
+                    rng.standard_normal(o).astype(np.float32) * 0.1
+                )
         # A precomputed rotary buffer, as some HF checkpoints carry; must be ignored.
         w[f"{p}.self_attn.rotary_emb.inv_freq"] = np.ones(h // 2, np.float32)
     return w
@@ -95,17 +122,27 @@ def write_tokenizer(path: Path) -> None:
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "chat_template": template,
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": template,
+            }
+        )
+    )
 
 
-def write_model(path: Path, config: dict, weights: dict, tokenizer: bool = True) -> Path:
+def write_model(
+    path: Path, config: dict, weights: dict, tokenizer: bool = True
+) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(str(path / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    mx.save_safetensors(
+        str(path / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()}
+    )
     if tokenizer:
         write_tokenizer(path)
     return path
@@ -115,7 +152,9 @@ def llama_config(name: str) -> dict:
     return {**LLAMA_BASE, **LLAMA_CONFIGS[name]}
 
 
-def make_llama(path: Path, name: str = "gqa_untied", seed: int = 0, tokenizer: bool = True) -> Path:
+def make_llama(
+    path: Path, name: str = "gqa_untied", seed: int = 0, tokenizer: bool = True
+) -> Path:
     cfg = llama_config(name)
     return write_model(path, cfg, llama_weights(cfg, seed), tokenizer)
 

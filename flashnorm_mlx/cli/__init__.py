@@ -15,7 +15,10 @@ COMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: flashnorm-mlx COMMAND [options]   (COMMAND --help for details)", ""]
+    lines = [
+        "usage: flashnorm-mlx COMMAND [options]   (COMMAND --help for details)",
+        "",
+    ]
     lines.append("Exact FlashNorm inference for Llama and OpenELM models on MLX.")
     lines.append("MODEL defaults to the embedded SmolLM2-135M-Instruct (4-bit GGUF).")
     lines.append("")

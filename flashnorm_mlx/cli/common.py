@@ -54,7 +54,10 @@ def add_model_args(
         "kernels are slow; the checkpoint's own dtype on Metal and CUDA)",
     )
     parser.add_argument(
-        "-q", "--quantize", action="store_true", help="quantize a float model after folding"
+        "-q",
+        "--quantize",
+        action="store_true",
+        help="quantize a float model after folding",
     )
     parser.add_argument("--q-bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8))
     parser.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128))

@@ -15,14 +15,26 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         description="Generate one completion; prints tokens/sec and peak memory after it.",
     )
     add_model_args(p, exact_default=True)
-    p.add_argument("-p", "--prompt", default="Hello", help="prompt text ('-' reads stdin)")
-    p.add_argument("-m", "--max-tokens", type=int, default=100, help="tokens to generate")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--system-prompt", default=None, help="system message for the chat template")
     p.add_argument(
-        "--ignore-chat-template", action="store_true", help="feed the prompt as raw text"
+        "-p", "--prompt", default="Hello", help="prompt text ('-' reads stdin)"
+    )
+    p.add_argument(
+        "-m", "--max-tokens", type=int, default=100, help="tokens to generate"
+    )
+    p.add_argument(
+        "--temp", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling threshold"
+    )
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument(
+        "--system-prompt", default=None, help="system message for the chat template"
+    )
+    p.add_argument(
+        "--ignore-chat-template",
+        action="store_true",
+        help="feed the prompt as raw text",
     )
     return p
 
@@ -30,7 +42,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def build_prompt(tokenizer, prompt: str, system_prompt=None, raw: bool = False) -> list:
     """Token ids for a user prompt, through the chat template when the model has one."""
     if not raw and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages = (
+            [{"role": "system", "content": system_prompt}] if system_prompt else []
+        )
         messages.append({"role": "user", "content": prompt})
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     return list(tokenizer.encode(prompt))
@@ -50,15 +64,21 @@ def main(argv=None):
     tokenizer = need_tokenizer(source.tokenizer, source.name)
     model, _ = build_model(source, args.mode, **model_kwargs(args))
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
+    prompt = (
+        sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
+    )
     ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
     sampler = make_sampler(args.temp, args.top_p)
     last = None
-    for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler):
+    for last in stream_generate(
+        model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler
+    ):
         print(last.text, end="", flush=True)
     print()
     print("=" * 10)
     print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
-    print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+    print(
+        f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec"
+    )
     print(f"Peak memory: {last.peak_memory:.3f} GB")
     return 0

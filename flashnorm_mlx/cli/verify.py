@@ -15,8 +15,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "report logit differences, KL divergence and greedy agreement.",
     )
     add_model_args(p, mode=False)
-    p.add_argument("-p", "--prompt", default=None, help="prompt text (default: a fixed sentence)")
-    p.add_argument("-g", "--horizon", type=int, default=32, help="greedy decode steps compared")
+    p.add_argument(
+        "-p", "--prompt", default=None, help="prompt text (default: a fixed sentence)"
+    )
+    p.add_argument(
+        "-g", "--horizon", type=int, default=32, help="greedy decode steps compared"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -42,6 +46,9 @@ def main(argv=None):
     t.add_row("KL(stock || flashnorm) mean", f"{r['kl']:.3e}")
     t.add_row("KL max", f"{r['kl_max']:.3e}")
     t.add_row("greedy tokens agreeing", f"{r['greedy_match']} / {r['greedy_horizon']}")
-    t.add_row("finite logits (stock, flashnorm)", f"{r['stock_finite']}, {r['flashnorm_finite']}")
+    t.add_row(
+        "finite logits (stock, flashnorm)",
+        f"{r['stock_finite']}, {r['flashnorm_finite']}",
+    )
     Console().print(t)
     return 0

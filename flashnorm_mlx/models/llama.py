@@ -9,7 +9,7 @@ q', k', v' come out of the fused qkv matmul in one `kernels.qkv_epilogue` pass.
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -66,7 +66,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(args.hidden_size, out, bias=False)
         if args.attention_bias:
             self.qkv_bias = mx.zeros((out,))
-        self.o_proj = nn.Linear(self.n_heads * h, args.hidden_size, bias=args.attention_bias)
+        self.o_proj = nn.Linear(
+            self.n_heads * h, args.hidden_size, bias=args.attention_bias
+        )
         self.rope = initialize_rope(
             h,
             args.rope_theta,
@@ -180,7 +182,11 @@ class LlamaModel(nn.Module):
         )
 
     def __call__(self, inputs, cache=None, input_embeddings=None):
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        h = (
+            input_embeddings
+            if input_embeddings is not None
+            else self.embed_tokens(inputs)
+        )
         cache = cache or [None] * len(self.layers)
         fa_mask = create_attention_mask(h, cache[self.fa_idx])
         if self.swa_idx is not None:
@@ -219,10 +225,18 @@ class Model(nn.Module):
             weights.pop("lm_head.weight", None)
         for i in range(self.args.num_hidden_layers):
             p = f"model.layers.{i}"
-            weights = _fuse(weights, [f"{p}.self_attn.{n}_proj" for n in "qkv"],
-                            f"{p}.self_attn.qkv_proj", f"{p}.self_attn.qkv_bias")
-            weights = _fuse(weights, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
-                            f"{p}.mlp.gate_up_proj", f"{p}.mlp.gate_up_bias")
+            weights = _fuse(
+                weights,
+                [f"{p}.self_attn.{n}_proj" for n in "qkv"],
+                f"{p}.self_attn.qkv_proj",
+                f"{p}.self_attn.qkv_bias",
+            )
+            weights = _fuse(
+                weights,
+                [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
+                f"{p}.mlp.gate_up_proj",
+                f"{p}.mlp.gate_up_bias",
+            )
         return weights
 
     @property
@@ -231,7 +245,11 @@ class Model(nn.Module):
 
     def make_cache(self):
         return [
-            RotatingKVCache(max_size=self.args.sliding_window) if l.use_sliding else KVCache()
+            (
+                RotatingKVCache(max_size=self.args.sliding_window)
+                if l.use_sliding
+                else KVCache()
+            )
             for l in self.layers
         ]
 
