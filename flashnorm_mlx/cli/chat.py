@@ -11,7 +11,14 @@ import mlx.core as mx
 
 from ..chat import ChatError, ChatSession, ContextOverflow, context_length
 from ..loading import build_model, read_source
-from .common import UserError, add_model_args, model_kwargs, need_tokenizer, run_main
+from .common import (
+    UserError,
+    add_model_args,
+    add_sampling_args,
+    model_kwargs,
+    need_tokenizer,
+    run_main,
+)
 
 HELP = """\
 /help   show this help
@@ -28,16 +35,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     add_model_args(p, exact_default=True)
     p.add_argument("--system-prompt", default=None, help="system message")
-    p.add_argument(
-        "-m", "--max-tokens", type=int, default=256, help="most tokens per reply"
-    )
-    p.add_argument(
-        "--temp", type=float, default=0.0, help="sampling temperature (0: greedy)"
-    )
-    p.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling threshold"
-    )
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    add_sampling_args(p, max_tokens=256)
     p.add_argument(
         "--max-context",
         type=int,

@@ -80,6 +80,22 @@ def add_model_args(
     )
 
 
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    """-m/--max-tokens, --temp, --top-p, --seed, as mlx-lm names them."""
+    parser.add_argument(
+        "-m", "--max-tokens", type=int, default=max_tokens, help="most tokens per reply"
+    )
+    parser.add_argument(
+        "--temp", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling threshold"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="random seed for sampling"
+    )
+
+
 def model_kwargs(args) -> dict:
     return dict(
         dtype=DTYPES[args.dtype] if args.dtype else None,

@@ -6,7 +6,13 @@ import sys
 import mlx.core as mx
 
 from ..loading import build_model, read_source
-from .common import add_model_args, model_kwargs, need_tokenizer, run_main
+from .common import (
+    add_model_args,
+    add_sampling_args,
+    model_kwargs,
+    need_tokenizer,
+    run_main,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -18,16 +24,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-p", "--prompt", default="Hello", help="prompt text ('-' reads stdin)"
     )
-    p.add_argument(
-        "-m", "--max-tokens", type=int, default=100, help="tokens to generate"
-    )
-    p.add_argument(
-        "--temp", type=float, default=0.0, help="sampling temperature (0: greedy)"
-    )
-    p.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling threshold"
-    )
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    add_sampling_args(p, max_tokens=100)
     p.add_argument(
         "--system-prompt", default=None, help="system message for the chat template"
     )
