@@ -1,6 +1,5 @@
 """`bench` and the nonorm bound on tiny random models (small -p/-g/-n, no timing)."""
 
-import importlib.util
 import json
 
 import mlx.core as mx
@@ -313,12 +312,8 @@ def test_cli_bad_flags_one_line(model_dir, flags, message, capsys):
 
 
 def test_openelm_variants(tmp_path):
-    if not hasattr(tiny, "make_openelm"):
-        pytest.skip("tests/tiny.py has no make_openelm yet")
     src = read_source(str(tiny.make_openelm(tmp_path, "shared")), need_tokenizer=False)
-    variants = ["stock", "nonorm"]
-    if importlib.util.find_spec("flashnorm_mlx.models.openelm") is not None:
-        variants.insert(1, "flashnorm")
+    variants = ["stock", "flashnorm", "nonorm"]
     r = bench.run_bench(src, variants, P, G, 1)
     v = r["variants"]
     assert v["stock"]["class"] == "mlx_lm.models.openelm.Model", v["stock"]

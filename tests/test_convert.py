@@ -151,18 +151,8 @@ def test_compat_runs_in_stock_mlx_lm_load(llama_dir, tmp_path, quant, monkeypatc
     )
 
 
-def _openelm_or_skip():
-    if not (Path(fold.__file__).parent / "models" / "openelm.py").is_file():
-        pytest.skip("flashnorm_mlx/models/openelm.py does not exist yet")
-    if not all(
-        hasattr(tiny, n) for n in ("make_openelm", "openelm_config", "openelm_weights")
-    ):
-        pytest.skip("tests/tiny.py has no OpenELM builder yet")
-
-
 @pytest.mark.parametrize("quant", ["float", "4bit_gs32", "4bit_gs64"])
 def test_convert_openelm(tmp_path, quant, monkeypatch):
-    _openelm_or_skip()
     from mlx_lm.utils import load_model
 
     # model_dim 64 so group sizes 32 and 64 divide it; an untied head folds the final norm.
