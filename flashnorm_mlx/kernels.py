@@ -422,28 +422,43 @@ def _rope_tables(offset: Offset, L: int, inv_freq: mx.array):
 
 
 def _compute_rope_tables(offset: Offset, L: int, inv_freq: mx.array):
+    """Full-width [cos, cos] and [-sin, sin] (rotate_half's sign folded in), so
+    RoPE(y) = y * cos_t + swap_halves(y) * sin_t: few ops, which the CPU rewards."""
     pos = mx.arange(L, dtype=mx.float32)
     if isinstance(offset, mx.array) and offset.size > 1:
         pos = (pos + offset.reshape(-1, 1, 1)).reshape(-1, 1, L, 1)
     else:
         pos = (pos + offset)[:, None]
     theta = pos * inv_freq
-    return mx.cos(theta), mx.sin(theta)
+    cos, sin = mx.cos(theta), mx.sin(theta)
+    return mx.concatenate([cos, cos], axis=-1), mx.concatenate([-sin, sin], axis=-1)
 
 
-def _rope(y, cos, sin):
-    # Half-split RoPE with float32 tables, as mx.fast.rope computes it.
-    y1, y2 = mx.split(y, 2, axis=-1)
-    return mx.concatenate([y1 * cos - y2 * sin, y1 * sin + y2 * cos], axis=-1)
+def _swap_halves(y):
+    half = y.shape[-1] // 2
+    return mx.concatenate([y[..., half:], y[..., :half]], axis=-1)
 
 
-def _gain_rope(y, gain, cos, sin):
-    # RoPE(y * g) = y * (g*cos) + rotate_half(y) * (swap_halves(g)*sin), half-split.
-    g1, g2 = mx.split(gain.astype(mx.float32), 2)
-    y1, y2 = mx.split(y, 2, axis=-1)
-    return mx.concatenate(
-        [y1 * (g1 * cos) - y2 * (g2 * sin), y2 * (g2 * cos) + y1 * (g1 * sin)], axis=-1
-    )
+def _rope(y, cos_t, sin_t):
+    # Half-split RoPE with float32 tables, as mx.fast.rope computes it (bit for bit:
+    # y1*cos - y2*sin and y2*cos + y1*sin, term for term).
+    return y * cos_t + _swap_halves(y) * sin_t
+
+
+# The last gain's swap_halves: a model passes the same gain array every step.
+_last_swapped: dict = {}
+
+
+def _gain_rope(y, gain, cos_t, sin_t):
+    # RoPE(y * g) = y * (g*cos) + rotate_half(y) * (swap_halves(g)*sin), half-split:
+    # the gain lives in the tables; y itself is never multiplied by it.
+    g = gain.astype(mx.float32)
+    hit = _last_swapped.get(id(gain))
+    if hit is None or hit[0] is not gain:
+        if len(_last_swapped) > 256:
+            _last_swapped.clear()
+        hit = _last_swapped[id(gain)] = (gain, _swap_halves(g))
+    return y * (cos_t * g) + _swap_halves(y) * (sin_t * hit[1])
 
 
 def qkv_epilogue_ops(
