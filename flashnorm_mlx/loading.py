@@ -259,7 +259,10 @@ def _instantiate(
     model_cls, args_cls = model_classes(config, mode)
     model = model_cls(args_cls.from_dict(config))
     if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
+        try:
+            weights = model.sanitize(weights)
+        except ValueError as e:
+            raise LoadError(str(e)) from None
     if pre_quantized:
         from mlx_lm.utils import infer_quant_config
 

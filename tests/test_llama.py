@@ -166,3 +166,18 @@ def test_quantized_source_is_dequantized_folded_requantized(source):
     # Exact mode: dequantize and run float; matches stock on the dequantized weights.
     r = compare(qsrc, PROMPT, horizon=8, dtype=mx.float32, dequantize=True)
     assert r["max_rel_logit_diff"] < 1e-4 and r["greedy_match"] == 8, r
+
+
+def test_mixed_quantization_across_fused_layers_is_one_clear_error(source):
+    """q/k/v stored with different bits cannot be stacked into qkv_proj."""
+    from flashnorm_mlx.loading import LoadError, Source
+
+    _skip_if_not_quantizable(source)
+    w, c = fold.fold_norms(source.weights, source.config)
+    for n, bits in (("q", 4), ("k", 8), ("v", 8)):
+        m = f"model.layers.0.self_attn.{n}_proj"
+        w[f"{m}.weight"], w[f"{m}.scales"], w[f"{m}.biases"] = mx.quantize(
+            w[f"{m}.weight"], 32, bits
+        )
+    with pytest.raises(LoadError, match="different quantization settings"):
+        build_model(Source("mixed", c, w), "flashnorm")

@@ -265,6 +265,11 @@ def _fuse(weights, parts, fused, fused_bias):
     for suffix in ("weight", "scales", "biases"):
         tensors = [weights.pop(f"{p}.{suffix}", None) for p in parts]
         if all(t is not None for t in tensors):
+            if len({t.shape[1:] for t in tensors}) > 1:
+                raise ValueError(
+                    f"{', '.join(parts)} are stored with different quantization "
+                    "settings and cannot be fused; dequantize the checkpoint first"
+                )
             weights[f"{fused}.{suffix}"] = mx.concatenate(tensors, axis=0)
     biases = [weights.pop(f"{p}.bias", None) for p in parts]
     if all(b is not None for b in biases):
