@@ -5,6 +5,19 @@ kernel launch) where a Metal or CUDA backend runs it, else `<op>_ops`, its
 plain-MLX twin with the same signature. FLASHNORM_KERNELS=0 forces the twins;
 FLASHNORM_KERNELS=op1,op2 enables only those kernels (for measuring one at a time).
 
+On Metal and CUDA a decode step costs about 10 µs per launched primitive
+(DESIGN.md 4a), so the ops are cut along launches, not along the math: a block
+is qkv matmul -> `qkv_epilogue` -> cache -> attention -> o_proj -> `residual`
+-> gate/up matmul -> `deferred_glu` -> down matmul -> `residual`. Every small
+piece of math (rsqrt, the float16 power-of-two prescale, casts) happens inside
+those kernels: they take ms = mean(x^2) + eps, never a precomputed s.
+
+float16 prescale: wherever the compute dtype is float16, the residual x reaches
+the matmuls as x * p with p = `pow2_prescale(ms)`, an exact power of two near
+1/RMS, and the deferred scalar is s = rsqrt(ms) / p. Every op derives p from ms
+with the same integer arithmetic on its exponent bits, so producer and consumer
+agree bit for bit on every backend.
+
 Each kernel body is written once, below, in a small dialect: FN_* macros for
 thread indices, shared memory, barriers and math, `T` for the output type, and
 `#if FN_<FLAG>` for render-time variants. `render` puts a per-backend prelude
@@ -40,6 +53,8 @@ PRELUDES = {
 #define FN_EXP(x) metal::precise::exp(x)
 #define FN_COS(x) metal::precise::cos(x)
 #define FN_SIN(x) metal::precise::sin(x)
+#define FN_AS_INT(x) as_type<int>(x)
+#define FN_AS_FLOAT(x) as_type<float>(x)
 """,
     "cuda": """\
 #define FN_LANE ((int)threadIdx.x)
@@ -51,17 +66,27 @@ PRELUDES = {
 #define FN_EXP(x) expf(x)
 #define FN_COS(x) cosf(x)
 #define FN_SIN(x) sinf(x)
+#define FN_AS_INT(x) __float_as_int(x)
+#define FN_AS_FLOAT(x) __int_as_float(x)
 """,
 }
 
+# Backend-independent helpers, after the prelude. p = 2^-floor(e/2) for
+# ms = m * 2^e (m in [1, 2), ms > 0), from the float32 exponent bits: the same
+# integers as `pow2_prescale`, so s = rsqrt(ms) / p lies in (0.5, 1].
+COMMON = """\
+#define FN_POW2_PRESCALE(ms) \\
+  FN_AS_FLOAT((255 - (((FN_AS_INT(ms) >> 23) & 0xff) + 129) / 2) << 23)
+"""
+
 
 def render(body: str, backend: str, **flags: bool) -> str:
-    """Kernel source for `backend`: prelude, `#define FN_<FLAG> 0|1`, then `body`."""
+    """Kernel source for `backend`: prelude, helpers, `#define FN_<FLAG> 0|1`, body."""
     defines = "".join(
         f"#define FN_{name.upper()} {int(bool(value))}\n"
         for name, value in sorted(flags.items())
     )
-    return PRELUDES[backend] + defines + BODY_MARK + body
+    return PRELUDES[backend] + COMMON + defines + BODY_MARK + body
 
 
 def _next_pow2(n: int) -> int:
@@ -147,144 +172,242 @@ _TREE_SUM = """\
   FN_SYNC();
 """
 
-# --- mean square ---------------------------------------------------------------
+# --- float16 prescale and the deferred scalar ------------------------------------
 
-MEAN_SQUARE_BODY = (
+
+def pow2_prescale(ms: mx.array) -> mx.array:
+    """p = 2^-floor(log2(ms) / 2) near 1/RMS, float32 like ms (B, L, 1).
+
+    float16 has too little range for x @ W* with an unnormalized x; scaling x by a
+    power of two is exact, so x*p goes through the matmuls and s/p in (0.5, 1]
+    comes after. Integer math on ms's exponent bits (ms > 0), the same as the
+    kernels' FN_POW2_PRESCALE: exact on every backend, unlike pow/exp/round.
+    """
+    biased = mx.right_shift(ms.view(mx.int32), 23)
+    return mx.left_shift(255 - (biased + 129) // 2, 23).view(mx.float32)
+
+
+def prescaled(dtype: mx.Dtype) -> bool:
+    """Whether activations of this dtype reach the matmuls as x * p (float16 only:
+    bfloat16 and float32 have float32's range)."""
+    return dtype == mx.float16
+
+
+def deferred_scale(ms: mx.array, dtype: mx.Dtype) -> mx.array:
+    """The deferred scalar s = rsqrt(ms), divided by p where `prescaled(dtype)`."""
+    s = mx.rsqrt(ms)
+    return s / pow2_prescale(ms) if prescaled(dtype) else s
+
+
+# --- residual: the block's sum, its mean square and the next matmul's input -------
+
+# One threadgroup of NT threads per row of D. FN_ROW(i) is element i of the
+# residual row, rounded to T exactly as the twin rounds it.
+RESIDUAL_BODY = (
     """\
-  // x (N, D) -> ms (N,) float32: one threadgroup of NT threads per row.
   const int lane = FN_LANE;
-  const int row = FN_GROUP;
+  const int base = FN_GROUP * D;
+#if FN_SCALE_Y
+  // y is a block output still owing its deferred 1/RMS: s = rsqrt(ms_y) / p.
+  const float msy = ms_y[FN_GROUP];
+#if FN_PRESCALE
+  const float sy = FN_RSQRT(msy) / FN_POW2_PRESCALE(msy);
+#else
+  const float sy = FN_RSQRT(msy);
+#endif
+#define FN_ROW(i) static_cast<float>(static_cast<T>(static_cast<float>(h[base + (i)]) \\
+    + static_cast<float>(static_cast<T>(static_cast<float>(y[base + (i)]) * sy))))
+#elif FN_HAS_Y
+#define FN_ROW(i) static_cast<float>(static_cast<T>(static_cast<float>(h[base + (i)]) \\
+    + static_cast<float>(y[base + (i)])))
+#else
+#define FN_ROW(i) static_cast<float>(h[base + (i)])
+#endif
   float acc = 0.0f;
   for (int i = lane; i < D; i += NT) {
-    const float xi = static_cast<float>(x[row * D + i]);
-    acc += xi * xi;
+    const float v = FN_ROW(i);
+#if FN_HAS_Y && !FN_NORM
+    out[base + i] = static_cast<T>(v);
+#endif
+    acc += v * v;
   }
   FN_SHARED float red[RP];
   red[lane] = acc;
 """
     + _TREE_SUM
     + """\
-  if (lane == 0) {
-    ms[row] = red[0] / static_cast<float>(D) + eps[0];
+  const float msr = red[0] / static_cast<float>(D) + params[0];
+#if FN_NORM
+  // The final RMSNorm, as mx.fast.rms_norm rounds it: T(v * r), then the gain.
+  const float r = FN_RSQRT(msr);
+  for (int i = lane; i < D; i += NT) {
+#if FN_GAIN
+    out[base + i] = static_cast<T>(
+        static_cast<float>(gain[i]) * static_cast<float>(static_cast<T>(FN_ROW(i) * r)));
+#else
+    out[base + i] = static_cast<T>(FN_ROW(i) * r);
+#endif
   }
+#else
+  if (lane == 0) {
+    ms[FN_GROUP] = msr;
+  }
+#if FN_PRESCALE
+  const float p = FN_POW2_PRESCALE(msr);
+  for (int i = lane; i < D; i += NT) {
+    xs[base + i] = static_cast<T>(FN_ROW(i) * p);
+  }
+#endif
+#endif
+#undef FN_ROW
 """
 )
 
 
-def mean_square_ops(x: mx.array, eps: float) -> mx.array:
-    """ms = mean(x^2) + eps over the last axis, in float32: (B, L, D) -> (B, L, 1)."""
-    x = x.astype(mx.float32)
-    return mx.mean(x * x, axis=-1, keepdims=True) + eps
+def _residual_sum(h, y, ms_y):
+    if y is None:
+        return h
+    if ms_y is None:
+        return h + y
+    return h + (y * deferred_scale(ms_y, y.dtype)).astype(h.dtype)
 
 
-def mean_square_kernel(x: mx.array, eps: float) -> mx.array:
-    D = x.shape[-1]
-    rows = _rows(x)
+def residual_ops(
+    h: mx.array,
+    y: Optional[mx.array],
+    ms_y: Optional[mx.array],
+    eps: float,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """(out, ms, xs): out = h + s_y * y, ms = mean(out^2) + eps in float32, and xs
+    what the next matmul reads (out * p in float16, else out itself).
+
+    h, y (B, L, D); s_y from ms_y (B, L, 1) by `deferred_scale`, or 1 when ms_y is
+    None (y already scaled); y None: out = h (a block's input, e.g. embeddings).
+    """
+    out = _residual_sum(h, y, ms_y)
+    x = out.astype(mx.float32)
+    ms = mx.mean(x * x, axis=-1, keepdims=True) + eps
+    xs = (out * pow2_prescale(ms)).astype(out.dtype) if prescaled(out.dtype) else out
+    return out, ms, xs
+
+
+def _residual_call(h, y, ms_y, eps, norm, gain=None):
+    D = h.shape[-1]
+    rows = _rows(h)
     nt = min(256, max(32, _next_pow2(D) // 4))
-    kernel = _kernel("mean_square", MEAN_SQUARE_BODY, ["x", "eps"], ["ms"])
-    (ms,) = kernel(
-        inputs=[rows, _consts(float(eps))],
-        template=[("D", D), ("NT", nt), ("RP", nt)],
+    inputs = {"h": rows}
+    if y is not None:
+        inputs["y"] = _rows(y)
+    if ms_y is not None:
+        inputs["ms_y"] = ms_y
+    inputs["params"] = _consts(float(eps))
+    if gain is not None:
+        inputs["gain"] = gain
+    pre = prescaled(h.dtype) and not norm
+    if norm:
+        outputs = {"out": (h.shape, h.dtype)}
+    else:
+        outputs = {"out": (h.shape, h.dtype)} if y is not None else {}
+        outputs["ms"] = ((*h.shape[:-1], 1), mx.float32)
+        if pre:
+            outputs["xs"] = (h.shape, h.dtype)
+    kernel = _kernel(
+        "residual",
+        RESIDUAL_BODY,
+        inputs,
+        outputs,
+        has_y=y is not None,
+        scale_y=ms_y is not None,
+        prescale=prescaled(h.dtype),
+        norm=norm,
+        gain=gain is not None,
+    )
+    results = kernel(
+        inputs=list(inputs.values()),
+        template=[("T", h.dtype), ("D", D), ("NT", nt), ("RP", nt)],
         grid=(rows.shape[0] * nt, 1, 1),
         threadgroup=(nt, 1, 1),
-        output_shapes=[(rows.shape[0],)],
-        output_dtypes=[mx.float32],
+        output_shapes=[s for s, _ in outputs.values()],
+        output_dtypes=[d for _, d in outputs.values()],
     )
-    return ms.reshape(*x.shape[:-1], 1)
+    return dict(zip(outputs, results))
 
 
-def mean_square(x: mx.array, eps: float) -> mx.array:
-    return pick("mean_square", mean_square_kernel, mean_square_ops)(x, eps)
+def residual_kernel(h, y, ms_y, eps):
+    r = _residual_call(h, y, ms_y, eps, norm=False)
+    out = r.get("out", h)
+    return out, r["ms"], r.get("xs", out)
 
 
-def pow2_prescale(ms: mx.array, dtype: mx.Dtype):
-    """(p, s/p) with p = 2^round(log2(s)), s = rsqrt(ms), both float32 (B, L, 1).
-
-    float16 has too little range for x @ W* with an unnormalized x; scaling x by a
-    power of two is exact, so x*p goes through the matmuls and s/p ~ 1 comes after.
-    bfloat16 and float32 have the range, so p = 1 there and costs nothing.
-    """
-    s = mx.rsqrt(ms)
-    if dtype != mx.float16:
-        return None, s
-    # 2^k from its float32 exponent bits: exact on every backend, unlike pow/exp.
-    k = mx.clip(mx.round(-0.5 * mx.log2(ms)), -126, 127).astype(mx.int32)
-    p = mx.left_shift(k + 127, 23).view(mx.float32)
-    return p, s / p
+def residual(h, y, ms_y, eps):
+    return pick("residual", residual_kernel, residual_ops)(h, y, ms_y, eps)
 
 
-# --- deferred residual ---------------------------------------------------------
-
-DEFERRED_RESIDUAL_BODY = """\
-  // out = h + s * y; h, y (N, D), s (N,) float32: one thread per element.
-  const int i = FN_GLOBAL;
-  if (i >= h_shape[0] * D) {
-    return;
-  }
-  const float hi = static_cast<float>(h[i]);
-  out[i] = static_cast<T>(hi + static_cast<float>(y[i]) * s[i / D]);
-"""
-
-
-def deferred_residual_ops(h: mx.array, y: mx.array, s: mx.array) -> mx.array:
-    """h + s * y: the deferred scaling of a block's output, s (B, L, 1)."""
-    return h + (y * s).astype(h.dtype)
+def residual_norm_ops(
+    h: mx.array,
+    y: Optional[mx.array],
+    ms_y: Optional[mx.array],
+    eps: float,
+    gain: Optional[mx.array] = None,
+) -> mx.array:
+    """RMSNorm(h + s_y * y) with `gain` (None: no gain, it was folded into the head):
+    the last block's residual and the final norm in one pass (the residual sum
+    as in `residual_ops`)."""
+    return mx.fast.rms_norm(_residual_sum(h, y, ms_y), gain, eps)
 
 
-def deferred_residual_kernel(h: mx.array, y: mx.array, s: mx.array) -> mx.array:
-    D = h.shape[-1]
-    kernel = _kernel(
-        "deferred_residual", DEFERRED_RESIDUAL_BODY, ["h", "y", "s"], ["out"]
-    )
-    (out,) = kernel(
-        inputs=[_rows(h), _rows(y), s.astype(mx.float32).reshape(-1)],
-        template=[("T", h.dtype), ("D", D)],
-        grid=(h.size, 1, 1),
-        threadgroup=(256, 1, 1),
-        output_shapes=[h.shape],
-        output_dtypes=[h.dtype],
-    )
-    return out
+def residual_norm_kernel(h, y, ms_y, eps, gain=None):
+    return _residual_call(h, y, ms_y, eps, norm=True, gain=gain)["out"]
 
 
-def deferred_residual(h: mx.array, y: mx.array, s: mx.array) -> mx.array:
-    return pick("deferred_residual", deferred_residual_kernel, deferred_residual_ops)(
-        h, y, s
-    )
+def residual_norm(h, y, ms_y, eps, gain=None):
+    fn = pick("residual_norm", residual_norm_kernel, residual_norm_ops)
+    return fn(h, y, ms_y, eps, gain)
 
 
 # --- deferred GLU ----------------------------------------------------------------
 
 DEFERRED_GLU_BODY = """\
-  // out = silu(s * gate) * up; gate_up (N, 2F) = [gate | up], s (N,) float32.
+  // out = silu(s * gate) * up; gate_up (N, 2F) = [gate | up], s from ms (N,).
   const int i = FN_GLOBAL;
   if (i >= gate_up_shape[0] * F) {
     return;
   }
   const int row = i / F;
   const int col = i - row * F;
-  const float g = static_cast<float>(gate_up[row * 2 * F + col]) * s[row];
+  const float msr = ms[row];
+#if FN_PRESCALE
+  const float s = FN_RSQRT(msr) / FN_POW2_PRESCALE(msr);
+#else
+  const float s = FN_RSQRT(msr);
+#endif
+  const float g = static_cast<float>(gate_up[row * 2 * F + col]) * s;
   const float u = static_cast<float>(gate_up[row * 2 * F + F + col]);
   out[i] = static_cast<T>(g / (1.0f + FN_EXP(-g)) * u);
 """
 
 
-def deferred_glu_ops(gate_up: mx.array, s: mx.array) -> mx.array:
-    """silu(s * gate) * up from the fused (B, L, 2F) gate/up output -> (B, L, F).
-
-    The second s (on up) is deferred past the down projection by the caller.
-    """
+def deferred_glu_ops(gate_up: mx.array, ms: mx.array) -> mx.array:
+    """silu(s * gate) * up from the fused (B, L, 2F) gate/up output -> (B, L, F),
+    s = `deferred_scale(ms)`. The second s (on up) is deferred past the down
+    projection: the caller's `residual` applies it."""
     gate, up = mx.split(gate_up, 2, axis=-1)
-    g = gate * s
+    g = gate * deferred_scale(ms, gate_up.dtype)
     return (g * mx.sigmoid(g) * up).astype(gate_up.dtype)
 
 
-def deferred_glu_kernel(gate_up: mx.array, s: mx.array) -> mx.array:
+def deferred_glu_kernel(gate_up: mx.array, ms: mx.array) -> mx.array:
     F = gate_up.shape[-1] // 2
     rows = _rows(gate_up)
-    kernel = _kernel("deferred_glu", DEFERRED_GLU_BODY, ["gate_up", "s"], ["out"])
+    kernel = _kernel(
+        "deferred_glu",
+        DEFERRED_GLU_BODY,
+        ["gate_up", "ms"],
+        ["out"],
+        prescale=prescaled(gate_up.dtype),
+    )
     (out,) = kernel(
-        inputs=[rows, s.astype(mx.float32).reshape(-1)],
+        inputs=[rows, ms],
         template=[("T", gate_up.dtype), ("F", F)],
         grid=(rows.shape[0] * F, 1, 1),
         threadgroup=(256, 1, 1),
@@ -294,8 +417,8 @@ def deferred_glu_kernel(gate_up: mx.array, s: mx.array) -> mx.array:
     return out
 
 
-def deferred_glu(gate_up: mx.array, s: mx.array) -> mx.array:
-    return pick("deferred_glu", deferred_glu_kernel, deferred_glu_ops)(gate_up, s)
+def deferred_glu(gate_up: mx.array, ms: mx.array) -> mx.array:
+    return pick("deferred_glu", deferred_glu_kernel, deferred_glu_ops)(gate_up, ms)
 
 
 # --- qkv epilogue --------------------------------------------------------------
@@ -320,7 +443,7 @@ QKV_EPILOGUE_BODY = (
   const float mst = ms[token];
 #if FN_PRESCALE
   // x was pre-scaled by the power of two p: s = rsqrt(ms) / p, 1/s^2 = ms * p^2.
-  const float pt = p[token];
+  const float pt = FN_POW2_PRESCALE(mst);
   const float s = FN_RSQRT(mst) / pt;
   const float inv_s2 = mst * pt * pt;
 #else
@@ -469,7 +592,6 @@ def qkv_epilogue_ops(
     n_heads: int,
     n_kv_heads: int,
     *,
-    p: Optional[mx.array] = None,
     scale: Optional[float] = None,
     q_gain: Optional[mx.array] = None,
     k_gain: Optional[mx.array] = None,
@@ -478,10 +600,10 @@ def qkv_epilogue_ops(
 ) -> Tuple[mx.array, mx.array, mx.array]:
     """q', k', v' in (B, H, L, h) from the fused qkv matmul output (B, L, (Hq+2Hkv)h).
 
-    ms (B, L, 1) float32 is mean(x^2) + eps of the block input x; p (B, L, 1),
-    if given, the power of two x was pre-scaled by (`pow2_prescale`), so the
-    deferred scalar is s = rsqrt(ms) / p. RoPE (half-split) angle at position
-    offset + l is (offset + l) * inv_freq, offset an int or a (B,) array.
+    ms (B, L, 1) float32 is mean(x^2) + eps of the block input x; the deferred
+    scalar is s = `deferred_scale(ms)` (in float16 x came pre-scaled by
+    `pow2_prescale(ms)`). RoPE (half-split) angle at position offset + l is
+    (offset + l) * inv_freq, offset an int or a (B,) array.
     Llama mode (no gains):  q' = RoPE(q) * s * scale (scale default h**-0.5),
         k' = RoPE(k) * s,  v' = v * s.
     OpenELM mode (q_gain, k_gain (h,), 1/sqrt(h) folded into q_gain by the caller):
@@ -491,9 +613,7 @@ def qkv_epilogue_ops(
     heads = n_heads + 2 * n_kv_heads
     h = qkv.shape[-1] // heads
     dtype = qkv.dtype
-    s = mx.rsqrt(ms)
-    if p is not None:
-        s = s / p
+    s = deferred_scale(ms, dtype)
     # float32 math as the kernel does it; one cast here (none for float32 input)
     # rather than one per mixed-dtype product.
     x = qkv.astype(mx.float32).reshape(B, L, heads, h).transpose(0, 2, 1, 3)
@@ -506,6 +626,8 @@ def qkv_epilogue_ops(
         k = (_rope(k, cos, sin) * s).astype(dtype)
     else:
         # The incoming s cancels in the QK-norm; only its epsilon scales by 1/s^2.
+        # 1/s^2 = ms * p^2, exactly (p a power of two).
+        p = pow2_prescale(ms) if prescaled(dtype) else None
         inv_s2 = ms[:, None] if p is None else ms[:, None] * (p * p)[:, None]
         q = q * mx.rsqrt(mx.mean(q * q, axis=-1, keepdims=True) + eps_q * inv_s2)
         k = k * mx.rsqrt(mx.mean(k * k, axis=-1, keepdims=True) + eps_k * inv_s2)
@@ -517,7 +639,14 @@ def qkv_epilogue_ops(
 
 def _offset_array(offset: Offset) -> mx.array:
     if isinstance(offset, mx.array):
-        return offset.reshape(-1).astype(mx.int32)
+        offset = offset.reshape(-1)
+        return offset if offset.dtype == mx.int32 else offset.astype(mx.int32)
+    return _int_offset_array(offset)
+
+
+@functools.lru_cache(maxsize=4)
+def _int_offset_array(offset: int) -> mx.array:
+    # Every layer of a step asks for the same offset: one host array per step.
     return mx.array([offset], dtype=mx.int32)
 
 
@@ -529,7 +658,6 @@ def qkv_epilogue_kernel(
     n_heads: int,
     n_kv_heads: int,
     *,
-    p: Optional[mx.array] = None,
     scale: Optional[float] = None,
     q_gain: Optional[mx.array] = None,
     k_gain: Optional[mx.array] = None,
@@ -547,8 +675,6 @@ def qkv_epilogue_kernel(
         "offset": _offset_array(offset),
         "inv_freq": inv_freq,
     }
-    if p is not None:
-        inputs["p"] = p
     if qk_norm:
         inputs.update(q_gain=q_gain, k_gain=k_gain, params=_consts(eps_q, eps_k))
     else:
@@ -559,7 +685,7 @@ def qkv_epilogue_kernel(
         inputs,
         ["q", "k", "v"],
         qk_norm=qk_norm,
-        prescale=p is not None,
+        prescale=prescaled(qkv.dtype),
     )
     template = [("T", qkv.dtype), ("HQ", n_heads), ("HKV", n_kv_heads), ("HALF", half)]
     template.append(("OFS", int(inputs["offset"].size > 1)))

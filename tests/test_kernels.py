@@ -81,7 +81,7 @@ def make_case(dtype, L, off, ratio, mode, seed=0):
     k = mx.random.split(mx.random.key(seed + 7 * L + ratio), 4)
     qkv = (mx.random.normal((B, L, (hq + 2 * hkv) * h), key=k[0]) * 3).astype(dtype)
     ms = mx.random.uniform(0.05, 20.0, (B, L, 1), key=k[1])
-    p, _ = K.pow2_prescale(ms, dtype)  # a power of two for float16, else None
+    p = K.pow2_prescale(ms) if K.prescaled(dtype) else None  # float16 only
     rope = initialize_rope(h, theta, False, scaling, 512)
     offset = OFFSETS[off]
     offset = mx.array(offset, mx.int32) if isinstance(offset, list) else offset
@@ -93,7 +93,7 @@ def make_case(dtype, L, off, ratio, mode, seed=0):
 
 
 def run_epilogue(fn, c):
-    kw = dict(p=c["p"])
+    kw = {}
     if "gq" in c:  # 1/sqrt(h) folded into q's gain, as the OpenELM model does at load
         kw.update(
             q_gain=c["gq"] * c["h"] ** -0.5, k_gain=c["gk"], eps_q=EPS_Q, eps_k=EPS_K
@@ -189,18 +189,26 @@ def np64(x):
     return np.array(x.astype(mx.float32), dtype=np.float64)
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_mean_square_twin_vs_numpy(dtype, shape):
-    x = (mx.random.normal(shape, key=mx.random.key(2)) * 30).astype(dtype)
-    out = K.mean_square_ops(x, 1e-5)
-    ref = (np64(x) ** 2).mean(-1, keepdims=True) + 1e-5
-    err = np.abs(np64(out) - ref).max() / ref.max()
-    assert out.dtype == mx.float32 and out.shape == (*shape[:-1], 1), (
-        out.dtype,
-        out.shape,
-    )
-    assert err < 2e-6, f"{dtype} {shape}: rel err {err:.3e}"
+def np_pow2(ms):
+    """p = 2^-floor(log2(ms) / 2), from its definition (float64)."""
+    return 2.0 ** -np.floor(np.log2(np64(ms)) / 2)
+
+
+def test_pow2_prescale_is_the_power_of_two_below_one_over_rms():
+    ms = mx.array(
+        [1e-6, 1e-5, 0.37, 0.5, 0.999, 1.0, 1.5, 2.0, 3.99, 4.0, 1e4, 3e30, 1e38]
+    ).reshape(-1, 1)
+    p = K.pow2_prescale(ms)
+    want = np_pow2(ms)
+    assert p.dtype == mx.float32 and np.array_equal(np64(p), want), (np64(p), want)
+    s_over_p = np64(mx.rsqrt(ms)) / np64(p)
+    assert ((s_over_p > 0.5) & (s_over_p <= 1.0)).all(), s_over_p
+
+
+def np_scale(ms, dtype):
+    """The deferred scalar from its definition: rsqrt(ms), over p in float16."""
+    s = 1 / np.sqrt(np64(ms))
+    return s / np_pow2(ms) if dtype == mx.float16 else s
 
 
 def glu_case(dtype, shape):
@@ -208,45 +216,84 @@ def glu_case(dtype, shape):
     gate_up = (mx.random.normal((*shape[:-1], 2 * shape[-1]), key=k[0]) * 4).astype(
         dtype
     )
-    s = mx.random.uniform(0.05, 3.0, (*shape[:-1], 1), key=k[1])
-    return gate_up, s
+    ms = mx.random.uniform(0.1, 20.0, (*shape[:-1], 1), key=k[1])
+    return gate_up, ms
 
 
 def residual_case(dtype, shape):
-    k = mx.random.split(mx.random.key(4), 3)
+    k = mx.random.split(mx.random.key(4), 4)
     h = (mx.random.normal(shape, key=k[0]) * 10).astype(dtype)
     y = (mx.random.normal(shape, key=k[1]) * 10).astype(dtype)
-    return h, y, mx.random.uniform(0.05, 3.0, (*shape[:-1], 1), key=k[2])
+    gain = mx.random.uniform(0.25, 4.0, shape[-1:], key=k[3]).astype(dtype)
+    return h, y, mx.random.uniform(0.1, 20.0, (*shape[:-1], 1), key=k[2]), gain
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_deferred_glu_twin_vs_numpy(dtype, shape):
-    gate_up, s = glu_case(dtype, shape)
-    out = K.deferred_glu_ops(gate_up, s)
+    gate_up, ms = glu_case(dtype, shape)
+    out = K.deferred_glu_ops(gate_up, ms)
     g, u = np.split(np64(gate_up), 2, axis=-1)
-    g = g * np64(s)
+    g = g * np_scale(ms, dtype)
     ref = g / (1 + np.exp(-g)) * u
     err = np.abs(np64(out) - ref).max() / np.abs(ref).max()
     assert out.dtype == dtype and out.shape == shape, (out.dtype, out.shape)
     assert err < TOL[dtype], f"{dtype} {shape}: rel err {err:.3e}"
 
 
+RESIDUAL_MODES = ["stats", "add", "deferred"]  # y None, y as is, y * s(ms_y)
+
+
+def residual_args(dtype, shape, mode):
+    h, y, ms_y, _ = residual_case(dtype, shape)
+    return h, (None if mode == "stats" else y), (ms_y if mode == "deferred" else None)
+
+
+def np_residual(h, y, ms_y, dtype):
+    if y is None:
+        return np64(h)
+    s = 1.0 if ms_y is None else np_scale(ms_y, dtype)
+    return np64(h) + s * np64(y)
+
+
+@pytest.mark.parametrize("mode", RESIDUAL_MODES)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_deferred_residual_twin_vs_numpy(dtype, shape):
-    h, y, s = residual_case(dtype, shape)
-    out = K.deferred_residual_ops(h, y, s)
-    ref = np64(h) + np64(s) * np64(y)
-    err = np.abs(np64(out) - ref).max() / np.abs(ref).max()
+def test_residual_twin_vs_numpy(dtype, shape, mode):
+    h, y, ms_y = residual_args(dtype, shape, mode)
+    out, ms, xs = K.residual_ops(h, y, ms_y, 1e-5)
+    ref = np_residual(h, y, ms_y, dtype)
+    ref_ms = (np64(out) ** 2).mean(-1, keepdims=True) + 1e-5
+    assert out.dtype == xs.dtype == dtype and out.shape == xs.shape == shape
+    assert ms.dtype == mx.float32 and ms.shape == (*shape[:-1], 1), ms.shape
     # The twin rounds s*y to the dtype before the add: two roundings.
+    err = np.abs(np64(out) - ref).max() / np.abs(ref).max()
+    assert err < 2 * TOL[dtype], f"{dtype} {shape} out: rel err {err:.3e}"
+    err_ms = np.abs(np64(ms) - ref_ms).max() / ref_ms.max()
+    assert err_ms < 2e-6, f"{dtype} {shape} ms: rel err {err_ms:.3e}"
+    # What the matmuls read: x * p (exact, a power of two) in float16, else x.
+    p = np_pow2(ms) if dtype == mx.float16 else 1.0
+    ref_xs = np64(out) * p
+    assert np.abs(np64(xs) - ref_xs).max() <= TOL[dtype] * np.abs(ref_xs).max()
+
+
+@pytest.mark.parametrize("gain", [True, False], ids=["gain", "folded"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_residual_norm_twin_vs_numpy(dtype, shape, gain):
+    h, y, ms_y, g = residual_case(dtype, shape)
+    out = K.residual_norm_ops(h, y, ms_y, 1e-5, g if gain else None)
+    x = np_residual(h, y, ms_y, dtype)
+    ref = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-5)
+    ref = ref * np64(g) if gain else ref
+    err = np.abs(np64(out) - ref).max() / np.abs(ref).max()
     assert out.dtype == dtype and out.shape == shape, (out.dtype, out.shape)
-    assert err < 2 * TOL[dtype], f"{dtype} {shape}: rel err {err:.3e}"
+    assert err < 3 * TOL[dtype], f"{dtype} {shape}: rel err {err:.3e}"
 
 
 # --- pickers -----------------------------------------------------------------------
 
-OPS = ["qkv_epilogue", "deferred_glu", "deferred_residual", "mean_square"]
+OPS = ["qkv_epilogue", "deferred_glu", "residual", "residual_norm"]
 
 
 def impls(op):
@@ -284,9 +331,9 @@ def test_picker_honours_flashnorm_kernels_env(fake, monkeypatch):
     monkeypatch.setenv("FLASHNORM_KERNELS", "0")
     for op in OPS:
         assert K.pick(op, *impls(op)) is impls(op)[1], op
-    monkeypatch.setenv("FLASHNORM_KERNELS", "deferred_glu,mean_square")
+    monkeypatch.setenv("FLASHNORM_KERNELS", "deferred_glu,residual")
     for op in OPS:
-        want = impls(op)[0 if op in ("deferred_glu", "mean_square") else 1]
+        want = impls(op)[0 if op in ("deferred_glu", "residual") else 1]
         assert K.pick(op, *impls(op)) is want, op
 
 
@@ -295,13 +342,18 @@ def test_picker_honours_flashnorm_kernels_env(fake, monkeypatch):
 BODIES = {
     "qkv_epilogue": K.QKV_EPILOGUE_BODY,
     "deferred_glu": K.DEFERRED_GLU_BODY,
-    "deferred_residual": K.DEFERRED_RESIDUAL_BODY,
-    "mean_square": K.MEAN_SQUARE_BODY,
+    "residual": K.RESIDUAL_BODY,
 }
 VARIANTS = [
     ("qkv_epilogue", dict(qk_norm=a, prescale=b)) for a in (0, 1) for b in (0, 1)
 ]
-VARIANTS += [(op, {}) for op in BODIES if op != "qkv_epilogue"]
+VARIANTS += [("deferred_glu", dict(prescale=b)) for b in (0, 1)]
+VARIANTS += [
+    ("residual", dict(has_y=y, scale_y=sy, prescale=p, norm=n, gain=g))
+    for y, sy in ((0, 0), (1, 0), (1, 1))
+    for p in (0, 1)
+    for n, g in ((0, 0), (1, 0), (1, 1))
+]
 
 
 @pytest.mark.parametrize("op,flags", VARIANTS, ids=lambda v: str(v))
@@ -342,14 +394,14 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
     K._make_kernel.cache_clear()
     c = make_case(mx.float16, 7, "per_batch", 2, "openelm")
     c_llama = make_case(mx.bfloat16, 1, "off5", 4, "llama")
-    gate_up, s = glu_case(mx.float16, (2, 7, 40))
+    gate_up, ms = glu_case(mx.float16, (2, 7, 40))
 
     def graph(qkv, qkv2, gate_up):
         q = run_epilogue(K.qkv_epilogue_kernel, dict(c, qkv=qkv))
         q2 = run_epilogue(K.qkv_epilogue_kernel, dict(c_llama, qkv=qkv2))
-        ms = K.mean_square_kernel(gate_up, 1e-5)
-        glu = K.deferred_glu_kernel(gate_up, s)
-        return (*q, *q2, ms, glu, K.deferred_residual_kernel(glu, glu, s))
+        glu = K.deferred_glu_kernel(gate_up, ms)
+        res = K.residual_kernel(glu, glu, ms, 1e-5)
+        return (*q, *q2, glu, *res, K.residual_norm_kernel(glu, None, None, 1e-5))
 
     try:
         mx.export_function(
@@ -361,11 +413,11 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
     sources = text.split("Generated source code for `")[1:]
     names = sorted(src.split("`")[0] for src in sources)
     assert names == [
-        "flashnorm_deferred_glu",
-        "flashnorm_deferred_residual",
-        "flashnorm_mean_square",
+        "flashnorm_deferred_glu_prescale1",
         "flashnorm_qkv_epilogue_prescale0_qk_norm0",
         "flashnorm_qkv_epilogue_prescale1_qk_norm1",
+        "flashnorm_residual_gain0_has_y0_norm1_prescale1_scale_y0",
+        "flashnorm_residual_gain0_has_y1_norm0_prescale1_scale_y1",
     ], names
     by_name = {src.split("`")[0]: src for src in sources}
     qkv_src = by_name["flashnorm_qkv_epilogue_prescale1_qk_norm1"]
@@ -385,7 +437,7 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
         in by_name["flashnorm_qkv_epilogue_prescale0_qk_norm0"]
     )
     for name, src in by_name.items():
-        op = name[len("flashnorm_") :].split("_prescale")[0]
+        op = next(op for op in BODIES if name.startswith(f"flashnorm_{op}_"))
         assert K.BODY_MARK + BODIES[op] in src, name
         assert "[[kernel]] void custom_kernel_" + name in src, name
         assert 'template [[host_name("custom_kernel_' + name in src, name
@@ -406,20 +458,29 @@ def test_qkv_epilogue_kernel_matches_twin(dtype, L, off, ratio, mode):
 
 
 def elementwise_checks(dtype, shape):
-    gate_up, s = glu_case(dtype, shape)
-    h, y, s2 = residual_case(dtype, shape)
-    yield "deferred_glu", (gate_up, s), 2 * TOL[dtype]
-    yield "deferred_residual", (h, y, s2), 2 * TOL[dtype]
-    yield "mean_square", (h, 1e-5), 1e-5  # float32 sums in another order
+    """(op, args, tolerance per output) for every variant the models call."""
+    gate_up, ms = glu_case(dtype, shape)
+    yield "deferred_glu", (gate_up, ms), [2 * TOL[dtype]]
+    # out as the twin rounds it; ms: float32 sums in another order; xs: one more
+    # rounding of out (an exact power of two, so only where out already differs).
+    for mode in RESIDUAL_MODES:
+        args = (*residual_args(dtype, shape, mode), 1e-5)
+        yield "residual", args, [2 * TOL[dtype], 1e-5, 2 * TOL[dtype]]
+        yield "residual_norm", args, [3 * TOL[dtype]]
+    h, y, ms_y, gain = residual_case(dtype, shape)
+    yield "residual_norm", (h, y, ms_y, 1e-5, gain), [3 * TOL[dtype]]
 
 
 def check_elementwise_kernels(dtype, shape):
-    for op, args, tol in elementwise_checks(dtype, shape):
+    for op, args, tols in elementwise_checks(dtype, shape):
         kernel, ops = impls(op)
-        out, ref = kernel(*args), ops(*args)
-        assert (out.shape, out.dtype) == (ref.shape, ref.dtype), (op, out.shape)
-        err = rel_err(out, ref)
-        assert err < tol, f"{op} {dtype} {shape}: kernel vs twin {err:.3e} >= {tol:.1e}"
+        outs, refs = kernel(*args), ops(*args)
+        if isinstance(outs, mx.array):
+            outs, refs = [outs], [refs]
+        for i, (out, ref, tol) in enumerate(zip(outs, refs, tols, strict=True)):
+            assert (out.shape, out.dtype) == (ref.shape, ref.dtype), (op, i, out.shape)
+            err = rel_err(out, ref)
+            assert err < tol, f"{op}[{i}] {dtype} {shape}: {err:.3e} >= {tol:.1e}"
 
 
 @needs_backend
@@ -441,9 +502,12 @@ HOST_PRELUDE = """\
 #define FN_EXP(x) std::exp(x)
 #define FN_COS(x) std::cos(x)
 #define FN_SIN(x) std::sin(x)
+#define FN_AS_INT(x) std::bit_cast<int>(x)
+#define FN_AS_FLOAT(x) std::bit_cast<float>(x)
 """
 HOST_HEADER = """\
 #include <barrier>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -643,10 +707,6 @@ def record_all_variants(host, monkeypatch):
         for mode in ("llama", "openelm"):
             for off in ("off5", "per_batch"):
                 run_epilogue(K.qkv_epilogue_kernel, make_case(dtype, 1, off, 2, mode))
-            # p only comes with float16; record the other prescale variant too
-            c = make_case(dtype, 1, "off0", 2, mode)
-            c["p"] = None if c["p"] is not None else mx.ones_like(c["ms"])
-            run_epilogue(K.qkv_epilogue_kernel, c)
         for op, args, _ in elementwise_checks(dtype, (1, 2, 8)):
             impls(op)[0](*args)
 
@@ -710,7 +770,7 @@ def test_llama_attention_uses_the_epilogue_unless_biased(name, tmp_path, monkeyp
 @needs_cxx
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["f32", "f16"])
 def test_llama_with_every_kernel_body_matches_twins(host_backend, dtype, tmp_path):
-    """The whole model with all four kernels (run as host C++) vs its plain-ops self,
+    """The whole model with every kernel (run as host C++) vs its plain-ops self,
     over a prompt and cached decode steps (int offsets through the KV cache)."""
     source = read_source(
         str(tiny.make_llama(tmp_path, "head_dim_llama3", tokenizer=False))

@@ -369,9 +369,9 @@ def test_model_calls_the_qkv_epilogue_once_per_layer(source, monkeypatch):
     n = cfg["num_transformer_layers"]
     assert len(calls) == 2 * n, f"{len(calls)} epilogue calls for {n} layers x 2"
     mode = (
-        ["eps_k", "eps_q", "k_gain", "p", "q_gain"]
+        ["eps_k", "eps_q", "k_gain", "q_gain"]
         if cfg["normalize_qk_projections"]
-        else ["p", "scale"]
+        else ["scale"]
     )
     for i, (shape, hq, hkv, kw) in enumerate(calls):
         layer = i % n

@@ -5,7 +5,14 @@ per-token rsqrt(mean(x^2) + eps) in float32 (DESIGN.md section 2):
     q' = RoPE(x @ Wq*) * s / sqrt(h),  k' = RoPE(x @ Wk*) * s,  v' = (x @ Wv*) * s
     ffn = down(silu(s * (x @ Wg*)) * (x @ Wu*)) * s
 so no normalized copy of x is ever materialized. Attention runs with scale 1.
-q', k', v' come out of the fused qkv matmul in one `kernels.qkv_epilogue` pass.
+
+A decode step launches as few primitives as it can (DESIGN.md 4a), 11 per block:
+    qkv matmul -> qkv_epilogue (split, RoPE, s) -> 2 cache writes -> attention
+    -> o_proj -> residual (h = x + a, ms of h) -> gate|up matmul
+    -> deferred_glu -> down matmul -> residual (h + s * y, ms for the next block)
+Each block hands the next its residual x, ms = mean(x^2) + eps and xs, what
+the matmuls read (x * p in float16, else x); the last block's residual is the
+final norm, so the head reads a normalized row and needs no scaling after.
 """
 
 from dataclasses import dataclass
@@ -80,24 +87,25 @@ class Attention(nn.Module):
         # None where the epilogue cannot reproduce this RoPE variant.
         self._inv_freq = kernels.rope_inv_freq(self.rope, h)
 
-    def __call__(self, x, ms, p, s, mask=None, cache=None):
-        # x: (B, L, D) residual, pre-scaled by p (float16) or not (p None);
-        # ms = mean(x^2) + eps, p and s = rsqrt(ms) / p: (B, L, 1) float32.
-        qkv = self.qkv_proj(x)
+    def __call__(self, xs, ms, mask=None, cache=None):
+        # xs: (B, L, D) block input as the matmuls read it (x * p in float16);
+        # ms = mean(x^2) + eps of the block input x: (B, L, 1) float32.
+        qkv = self.qkv_proj(xs)
         offset = cache.offset if cache is not None else 0
         if self._inv_freq is not None and "qkv_bias" not in self:
             # One pass: heads out, RoPE, s / sqrt(h) on q, s on k and v.
             heads = (self.n_heads, self.n_kv_heads)
             q, k, v = kernels.qkv_epilogue(
-                qkv, ms, offset, self._inv_freq, *heads, p=p, scale=self.scale
+                qkv, ms, offset, self._inv_freq, *heads, scale=self.scale
             )
         else:
+            s = kernels.deferred_scale(ms, qkv.dtype)
             q, k, v = self._split_rope_scale(qkv, s, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
 
         o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
-        B, L, _ = x.shape
+        B, L, _ = xs.shape
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def _split_rope_scale(self, qkv, s, offset):
@@ -133,14 +141,17 @@ class MLP(nn.Module):
             self.gate_up_bias = mx.zeros((2 * hidden,))
         self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
 
-    def __call__(self, x, s):
-        """Returns (y, s_out): the block output is y * s_out (s_out None: y as is)."""
-        gu = self.gate_up_proj(x)
+    def __call__(self, xs, ms):
+        """(y, ms_y): the block output is y * deferred_scale(ms_y) (ms_y None: y).
+
+        xs: (B, L, D) as the matmuls read it; ms: mean(x^2) + eps of x (B, L, 1)."""
+        gu = self.gate_up_proj(xs)
         if "gate_up_bias" in self:
             # A bias on up stops the deferral past down: scale both before the GLU.
-            gate, up = mx.split((gu * s).astype(x.dtype) + self.gate_up_bias, 2, -1)
+            s = kernels.deferred_scale(ms, gu.dtype)
+            gate, up = mx.split((gu * s).astype(gu.dtype) + self.gate_up_bias, 2, -1)
             return self.down_proj(nn.silu(gate) * up), None
-        return self.down_proj(kernels.deferred_glu(gu, s)), s
+        return self.down_proj(kernels.deferred_glu(gu, ms)), ms
 
 
 class TransformerBlock(nn.Module):
@@ -151,17 +162,17 @@ class TransformerBlock(nn.Module):
         self.self_attn = Attention(args)
         self.mlp = MLP(args)
 
-    def _scaled(self, x):
-        ms = kernels.mean_square(x, self.eps)
-        p, s = kernels.pow2_prescale(ms, x.dtype)
-        return (x if p is None else (x * p).astype(x.dtype)), ms, p, s
-
-    def __call__(self, x, mask=None, cache=None):
-        xs, ms, p, s = self._scaled(x)
-        h = x + self.self_attn(xs, ms, p, s, mask, cache)
-        hs, _, _, s = self._scaled(h)
-        y, s_out = self.mlp(hs, s)
-        return h + y if s_out is None else kernels.deferred_residual(h, y, s_out)
+    def __call__(self, x, ms, xs, mask=None, cache=None, final=False, gain=None):
+        """x: (B, L, D) residual, ms = mean(x^2) + eps (B, L, 1) float32, xs = x as
+        the matmuls read it. Returns the next block's (x, ms, xs), or with `final`
+        the final RMSNorm of the output (with `gain`, None where it is folded)."""
+        h, ms_h, hs = kernels.residual(
+            x, self.self_attn(xs, ms, mask, cache), None, self.eps
+        )
+        y, ms_y = self.mlp(hs, ms_h)
+        if final:
+            return kernels.residual_norm(h, y, ms_y, self.eps, gain)
+        return kernels.residual(h, y, ms_y, self.eps)
 
 
 class LlamaModel(nn.Module):
@@ -193,9 +204,16 @@ class LlamaModel(nn.Module):
             swa_mask = create_attention_mask(
                 h, cache[self.swa_idx], window_size=self.args.sliding_window
             )
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, swa_mask if layer.use_sliding else fa_mask, cache=c)
-        return h
+        # Statistics of the first block's input; each block hands on its own.
+        _, ms, hs = kernels.residual(h, None, None, self.args.rms_norm_eps)
+        last = len(self.layers) - 1
+        gain = self.norm.weight if "norm" in self else None
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            mask = swa_mask if layer.use_sliding else fa_mask
+            out = layer(h, ms, hs, mask, cache=c, final=i == last, gain=gain)
+            if i < last:
+                h, ms, hs = out
+        return out
 
 
 class Model(nn.Module):
@@ -203,20 +221,16 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.eps = args.rms_norm_eps
         self.model = LlamaModel(args, final_norm=args.tie_word_embeddings)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs, cache=None, input_embeddings=None):
+        # The final norm ran in the last block (its gain folded into an untied head).
         h = self.model(inputs, cache, input_embeddings)
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(self.model.norm(h))
-        # Final norm folded into lm_head: one scalar per token after the matmul.
-        ms = kernels.mean_square(h, self.eps)
-        p, s = kernels.pow2_prescale(ms, h.dtype)
-        out = self.lm_head(h if p is None else (h * p).astype(h.dtype))
-        return (out * s).astype(out.dtype)
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
 
     def sanitize(self, weights):
         """Folded Hugging Face names -> this class's fused layout (applied once, at load)."""

@@ -12,6 +12,10 @@ q', k', v' come out of the fused qkv matmul in one `kernels.qkv_epilogue` pass
 with RoPE's cos and sin, so attention runs with scale 1. Without QK-norm
 (normalize_qk_projections=False) it is the Llama epilogue: q' = RoPE(q) * s /
 sqrt(h), k' = RoPE(k) * s.
+
+A decode step launches 11 primitives per block, as FlashNorm Llama's does (see
+models/llama.py): blocks hand on (x, ms, xs) through `kernels.residual`, and the
+last block's residual is the final norm.
 """
 
 from dataclasses import dataclass
@@ -104,10 +108,10 @@ class Attention(nn.Module):
             self._gains_from = weights
         return self._gains
 
-    def __call__(self, x, ms, p, mask=None, cache=None):
-        # x: (B, L, D) residual, pre-scaled by p (float16) or not (p None);
-        # ms = mean(x^2) + eps of the unscaled residual, p: (B, L, 1) float32.
-        qkv = self.qkv_proj(x)
+    def __call__(self, xs, ms, mask=None, cache=None):
+        # xs: (B, L, D) block input as the matmuls read it (x * p in float16);
+        # ms = mean(x^2) + eps of the block input x: (B, L, 1) float32.
+        qkv = self.qkv_proj(xs)
         offset = cache.offset if cache is not None else 0
         # One pass: heads out, QK-norm of s*q and s*k (or s / sqrt(h) on q, s on
         # k without QK-norm), RoPE with the gains, s on v.
@@ -118,14 +122,13 @@ class Attention(nn.Module):
             self._inv_freq,
             self.n_heads,
             self.n_kv_heads,
-            p=p,
             **self.epilogue_args(),
         )
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
 
         o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
-        B, L, _ = x.shape
+        B, L, _ = xs.shape
         return self.out_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -141,19 +144,10 @@ class MLP(nn.Module):
         self.proj_1 = nn.Linear(dim, 2 * hidden, bias=False)  # gate | up
         self.proj_2 = nn.Linear(hidden, dim, bias=False)
 
-    def __call__(self, x, s):
-        """proj_2(silu(s*gate) * up); the caller applies the other s to the output."""
-        return self.proj_2(kernels.deferred_glu(self.proj_1(x), s))
-
-
-def _scaled(x, eps):
-    """(x * p, ms, p, s/p): p = 2^k near s for float16 (else None, x as is).
-
-    ms = mean(x^2) + eps and s = rsqrt(ms) in float32; scaling by a power of
-    two is exact, so x * p @ W* times s/p equals x @ W* times s."""
-    ms = kernels.mean_square(x, eps)
-    p, s = kernels.pow2_prescale(ms, x.dtype)
-    return (x if p is None else (x * p).astype(x.dtype)), ms, p, s
+    def __call__(self, xs, ms):
+        """proj_2(silu(s*gate) * up), s from ms; the caller's residual applies the
+        other s to the output."""
+        return self.proj_2(kernels.deferred_glu(self.proj_1(xs), ms))
 
 
 class TransformerBlock(nn.Module):
@@ -163,11 +157,17 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(args, layer_id)
         self.ffn = MLP(args, layer_id)
 
-    def __call__(self, x, mask=None, cache=None):
-        xs, ms, p, _ = _scaled(x, self.eps)
-        h = x + self.attn(xs, ms, p, mask, cache)
-        hs, _, _, s = _scaled(h, self.eps)
-        return kernels.deferred_residual(h, self.ffn(hs, s), s)
+    def __call__(self, x, ms, xs, mask=None, cache=None, final=False, gain=None):
+        """x: (B, L, D) residual, ms = mean(x^2) + eps (B, L, 1) float32, xs = x as
+        the matmuls read it. Returns the next block's (x, ms, xs), or with `final`
+        the final RMSNorm of the output (with `gain`, None where it is folded)."""
+        h, ms_h, hs = kernels.residual(
+            x, self.attn(xs, ms, mask, cache), None, self.eps
+        )
+        y = self.ffn(hs, ms_h)
+        if final:
+            return kernels.residual_norm(h, y, ms_h, self.eps, gain)
+        return kernels.residual(h, y, ms_h, self.eps)
 
 
 class OpenELMModel(nn.Module):
@@ -187,9 +187,15 @@ class OpenELMModel(nn.Module):
         h = self.token_embeddings(inputs)
         cache = cache or [None] * len(self.layers)
         mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, cache=c)
-        return h
+        # Statistics of the first block's input; each block hands on its own.
+        _, ms, hs = kernels.residual(h, None, None, self.args.rms_norm_eps)
+        last = len(self.layers) - 1
+        gain = self.norm.weight if "norm" in self else None
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            out = layer(h, ms, hs, mask, cache=c, final=i == last, gain=gain)
+            if i < last:
+                h, ms, hs = out
+        return out
 
 
 class Model(nn.Module):
@@ -202,14 +208,11 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.model_dim, args.vocab_size, bias=False)
 
     def __call__(self, inputs, cache=None):
+        # The final norm ran in the last block (its gain folded into an untied head).
         h = self.transformer(inputs, cache)
         if self.args.share_input_output_layers:
-            embed = self.transformer.token_embeddings
-            return embed.as_linear(self.transformer.norm(h))
-        # Final norm folded into lm_head: one scalar per token after the matmul.
-        hs, _, _, s = _scaled(h, self.args.rms_norm_eps)
-        out = self.lm_head(hs)
-        return (out * s).astype(out.dtype)
+            return self.transformer.token_embeddings.as_linear(h)
+        return self.lm_head(h)
 
     def sanitize(self, weights):
         """Drop what this class does not hold (applied once, at load)."""
