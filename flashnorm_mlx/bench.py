@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import fold
+from . import dispatch, fold
 from .loading import LoadError, Source, build_model, model_classes, weight_bytes
 from .nonorm import rms_norm_paths
 
@@ -196,6 +196,27 @@ def time_generation(
     }
 
 
+DISPATCH_NOTE = (
+    "dispatches_per_token: kernel-launching primitives in the graph of one "
+    "decode step on this build (views such as reshape/transpose counted apart); "
+    "dispatches_per_token_gpu_model: the same step with every mx.fast op and "
+    "FlashNorm kernel as one launch, as Metal and CUDA run them"
+)
+
+
+def step_dispatches(model: nn.Module) -> dict:
+    """What one decode step launches: on this build, and as a GPU would run it."""
+    here = dispatch.count_dispatches(model)
+    with dispatch.gpu_like():
+        gpu = dispatch.count_dispatches(model)
+    return {
+        "dispatches_per_token": here["dispatches"],
+        "views_per_token": here["views"],
+        "dispatches_per_token_gpu_model": gpu["dispatches"],
+        "primitives_per_token": here["by_primitive"],
+    }
+
+
 def check_logits(model: nn.Module, tokens: List[int]) -> dict:
     """One uncached forward pass over `tokens`: are all logits finite, how large."""
     logits = model(mx.array(tokens)[None]).astype(mx.float32)
@@ -355,6 +376,7 @@ def run_bench(
             ),
             "weight_bytes": weight_bytes(model),
             "decode_bytes_per_token": decode_bytes(model, config),
+            **step_dispatches(model),
         }
 
     for v in variants:
@@ -408,6 +430,13 @@ def run_bench(
             "MLX's CPU backend has no fast float16/bfloat16 matmul (6-16x slower "
             "than float32 on SmolLM2 here): pass --dtype float32 for CPU numbers"
         )
+    if not dispatch.has_gpu_kernels():
+        notes.append(
+            "launches/token: on this build mx.fast ops decompose into several plain "
+            "ops and FlashNorm kernels run as their plain twins, so the raw counts "
+            "are not the GPU's; in parentheses the same step with each mx.fast op "
+            "and FlashNorm kernel as one launch, as on Metal and CUDA"
+        )
     if any(
         not summary[v]["logits_finite"] or not summary[v]["all_trials_finite"]
         for v in variants
@@ -429,6 +458,7 @@ def run_bench(
             "dequantize": dequantize,
             "decode_tps": "(G - 1) / time from the first generated token to the G-th",
             "decode_bytes": DECODE_BYTES_NOTE,
+            "dispatches": DISPATCH_NOTE,
         },
         "device": device,
         "versions": versions(),

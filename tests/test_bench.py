@@ -7,7 +7,7 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 
-from flashnorm_mlx import bench, nonorm
+from flashnorm_mlx import bench, dispatch, nonorm
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.loading import Source, build_model, read_source
 
@@ -28,6 +28,9 @@ SUMMARY_KEYS = (
     "peak_memory_gb",
     "effective_gbps",
     "all_trials_finite",
+    "dispatches_per_token",
+    "views_per_token",
+    "dispatches_per_token_gpu_model",
 )
 TRIAL_KEYS = (
     "round",
@@ -101,6 +104,18 @@ def test_every_trial_and_summary(result):
     assert {"stock_tps", "flashnorm_tps", "nonorm_tps", "share"} <= set(h), h
     assert result["device"]["name"] and result["device"]["backend"], result["device"]
     assert result["versions"]["mlx"] == mx.__version__, result["versions"]
+
+
+def test_launches_per_token_reported_and_flashnorm_fewest_on_a_gpu(result):
+    """bench's launch counts (tests/test_dispatch.py checks the counter itself)."""
+    v = result["variants"]
+    gpu = {name: v[name]["dispatches_per_token_gpu_model"] for name in v}
+    assert gpu["flashnorm"] < gpu["nonorm"] < gpu["stock"], gpu
+    for name, s in v.items():
+        assert s["dispatches_per_token"] >= s["dispatches_per_token_gpu_model"], name
+        assert s["views_per_token"] > 0, name
+    cpu_note = [n for n in result["notes"] if "mx.fast ops decompose" in n]
+    assert len(cpu_note) == (0 if dispatch.has_gpu_kernels() else 1), result["notes"]
 
 
 def test_variants_ran_on_the_same_weights(result, source):
@@ -286,6 +301,7 @@ def test_cli_end_to_end_json(model_dir, tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "decode tok/s" in out and "nonorm" in out and "device:" in out, out
+    assert "launches/tok" in out, out
     r = json.loads(path.read_text())
     assert [t["variant"] for t in r["trials"]] == ["stock", "nonorm", "nonorm", "stock"]
     assert set(r["variants"]) == {"stock", "nonorm"} and "nonorm" in r["ratios"], r

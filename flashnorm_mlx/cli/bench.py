@@ -78,17 +78,21 @@ def render(result: dict, console) -> None:
         "prompt x stock",
     ):
         table.add_column(col, justify="left" if col == "variant" else "right")
-    for col in ("peak GB", "GB/s", "build s", "norms", "logits"):
+    for col in ("launches/tok", "peak GB", "GB/s", "build s", "norms", "logits"):
         table.add_column(col, justify="right")
     for v, s in result["variants"].items():
         r = result["ratios"].get(v)
         ok = s["logits_finite"] and s["all_trials_finite"]
+        launches = str(s["dispatches_per_token"])
+        if s["dispatches_per_token_gpu_model"] != s["dispatches_per_token"]:
+            launches += f" ({s['dispatches_per_token_gpu_model']})"  # see the note
         table.add_row(
             v,
             _cell(s["prompt_tps"]),
             _cell(s["decode_tps"]),
             f"{r['decode']['median_of_ratios']:.3f}" if r else "1.000",
             f"{r['prompt']['median_of_ratios']:.3f}" if r else "1.000",
+            launches,
             f"{s['peak_memory_gb']['max']:.3f}",
             f"{s['effective_gbps']:.2f}",
             f"{s['build_s']:.1f}",

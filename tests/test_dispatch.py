@@ -1,0 +1,118 @@
+"""Launches per decode step: the count FlashNorm's GPU speed is made of.
+
+Dispatch-bound decode on Metal and CUDA costs ~10 µs per kernel-launching
+primitive (DESIGN.md 4a). These tests count the graph of one cached decode step
+on any build, with every mx.fast op and FlashNorm kernel as one node, as a GPU
+runs them (`dispatch.gpu_like`), so a change that adds launches fails here
+without a GPU. References: mlx-lm's own classes (stock) and the norm-removed
+bound (nonorm) on the same weights.
+"""
+
+import io
+
+import mlx.core as mx
+import pytest
+import tiny
+
+from flashnorm_mlx import dispatch, kernels
+from flashnorm_mlx.loading import build_model, read_source
+
+# One FlashNorm block: qkv matmul, qkv_epilogue, 2 cache writes, attention,
+# o_proj, residual, gate|up matmul, deferred_glu, down matmul, residual.
+PER_BLOCK = 11
+# Per step: the embedding gather, the first block's statistics, the head matmul.
+PER_STEP = 3
+
+MODELS = {
+    "llama-untied": ("llama", "gqa_untied"),
+    "llama-tied": ("llama", "mha_tied"),
+    "llama-llama3-rope": ("llama", "head_dim_llama3"),
+    "openelm-tied": ("openelm", "shared"),
+    "openelm-untied": ("openelm", "odd_unshared"),
+    "openelm-no-qk-norm": ("openelm", "no_qk_norm"),
+}
+DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dispatch")
+    out = {}
+    for name, (arch, cfg) in MODELS.items():
+        make = tiny.make_llama if arch == "llama" else tiny.make_openelm
+        out[name] = read_source(str(make(root / name, cfg, tokenizer=False)))
+    return out
+
+
+def layers(source) -> int:
+    cfg = source.config
+    return cfg.get("num_hidden_layers") or cfg["num_transformer_layers"]
+
+
+def gpu_count(source, mode, dtype):
+    model, _ = build_model(source, mode, dtype=dtype)
+    with dispatch.gpu_like():
+        return dispatch.count_dispatches(model)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("name", MODELS)
+def test_flashnorm_step_launches_11_per_block(sources, name, dtype):
+    src = sources[name]
+    got = gpu_count(src, "flashnorm", dtype)
+    want = PER_BLOCK * layers(src) + PER_STEP
+    assert got["dispatches"] == want, (
+        f"{name} {dtype}: {got['dispatches']} launches per decode step, "
+        f"budget {want} ({PER_BLOCK} x {layers(src)} blocks + {PER_STEP}): "
+        f"{got['by_primitive']}"
+    )
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("name", MODELS)
+def test_flashnorm_launches_fewer_than_nonorm_and_stock(sources, name, dtype):
+    counts = {m: gpu_count(sources[name], m, dtype) for m in ("stock", "nonorm")}
+    fn = gpu_count(sources[name], "flashnorm", dtype)["dispatches"]
+    st, nn_ = counts["stock"]["dispatches"], counts["nonorm"]["dispatches"]
+    assert fn < nn_ < st, (name, dtype, {"flashnorm": fn, "nonorm": nn_, "stock": st})
+
+
+def test_each_kernel_and_fast_op_counts_as_one_launch():
+    """The counter itself, on hand-made steps: a kernel call is one node, views
+    are apart, and the upstream work a kernel reads stays in the graph."""
+    x = mx.random.normal((1, 1, 64))
+    w = mx.random.normal((64, 64))
+    mx.eval(x, w)
+
+    def count(fn):
+        with dispatch.gpu_like():
+            out = fn()
+        dot = io.StringIO()
+        mx.export_to_dot(dot, *(out if isinstance(out, tuple) else (out,)))
+        prims = dispatch._LABEL.findall(dot.getvalue())
+        return sum(p not in dispatch.VIEWS for p in prims), prims
+
+    # matmul -> residual kernel (3 outputs) -> rms_norm: 3 launches.
+    n, prims = count(
+        lambda: mx.fast.rms_norm(
+            kernels.residual(x @ w, x, None, 1e-5)[0], None, 1e-5
+        ).reshape(64)
+    )
+    assert n == 3, prims
+    assert prims.count(dispatch.STUB_NODE) == 2 and "Matmul" in prims, prims
+    assert "Reshape" in prims, prims  # counted, but as a view
+
+
+def test_counts_on_this_build_see_the_real_graph(sources):
+    """Without gpu_like the count is this build's own graph: on a CPU build
+    mx.fast ops and kernel twins decompose, so it exceeds the GPU model."""
+    model, _ = build_model(sources["llama-untied"], "stock", dtype=mx.float32)
+    here = dispatch.count_dispatches(model)
+    with dispatch.gpu_like():
+        gpu = dispatch.count_dispatches(model)
+    assert here["views"] > 0 and gpu["dispatches"] > 0
+    if not dispatch.has_gpu_kernels():
+        assert here["dispatches"] > gpu["dispatches"], (here, gpu)
+    # gpu_like is undone on exit: mx.fast and the picker are the real ones again.
+    assert mx.fast.rms_norm.__name__ == "rms_norm"
+    assert kernels.pick.__name__ == "pick"
