@@ -11,3 +11,25 @@ if "FLASHNORM_TEST_TMP" not in os.environ:
     os.environ["FLASHNORM_TEST_TMP"] = tempfile.mkdtemp(prefix="flashnorm-tests-")
     os.environ["TMPDIR"] = os.environ["FLASHNORM_TEST_TMP"]
     tempfile.tempdir = None
+
+
+# The suite in parts, each well under 10 minutes even where the whole suite is
+# slower (a CUDA build): `pytest -m kernels`, `-m models`, `-m tools`.
+PARTS = {
+    "kernels": {"test_kernels.py", "test_dispatch.py"},
+    "models": {
+        "test_llama.py",
+        "test_openelm.py",
+        "test_gguf.py",
+        "test_real_model.py",
+    },
+}
+
+
+def pytest_collection_modifyitems(items):
+    import pytest
+
+    for item in items:
+        name = item.path.name
+        part = next((p for p, files in PARTS.items() if name in files), "tools")
+        item.add_marker(getattr(pytest.mark, part))
