@@ -46,8 +46,10 @@ STUB_NODE = "Depends"
 
 _LABEL = re.compile(r'\[label\s*=\s*"([A-Za-z0-9_]+)')
 
-# mx.fast ops that run as one kernel on Metal and CUDA and decompose on the CPU.
+# Ops that run as one kernel on Metal and CUDA and decompose on the CPU: mx.fast's
+# and mx.dequantize (a quantized embedding's row lookup).
 FAST_OPS = ("rms_norm", "layer_norm", "rope", "scaled_dot_product_attention")
+CORE_OPS = ("dequantize",)
 
 
 def _one_node(fn):
@@ -72,18 +74,20 @@ def _one_node(fn):
 
 @contextlib.contextmanager
 def gpu_like():
-    """Every FlashNorm kernel (picked as on a GPU) and mx.fast op as one node."""
+    """Every FlashNorm kernel (picked as on a GPU), mx.fast op and mx.dequantize
+    as one node each, as Metal and CUDA launch them."""
     saved_pick = kernels.pick
-    saved_fast = {name: getattr(mx.fast, name) for name in FAST_OPS}
+    saved = [(mx.fast, name, getattr(mx.fast, name)) for name in FAST_OPS]
+    saved += [(mx, name, getattr(mx, name)) for name in CORE_OPS]
     kernels.pick = lambda op, kernel, ops: _one_node(ops)
-    for name, fn in saved_fast.items():
-        setattr(mx.fast, name, _one_node(fn))
+    for module, name, fn in saved:
+        setattr(module, name, _one_node(fn))
     try:
         yield
     finally:
         kernels.pick = saved_pick
-        for name, fn in saved_fast.items():
-            setattr(mx.fast, name, fn)
+        for module, name, fn in saved:
+            setattr(module, name, fn)
 
 
 def step_primitives(model: nn.Module, prompt_tokens: int = 4) -> Counter:

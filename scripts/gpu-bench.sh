@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 10's GPU measurements, on an NVIDIA machine with MLX's CUDA build set up as
+# ../shared/device/README.md says (run from the project root, after
+# `bash .devkit/device-setup.sh && source ~/kit/env.sh`). Random-weight checkpoints
+# at real shapes (decode speed depends on shapes, not values), then
+# `bench -p 128 -g 128 -n 7` in each model's dtype and in 4-bit group 64.
+# Results: one JSON per run and bench's tables in $OUT (default ./gpu-bench).
+set -euo pipefail
+out=${OUT:-gpu-bench}
+tools=${TOOLS:-.devkit/tools}
+models=${MODELS:-smollm2-135m openelm-270m llama-3.2-1b}
+mkdir -p "$out"
+python3 -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "cuda", mx.cuda.is_available())' | tee "$out/versions.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$out/versions.txt" || true
+python3 "$tools/mkshapes.py" "$out/models" $models
+for m in $models; do
+  for q in float 4bit; do
+    flags=()
+    [ "$q" = 4bit ] && flags=(-q --q-bits 4 --q-group-size 64)
+    PYTHONPATH=. python3 -m flashnorm_mlx bench "$out/models/$m" -p 128 -g 128 -n 7 \
+      "${flags[@]}" --json "$out/$m-$q.json" | tee -a "$out/tables.txt"
+  done
+done
