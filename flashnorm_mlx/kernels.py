@@ -104,7 +104,8 @@ def _available_backend() -> Optional[str]:
 
 def _gpu_backend() -> Optional[str]:
     """The build's GPU backend ("metal", "cuda") if arrays go to the GPU, else None."""
-    return _available_backend() if mx.default_device() == mx.gpu else None
+    available = _available_backend()
+    return available if available and mx.default_device() == mx.gpu else None
 
 
 def backend(op: Optional[str] = None) -> Optional[str]:
@@ -113,12 +114,18 @@ def backend(op: Optional[str] = None) -> Optional[str]:
     FLASHNORM_KERNELS=0 turns every kernel off; a comma list of op names turns
     on only those.
     """
-    env = os.environ.get("FLASHNORM_KERNELS", "1").strip()
-    if env == "0":
-        return None
-    if op is not None and env not in ("", "1") and op not in env.split(","):
+    if not _enabled(os.environ.get("FLASHNORM_KERNELS", "1"), op):
         return None
     return _gpu_backend()
+
+
+@functools.lru_cache(maxsize=64)
+def _enabled(env: str, op: Optional[str]) -> bool:
+    # Parsed once per setting: every op call of a decode step asks.
+    env = env.strip()
+    if env == "0":
+        return False
+    return op is None or env in ("", "1") or op in env.split(",")
 
 
 def pick(op: str, kernel, ops):
@@ -154,10 +161,6 @@ def _kernel(name: str, body: str, inputs, outputs, **flags):
 def _consts(*values: float) -> mx.array:
     # Float parameters travel as a small float32 array (templates take ints only).
     return mx.array(values, dtype=mx.float32)
-
-
-def _rows(x: mx.array) -> mx.array:
-    return x.reshape(-1, x.shape[-1])
 
 
 # Tree sum over the NT threads of a threadgroup into red[0] (RP: a power of
@@ -291,46 +294,65 @@ def residual_ops(
     return out, ms, xs
 
 
-def _residual_call(h, y, ms_y, eps, norm, gain=None):
-    D = h.shape[-1]
-    rows = _rows(h)
+@functools.lru_cache(maxsize=512)
+def _residual_plan(shape, dtype, has_y, scale_y, norm, has_gain, make_kernel, backend):
+    """(kernel, launch keywords, output names) for one call signature, built once:
+    a decode step makes this call twice per block, and at ~10 µs a launch the
+    Python around it must stay small. Keyed on the kernel factory and backend
+    too, so tests that swap either get fresh plans."""
+    D = shape[-1]
     nt = min(256, max(32, _next_pow2(D) // 4))
-    inputs = {"h": rows}
-    if y is not None:
-        inputs["y"] = _rows(y)
-    if ms_y is not None:
-        inputs["ms_y"] = ms_y
-    inputs["params"] = _consts(float(eps))
-    if gain is not None:
-        inputs["gain"] = gain
-    pre = prescaled(h.dtype) and not norm
+    inputs = ["h"] + ["y"] * has_y + ["ms_y"] * scale_y + ["params"]
+    inputs += ["gain"] * has_gain
     if norm:
-        outputs = {"out": (h.shape, h.dtype)}
+        outputs = {"out": (shape, dtype)}
     else:
-        outputs = {"out": (h.shape, h.dtype)} if y is not None else {}
-        outputs["ms"] = ((*h.shape[:-1], 1), mx.float32)
-        if pre:
-            outputs["xs"] = (h.shape, h.dtype)
-    kernel = _kernel(
+        outputs = {"out": (shape, dtype)} if has_y else {}
+        outputs["ms"] = ((*shape[:-1], 1), mx.float32)
+        if prescaled(dtype):
+            outputs["xs"] = (shape, dtype)
+    kernel = make_kernel(
         "residual",
         RESIDUAL_BODY,
         inputs,
-        outputs,
-        has_y=y is not None,
-        scale_y=ms_y is not None,
-        prescale=prescaled(h.dtype),
+        list(outputs),
+        has_y=has_y,
+        scale_y=scale_y,
+        prescale=prescaled(dtype),
         norm=norm,
-        gain=gain is not None,
+        gain=has_gain,
     )
-    results = kernel(
-        inputs=list(inputs.values()),
-        template=[("T", h.dtype), ("D", D), ("NT", nt), ("RP", nt)],
-        grid=(rows.shape[0] * nt, 1, 1),
+    launch = dict(
+        template=[("T", dtype), ("D", D), ("NT", nt), ("RP", nt)],
+        grid=(math.prod(shape[:-1]) * nt, 1, 1),
         threadgroup=(nt, 1, 1),
         output_shapes=[s for s, _ in outputs.values()],
         output_dtypes=[d for _, d in outputs.values()],
     )
-    return dict(zip(outputs, results))
+    return kernel, launch, tuple(outputs)
+
+
+def _residual_call(h, y, ms_y, eps, norm, gain=None):
+    # The kernel indexes rows of D in flat memory: no reshapes needed.
+    kernel, launch, names = _residual_plan(
+        h.shape,
+        h.dtype,
+        y is not None,
+        ms_y is not None,
+        norm,
+        gain is not None,
+        _kernel,
+        _gpu_backend(),
+    )
+    inputs = [h]
+    if y is not None:
+        inputs.append(y)
+    if ms_y is not None:
+        inputs.append(ms_y)
+    inputs.append(_consts(float(eps)))
+    if gain is not None:
+        inputs.append(gain)
+    return dict(zip(names, kernel(inputs=inputs, **launch)))
 
 
 def residual_kernel(h, y, ms_y, eps):
@@ -368,9 +390,9 @@ def residual_norm(h, y, ms_y, eps, gain=None):
 # --- deferred GLU ----------------------------------------------------------------
 
 DEFERRED_GLU_BODY = """\
-  // out = silu(s * gate) * up; gate_up (N, 2F) = [gate | up], s from ms (N,).
+  // out = silu(s * gate) * up; gate_up (B, L, 2F) = [gate | up], s from ms (B, L, 1).
   const int i = FN_GLOBAL;
-  if (i >= gate_up_shape[0] * F) {
+  if (i >= gate_up_shape[0] * gate_up_shape[1] * F) {
     return;
   }
   const int row = i / F;
@@ -396,25 +418,31 @@ def deferred_glu_ops(gate_up: mx.array, ms: mx.array) -> mx.array:
     return (g * mx.sigmoid(g) * up).astype(gate_up.dtype)
 
 
-def deferred_glu_kernel(gate_up: mx.array, ms: mx.array) -> mx.array:
-    F = gate_up.shape[-1] // 2
-    rows = _rows(gate_up)
-    kernel = _kernel(
+@functools.lru_cache(maxsize=512)
+def _glu_plan(shape, dtype, make_kernel, backend):
+    F = shape[-1] // 2
+    B, L, _ = shape
+    kernel = make_kernel(
         "deferred_glu",
         DEFERRED_GLU_BODY,
         ["gate_up", "ms"],
         ["out"],
-        prescale=prescaled(gate_up.dtype),
+        prescale=prescaled(dtype),
     )
-    (out,) = kernel(
-        inputs=[rows, ms],
-        template=[("T", gate_up.dtype), ("F", F)],
-        grid=(rows.shape[0] * F, 1, 1),
+    launch = dict(
+        template=[("T", dtype), ("F", F)],
+        grid=(B * L * F, 1, 1),
         threadgroup=(256, 1, 1),
-        output_shapes=[(*gate_up.shape[:-1], F)],
-        output_dtypes=[gate_up.dtype],
+        output_shapes=[(*shape[:-1], F)],
+        output_dtypes=[dtype],
     )
-    return out
+    return kernel, launch
+
+
+def deferred_glu_kernel(gate_up: mx.array, ms: mx.array) -> mx.array:
+    # gate_up (B, L, 2F), ms (B, L, 1): the kernel indexes them in flat memory.
+    kernel, launch = _glu_plan(gate_up.shape, gate_up.dtype, _kernel, _gpu_backend())
+    return kernel(inputs=[gate_up, ms], **launch)[0]
 
 
 def deferred_glu(gate_up: mx.array, ms: mx.array) -> mx.array:
@@ -664,44 +692,58 @@ def qkv_epilogue_kernel(
     eps_q: float = 0.0,
     eps_k: float = 0.0,
 ) -> Tuple[mx.array, mx.array, mx.array]:
-    B, L, _ = qkv.shape
-    heads = n_heads + 2 * n_kv_heads
-    h = qkv.shape[-1] // heads
-    half = h // 2
+    offset = _offset_array(offset)
     qk_norm = q_gain is not None
-    inputs = {
-        "qkv": qkv,
-        "ms": ms,
-        "offset": _offset_array(offset),
-        "inv_freq": inv_freq,
-    }
+    kernel, launch = _epilogue_plan(
+        qkv.shape,
+        qkv.dtype,
+        n_heads,
+        n_kv_heads,
+        qk_norm,
+        offset.size > 1,
+        _kernel,
+        _gpu_backend(),
+    )
     if qk_norm:
-        inputs.update(q_gain=q_gain, k_gain=k_gain, params=_consts(eps_q, eps_k))
+        inputs = [qkv, ms, offset, inv_freq, q_gain, k_gain, _consts(eps_q, eps_k)]
     else:
-        inputs["params"] = _consts(h**-0.5 if scale is None else float(scale))
-    kernel = _kernel(
+        h = qkv.shape[-1] // (n_heads + 2 * n_kv_heads)
+        scale = h**-0.5 if scale is None else float(scale)
+        inputs = [qkv, ms, offset, inv_freq, _consts(scale)]
+    return tuple(kernel(inputs=inputs, **launch))
+
+
+@functools.lru_cache(maxsize=512)
+def _epilogue_plan(
+    shape, dtype, n_heads, n_kv_heads, qk_norm, per_batch, make_kernel, backend
+):
+    B, L, _ = shape
+    heads = n_heads + 2 * n_kv_heads
+    h = shape[-1] // heads
+    half = h // 2
+    inputs = ["qkv", "ms", "offset", "inv_freq"]
+    inputs += ["q_gain", "k_gain", "params"] if qk_norm else ["params"]
+    kernel = make_kernel(
         "qkv_epilogue",
         QKV_EPILOGUE_BODY,
         inputs,
         ["q", "k", "v"],
         qk_norm=qk_norm,
-        prescale=prescaled(qkv.dtype),
+        prescale=prescaled(dtype),
     )
-    template = [("T", qkv.dtype), ("HQ", n_heads), ("HKV", n_kv_heads), ("HALF", half)]
-    template.append(("OFS", int(inputs["offset"].size > 1)))
+    template = [("T", dtype), ("HQ", n_heads), ("HKV", n_kv_heads), ("HALF", half)]
+    template.append(("OFS", int(per_batch)))
     if qk_norm:  # the per-head reduction: NT threads, shared array of RP floats
         template += [("NT", half), ("RP", _next_pow2(half))]
     q_shape, kv_shape = (B, n_heads, L, h), (B, n_kv_heads, L, h)
-    return tuple(
-        kernel(
-            inputs=list(inputs.values()),
-            template=template,
-            grid=(B * L * heads * half, 1, 1),
-            threadgroup=(half, 1, 1),
-            output_shapes=[q_shape, kv_shape, kv_shape],
-            output_dtypes=[qkv.dtype] * 3,
-        )
+    launch = dict(
+        template=template,
+        grid=(B * L * heads * half, 1, 1),
+        threadgroup=(half, 1, 1),
+        output_shapes=[q_shape, kv_shape, kv_shape],
+        output_dtypes=[dtype] * 3,
     )
+    return kernel, launch
 
 
 def qkv_epilogue(qkv, ms, offset, inv_freq, n_heads, n_kv_heads, **kw):
