@@ -61,7 +61,8 @@ def weights_checksum(weights: Dict[str, mx.array]) -> str:
 
 def decode_bytes(model: nn.Module, config: dict) -> int:
     """Parameter bytes one decode step reads (see DECODE_BYTES_NOTE)."""
-    _, _, embed, head, _ = fold._ARCH[fold.family(config)]
+    arch = fold.architecture(config)
+    embed, head = arch.embed, arch.head
     params = tree_flatten(model.parameters())
     has_head = any(k.startswith(f"{head}.") for k, _ in params)
     table = sum(v.nbytes for k, v in params if k.startswith(f"{embed}."))

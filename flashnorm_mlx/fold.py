@@ -10,9 +10,12 @@ MLX Linear weights are (out, in), so the gain scales input columns.
 """
 
 import copy
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
+
+from . import models
+from .arch import Architecture
 
 Weights = Dict[str, mx.array]
 
@@ -33,78 +36,20 @@ def is_quantized(weights: Weights) -> bool:
     return any(k.endswith(".scales") for k in weights)
 
 
-# --- which norm feeds which linear layers, per architecture -----------------
+# --- which norm feeds which linear layers ----------------------------------------
 
 
-def _llama_pairs(config: dict, weights: Weights) -> Iterator[Tuple[str, List[str]]]:
-    n_layers = config["num_hidden_layers"]
-    for i in range(n_layers):
-        p = f"model.layers.{i}"
-        if f"{p}.self_attn.qkv_proj.weight" in weights:
-            attn = [f"{p}.self_attn.qkv_proj"]
-        else:
-            attn = [f"{p}.self_attn.{n}_proj" for n in "qkv"]
-        if f"{p}.mlp.gate_up_proj.weight" in weights:
-            mlp = [f"{p}.mlp.gate_up_proj"]
-        else:
-            mlp = [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
-        yield f"{p}.input_layernorm", attn
-        yield f"{p}.post_attention_layernorm", mlp
-
-
-def _openelm_pairs(config: dict, weights: Weights) -> Iterator[Tuple[str, List[str]]]:
-    for i in range(config["num_transformer_layers"]):
-        p = f"transformer.layers.{i}"
-        yield f"{p}.attn_norm", [f"{p}.attn.qkv_proj"]
-        yield f"{p}.ffn_norm", [f"{p}.ffn.proj_1"]
-
-
-# family -> (per-layer pairs, final norm, input embedding, lm_head, tie flag)
-_ARCH = {
-    "llama": (
-        _llama_pairs,
-        "model.norm",
-        "model.embed_tokens",
-        "lm_head",
-        "tie_word_embeddings",
-    ),
-    "openelm": (
-        _openelm_pairs,
-        "transformer.norm",
-        "transformer.token_embeddings",
-        "lm_head",
-        "share_input_output_layers",
-    ),
-}
-
-# mlx-lm model types that run as the Llama architecture.
-LLAMA_TYPES = ("llama", "mistral")
-
-
-def family(config: dict) -> str:
-    """The architecture family of a config, or raise ValueError."""
-    mt = config.get("model_type")
-    if mt in LLAMA_TYPES:
-        return "llama"
-    if mt == "openelm":
-        return "openelm"
-    raise ValueError(
-        f"unsupported model_type {mt!r}: flashnorm-mlx runs "
-        f"{', '.join(LLAMA_TYPES)} and openelm"
-    )
-
-
-def _is_tied(config: dict, tie_key: str) -> bool:
-    return bool(config.get(tie_key, True))
+def architecture(config: dict) -> Architecture:
+    """The config's architecture description (models/<model_type>.py), or FoldError."""
+    try:
+        return models.architecture(config)
+    except models.UnsupportedModel as e:
+        raise FoldError(str(e)) from None
 
 
 def norm_pairs(config: dict, weights: Weights) -> List[Tuple[str, List[str]]]:
     """(norm module, [linear modules it feeds]) for every foldable norm."""
-    pairs_fn, final, embed, head, tie_key = _ARCH[family(config)]
-    pairs = list(pairs_fn(config, weights))
-    if not _is_tied(config, tie_key):
-        pairs.append((final, [head]))
-    return pairs
+    return architecture(config).norm_pairs(config, weights)
 
 
 # --- the transforms ----------------------------------------------------------
@@ -134,16 +79,15 @@ def fold_norms(
     """
     if is_folded(config):
         return weights, config
-    fam = family(config)
-    _, final, embed, head, tie_key = _ARCH[fam]
+    arch = architecture(config)
     weights = dict(weights)
     config = copy.deepcopy(config)
 
-    if untie and _is_tied(config, tie_key):
-        if f"{embed}.scales" in weights:
+    if untie and arch.is_tied(config):
+        if f"{arch.embed}.scales" in weights:
             raise FoldError("cannot untie a quantized embedding; dequantize first")
-        weights[f"{head}.weight"] = weights[f"{embed}.weight"]
-        config[tie_key] = False
+        weights[f"{arch.head}.weight"] = weights[f"{arch.embed}.weight"]
+        config[arch.tie_key] = False
 
     folded_norms = []
     for norm, linears in norm_pairs(config, weights):
@@ -161,7 +105,7 @@ def fold_norms(
         "format": FORMAT_VERSION,
         "compat": compat,
         # The final norm keeps its gain when the head is tied to the embedding.
-        "final_norm_folded": final in folded_norms,
+        "final_norm_folded": arch.final_norm in folded_norms,
     }
     return weights, config
 
@@ -177,7 +121,7 @@ def restore_unit_norms(weights: Weights, config: dict) -> Weights:
     for norm, _ in norm_pairs(config, weights):
         key = f"{norm}.weight"
         if key not in weights:
-            width = _norm_width(config)
+            width = config[architecture(config).width_key]
             weights[key] = mx.ones((width,), dtype=mx.float32)
     return weights
 
@@ -190,10 +134,6 @@ def drop_unit_norms(weights: Weights, config: dict) -> Weights:
     for norm, _ in norm_pairs(config, weights):
         weights.pop(f"{norm}.weight", None)
     return weights
-
-
-def _norm_width(config: dict) -> int:
-    return config.get("hidden_size") or config["model_dim"]
 
 
 def quant_params(config: dict, module: str) -> Optional[dict]:

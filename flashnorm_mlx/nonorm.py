@@ -25,8 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import fold
-from . import loading
+from . import fold, loading
 
 CALIBRATION_TOKENS = 32
 CALIBRATION_SEED = 1234
@@ -141,21 +140,26 @@ def measure_rms(
 
 def norm_sites(model: nn.Module, config: dict, weights: fold.Weights) -> List[NormSite]:
     """A NormSite for every RMSNorm module of the stock `model` (else FoldError)."""
-    _, final, embed, head, tie_key = fold._ARCH[fold.family(config)]
-    pairs = dict(fold.norm_pairs(config, weights))
+    arch = fold.architecture(config)
+    pairs = dict(arch.norm_pairs(config, weights))
     sites = []
     for path in rms_norm_paths(model):
         parent_path, _, name = path.rpartition(".")
         parent = _get_module(model, parent_path) if parent_path else model
         if path in pairs:
             sites.append(NormSite(path, tuple(pairs[path])))
-        elif path == final:
-            sites.append(NormSite(path, (head,), untie=True))
+        elif path == arch.final_norm:
+            sites.append(NormSite(path, (arch.head,), untie=True))
         elif name in ("q_norm", "k_norm") and "qkv_proj" in parent:
             # qkv_proj rows: [q heads | k heads | v heads], head_dim rows each.
             n_q, n_kv, h = parent.n_heads, parent.n_kv_heads, parent.head_dim
             rows = (0, n_q * h) if name == "q_norm" else (n_q * h, (n_q + n_kv) * h)
             sites.append(NormSite(path, (f"{parent_path}.qkv_proj",), rows=rows))
+        elif name in ("q_norm", "k_norm") and f"{name[0]}_proj" in parent:
+            # Separate q_proj / k_proj (Qwen3): all their rows, head by head.
+            proj = f"{parent_path}.{name[0]}_proj"
+            rows = (0, weights[f"{proj}.weight"].shape[0])
+            sites.append(NormSite(path, (proj,), rows=rows))
         else:
             raise fold.FoldError(f"nonorm: no place to fold the constant of {path}")
     return sites
@@ -168,16 +172,16 @@ def fold_constants(
 
     Pure: new dicts are returned. Weights must be float (dequantize first).
     """
-    _, final, embed, head, tie_key = fold._ARCH[fold.family(config)]
+    arch = fold.architecture(config)
     weights, config = dict(weights), copy.deepcopy(config)
     for site in sites:
         gain = weights.pop(f"{site.norm}.weight")
         c = gain.astype(mx.float32) / rms[site.norm]  # (width,)
         if site.untie:
-            if f"{embed}.scales" in weights:
+            if f"{arch.embed}.scales" in weights:
                 raise fold.FoldError("nonorm: cannot untie a quantized embedding")
-            weights[f"{head}.weight"] = weights[f"{embed}.weight"]
-            config[tie_key] = False
+            weights[f"{arch.head}.weight"] = weights[f"{arch.embed}.weight"]
+            config[arch.tie_key] = False
         for linear in site.into:
             if site.rows is None:
                 weights = fold.fold_gain(weights, c, linear)
@@ -238,7 +242,7 @@ def build_nonorm(
     del calib
     weights, config = fold_constants(weights, config, sites, rms)
 
-    _, _, embed, head, _ = fold._ARCH[fold.family(config)]
+    embed, head = fold.architecture(config).embed, fold.architecture(config).head
     if qspec and embed in qspec and head not in qspec and f"{head}.weight" in weights:
         qspec[head] = qspec[embed]  # an untied head takes its embedding's settings
 
@@ -259,7 +263,7 @@ def build_nonorm(
             f"nonorm: weights do not match the model: {e}"
         ) from None
     if qspec:
-        loading._apply_qspec(model, qspec)
+        loading._apply_qspec(model, qspec, config)
         config = loading._with_quantization(config, qspec)
     mx.eval(model.parameters())
     return model, config

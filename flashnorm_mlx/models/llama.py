@@ -29,6 +29,29 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
+from ..arch import Architecture, NormPair
+
+ARCH = Architecture(
+    layers_key="num_hidden_layers",
+    layer="model.layers.{i}",
+    pairs=(
+        NormPair(
+            "input_layernorm",
+            "self_attn.qkv_proj",
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ),
+        NormPair(
+            "post_attention_layernorm",
+            "mlp.gate_up_proj",
+            ("mlp.gate_proj", "mlp.up_proj"),
+        ),
+    ),
+    final_norm="model.norm",
+    embed="model.embed_tokens",
+    head="lm_head",
+    tie_key="tie_word_embeddings",
+    width_key="hidden_size",
+)
 
 
 @dataclass

@@ -32,6 +32,22 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.openelm import make_divisible
 
 from .. import kernels
+from ..arch import Architecture, NormPair
+
+ARCH = Architecture(
+    layers_key="num_transformer_layers",
+    layer="transformer.layers.{i}",
+    pairs=(
+        NormPair("attn_norm", "attn.qkv_proj", ("attn.qkv_proj",)),
+        NormPair("ffn_norm", "ffn.proj_1", ("ffn.proj_1",)),
+    ),
+    final_norm="transformer.norm",
+    embed="transformer.token_embeddings",
+    head="lm_head",
+    tie_key="share_input_output_layers",
+    width_key="model_dim",
+    qk_norms=("attn.q_norm", "attn.k_norm"),
+)
 
 
 @dataclass
