@@ -478,10 +478,18 @@ QKV_EPILOGUE_BODY = (
   const float s = FN_RSQRT(mst);
   const float inv_s2 = mst;
 #endif
+#if FN_BIAS
+  // A q/k/v bias (Qwen2) comes after the deferred scaling and before RoPE.
+  const float b1 = static_cast<float>(bias[head * HD + lane]);
+  const float b2 = static_cast<float>(bias[head * HD + lane + HALF]);
+#else
+  const float b1 = 0.0f;
+  const float b2 = 0.0f;
+#endif
   if (head >= HQ + HKV) {
     const int dst = ((b * HKV + head - HQ - HKV) * L + l) * HD + lane;
-    v[dst] = static_cast<T>(x1 * s);
-    v[dst + HALF] = static_cast<T>(x2 * s);
+    v[dst] = static_cast<T>(x1 * s + b1);
+    v[dst + HALF] = static_cast<T>(x2 * s + b2);
     return;
   }
   const bool is_q = head < HQ;
@@ -505,6 +513,12 @@ QKV_EPILOGUE_BODY = (
   const float y2 = x2 * r;
   const float o1 = y1 * (g1 * c) - y2 * (g2 * sn);
   const float o2 = y2 * (g2 * c) + y1 * (g1 * sn);
+#elif FN_BIAS
+  const float y1 = x1 * s + b1;
+  const float y2 = x2 * s + b2;
+  const float qs = is_q ? params[0] : 1.0f;
+  const float o1 = (y1 * c - y2 * sn) * qs;
+  const float o2 = (y1 * sn + y2 * c) * qs;
 #else
   // RoPE is linear per token: s (and q's 1/sqrt(h) in params[0]) ride along.
   const float scale = is_q ? s * params[0] : s;
@@ -621,6 +635,7 @@ def qkv_epilogue_ops(
     n_kv_heads: int,
     *,
     scale: Optional[float] = None,
+    bias: Optional[mx.array] = None,
     q_gain: Optional[mx.array] = None,
     k_gain: Optional[mx.array] = None,
     eps_q: float = 0.0,
@@ -633,7 +648,8 @@ def qkv_epilogue_ops(
     `pow2_prescale(ms)`). RoPE (half-split) angle at position offset + l is
     (offset + l) * inv_freq, offset an int or a (B,) array.
     Llama mode (no gains):  q' = RoPE(q) * s * scale (scale default h**-0.5),
-        k' = RoPE(k) * s,  v' = v * s.
+        k' = RoPE(k) * s,  v' = v * s; with a q|k|v `bias` ((Hq+2Hkv)h,), added
+        after the deferred scaling: q' = RoPE(q * s + bq) * scale, k', v' alike.
     OpenELM mode (q_gain, k_gain (h,), 1/sqrt(h) folded into q_gain by the caller):
         q' = RoPE(rms_norm(s * q, eps_q) * q_gain), k' likewise, v' = v * s.
     """
@@ -644,10 +660,19 @@ def qkv_epilogue_ops(
     s = deferred_scale(ms, dtype)
     # float32 math as the kernel does it; one cast here (none for float32 input)
     # rather than one per mixed-dtype product.
-    x = qkv.astype(mx.float32).reshape(B, L, heads, h).transpose(0, 2, 1, 3)
+    x = qkv.astype(mx.float32).reshape(B, L, heads, h)
+    if bias is not None:
+        # The bias comes after the deferred scaling: s is applied here, once.
+        _check_bias_mode(q_gain)
+        x = x * s[..., None] + bias.astype(mx.float32).reshape(heads, h)
+    x = x.transpose(0, 2, 1, 3)
     q, k, v = mx.split(x, [n_heads, n_heads + n_kv_heads], axis=1)
     s = s[:, None]  # (B, 1, L, 1)
     cos, sin = _rope_tables(offset, L, inv_freq)
+    if bias is not None:
+        scale = h**-0.5 if scale is None else scale
+        q = (_rope(q, cos, sin) * scale).astype(dtype)
+        return q, _rope(k, cos, sin).astype(dtype), v.astype(dtype)
     if q_gain is None:
         scale = h**-0.5 if scale is None else scale
         q = (_rope(q, cos, sin) * (s * scale)).astype(dtype)
@@ -687,6 +712,7 @@ def qkv_epilogue_kernel(
     n_kv_heads: int,
     *,
     scale: Optional[float] = None,
+    bias: Optional[mx.array] = None,
     q_gain: Optional[mx.array] = None,
     k_gain: Optional[mx.array] = None,
     eps_q: float = 0.0,
@@ -694,12 +720,15 @@ def qkv_epilogue_kernel(
 ) -> Tuple[mx.array, mx.array, mx.array]:
     offset = _offset_array(offset)
     qk_norm = q_gain is not None
+    if bias is not None:
+        _check_bias_mode(q_gain)
     kernel, launch = _epilogue_plan(
         qkv.shape,
         qkv.dtype,
         n_heads,
         n_kv_heads,
         qk_norm,
+        bias is not None,
         offset.size > 1,
         _kernel,
         _gpu_backend(),
@@ -710,12 +739,27 @@ def qkv_epilogue_kernel(
         h = qkv.shape[-1] // (n_heads + 2 * n_kv_heads)
         scale = h**-0.5 if scale is None else float(scale)
         inputs = [qkv, ms, offset, inv_freq, _consts(scale)]
+        if bias is not None:
+            inputs.append(bias)
     return tuple(kernel(inputs=inputs, **launch))
+
+
+def _check_bias_mode(q_gain):
+    if q_gain is not None:
+        raise ValueError("qkv_epilogue: a q/k/v bias with QK-norm is not supported")
 
 
 @functools.lru_cache(maxsize=512)
 def _epilogue_plan(
-    shape, dtype, n_heads, n_kv_heads, qk_norm, per_batch, make_kernel, backend
+    shape,
+    dtype,
+    n_heads,
+    n_kv_heads,
+    qk_norm,
+    has_bias,
+    per_batch,
+    make_kernel,
+    backend,
 ):
     B, L, _ = shape
     heads = n_heads + 2 * n_kv_heads
@@ -723,6 +767,7 @@ def _epilogue_plan(
     half = h // 2
     inputs = ["qkv", "ms", "offset", "inv_freq"]
     inputs += ["q_gain", "k_gain", "params"] if qk_norm else ["params"]
+    inputs += ["bias"] * has_bias
     kernel = make_kernel(
         "qkv_epilogue",
         QKV_EPILOGUE_BODY,
@@ -730,6 +775,7 @@ def _epilogue_plan(
         ["q", "k", "v"],
         qk_norm=qk_norm,
         prescale=prescaled(dtype),
+        bias=has_bias,
     )
     template = [("T", dtype), ("HQ", n_heads), ("HKV", n_kv_heads), ("HALF", half)]
     template.append(("OFS", int(per_batch)))

@@ -30,6 +30,9 @@ MODELS = {
     "openelm-tied": ("openelm", "shared"),
     "openelm-untied": ("openelm", "odd_unshared"),
     "openelm-no-qk-norm": ("openelm", "no_qk_norm"),
+    "mistral-sliding": ("llama", "mistral_sliding"),
+    "qwen2-bias": ("qwen", "qwen2"),
+    "qwen3-qk-norm": ("qwen", "qwen3_untied"),
 }
 DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
 
@@ -39,7 +42,7 @@ def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("dispatch")
     out = {}
     for name, (arch, cfg) in MODELS.items():
-        make = tiny.make_llama if arch == "llama" else tiny.make_openelm
+        make = getattr(tiny, f"make_{arch}")
         out[name] = read_source(str(make(root / name, cfg, tokenizer=False)))
     return out
 
@@ -55,8 +58,13 @@ def gpu_count(source, mode, dtype):
         return dispatch.count_dispatches(model)
 
 
+# A sliding-window cache (mlx-lm's RotatingKVCache) adds its own ops while it
+# fills, in every variant alike: those models are held to "fewer" only.
+EXACT = [name for name in MODELS if "sliding" not in name]
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", EXACT)
 def test_flashnorm_step_launches_11_per_block(sources, name, dtype):
     src = sources[name]
     got = gpu_count(src, "flashnorm", dtype)

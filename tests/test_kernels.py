@@ -62,7 +62,7 @@ EPS_Q, EPS_K = 0.5, 1e-2  # large eps_q: dropping the eps adjustment would show
 
 GRID = [
     pytest.param(dt, L, off, ratio, mode, id=f"{mode}-{dn}-L{L}-{off}-gqa{ratio}")
-    for mode in ("llama", "openelm")
+    for mode in ("llama", "openelm", "qwen2")
     for dn, dt in DTYPES.items()
     for L in (1, 7)
     for off in OFFSETS
@@ -89,11 +89,14 @@ def make_case(dtype, L, off, ratio, mode, seed=0):
     if mode == "openelm":
         case["gq"] = mx.random.uniform(0.25, 4.0, (h,), key=k[2])
         case["gk"] = mx.random.uniform(0.25, 4.0, (h,), key=k[3])
+    if mode == "qwen2":  # a q|k|v bias, far from 0, added after the scaling
+        bias = mx.random.uniform(-2.0, 2.0, (qkv.shape[-1],), key=k[2])
+        case["bias"] = bias.astype(dtype)  # stored in the model's dtype
     return case
 
 
 def run_epilogue(fn, c):
-    kw = {}
+    kw = {"bias": c["bias"]} if "bias" in c else {}
     if "gq" in c:  # 1/sqrt(h) folded into q's gain, as the OpenELM model does at load
         kw.update(
             q_gain=c["gq"] * c["h"] ** -0.5, k_gain=c["gk"], eps_q=EPS_Q, eps_k=EPS_K
@@ -113,8 +116,12 @@ def reference(c):
     def heads(lo, n):
         return x[..., lo * h : (lo + n) * h].reshape(B, L, n, h).transpose(0, 2, 1, 3)
 
+    if "bias" in c:  # Qwen2: the bias on the normalized-input projection
+        x = x * s[:, 0] + c["bias"]
     q, k, v = heads(0, hq), heads(hq, hkv), heads(hq + hkv, hkv)
     rope = lambda y: c["rope"](y, offset=c["offset"])  # noqa: E731
+    if "bias" in c:
+        return rope(q) * h**-0.5, rope(k), v
     if "gq" not in c:  # Llama: RoPE, then s / sqrt(h) on q and s on k
         return rope(q) * s * h**-0.5, rope(k) * s, v * s
     # OpenELM: stock QK-norm of the normalized-input projections, RoPE, 1/sqrt(h)
@@ -352,7 +359,11 @@ BODIES = {
     "residual": K.RESIDUAL_BODY,
 }
 VARIANTS = [
-    ("qkv_epilogue", dict(qk_norm=a, prescale=b)) for a in (0, 1) for b in (0, 1)
+    ("qkv_epilogue", dict(qk_norm=a, prescale=b, bias=c))
+    for a in (0, 1)
+    for b in (0, 1)
+    for c in (0, 1)
+    if not (a and c)
 ]
 VARIANTS += [("deferred_glu", dict(prescale=b)) for b in (0, 1)]
 VARIANTS += [
@@ -421,13 +432,13 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
     names = sorted(src.split("`")[0] for src in sources)
     assert names == [
         "flashnorm_deferred_glu_prescale1",
-        "flashnorm_qkv_epilogue_prescale0_qk_norm0",
-        "flashnorm_qkv_epilogue_prescale1_qk_norm1",
+        "flashnorm_qkv_epilogue_bias0_prescale0_qk_norm0",
+        "flashnorm_qkv_epilogue_bias0_prescale1_qk_norm1",
         "flashnorm_residual_gain0_has_y0_norm1_prescale1_scale_y0",
         "flashnorm_residual_gain0_has_y1_norm0_prescale1_scale_y1",
     ], names
     by_name = {src.split("`")[0]: src for src in sources}
-    qkv_src = by_name["flashnorm_qkv_epilogue_prescale1_qk_norm1"]
+    qkv_src = by_name["flashnorm_qkv_epilogue_bias0_prescale1_qk_norm1"]
     for line in (
         "template <typename T, int HQ, int HKV, int HALF, int OFS, int NT, int RP>",
         "const device float16_t* qkv [[buffer(0)]]",
@@ -441,7 +452,7 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
         assert line in qkv_src, (line, qkv_src[:2000])
     assert (
         "<bfloat16_t, 8, 2, 8, 0>"
-        in by_name["flashnorm_qkv_epilogue_prescale0_qk_norm0"]
+        in by_name["flashnorm_qkv_epilogue_bias0_prescale0_qk_norm0"]
     )
     for name, src in by_name.items():
         op = next(op for op in BODIES if name.startswith(f"flashnorm_{op}_"))
@@ -711,7 +722,7 @@ def record_all_variants(host, monkeypatch):
     """One call per variant and dtype through the real wrappers, recording only."""
     monkeypatch.setattr(K, "_kernel", host.record)
     for dtype in DTYPES.values():
-        for mode in ("llama", "openelm"):
+        for mode in ("llama", "openelm", "qwen2"):
             for off in ("off5", "per_batch"):
                 run_epilogue(K.qkv_epilogue_kernel, make_case(dtype, 1, off, 2, mode))
         for op, args, _ in elementwise_checks(dtype, (1, 2, 8)):
@@ -761,22 +772,27 @@ def test_elementwise_bodies_on_host_match_twins(host_backend, dtype, shape):
 
 
 @pytest.mark.parametrize("name", ["gqa_untied", "linear_bias"])
-def test_llama_attention_uses_the_epilogue_unless_biased(name, tmp_path, monkeypatch):
+def test_llama_attention_uses_the_epilogue_biased_or_not(name, tmp_path, monkeypatch):
+    """Every layer's q/k/v go through one epilogue call; a q|k|v bias rides in it."""
     source = read_source(str(tiny.make_llama(tmp_path, name, tokenizer=False)))
     model, _ = build_model(source, "flashnorm", dtype=mx.float32)
     calls = []
     real = K.qkv_epilogue
     monkeypatch.setattr(
-        K, "qkv_epilogue", lambda *a, **k: calls.append(1) or real(*a, **k)
+        K, "qkv_epilogue", lambda *a, **k: calls.append(k) or real(*a, **k)
     )
     model(mx.array([[1, 2, 3]]))
-    n_layers = source.config["num_hidden_layers"]
-    assert len(calls) == (0 if source.config.get("attention_bias") else n_layers), calls
+    assert len(calls) == source.config["num_hidden_layers"], len(calls)
+    biased = bool(source.config.get("attention_bias"))
+    assert all((k.get("bias") is not None) == biased for k in calls), calls
 
 
 WHOLE_MODELS = {
     "llama-untied": (tiny.make_llama, "head_dim_llama3"),
     "llama-tied": (tiny.make_llama, "mha_tied"),
+    "mistral-sliding": (tiny.make_llama, "mistral_sliding"),
+    "qwen2-bias": (tiny.make_qwen, "qwen2"),
+    "qwen3-qk-norm": (tiny.make_qwen, "qwen3_tied"),
     "openelm-tied": (tiny.make_openelm, "shared"),
     "openelm-untied": (tiny.make_openelm, "odd_unshared"),
 }

@@ -27,7 +27,7 @@ LLAMA_BASE = dict(
 )
 
 # A spread of Llama shapes: GQA/MHA, tied/untied, odd widths, explicit head_dim,
-# llama3 and linear rope scaling, biases.
+# llama3 and linear rope scaling, biases, Mistral's sliding window.
 LLAMA_CONFIGS = {
     "gqa_untied": {},
     "mha_tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
@@ -53,6 +53,13 @@ LLAMA_CONFIGS = {
         attention_bias=True,
         mlp_bias=True,
         rope_scaling={"type": "linear", "factor": 2.0},
+    ),
+    # Every other layer attends to the last 5 positions only (RotatingKVCache).
+    "mistral_sliding": dict(
+        model_type="mistral",
+        num_hidden_layers=3,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),
 }
 
@@ -158,6 +165,57 @@ def make_llama(
 ) -> Path:
     cfg = llama_config(name)
     return write_model(path, cfg, llama_weights(cfg, seed), tokenizer)
+
+
+# --- Qwen2 (q/k/v biases) and Qwen3 (QK-norm), Llama's weight names -------------
+
+QWEN_CONFIGS = {
+    "qwen2": dict(
+        model_type="qwen2",
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        max_window_layers=2,
+        use_sliding_window=False,
+    ),
+    "qwen3_untied": dict(
+        model_type="qwen3", head_dim=24, tie_word_embeddings=False, rope_theta=1e6
+    ),
+    "qwen3_tied": dict(
+        model_type="qwen3",
+        head_dim=16,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        rms_norm_eps=0.05,  # large: the QK-norm epsilon adjustment must matter
+    ),
+}
+
+
+def qwen_config(name: str) -> dict:
+    return {**LLAMA_BASE, **QWEN_CONFIGS[name]}
+
+
+def make_qwen(
+    path: Path, name: str = "qwen3_untied", seed: int = 0, tokenizer: bool = True
+) -> Path:
+    cfg = qwen_config(name)
+    w = llama_weights(cfg, seed)
+    rng = np.random.default_rng(seed + 1)
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    h = cfg.get("head_dim") or cfg["hidden_size"] // hq
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.self_attn"
+        if cfg["model_type"] == "qwen2":  # biases far from 0, either sign
+            for n, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
+                sign = rng.choice([-1.0, 1.0], size=out)
+                w[f"{p}.{n}_proj.bias"] = (sign * rng.uniform(0.5, 2.0, out)).astype(
+                    np.float32
+                )
+        else:
+            w[f"{p}.q_norm.weight"] = _gain(rng, h)
+            w[f"{p}.k_norm.weight"] = _gain(rng, h)
+    return write_model(path, cfg, w, tokenizer)
 
 
 # --- OpenELM (Apple's Hugging Face layout, as mlx-lm's openelm reads it) -------

@@ -15,6 +15,8 @@ ARCHITECTURES = {
     "llama": "llama",
     "mistral": "llama",  # mlx-lm runs Mistral as Llama, sliding window included
     "openelm": "openelm",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
 }
 
 

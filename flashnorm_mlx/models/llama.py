@@ -15,17 +15,13 @@ the matmuls read (x * p in float16, else x); the last block's residual is the
 final norm, so the head reads a normalized row and needs no scaling after.
 """
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Union
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import (
-    BaseModelArgs,
-    create_attention_mask,
-    scaled_dot_product_attention,
-)
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.llama import ModelArgs  # the config is stock's, field for field
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
@@ -54,55 +50,29 @@ ARCH = Architecture(
 )
 
 
-@dataclass
-class ModelArgs(BaseModelArgs):
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    rms_norm_eps: float
-    vocab_size: int
-    head_dim: Optional[int] = None
-    max_position_embeddings: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    rope_theta: float = 10000
-    rope_traditional: bool = False
-    rope_scaling: Optional[Dict[str, Union[float, str]]] = None
-    tie_word_embeddings: bool = True
-    layer_types: Optional[List[str]] = None
-    sliding_window: Optional[int] = None
-
-    def __post_init__(self):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.layer_types is None:
-            self.layer_types = ["full_attention"] * self.num_hidden_layers
-
-
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """q|k|v in one matmul, then one `qkv_epilogue` pass: heads out, RoPE, s and
+    1/sqrt(h) on q, s on k and v, and a q|k|v bias after the scaling if any."""
+
+    def __init__(self, args, qkv_bias: Optional[bool] = None, o_bias=None):
         super().__init__()
+        qkv_bias = args.attention_bias if qkv_bias is None else qkv_bias
+        o_bias = args.attention_bias if o_bias is None else o_bias
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = h = args.head_dim
+        h = getattr(args, "head_dim", None) or args.hidden_size // self.n_heads
+        self.head_dim = h
         self.scale = h**-0.5
         out = (self.n_heads + 2 * self.n_kv_heads) * h
         # Fused q|k|v rows; the bias (if any) is added after the deferred scaling.
         self.qkv_proj = nn.Linear(args.hidden_size, out, bias=False)
-        if args.attention_bias:
+        if qkv_bias:
             self.qkv_bias = mx.zeros((out,))
-        self.o_proj = nn.Linear(
-            self.n_heads * h, args.hidden_size, bias=args.attention_bias
-        )
+        self.o_proj = nn.Linear(self.n_heads * h, args.hidden_size, bias=o_bias)
         self.rope = initialize_rope(
             h,
             args.rope_theta,
-            args.rope_traditional,
+            getattr(args, "rope_traditional", False),
             args.rope_scaling,
             args.max_position_embeddings,
         )
@@ -115,15 +85,7 @@ class Attention(nn.Module):
         # ms = mean(x^2) + eps of the block input x: (B, L, 1) float32.
         qkv = self.qkv_proj(xs)
         offset = cache.offset if cache is not None else 0
-        if self._inv_freq is not None and "qkv_bias" not in self:
-            # One pass: heads out, RoPE, s / sqrt(h) on q, s on k and v.
-            heads = (self.n_heads, self.n_kv_heads)
-            q, k, v = kernels.qkv_epilogue(
-                qkv, ms, offset, self._inv_freq, *heads, scale=self.scale
-            )
-        else:
-            s = kernels.deferred_scale(ms, qkv.dtype)
-            q, k, v = self._split_rope_scale(qkv, s, offset)
+        q, k, v = self.epilogue(qkv, ms, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
 
@@ -131,13 +93,23 @@ class Attention(nn.Module):
         B, L, _ = xs.shape
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def _split_rope_scale(self, qkv, s, offset):
-        """Unfused epilogue, for biases (added after the deferred scaling) and
-        RoPE variants the epilogue does not cover."""
+    def epilogue(self, qkv, ms, offset):
+        """(q', k', v') in (B, H, L, h) from the (B, L, (Hq+2Hkv)h) matmul output."""
+        bias = self.qkv_bias if "qkv_bias" in self else None
+        if self._inv_freq is not None:
+            heads = (self.n_heads, self.n_kv_heads)
+            return kernels.qkv_epilogue(
+                qkv, ms, offset, self._inv_freq, *heads, scale=self.scale, bias=bias
+            )
+        return self._split_rope_scale(qkv, ms, offset, bias)
+
+    def _split_rope_scale(self, qkv, ms, offset, bias):
+        """Unfused epilogue, for RoPE variants the kernel does not cover."""
         B, L, _ = qkv.shape
         dtype = qkv.dtype
-        if "qkv_bias" in self:
-            qkv = (qkv * s).astype(dtype) + self.qkv_bias
+        s = kernels.deferred_scale(ms, dtype)
+        if bias is not None:  # the bias comes after the deferred scaling
+            qkv = (qkv * s).astype(dtype) + bias
             s_q, s_kv = self.scale, None
         else:
             s_q, s_kv = s * self.scale, s
@@ -160,9 +132,9 @@ class MLP(nn.Module):
         super().__init__()
         dim, hidden = args.hidden_size, args.intermediate_size
         self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=False)
-        if args.mlp_bias:
+        if getattr(args, "mlp_bias", False):
             self.gate_up_bias = mx.zeros((2 * hidden,))
-        self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=getattr(args, "mlp_bias", False))
 
     def __call__(self, xs, ms):
         """(y, ms_y): the block output is y * deferred_scale(ms_y) (ms_y None: y).
@@ -178,11 +150,11 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, use_sliding: bool = False):
+    def __init__(self, args, attention: nn.Module, use_sliding: bool = False):
         super().__init__()
         self.eps = args.rms_norm_eps
         self.use_sliding = use_sliding
-        self.self_attn = Attention(args)
+        self.self_attn = attention
         self.mlp = MLP(args)
 
     def __call__(self, x, ms, xs, mask=None, cache=None, final=False, gain=None):
@@ -199,18 +171,20 @@ class TransformerBlock(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, final_norm: bool):
+    def __init__(self, args, final_norm: bool, attention_cls=Attention):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        layer_types = getattr(args, "layer_types", None)
+        layer_types = layer_types or ["full_attention"] * args.num_hidden_layers
         self.layers = [
-            TransformerBlock(args, use_sliding=t == "sliding_attention")
-            for t in args.layer_types
+            TransformerBlock(args, attention_cls(args), t == "sliding_attention")
+            for t in layer_types
         ]
         # Kept only when the head is tied to the embedding (nothing to fold into).
         if final_norm:
             self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.fa_idx = args.layer_types.index("full_attention")
+        self.fa_idx = layer_types.index("full_attention")
         self.swa_idx = next(
             (i for i, l in enumerate(self.layers) if l.use_sliding), None
         )
@@ -240,11 +214,15 @@ class LlamaModel(nn.Module):
 
 
 class Model(nn.Module):
+    # Architectures that differ from Llama only in attention (Qwen2's biases,
+    # Qwen3's QK-norm) subclass this with their own attention class.
+    attention_cls = Attention
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = LlamaModel(args, final_norm=args.tie_word_embeddings)
+        self.model = LlamaModel(args, args.tie_word_embeddings, self.attention_cls)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

@@ -33,6 +33,7 @@ from mlx_lm.models.openelm import make_divisible
 
 from .. import kernels
 from ..arch import Architecture, NormPair
+from .qk_norm import QKNorm, QKNormGains
 
 ARCH = Architecture(
     layers_key="num_transformer_layers",
@@ -73,18 +74,6 @@ class ModelArgs(BaseModelArgs):
 # --- blocks --------------------------------------------------------------------
 
 
-class QKNorm(nn.Module):
-    """A QK-norm's gain, under the checkpoint's name (attn.q_norm.weight).
-
-    The norm itself runs inside the qkv epilogue: rms_norm(s*y, eps) =
-    y * rsqrt(mean(y^2) + eps * ms), so s cancels and only eps changes.
-    """
-
-    def __init__(self, head_dim: int):
-        super().__init__()
-        self.weight = mx.ones((head_dim,))
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
@@ -99,30 +88,20 @@ class Attention(nn.Module):
         if args.normalize_qk_projections:
             self.q_norm = QKNorm(h)
             self.k_norm = QKNorm(h)
-        # RoPE angles per position, mx.fast.rope's own float32 formula, and the
-        # epilogue's gains, derived from the norm weights at first use ("_": not
-        # parameters).
+            self._qk_gains = QKNormGains(self.scale, self.eps)
+        # RoPE angles per position, mx.fast.rope's own float32 formula ("_": not
+        # a parameter).
         rope = nn.RoPE(h, traditional=False, base=args.rope_freq_constant)
         self._inv_freq = kernels.rope_inv_freq(rope, h)
         if self._inv_freq is None:
             raise ValueError(f"head_dim {h}: the qkv epilogue needs an even head_dim")
-        self._gains = self._gains_from = None
 
     def epilogue_args(self) -> dict:
-        """The epilogue's mode keywords: OpenELM's float32 gains (1/sqrt(h) in
-        q's) and epsilons, built once and again only when a norm weight object
-        is replaced (loading, dtype casts); else Llama's scale."""
+        """The epilogue's mode keywords: QK-norm gains and epsilons (see
+        models/qk_norm.py), or Llama's scale without QK-norm."""
         if "q_norm" not in self:
             return {"scale": self.scale}
-        weights = (self.q_norm.weight, self.k_norm.weight)
-        built = self._gains_from
-        if built is None or built[0] is not weights[0] or built[1] is not weights[1]:
-            gq, gk = (w.astype(mx.float32) for w in weights)
-            self._gains = dict(
-                q_gain=gq * self.scale, k_gain=gk, eps_q=self.eps, eps_k=self.eps
-            )
-            self._gains_from = weights
-        return self._gains
+        return self._qk_gains(self.q_norm.weight, self.k_norm.weight)
 
     def __call__(self, xs, ms, mask=None, cache=None):
         # xs: (B, L, D) block input as the matmuls read it (x * p in float16);

@@ -1,0 +1,23 @@
+"""FlashNorm Qwen2: Llama's FlashNorm blocks with Qwen2's q/k/v biases.
+
+Qwen2 is Llama with a bias on q, k and v (none on o_proj). A bias stops the
+deferred 1/RMS from riding past RoPE, so `kernels.qkv_epilogue` applies it
+where the unfolded model had it: q' = RoPE((x @ Wq*) * s + bq) / sqrt(h),
+k' likewise, v' = (x @ Wv*) * s + bv, still in one pass (DESIGN.md section 2).
+Everything else (GLU deferral, residual kernels, final norm) is models/llama.py.
+"""
+
+from mlx_lm.models.qwen2 import ModelArgs  # the config is stock's, field for field
+
+from . import llama
+
+ARCH = llama.ARCH  # the same weight names, norms and head as Llama
+
+
+class Attention(llama.Attention):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, qkv_bias=True, o_bias=False)
+
+
+class Model(llama.Model):
+    attention_cls = Attention
