@@ -27,7 +27,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import dispatch, fold
-from .loading import LoadError, Source, build_model, model_classes, weight_bytes
+from .loading import LoadError, Source, build_model, weight_bytes
+from .models import model_classes
 from .nonorm import rms_norm_paths
 
 VARIANTS = ("stock", "flashnorm", "nonorm")

@@ -22,22 +22,14 @@ import os
 import re
 import shutil
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from . import fold
-from .loading import (
-    LoadError,
-    Source,
-    _source_qspec,
-    _uniform_qspec,
-    read_source,
-    resolve,
-    source_dtype,
-)
+from . import fold, quant
+from .errors import LoadError
+from .source import Source, read_source, resolve
 
 Weights = Dict[str, mx.array]
 
@@ -77,20 +69,16 @@ class Recipe:
         if fold.is_folded(config):
             self._refolded(quantize, dtype, compat)
             return
-        self.out_dtype = dtype or source_dtype(weights)
-        self.qspec = None
-        floats = weights
-        if fold.is_quantized(weights):
-            if quantize is None and not dequantize:
-                self.qspec = _source_qspec(weights, config)
-            floats, _ = fold.dequantize_weights(weights, config, mx.float32)
-        if quantize is not None:
-            self.qspec = _uniform_qspec(floats, *quantize)
+        # The same decision as loading (quant.plan_weights), for a file to write.
+        plan = quant.plan_weights(
+            weights, config, dtype, quantize, dequantize, output=True
+        )
+        self.out_dtype, self.qspec = plan.dtype, plan.qspec
         for norm, linears in fold.norm_pairs(config, weights):
             self.gains.update({m: weights[f"{norm}.weight"] for m in linears})
         # Lazy: only its keys, config and small (1-D) tensors are ever evaluated.
-        floats = fold.map_floats(floats, lambda v: v.astype(mx.float32))
-        folded, self.config = fold.fold_norms(floats, config, compat=compat)
+        floats = fold.map_floats(plan.weights, lambda v: v.astype(mx.float32))
+        folded, self.config = fold.fold_norms(floats, plan.config, compat=compat)
         self._finish(folded)
 
     def _refolded(self, quantize, dtype, compat):
@@ -108,8 +96,8 @@ class Recipe:
         weights = unit(self.src, self.src_config)
         self.config = copy.deepcopy(self.src_config)
         self.config[fold.MARKER]["compat"] = compat
-        self.qspec = _uniform_qspec(weights, *quantize) if quantize else None
-        self.out_dtype = dtype or source_dtype(weights)
+        self.qspec = quant.uniform_qspec(weights, *quantize) if quantize else None
+        self.out_dtype = dtype or quant.source_dtype(weights)
         self._finish(weights)
 
     def _finish(self, folded: Weights) -> None:
@@ -119,7 +107,7 @@ class Recipe:
             if k not in ("quantization", "quantization_config")
         }
         if self.qspec:
-            self.config.update(_quant_block(self.qspec))
+            self.config = quant.with_quantization(self.config, self.qspec)
         # 2-D weights are made per module (row chunks if large), the rest as is.
         self.modules = [
             k[: -len(".weight")] for k, v in folded.items() if _is_matrix(k, v)
@@ -177,15 +165,6 @@ def _quantized(weights: Weights, qspec: dict) -> Weights:
         if biases:
             out[f"{module}.biases"] = biases[0]
     return out
-
-
-def _quant_block(qspec: dict) -> dict:
-    """config.json's quantization: the most common settings, per-module overrides."""
-    settings = Counter(tuple(sorted(q.items())) for q in qspec.values())
-    default = dict(settings.most_common(1)[0][0])
-    q = dict(default)
-    q.update({m: dict(v) for m, v in qspec.items() if v != default})
-    return {"quantization": q, "quantization_config": q}
 
 
 def layer_groups(keys: List[str]) -> List[Tuple[str, List[str]]]:
@@ -448,7 +427,7 @@ def _summary(out: Path, weights: Weights, config: dict, files: List[str]) -> dic
         "files": files,
         "tensors": len(weights),
         "bytes": sum(v.nbytes for v in weights.values()),
-        "dtype": str(source_dtype(weights)).split(".")[-1],
+        "dtype": str(quant.source_dtype(weights)).split(".")[-1],
         "quantization": (
             {k: q[k] for k in ("bits", "group_size", "mode")} if q else None
         ),

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .loading import LoadError
+from .errors import LoadError
 
 GROUP_SIZE = 32  # every GGUF block quant MLX keeps quantized has 32-wide blocks
 

