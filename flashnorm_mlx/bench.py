@@ -27,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import dispatch, fold
-from .loading import LoadError, Source, build_model, weight_bytes
+from .loading import LoadError, Source, build_model, model_dtype, weight_bytes
 from .models import model_classes
 from .nonorm import rms_norm_paths
 
@@ -68,15 +68,6 @@ def decode_bytes(model: nn.Module, config: dict) -> int:
     has_head = any(k.startswith(f"{head}.") for k, _ in params)
     table = sum(v.nbytes for k, v in params if k.startswith(f"{embed}."))
     return weight_bytes(model) - (table if has_head else 0)
-
-
-def model_dtype(model: nn.Module) -> str:
-    """The compute dtype: quantization scales' dtype, else the first float weight's."""
-    params = tree_flatten(model.parameters())
-    floats = [(k, v) for k, v in params if mx.issubdtype(v.dtype, mx.floating)]
-    scales = [v for k, v in floats if k.endswith(".scales")]
-    v = scales[0] if scales else floats[0][1]
-    return str(v.dtype).replace("mlx.core.", "")
 
 
 def _sh(*cmd) -> Optional[str]:

@@ -9,13 +9,14 @@ we build what `loading.Source` holds for a Hugging Face folder:
 - a fast tokenizer from the GGUF vocabulary, wrapped for mlx-lm.
 """
 
-from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
+from . import quant
+from .checks import check_gguf
 from .errors import LoadError
 
 GROUP_SIZE = 32  # every GGUF block quant MLX keeps quantized has 32-wide blocks
@@ -80,6 +81,7 @@ def read_gguf(
 ) -> Tuple[dict, Dict[str, mx.array], Optional[object]]:
     """(config, weights with Hugging Face names, TokenizerWrapper or None)."""
     path = Path(path)
+    check_gguf(path)  # MLX's own reader segfaults on a corrupt table
     try:
         raw, meta = mx.load(str(path), return_metadata=True)
     except Exception as e:  # MLX says "[load_gguf] ..." for corrupt or odd files
@@ -91,13 +93,34 @@ def read_gguf(
             f"{path}: GGUF architecture {arch!r} is not supported "
             "(flashnorm-mlx reads llama GGUF files)"
         )
-    config = gguf_config(meta, raw, path)
-    weights = hf_weights(raw, config, path)
+    try:
+        config = gguf_config(meta, raw, path)
+        weights = hf_weights(raw, config, path)
+    except (TypeError, ValueError, IndexError, KeyError) as e:
+        # Metadata of the wrong kind (a string where a count belongs, ...).
+        raise LoadError(f"{path}: unusable GGUF metadata ({_first_line(e)})") from None
     quant = quantization(weights)
     if quant:
         config["quantization"] = quant
-    tokenizer = gguf_tokenizer(meta, path) if load_tokenizer else None
+    tokenizer = None
+    if load_tokenizer:
+        try:
+            tokenizer = gguf_tokenizer(meta, path)
+        except LoadError:
+            raise
+        except BaseException as e:  # the tokenizers library panics on bad vocabularies
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise LoadError(
+                f"{path}: cannot build the tokenizer from its GGUF vocabulary "
+                f"({_first_line(e)})"
+            ) from None
     return config, weights, tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 # --- config ------------------------------------------------------------------
@@ -330,12 +353,12 @@ def quantization(weights: Dict[str, mx.array]) -> Optional[dict]:
     }
     if not per:
         return None
-    bits = Counter(per.values()).most_common(1)[0][0]
-    q = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}
-    for module, b in per.items():
-        if b != bits:
-            q[module] = {"group_size": GROUP_SIZE, "bits": b, "mode": "affine"}
-    return q
+    return quant.quantization_block(
+        {
+            m: {"group_size": GROUP_SIZE, "bits": b, "mode": "affine"}
+            for m, b in per.items()
+        }
+    )
 
 
 # --- tokenizer ---------------------------------------------------------------

@@ -81,6 +81,15 @@ def load(
     return m, source.tokenizer
 
 
+def model_dtype(model: nn.Module) -> str:
+    """The compute dtype: quantization scales' dtype, else the first float weight's."""
+    params = tree_flatten(model.parameters())
+    floats = [(k, v) for k, v in params if mx.issubdtype(v.dtype, mx.floating)]
+    scales = [v for k, v in floats if k.endswith(".scales")]
+    v = scales[0] if scales else floats[0][1]
+    return str(v.dtype).replace("mlx.core.", "")
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of parameters a forward pass reads (quantized packs and scales included)."""
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))

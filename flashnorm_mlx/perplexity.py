@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .loading import LoadError, Source, build_model
+from .loading import LoadError, Source, build_model, model_dtype
 
 MODES = ("stock", "flashnorm")
 
@@ -122,7 +122,7 @@ def perplexity(
     with _progress(progress) as bar:
         for mode in modes:
             model, config = build_model(source, mode, **kw)
-            result["dtype"] = _dtype_name(model)
+            result["dtype"] = model_dtype(model)
             result["quantization"] = _quant_name(config)
             task = bar.add_task(mode, total=int(data.shape[0]))
             start = time.perf_counter()
@@ -155,15 +155,6 @@ def _progress(enabled: bool):
         disable=not enabled,
         transient=True,
     )
-
-
-def _dtype_name(model) -> str:
-    from mlx.utils import tree_flatten
-
-    for k, v in tree_flatten(model.parameters()):
-        if mx.issubdtype(v.dtype, mx.floating):
-            return str(v.dtype).split(".")[-1]
-    return "?"
 
 
 def _quant_name(config: dict) -> Optional[str]:

@@ -3,10 +3,11 @@
 from typing import List, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .loading import Source, build_model
+from .loading import Source, build_model, model_dtype
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time,"
 
@@ -19,11 +20,6 @@ def prompt_tokens(
         return list(source.tokenizer.encode(prompt or DEFAULT_PROMPT))
     vocab = source.config.get("vocab_size", 32000)
     return np.random.default_rng(0).integers(0, vocab, n_random).tolist()
-
-
-def _log_softmax(x: mx.array) -> mx.array:
-    x = x.astype(mx.float32)
-    return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
 def compare(
@@ -60,15 +56,15 @@ def compare(
     ls, lf = mx.concatenate(rows_s), mx.concatenate(rows_f)
     diff = mx.abs(ls - lf)
     finite_s, finite_f = bool(mx.isfinite(ls).all()), bool(mx.isfinite(lf).all())
-    ps = _log_softmax(ls)
+    ps = nn.log_softmax(ls)
     # Clamp float round-off: KL is non-negative.
-    kl = mx.maximum(mx.sum(mx.exp(ps) * (ps - _log_softmax(lf)), axis=-1), 0.0)
+    kl = mx.maximum(mx.sum(mx.exp(ps) * (ps - nn.log_softmax(lf)), axis=-1), 0.0)
     greedy = next((i for i, m in enumerate(matches) if not m), len(matches))
     scale = mx.abs(ls).max().item()
     return {
         "model": source.name,
         "model_type": source.config.get("model_type"),
-        "dtype": _dtype_of(stock),
+        "dtype": model_dtype(stock),
         "quantized": "quantization" in _cfg(source, kw),
         "prompt_tokens": len(tokens),
         "max_abs_logit_diff": diff.max().item(),
@@ -81,15 +77,6 @@ def compare(
         "stock_finite": finite_s,
         "flashnorm_finite": finite_f,
     }
-
-
-def _dtype_of(model) -> str:
-    from mlx.utils import tree_flatten
-
-    for _, v in tree_flatten(model.parameters()):
-        if mx.issubdtype(v.dtype, mx.floating):
-            return str(v.dtype).replace("mlx.core.", "")
-    return "unknown"
 
 
 def _cfg(source: Source, kw: dict) -> dict:

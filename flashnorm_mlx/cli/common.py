@@ -4,7 +4,6 @@ import argparse
 import functools
 import sys
 
-import mlx.core as mx
 
 from ..fold import FoldError
 from ..loading import DTYPES, LoadError
@@ -128,7 +127,3 @@ def need_tokenizer(tokenizer, model_name):
             "(OpenELM checkpoints use the Llama-2 tokenizer)"
         )
     return tokenizer
-
-
-def peak_memory_gb() -> float:
-    return mx.get_peak_memory() / 1e9

@@ -21,7 +21,6 @@ last block's residual is the final norm.
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import (
     BaseModelArgs,
