@@ -304,6 +304,107 @@ def prompt_ids(config: dict, n: int, seed: int) -> List[int]:
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
+class _Steps:
+    """Counts the benchmark's stages for `progress(description, done, total)`."""
+
+    def __init__(self, progress: Optional[Progress], total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self, desc: str) -> None:
+        if self.progress:
+            self.progress(desc, self.done, self.total)
+        self.done += 1
+
+    def finish(self) -> None:
+        if self.progress:
+            self.progress("done", self.total, self.total)
+
+
+def _build_variants(source: Source, variants, built: dict, step):
+    """{variant: model}, {variant: what was built (class, bytes, launches, ...)}."""
+    for v in variants:  # import the model modules now, so build_s times only the build
+        try:
+            model_classes(source.config, "stock" if v == "nonorm" else v)
+        except ImportError as e:
+            raise BenchError(f"no {v} model for {source.config['model_type']}: {e}")
+    models, info = {}, {}
+    for v in variants:
+        step(f"building {v}")
+        t0 = time.perf_counter()
+        model, config = build_model(source, v, **built)
+        build_s = time.perf_counter() - t0
+        cls = type(model)
+        q = config.get("quantization")
+        models[v] = model
+        info[v] = {
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "build_s": build_s,
+            # Re-hashed after each build: every variant saw these exact weights.
+            "source_checksum": weights_checksum(source.weights),
+            "rms_norm_modules": len(rms_norm_paths(model)),
+            "dtype": model_dtype(model),
+            "quantization": (
+                {"bits": q["bits"], "group_size": q["group_size"]} if q else None
+            ),
+            "weight_bytes": weight_bytes(model),
+            "decode_bytes_per_token": decode_bytes(model, config),
+            **step_dispatches(model),
+        }
+    return models, info
+
+
+def _timed_rounds(models, variants, prompt, gen_tokens, trials, timing, step):
+    """Every variant once per round, in an order that rotates each round."""
+    records = []
+    for r in range(trials):
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
+        for pos, v in enumerate(order):
+            step(f"round {r + 1}/{trials}: {v}")
+            t = time_generation(models[v], prompt, gen_tokens, **timing)
+            t.pop("tokens")
+            records.append({"round": r, "position": pos, "variant": v, **t})
+    return records
+
+
+def _summarize(info: dict, records: List[dict], variant: str) -> dict:
+    rows = [t for t in records if t["variant"] == variant]
+    decode = spread([t["decode_tps"] for t in rows])
+    return {
+        **info,
+        "prompt_tps": spread([t["prompt_tps"] for t in rows]),
+        "decode_tps": decode,
+        "peak_memory_gb": spread([t["peak_memory_gb"] for t in rows]),
+        "trial_memory_gb": spread([t["trial_memory_gb"] for t in rows]),
+        "effective_gbps": decode["median"] * info["decode_bytes_per_token"] / 1e9,
+        "all_trials_finite": all(t["last_logprobs_finite"] for t in rows),
+    }
+
+
+def _notes(device: dict, summary: dict) -> List[str]:
+    """Lines under the table for what would otherwise mislead."""
+    notes = []
+    dtypes = {s["dtype"] for s in summary.values()}
+    if device["backend"] == "cpu" and dtypes & {"float16", "bfloat16"}:
+        notes.append(
+            "MLX's CPU backend has no fast float16/bfloat16 matmul (6-16x slower "
+            "than float32 on SmolLM2 here): pass --dtype float32 for CPU numbers"
+        )
+    if not dispatch.has_gpu_kernels():
+        notes.append(
+            "launches/token: on this build mx.fast ops decompose into several plain "
+            "ops and FlashNorm kernels run as their plain twins, so the raw counts "
+            "are not the GPU's; in parentheses the same step with each mx.fast op "
+            "and FlashNorm kernel as one launch, as on Metal and CUDA"
+        )
+    if any(
+        not s["logits_finite"] or not s["all_trials_finite"] for s in summary.values()
+    ):
+        notes.append(
+            "a variant produced NaN/inf logits: its timings are not meaningful"
+        )
+    return notes
+
+
 def run_bench(
     source: Source,
     variants: Sequence[str] = VARIANTS,
@@ -327,86 +428,22 @@ def run_bench(
     """
     variants = list(variants)
     validate(variants, prompt_tokens, gen_tokens, trials)
-    n_steps = len(variants) * (2 + trials)
-    done = 0
-
-    def step(desc: str):
-        nonlocal done
-        if progress:
-            progress(desc, done, n_steps)
-        done += 1
-
+    step = _Steps(progress, len(variants) * (2 + trials))
     t0 = time.perf_counter()
     checksum = weights_checksum(source.weights)
     checksum_s = time.perf_counter() - t0
     prompt = mx.array(prompt_ids(source.config, prompt_tokens, seed))
-
-    for v in variants:  # import the model modules now, so build_s times only the build
-        try:
-            model_classes(source.config, "stock" if v == "nonorm" else v)
-        except ImportError as e:
-            raise BenchError(f"no {v} model for {source.config['model_type']}: {e}")
-    models, info = {}, {}
-    for v in variants:
-        step(f"building {v}")
-        t0 = time.perf_counter()
-        model, config = build_model(
-            source, v, dtype=dtype, quantize=quantize, dequantize=dequantize
-        )
-        build_s = time.perf_counter() - t0
-        cls = type(model)
-        q = config.get("quantization")
-        models[v] = model
-        info[v] = {
-            "class": f"{cls.__module__}.{cls.__qualname__}",
-            "build_s": build_s,
-            # Re-hashed after each build: every variant saw these exact weights.
-            "source_checksum": weights_checksum(source.weights),
-            "rms_norm_modules": len(rms_norm_paths(model)),
-            "dtype": model_dtype(model),
-            "quantization": (
-                {"bits": q["bits"], "group_size": q["group_size"]} if q else None
-            ),
-            "weight_bytes": weight_bytes(model),
-            "decode_bytes_per_token": decode_bytes(model, config),
-            **step_dispatches(model),
-        }
-
+    built = dict(dtype=dtype, quantize=quantize, dequantize=dequantize)
+    models, info = _build_variants(source, variants, built, step)
+    timing = dict(sampler=sampler, prefill_step_size=prefill_step_size)
     for v in variants:
         step(f"warm-up {v}")
-        warm = time_generation(
-            models[v], prompt, gen_tokens, sampler, prefill_step_size
-        )
+        warm = time_generation(models[v], prompt, gen_tokens, **timing)
         info[v].update(check_logits(models[v], prompt.tolist() + warm["tokens"]))
+    records = _timed_rounds(models, variants, prompt, gen_tokens, trials, timing, step)
+    step.finish()
 
-    records = []
-    for r in range(trials):
-        order = variants[r % len(variants) :] + variants[: r % len(variants)]
-        for pos, v in enumerate(order):
-            step(f"round {r + 1}/{trials}: {v}")
-            t = time_generation(
-                models[v], prompt, gen_tokens, sampler, prefill_step_size
-            )
-            t.pop("tokens")
-            records.append({"round": r, "position": pos, "variant": v, **t})
-    if progress:
-        progress("done", n_steps, n_steps)
-
-    summary = {}
-    for v in variants:
-        rows = [t for t in records if t["variant"] == v]
-        decode = spread([t["decode_tps"] for t in rows])
-        summary[v] = {
-            **info[v],
-            "prompt_tps": spread([t["prompt_tps"] for t in rows]),
-            "decode_tps": decode,
-            "peak_memory_gb": spread([t["peak_memory_gb"] for t in rows]),
-            "trial_memory_gb": spread([t["trial_memory_gb"] for t in rows]),
-            "effective_gbps": decode["median"]
-            * info[v]["decode_bytes_per_token"]
-            / 1e9,
-            "all_trials_finite": all(t["last_logprobs_finite"] for t in rows),
-        }
+    summary = {v: _summarize(info[v], records, v) for v in variants}
     ratios = {}
     if "stock" in variants:
         for v in variants:
@@ -416,27 +453,7 @@ def run_bench(
                     "prompt": _ratios(records, v, "stock", "prompt_tps"),
                 }
     device = device_info()
-    notes = []
-    dtypes = {info[v]["dtype"] for v in variants}
-    if device["backend"] == "cpu" and dtypes & {"float16", "bfloat16"}:
-        notes.append(
-            "MLX's CPU backend has no fast float16/bfloat16 matmul (6-16x slower "
-            "than float32 on SmolLM2 here): pass --dtype float32 for CPU numbers"
-        )
-    if not dispatch.has_gpu_kernels():
-        notes.append(
-            "launches/token: on this build mx.fast ops decompose into several plain "
-            "ops and FlashNorm kernels run as their plain twins, so the raw counts "
-            "are not the GPU's; in parentheses the same step with each mx.fast op "
-            "and FlashNorm kernel as one launch, as on Metal and CUDA"
-        )
-    if any(
-        not summary[v]["logits_finite"] or not summary[v]["all_trials_finite"]
-        for v in variants
-    ):
-        notes.append(
-            "a variant produced NaN/inf logits: its timings are not meaningful"
-        )
+    notes = _notes(device, summary)
     return {
         "notes": notes,
         "settings": {
