@@ -96,7 +96,7 @@ def read_gguf(
     try:
         config = gguf_config(meta, raw, path)
         weights = hf_weights(raw, config, path)
-    except (TypeError, ValueError, IndexError, KeyError) as e:
+    except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
         # Metadata of the wrong kind (a string where a count belongs, ...).
         raise LoadError(f"{path}: unusable GGUF metadata ({_first_line(e)})") from None
     quant = quantization(weights)

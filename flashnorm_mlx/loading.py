@@ -57,8 +57,9 @@ def build_model(
     weights = fold.map_floats(weights, lambda v: v.astype(plan.dtype))
     try:
         model = models.instantiate(config, weights, mode, plan.stored_quantized)
-    except ValueError as e:
-        raise LoadError(str(e)) from None
+    except (ValueError, KeyError) as e:  # weights or config that do not fit
+        # mlx-lm lists missing parameters on lines of their own: keep one line.
+        raise LoadError(f"{source.name}: {' '.join(str(e).split())}") from None
     if plan.qspec:
         config = quant.apply_qspec(model, plan.qspec, config)
     mx.eval(model.parameters())

