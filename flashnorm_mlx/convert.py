@@ -292,13 +292,16 @@ def convert(
     on_layer(i, n): called after layer group i of n is computed (tests inject
         failures here). max_shard_gb: 0 writes one tensor per shard.
     chunk_elements: a weight with more elements is computed in row chunks.
-    Refuses an existing out_dir unless force; a failure leaves neither out_dir
-    nor the temporary folder behind. Returns a summary dict.
+    Refuses an existing out_dir unless force and it is a checkpoint folder
+    (`check_output`); a failure leaves neither out_dir, the temporary folder
+    nor a created parent behind. Returns a summary dict.
     """
     shown = Path(out_dir)
+    if not str(out_dir).strip():
+        raise LoadError("the output folder (-o) is empty")
     out = Path(os.path.abspath(shown.expanduser()))
-    if (out.exists() or out.is_symlink()) and not force:
-        raise LoadError(f"{shown} already exists (pass --force to replace it)")
+    source_path = source.folder if isinstance(source, Source) else resolve(source)
+    check_output(out, shown, force, source_path)
     tokenizer_dir = resolve(tokenizer) if tokenizer else None
     if not isinstance(source, Source):
         owned = read_source(source, tokenizer=tokenizer)
@@ -306,20 +309,18 @@ def convert(
         source = owned
     else:
         weights = source.weights
-    if (
-        source.folder is not None
-        and out.exists()
-        and out.resolve() == source.folder.resolve()
-    ):
-        raise LoadError(f"{shown} is the source folder; write the conversion elsewhere")
 
     recipe = Recipe(weights, source.config, quantize, dtype, dequantize, compat)
     config = recipe.config
     del weights
+    created = _missing_parents(out)  # removed again if the conversion fails
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+        # mkdtemp makes 0700; the checkpoint gets the umask's permissions.
+        os.chmod(tmp, 0o777 & ~_umask())
     except OSError as e:
+        _remove_dirs(created)
         raise LoadError(f"cannot create {shown}: {e.strerror or e}") from None
     try:
         done = _compute(recipe, progress, on_layer, chunk_elements)
@@ -332,11 +333,70 @@ def convert(
         _replace(tmp, out, shown, force)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_dirs(created)
         raise LoadError(f"cannot write {shown}: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_dirs(created)
         raise
     return summary
+
+
+def is_checkpoint(folder: Path) -> bool:
+    """A model checkpoint folder: config.json plus safetensors weights."""
+    return (
+        folder.is_dir()
+        and not folder.is_symlink()
+        and (folder / "config.json").is_file()
+        and any(folder.glob("*.safetensors"))
+    )
+
+
+def check_output(out: Path, shown: Path, force: bool, source: Optional[Path]) -> None:
+    """Refuse an output that exists (unless force and it is a checkpoint), that
+    holds the source, or that holds the folder we run in: --force must never
+    delete anything but an earlier checkpoint."""
+    if source is not None:
+        src = source.resolve()
+        if out.resolve() == src or out.resolve() in src.parents:
+            raise LoadError(f"{shown} holds the source model; write elsewhere")
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not force:
+        raise LoadError(
+            f"{shown} already exists (--force replaces a model checkpoint folder)"
+        )
+    cwd = Path.cwd().resolve()
+    if out.resolve() == cwd or out.resolve() in cwd.parents:
+        raise LoadError(f"{shown} holds the current folder; refusing to replace it")
+    if not is_checkpoint(out):
+        raise LoadError(
+            f"{shown} is not a model checkpoint (config.json plus *.safetensors); "
+            "--force replaces only those, so it is left as it is"
+        )
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
+def _missing_parents(out: Path) -> List[Path]:
+    """Folders above out that do not exist yet, deepest first."""
+    missing, p = [], out.parent
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    return missing
+
+
+def _remove_dirs(dirs: List[Path]) -> None:
+    for d in dirs:  # deepest first; only if still empty
+        try:
+            d.rmdir()
+        except OSError:
+            break
 
 
 def _compute(
@@ -408,7 +468,11 @@ def _replace(tmp: Path, out: Path, shown: Path, force: bool) -> None:
         if not force:
             raise LoadError(f"{shown} already exists (pass --force to replace it)")
         old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
-        os.replace(out, old / out.name)
+        try:
+            os.replace(out, old / out.name)
+        except BaseException:  # e.g. out is a mount point (EBUSY): no .old- left
+            old.rmdir()
+            raise
     try:
         os.replace(tmp, out)
     except OSError:

@@ -180,20 +180,85 @@ def test_convert_openelm(tmp_path, quant, monkeypatch):
     ), f"stock mlx-lm on the --compat OpenELM vs ours: {err:.3e}"
 
 
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flashnorm-mlx: error:"), err
+    return err[0]
+
+
 def test_existing_output_is_refused_and_untouched(llama_dir, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    rc = main(["convert", str(llama_dir), "-o", str(out)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc != 0 and len(err) == 1 and "already exists" in err[0], (rc, err)
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    assert (out / "keep.txt").read_text() == "precious"
-    assert _leftovers(out) == [], _leftovers(out)
+    for force in ([], ["--force"]):  # not a checkpoint: --force refuses it too
+        rc = main(["convert", str(llama_dir), "-o", str(out), *force])
+        err = _one_line(capsys)
+        assert rc == 1, (force, rc, err)
+        assert ("already exists" if not force else "not a model checkpoint") in err
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+        assert (out / "keep.txt").read_text() == "precious"
+        assert _leftovers(out) == [], _leftovers(out)
+
+
+def test_force_replaces_an_earlier_checkpoint(llama_dir, tmp_path):
+    out = tmp_path / "out"
+    assert main(["convert", str(llama_dir), "-o", str(out)]) == 0
+    (out / "stale.safetensors").write_bytes(b"x")
     # --force replaces it, only once the new checkpoint is complete.
     assert main(["convert", str(llama_dir), "-o", str(out), "--force"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert not (out / "stale.safetensors").exists() and (out / "config.json").is_file()
     assert _leftovers(out) == [], _leftovers(out)
+
+
+def test_force_never_touches_other_folders_files_or_the_source(
+    llama_dir, tmp_path, monkeypatch, capsys
+):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "main.py").write_text("print('hi')")
+    (project / "config.json").write_text("{}")  # config alone is no checkpoint
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep")
+    monkeypatch.chdir(project)
+    cases = {
+        ".": "holds the current folder",
+        str(project): "holds the current folder",
+        str(tmp_path): "holds the current folder",
+        str(a_file): "not a model checkpoint",
+        str(llama_dir): "holds the source model",
+        str(llama_dir.parent): "holds the source model",
+    }
+    before = {p: p.stat().st_mtime_ns for p in (llama_dir / "config.json", a_file)}
+    for target, why in cases.items():
+        rc = main(["convert", str(llama_dir), "-o", target, "--force"])
+        err = _one_line(capsys)
+        assert rc == 1 and why in err, (target, rc, err)
+    assert sorted(p.name for p in project.iterdir()) == ["config.json", "main.py"]
+    assert a_file.read_text() == "keep"
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "project"]
+    # A linked checkpoint is not replaced through its link either.
+    link = tmp_path / "link"
+    link.symlink_to(llama_dir)
+    assert main(["convert", str(llama_dir), "-o", str(link), "--force"]) == 1
+    assert "source model" in _one_line(capsys) and link.is_symlink()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_outputs_get_the_umask_permissions(llama_dir, tmp_path, umask):
+    import os
+
+    old = os.umask(umask)
+    try:
+        out = tmp_path / "out"
+        convert(str(llama_dir), out, progress=False)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [out, *out.iterdir()]}
+    want_dir, want_file = 0o777 & ~umask, 0o666 & ~umask
+    assert modes.pop("out") == want_dir, (oct(want_dir), modes)
+    for name in ("config.json", "model.safetensors"):
+        assert modes[name] == want_file, (name, oct(modes[name]), oct(want_file))
 
 
 def _fail_after_first(i, n):
@@ -203,18 +268,49 @@ def _fail_after_first(i, n):
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new", "force"])
 def test_failure_midway_leaves_nothing_behind(llama_dir, tmp_path, existing):
-    out = tmp_path / "out"
+    out = tmp_path / "new" / "parents" / "out"
     if existing:
-        out.mkdir()
-        (out / "keep.txt").write_text("precious")
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"old")
     with pytest.raises(RuntimeError, match="injected"):
         convert(
             str(llama_dir), out, force=True, progress=False, on_layer=_fail_after_first
         )
     if existing:
-        assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    else:
-        assert not out.exists()
+        assert sorted(p.name for p in out.iterdir()) == [
+            "config.json",
+            "model.safetensors",
+        ]
+        assert (out / "model.safetensors").read_bytes() == b"old"
+        assert _leftovers(out) == [], _leftovers(out)
+    else:  # the parents it created went too
+        assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+
+
+def test_failed_force_onto_a_mount_point_leaves_nothing(
+    llama_dir, tmp_path, monkeypatch, capsys
+):
+    # Renaming a mount point fails with EBUSY; simulate that rename failing.
+    import errno
+    import os
+
+    from flashnorm_mlx import convert as convert_module
+
+    out = tmp_path / "mnt"
+    assert main(["convert", str(llama_dir), "-o", str(out)]) == 0
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(src) == out:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(src))
+        return real(src, dst)
+
+    monkeypatch.setattr(convert_module.os, "replace", replace)
+    assert main(["convert", str(llama_dir), "-o", str(out), "--force"]) == 1
+    assert "busy" in _one_line(capsys).lower()
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
     assert _leftovers(out) == [], _leftovers(out)
 
 
