@@ -73,7 +73,16 @@ def _bad_inputs(tmp_path, model_dir):
         "unsupported model_type": ["generate", str(gpt2), "-p", "x"],
         "bad flag": ["generate", str(model_dir), "--max-tokens", "zero"],
         "unknown command": ["frobnicate"],
+        "negative temperature": ["generate", str(model_dir), "--temp", "-1"],
+        "empty prompt": ["generate", str(model_dir), "-p", ""],
+        "junk gguf": ["verify", str(_junk_gguf(tmp_path))],
     }
+
+
+def _junk_gguf(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(200)))
+    return path
 
 
 def test_bad_input_gives_one_line_and_nonzero_exit(tmp_path, model_dir):
@@ -82,6 +91,190 @@ def test_bad_input_gives_one_line_and_nonzero_exit(tmp_path, model_dir):
         err = r.stderr.strip().splitlines()
         assert r.returncode != 0, (what, r.returncode, r.stderr)
         assert "Traceback" not in r.stderr, (what, r.stderr)
-        assert err and "error" in err[-1], (what, r.stderr)
-        if what not in ("bad flag", "unknown command"):  # argparse prints usage too
-            assert len(err) == 1, (what, r.stderr)
+        assert len(err) == 1 and "error" in err[0], (what, r.stderr)
+
+
+# --- values no command can run with: refused in one line, before any loading ---
+
+NONSENSE = {
+    "--temp -1": ["generate", "--temp", "-1"],
+    "--temp nan": ["generate", "--temp", "nan"],
+    "--top-p 2": ["generate", "--top-p", "2"],
+    "--top-p 0": ["chat", "--top-p", "0"],
+    "-m 0": ["generate", "-m", "0"],
+    "--seed -1": ["generate", "--seed", "-1"],
+    "--q-bits without -q": ["generate", "--q-bits", "8"],
+    "--q-group-size without -q": ["bench", "--q-group-size", "32"],
+    "verify --q-bits without -q": ["verify", "--q-bits", "4"],
+    "--max-context 1": ["chat", "--max-context", "1"],
+    "verify -g 0": ["verify", "-g", "0"],
+    "bench -g 1": ["bench", "-g", "1"],
+    "bench -n 0": ["bench", "-n", "0"],
+    "bench -p 0": ["bench", "-p", "0"],
+    "bench --prefill-step-size 0": ["bench", "--prefill-step-size", "0"],
+    "perplexity --seq-len 1": ["perplexity", "--seq-len", "1"],
+    "perplexity -b 0": ["perplexity", "-b", "0"],
+    "perplexity --num-seqs -1": ["perplexity", "--num-seqs", "-1"],
+    "convert --q-bits without -q": ["convert", "-o", "x", "--q-bits", "4"],
+}
+EMPTY_PROMPT = {
+    "generate -p ''": ["generate", "-p", ""],
+    "generate -p '  '": ["generate", "-p", "  "],
+    "verify -p ''": ["verify", "-p", ""],
+    "convert -o ''": ["convert", "-o", ""],
+}
+
+
+def _refusal(argv, capsys, monkeypatch):
+    # The model must never be read: a refusal comes from the flags alone.
+    import flashnorm_mlx.cli.common as common
+    import flashnorm_mlx.source as source
+
+    def no_read(*a, **k):
+        raise AssertionError("the model was read before the flags were checked")
+
+    monkeypatch.setattr(source, "read_source", no_read)
+    for mod in ("generate", "verify", "bench", "perplexity", "chat"):
+        m = __import__(f"flashnorm_mlx.cli.{mod}", fromlist=["x"])
+        monkeypatch.setattr(m, "read_source", no_read)
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's exit for bad flag values
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    return rc, err, common
+
+
+@pytest.mark.parametrize("what", list(NONSENSE) + list(EMPTY_PROMPT))
+def test_nonsense_values_are_one_line_before_loading(what, capsys, monkeypatch):
+    argv = {**NONSENSE, **EMPTY_PROMPT}[what]
+    rc, err, _ = _refusal(argv, capsys, monkeypatch)
+    assert rc in (1, 2), (what, rc, err)
+    assert len(err) == 1 and "error:" in err[0], (what, err)
+    flag = argv[-2] if what in NONSENSE else ""
+    assert flag in err[0] or "empty" in err[0], (what, err)
+
+
+def test_quantization_flags_apply_with_q():
+    from flashnorm_mlx.cli import generate
+    from flashnorm_mlx.cli.common import model_kwargs
+
+    p = generate.setup_arg_parser()
+    assert model_kwargs(p.parse_args(["-q"]))["quantize"] == (4, 64)
+    assert model_kwargs(p.parse_args(["-q", "--q-bits", "8"]))["quantize"] == (8, 64)
+    assert model_kwargs(p.parse_args([]))["quantize"] is None
+
+
+OWN_COMMANDS = ["chat", "generate", "verify", "bench", "convert", "perplexity"]
+
+
+@pytest.mark.parametrize("command", OWN_COMMANDS)
+def test_help_has_text_and_default_for_every_flag(command):
+    parser = __import__(
+        f"flashnorm_mlx.cli.{command}", fromlist=["x"]
+    ).setup_arg_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.dest == "help" or (action.required and action.option_strings):
+            continue
+        text = formatter._get_help_string(action) or ""
+        assert action.help, (command, action.option_strings or action.dest)
+        assert "default" in text, (command, action.option_strings, text)
+    page = parser.format_help()
+    assert "(default: " in page, page
+
+
+def test_help_through_the_entry_point_shows_defaults():
+    r = _run("verify", "--help")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "(default: 32)" in text and "(default: 4)" in text, r.stdout
+
+
+# --- verify says which comparison ran ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quantized_dir(tmp_path_factory):
+    """An unfolded 4-bit (group 32) checkpoint, like a quantized hub model."""
+    import mlx.core as mx
+
+    cfg = tiny.llama_config("gqa_untied")
+    weights, spec = {}, {"group_size": 32, "bits": 4, "mode": "affine"}
+    for k, v in tiny.llama_weights(cfg, seed=5).items():
+        if v.ndim == 2 and v.shape[-1] % 32 == 0:
+            w, s, b = mx.quantize(mx.array(v), group_size=32, bits=4)
+            m = k[: -len(".weight")]
+            weights.update({k: w, f"{m}.scales": s, f"{m}.biases": b})
+        else:
+            weights[k] = v
+    cfg = {**cfg, "quantization": spec}
+    return tiny.write_model(tmp_path_factory.mktemp("q"), cfg, weights, False)
+
+
+def test_verify_defaults_to_float_weights_and_says_so(quantized_dir, capsys):
+    args = ["verify", str(quantized_dir), "--json", "-g", "8", "--dtype", "float32"]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["comparison"] == "float" and "dequantized" in r["comparison_note"], r
+    # On the same float weights FlashNorm is exact: FlashNorm's difference alone.
+    assert r["max_rel_logit_diff"] < 1e-4 and r["greedy_match"] == 8, r
+
+    assert main([*args, "--requantize"]) == 0
+    q = json.loads(capsys.readouterr().out)
+    assert q["comparison"] == "requantized", q
+    assert "include quantization" in q["comparison_note"], q
+    assert "4-bit group 32" in q["comparison_note"], q
+    # Requantizing folded weights really does differ more (it is not FlashNorm).
+    assert q["max_rel_logit_diff"] > 10 * r["max_rel_logit_diff"], (q, r)
+
+    assert main(["verify", str(quantized_dir), "-g", "2"]) == 0
+    assert "comparison (float)" in capsys.readouterr().out
+
+
+def test_verify_of_a_float_source_says_float(model_dir, capsys):
+    assert main(["verify", str(model_dir), "--json", "-g", "2"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["comparison"] == "float" and "not quantized" in r["comparison_note"]
+    assert main(["verify", str(model_dir), "--json", "-g", "2", "-q"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["comparison"] == "quantized" and "include quantization" in (
+        r["comparison_note"]
+    ), r
+
+
+# --- long commands: a line per stage on stderr when it is not a terminal -------
+
+
+def test_long_commands_print_stage_lines_when_piped(model_dir, tmp_path):
+    runs = {
+        "verify": (
+            _run("verify", str(model_dir), "-g", "4"),
+            ["built stock and FlashNorm", "prefilled", "decode step 4/4"],
+        ),
+        "bench": (
+            _run(
+                "bench",
+                str(model_dir),
+                "-p",
+                "4",
+                "-g",
+                "2",
+                "-n",
+                "1",
+                "--variants",
+                "stock,flashnorm",
+            ),
+            ["building stock: done", "warm-up flashnorm: done", "round 1/1: flashnorm"],
+        ),
+        "convert": (
+            _run("convert", str(model_dir), "-o", str(tmp_path / "out")),
+            ["layer group 1/3 folded", "layer group 3/3 folded"],
+        ),
+    }
+    for command, (r, wanted) in runs.items():
+        assert r.returncode == 0, (command, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert all(l.startswith(f"flashnorm-mlx {command}: ") for l in lines), lines
+        for want in wanted:
+            assert any(want in l for l in lines), (command, want, lines)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from ..bench import VARIANTS, run_bench, validate
 from ..loading import read_source
-from .common import UserError, add_model_args, model_kwargs, run_main
+from .common import Parser, StageLog, UserError, add_model_args, model_kwargs, run_main
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="flashnorm-mlx bench",
         description="Prompt and decode tokens/sec of stock mlx-lm, FlashNorm and "
         "the norm-removed upper bound, on the same weights, random prompt tokens "
@@ -36,7 +36,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=2048,
+        help="prompt tokens per forward while prefilling (mlx-lm's setting)",
+    )
     p.add_argument(
         "--json", metavar="PATH", default=None, help="write every trial here"
     )
@@ -158,8 +163,13 @@ def main(argv=None):
     ) as bar:
         task = bar.add_task("reading", total=None)
 
+        log, previous = StageLog("bench"), []
+
         def progress(desc, done, total):
             bar.update(task, description=desc, completed=done, total=total)
+            if previous:  # a step is reported once the next one starts
+                log(f"{previous[0]}: done, step {done}/{total}")
+            previous[:] = [desc]
 
         result = run_bench(
             source,

@@ -12,6 +12,7 @@ import mlx.core as mx
 from ..chat import ChatError, ChatSession, ContextOverflow, context_length
 from ..loading import build_model, read_source
 from .common import (
+    Parser,
     UserError,
     add_model_args,
     add_sampling_args,
@@ -28,7 +29,7 @@ Ctrl-C stops a reply; the partial reply stays in the conversation."""
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="flashnorm-mlx chat",
         description="Chat with a model; the KV cache is kept across turns. "
         "Reads one message per line from stdin when it is not a terminal.",
@@ -180,10 +181,6 @@ def main(argv=None):
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    if args.max_tokens < 1:
-        parser.error("--max-tokens must be at least 1")
-    if args.max_context is not None and args.max_context < 2:
-        parser.error("--max-context must be at least 2")
     if args.seed is not None:
         mx.random.seed(args.seed)
     source = read_source(args.model, tokenizer=args.tokenizer)

@@ -2,8 +2,10 @@
 
 import argparse
 import functools
+import math
 import sys
-
+import time
+from typing import Optional
 
 from ..fold import FoldError
 from ..loading import DTYPES, LoadError
@@ -11,6 +13,75 @@ from ..loading import DTYPES, LoadError
 
 class UserError(Exception):
     """A bad flag or input detected by a command: reported as one line."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in --help, unless its help text already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.nargs == 0:  # an on/off flag
+            return text + (" (default: on)" if action.default else " (default: off)")
+        if action.default is None:
+            return text + " (default: none)"
+        return text + " (default: %(default)s)"
+
+
+# Values no command can run with, by flag destination: (ok, what is needed).
+VALUE_RULES = {
+    "temp": (lambda v: math.isfinite(v) and v >= 0, "a number >= 0 (0: greedy)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "max_tokens": (lambda v: v >= 1, "at least 1"),
+    "seed": (lambda v: v is None or 0 <= v < 2**32, "from 0 to 2**32-1"),
+    "horizon": (lambda v: v >= 1, "at least 1"),
+    "prompt_tokens": (lambda v: v >= 1, "at least 1"),
+    "generation_tokens": (lambda v: v >= 2, "at least 2 (decode speed needs two)"),
+    "num_trials": (lambda v: v >= 1, "at least 1"),
+    "prefill_step_size": (lambda v: v >= 1, "at least 1"),
+    "seq_len": (lambda v: v >= 2, "at least 2"),
+    "num_seqs": (lambda v: v >= 0, "at least 0 (0: all of the text)"),
+    "batch_size": (lambda v: v >= 1, "at least 1"),
+    "max_context": (lambda v: v is None or v >= 2, "at least 2"),
+}
+Q_DEFAULTS = {"q_bits": 4, "q_group_size": 64}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with every default in --help, errors on one line, and the
+    values no command can run with (VALUE_RULES) refused before any work."""
+
+    def __init__(self, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(**kw)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        args = super().parse_args(args, namespace)
+        flags = {
+            a.dest: "/".join(a.option_strings)
+            for a in self._actions
+            if a.option_strings
+        }
+        for dest, (ok, need) in VALUE_RULES.items():
+            value = getattr(args, dest, None)
+            if dest in flags and value is not None and not ok(value):
+                self.error(f"{flags[dest]} must be {need}, not {value}")
+        if hasattr(args, "quantize"):
+            given = [flags[d] for d in Q_DEFAULTS if getattr(args, d) is not None]
+            if given and not args.quantize:
+                self.error(f"{'/'.join(given)} only apply with -q/--quantize")
+            for dest, default in Q_DEFAULTS.items():
+                if getattr(args, dest) is None:
+                    setattr(args, dest, default)
+        return args
+
+
+def make_parser(prog: str, description: str) -> Parser:
+    return Parser(prog=prog, description=description)
 
 
 # The modes a user runs; bench adds the "nonorm" speed bound itself.
@@ -35,7 +106,8 @@ def add_model_args(
     parser.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer folder or repo id, for checkpoints that ship none (OpenELM)",
+        help="tokenizer folder or repo id, for checkpoints that ship none (OpenELM) "
+        "(default: the model's own)",
     )
     if mode:
         parser.add_argument(
@@ -58,8 +130,21 @@ def add_model_args(
         action="store_true",
         help="quantize a float model after folding",
     )
-    parser.add_argument("--q-bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8))
-    parser.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128))
+    # None: not given, so -q's defaults apply and their use without -q shows.
+    parser.add_argument(
+        "--q-bits",
+        type=int,
+        default=None,
+        choices=(2, 3, 4, 5, 6, 8),
+        help="bits per weight with -q (default: 4)",
+    )
+    parser.add_argument(
+        "--q-group-size",
+        type=int,
+        default=None,
+        choices=(32, 64, 128),
+        help="weights per quantization group with -q (default: 64)",
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--dequantize",
@@ -67,7 +152,7 @@ def add_model_args(
         action="store_true",
         default=exact_default,
         help="quantized source: dequantize, fold and run in float, the same function "
-        "as the source" + (" (default)" if exact_default else ""),
+        "as the source" + (" (default)" if exact_default else " (default: off)"),
     )
     group.add_argument(
         "--requantize",
@@ -75,7 +160,7 @@ def add_model_args(
         action="store_false",
         help="quantized source: dequantize, fold in float32, requantize with the "
         "source's bits and group size (stock is requantized the same way)"
-        + ("" if exact_default else " (default)"),
+        + (" (default: off)" if exact_default else " (default)"),
     )
 
 
@@ -91,7 +176,10 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
         "--top-p", type=float, default=1.0, help="nucleus sampling threshold"
     )
     parser.add_argument(
-        "--seed", type=int, default=None, help="random seed for sampling"
+        "--seed",
+        type=int,
+        default=None,
+        help="random seed for sampling (default: none, a different draw each run)",
     )
 
 
@@ -101,6 +189,29 @@ def model_kwargs(args) -> dict:
         quantize=(args.q_bits, args.q_group_size) if args.quantize else None,
         dequantize=args.dequantize,
     )
+
+
+class StageLog:
+    """A plain line on stderr as each stage of a long command ends, when stderr
+    is not a terminal (a terminal gets the live bar instead, or, for verify, the
+    same lines). Lines follow a stage's end, so bad input, found while reading,
+    still gives one error line and nothing else."""
+
+    def __init__(self, command: str, enabled: Optional[bool] = None):
+        self.prefix = f"flashnorm-mlx {command}:"
+        self.enabled = not sys.stderr.isatty() if enabled is None else enabled
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        now = time.perf_counter()
+        if self.enabled:
+            print(
+                f"{self.prefix} {what} ({now - self.last:.1f} s; "
+                f"{now - self.start:.1f} s in all)",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.last = now
 
 
 def run_main(fn):

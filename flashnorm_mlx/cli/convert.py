@@ -4,11 +4,11 @@ import argparse
 import sys
 
 from ..convert import convert
-from .common import add_model_args, model_kwargs, run_main
+from .common import Parser, StageLog, add_model_args, model_kwargs, run_main
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="flashnorm-mlx convert",
         description="Fold the norm gains into the weights (in float32), optionally "
         "quantize, and save a checkpoint that flashnorm-mlx loads without folding "
@@ -18,7 +18,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     add_model_args(p, mode=False)
     p.add_argument(
-        "-o", "--output", required=True, help="folder to write (must not exist)"
+        "-o",
+        "--output",
+        required=True,
+        help="folder to write; an existing one is refused, with --force "
+        "replaced only if it is a model checkpoint (config.json + *.safetensors)",
     )
     p.add_argument(
         "--compat",
@@ -26,7 +30,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="keep all-ones norm tensors so stock mlx_lm.load runs the checkpoint",
     )
     p.add_argument(
-        "--force", action="store_true", help="replace an existing output folder"
+        "--force",
+        action="store_true",
+        help="replace an existing checkpoint folder (nothing else) once the new "
+        "one is complete",
     )
     return p
 
@@ -34,12 +41,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 @run_main
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
+    log = StageLog("convert")
     r = convert(
         args.model,
         args.output,
         compat=args.compat,
         force=args.force,
         progress=sys.stderr.isatty(),
+        on_layer=lambda i, n: log(f"layer group {i + 1}/{n} folded"),
         tokenizer=args.tokenizer,
         **model_kwargs(args),
     )

@@ -7,6 +7,8 @@ import mlx.core as mx
 
 from ..loading import build_model, read_source
 from .common import (
+    Parser,
+    UserError,
     add_model_args,
     add_sampling_args,
     model_kwargs,
@@ -16,7 +18,7 @@ from .common import (
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="flashnorm-mlx generate",
         description="Generate one completion; prints tokens/sec and peak memory after it.",
     )
@@ -53,17 +55,17 @@ def main(argv=None):
     from mlx_lm.sample_utils import make_sampler
 
     args = setup_arg_parser().parse_args(argv)
-    if args.max_tokens < 1:
-        setup_arg_parser().error("--max-tokens must be at least 1")
+    prompt = (
+        sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
+    )
+    if not prompt.strip():  # the model would answer an empty message
+        raise UserError("the prompt is empty (-p TEXT, or -p - to read stdin)")
     if args.seed is not None:
         mx.random.seed(args.seed)
     source = read_source(args.model, tokenizer=args.tokenizer)
     tokenizer = need_tokenizer(source.tokenizer, source.name)
     model, _ = build_model(source, args.mode, **model_kwargs(args))
 
-    prompt = (
-        sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
-    )
     ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
     sampler = make_sampler(args.temp, args.top_p)
     last = None

@@ -6,11 +6,12 @@ import sys
 
 from ..loading import read_source
 from ..perplexity import MODES, load_text, perplexity
-from .common import add_model_args, model_kwargs, need_tokenizer, run_main
+from ..verify import comparison
+from .common import Parser, add_model_args, model_kwargs, need_tokenizer, run_main
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="flashnorm-mlx perplexity",
         description="Perplexity of stock mlx-lm and FlashNorm on the same text and "
         "weights (both quantized from the same float weights with the same "
@@ -42,8 +43,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    if args.num_seqs < 0 or args.batch_size < 1 or args.seq_len < 2:
-        parser.error("--seq-len >= 2, --num-seqs >= 0 and --batch-size >= 1 required")
     text = load_text(args.data)
     source = read_source(args.model, tokenizer=args.tokenizer)
     tokenizer = need_tokenizer(source.tokenizer, source.name)
@@ -57,6 +56,8 @@ def main(argv=None):
         progress=sys.stderr.isatty(),
         **model_kwargs(args),
     )
+    kw = model_kwargs(args)
+    r.update(comparison(source, kw["quantize"], kw["dequantize"]))
     if args.json:
         print(json.dumps(r))
         return 0
@@ -84,6 +85,9 @@ def _print_table(r: dict) -> None:
             )
     console = Console()
     console.print(t)
+    console.print(
+        f"comparison ({r['comparison']}): {r['comparison_note']}", markup=False
+    )
     console.print(
         f"{r['num_seqs']} windows of {r['seq_len']} tokens, "
         f"{r['tokens_scored']} tokens scored"

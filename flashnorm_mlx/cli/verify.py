@@ -4,17 +4,24 @@ import argparse
 import json
 
 from ..loading import read_source
-from ..verify import compare, prompt_tokens
-from .common import add_model_args, model_kwargs, run_main
+from ..verify import compare, comparison, prompt_tokens
+from .common import (
+    Parser,
+    StageLog,
+    UserError,
+    add_model_args,
+    model_kwargs,
+    run_main,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="flashnorm-mlx verify",
         description="Run stock mlx-lm and FlashNorm on the same weights and tokens; "
         "report logit differences, KL divergence and greedy agreement.",
     )
-    add_model_args(p, mode=False)
+    add_model_args(p, mode=False, exact_default=True)
     p.add_argument(
         "-p", "--prompt", default=None, help="prompt text (default: a fixed sentence)"
     )
@@ -28,9 +35,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 @run_main
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
+    if args.prompt is not None and not args.prompt.strip():
+        raise UserError("the prompt is empty (leave -p out for the fixed sentence)")
     source = read_source(args.model, tokenizer=args.tokenizer)
     tokens = prompt_tokens(source, args.prompt)
-    r = compare(source, tokens, horizon=args.horizon, **model_kwargs(args))
+    if not tokens:
+        raise UserError("the prompt encodes to no tokens")
+    kw = model_kwargs(args)
+    how = comparison(source, kw["quantize"], kw["dequantize"])
+    # verify has no live bar: its stage lines show on a terminal too.
+    r = compare(
+        source, tokens, horizon=args.horizon, on_stage=StageLog("verify", True), **kw
+    )
+    r.update(how)
     if args.json:
         print(json.dumps(r))
         return 0
@@ -50,5 +67,9 @@ def main(argv=None):
         "finite logits (stock, flashnorm)",
         f"{r['stock_finite']}, {r['flashnorm_finite']}",
     )
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    console.print(
+        f"comparison ({r['comparison']}): {r['comparison_note']}", markup=False
+    )
     return 0
