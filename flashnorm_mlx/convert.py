@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from . import fold, quant
+from . import fold, gptq, quant
 from .errors import LoadError
 from .source import Source, read_source, resolve
 
@@ -66,6 +66,8 @@ class Recipe:
     def __init__(self, weights, config, quantize, dtype, dequantize, compat):
         self.src, self.src_config = dict(weights), config
         self.gains: Weights = {}  # linear module -> the norm gain folded into it
+        self.hessians: gptq.Hessians = {}  # module -> GPTQ Hessian (fold basis)
+        self._hinv: Weights = {}
         if fold.is_folded(config):
             self._refolded(quantize, dtype, compat)
             return
@@ -78,6 +80,7 @@ class Recipe:
             self.gains.update({m: weights[f"{norm}.weight"] for m in linears})
         # Lazy: only its keys, config and small (1-D) tensors are ever evaluated.
         floats = fold.map_floats(plan.weights, lambda v: v.astype(mx.float32))
+        self._stock = (plan.weights, plan.config)  # what calibration runs
         folded, self.config = fold.fold_norms(floats, plan.config, compat=compat)
         self._finish(folded)
 
@@ -94,6 +97,9 @@ class Recipe:
             )
         unit = fold.restore_unit_norms if compat else fold.drop_unit_norms
         weights = unit(self.src, self.src_config)
+        # With unit gains a folded checkpoint is stock's function: calibrate on it.
+        stock = fold.restore_unit_norms(self.src, self.src_config)
+        self._stock = (stock, self.src_config)
         self.config = copy.deepcopy(self.src_config)
         self.config[fold.MARKER]["compat"] = compat
         self.qspec = quant.uniform_qspec(weights, *quantize) if quantize else None
@@ -108,6 +114,8 @@ class Recipe:
         }
         if self.qspec:
             self.config = quant.with_quantization(self.config, self.qspec)
+            # Until `calibrate` says otherwise: round-to-nearest.
+            self.config[fold.MARKER]["quantization_method"] = {"method": "rtn"}
         # 2-D weights are made per module (row chunks if large), the rest as is.
         self.modules = [
             k[: -len(".weight")] for k, v in folded.items() if _is_matrix(k, v)
@@ -118,6 +126,27 @@ class Recipe:
             if not _is_matrix(k, v)
         }
         self.order = list(folded)
+
+    def calibrate(self, tokenizer, calibration: "gptq.Calibration", advance=None):
+        """GPTQ Hessians of every quantized linear, from stock's float32 model on
+        calibration text (a full float copy of the model while it runs)."""
+        if not self.qspec:
+            return
+        if tokenizer is None:
+            raise LoadError(
+                "GPTQ calibrates on text and this model has no tokenizer: pass "
+                "--tokenizer, or --q-method rtn"
+            )
+        data = gptq.calibration_data(tokenizer, calibration)
+        self.hessians = gptq.hessians(*self._stock, data, advance=advance)
+        self.config[fold.MARKER]["quantization_method"] = {
+            "method": "gptq",
+            "calibration": calibration.describe(),
+            "damping": gptq.DAMPING,
+        }
+
+    def drop_calibration_source(self) -> None:
+        self._stock = None
 
     def rows(self, module: str) -> int:
         return self.src[f"{module}.weight"].shape[0]
@@ -135,14 +164,25 @@ class Recipe:
         part = fold.map_floats(part, lambda v: v.astype(mx.float32))
         if module in self.gains:
             part = fold.fold_gain(part, self.gains[module], module)
-        part = fold.map_floats(part, lambda v: v.astype(self.out_dtype))
         q = (self.qspec or {}).get(module)
+        if q and module in self.hessians:  # rows are independent in GPTQ
+            if module not in self._hinv:  # once per module, row chunks share it
+                self._hinv[module] = gptq.inverse_cholesky(self.hessians[module])
+            w = part.pop(f"{module}.weight")
+            part = fold.map_floats(part, lambda v: v.astype(self.out_dtype))
+            out = gptq.quantize_weight(
+                w, None, q["bits"], q["group_size"], self.out_dtype, self._hinv[module]
+            )
+            return {**part, **{f"{module}.{k}": v for k, v in out.items()}}
+        part = fold.map_floats(part, lambda v: v.astype(self.out_dtype))
         return _quantized(part, {module: q}) if q else part
 
     def release(self, module: str) -> None:
         """Drop the source tensors of a module once its output is computed."""
         for s in ("weight", "scales", "biases"):
             self.src.pop(f"{module}.{s}", None)
+        self._hinv.pop(module, None)
+        self.hessians.pop(module, None)
 
 
 def _is_matrix(key: str, value: mx.array) -> bool:
@@ -184,7 +224,7 @@ def layer_groups(keys: List[str]) -> List[Tuple[str, List[str]]]:
 # --- writing -----------------------------------------------------------------
 
 
-def _progress(enabled: bool):
+def _progress(enabled: bool, stage: str = "folding"):
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -195,7 +235,7 @@ def _progress(enabled: bool):
     )
 
     return Progress(
-        TextColumn("[bold]folding[/] {task.description}"),
+        TextColumn(f"[bold]{stage}[/] {{task.description}}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -283,6 +323,8 @@ def convert(
     on_layer: Optional[Callable[[int, int], None]] = None,
     max_shard_gb: int = 5,
     chunk_elements: int = CHUNK_ELEMENTS,
+    q_method: str = gptq.DEFAULT_METHOD,
+    calibration: gptq.Calibration = gptq.Calibration(),
 ) -> dict:
     """Fold (and quantize) `source` into the checkpoint folder `out_dir`.
 
@@ -292,6 +334,9 @@ def convert(
     on_layer(i, n): called after layer group i of n is computed (tests inject
         failures here). max_shard_gb: 0 writes one tensor per shard.
     chunk_elements: a weight with more elements is computed in row chunks.
+    q_method: "gptq" (default: fold-aware GPTQ, calibrated on `calibration`
+        windows of offline text; needs a tokenizer) or "rtn" (round-to-nearest);
+        recorded in config.json's "flashnorm" block.
     Refuses an existing out_dir unless force and it is a checkpoint folder
     (`check_output`); a failure leaves neither out_dir, the temporary folder
     nor a created parent behind. Returns a summary dict.
@@ -311,8 +356,15 @@ def convert(
         weights = source.weights
 
     recipe = Recipe(weights, source.config, quantize, dtype, dequantize, compat)
-    config = recipe.config
     del weights
+    if q_method == "gptq" and recipe.qspec:
+        with _progress(progress, "calibrating GPTQ on") as bar:
+            task = bar.add_task("text windows", total=calibration.num_seqs)
+            recipe.calibrate(
+                source.tokenizer, calibration, lambda n: bar.advance(task, n)
+            )
+    recipe.drop_calibration_source()  # source tensors go as modules are written
+    config = recipe.config
     created = _missing_parents(out)  # removed again if the conversion fails
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -497,4 +549,7 @@ def _summary(out: Path, weights: Weights, config: dict, files: List[str]) -> dic
         ),
         "compat": config[fold.MARKER]["compat"],
         "final_norm_folded": config[fold.MARKER]["final_norm_folded"],
+        "quantization_method": (
+            config[fold.MARKER].get("quantization_method", {}).get("method")
+        ),
     }

@@ -15,16 +15,13 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from mlx_lm.utils import compute_bits_per_weight
+
+from . import gptq, quant
+from .texts import calibration_text, default_text  # noqa: F401 (public here too)
 from .loading import LoadError, Source, build_model, model_dtype
 
 MODES = ("stock", "flashnorm")
-
-
-def default_text() -> str:
-    """English prose that ships with Python: the pydoc help topics."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
 
 
 def load_text(path: Optional[str]) -> str:
@@ -89,6 +86,8 @@ def perplexity(
     quantize: Optional[Tuple[int, int]] = None,
     dequantize: bool = False,
     progress: bool = False,
+    q_method: str = gptq.DEFAULT_METHOD,
+    calibration: gptq.Calibration = gptq.Calibration(),
 ) -> dict:
     """Perplexity per mode on `tokens` (or `text`, default: `default_text()`).
 
@@ -98,6 +97,10 @@ def perplexity(
     quantizes the float weights with these settings, also for a quantized
     source (which is dequantized first); without it a quantized source is
     requantized with its own settings, or run in float with dequantize.
+    Quantized, stock is mlx-lm's round-to-nearest and FlashNorm uses `q_method`
+    (default GPTQ on the folded weights, calibrated on `calibration_text`; see
+    gptq.py); each side reports its method and bits per weight, and the result
+    a 95% confidence interval of the relative difference (over windows).
     """
     modes = list(modes)
     for m in modes:
@@ -121,9 +124,17 @@ def perplexity(
     nll: Dict[str, np.ndarray] = {}
     with _progress(progress) as bar:
         for mode in modes:
-            model, config = build_model(source, mode, **kw)
+            if mode == "flashnorm" and q_method == "gptq":
+                model, config = _gptq_flashnorm(source, kw, calibration, bar)
+            else:
+                model, config = build_model(source, mode, **kw)
+            quantized = bool(config.get("quantization"))
             result["dtype"] = model_dtype(model)
             result["quantization"] = _quant_name(config)
+            result[f"{mode}_method"] = (
+                (q_method if mode == "flashnorm" else "rtn") if quantized else "float"
+            )
+            result[f"{mode}_bits_per_weight"] = compute_bits_per_weight(model)
             task = bar.add_task(mode, total=int(data.shape[0]))
             start = time.perf_counter()
             nll[mode] = _model_nll(
@@ -137,10 +148,42 @@ def perplexity(
             result[f"{mode}_tokens_per_sec"] = data.size / seconds
     if len(nll) == 2:
         result["diff_rel"] = (result["flashnorm"] - result["stock"]) / result["stock"]
-        result["max_token_nll_diff"] = float(
-            np.abs(nll["flashnorm"] - nll["stock"]).max()
-        )
+        diff = nll["flashnorm"] - nll["stock"]
+        result["max_token_nll_diff"] = float(np.abs(diff).max())
+        result["diff_rel_ci95"] = _ratio_ci(diff.reshape(data.shape[0], -1))
     return result
+
+
+def _ratio_ci(diff: np.ndarray) -> Optional[List[float]]:
+    """95% interval of ppl_flashnorm / ppl_stock - 1 from per-token NLL differences
+    (windows, tokens): windows are the independent units (tokens within one are
+    not), so the standard error is over window means."""
+    if diff.shape[0] < 2:
+        return None
+    means = diff.mean(axis=1)
+    se = means.std(ddof=1) / math.sqrt(len(means))
+    mid = diff.mean()
+    return [math.exp(mid - 1.96 * se) - 1, math.exp(mid + 1.96 * se) - 1]
+
+
+def _gptq_flashnorm(source: Source, kw: dict, calibration, bar):
+    """FlashNorm quantized by GPTQ on its folded weights (gptq.py), from the same
+    float weights and with the same settings stock's RTN gets."""
+    plan = quant.plan_weights(source.weights, source.config, **kw)
+    model, config = build_model(source, "flashnorm", dtype=kw["dtype"], dequantize=True)
+    if not plan.qspec:
+        return model, config
+    if source.tokenizer is None:
+        raise LoadError("GPTQ calibrates on text: this model has no tokenizer")
+    data = gptq.calibration_data(source.tokenizer, calibration)
+    task = bar.add_task("calibrating", total=int(data.shape[0]))
+    hess = gptq.hessians(
+        plan.weights, plan.config, data, advance=lambda n: bar.advance(task, n)
+    )
+    task = bar.add_task("gptq", total=len(hess))
+    gptq.quantize_model(model, plan.config, hess, plan.qspec, lambda: bar.advance(task))
+    mx.eval(model.parameters())
+    return model, quant.with_quantization(config, plan.qspec)
 
 
 def _progress(enabled: bool):

@@ -19,9 +19,19 @@ QUANT = {"float": None, "4bit_gs32": (4, 32), "4bit_gs64": (4, 64)}
 
 
 def _qflags(q):
-    return (
-        [] if q is None else ["-q", "--q-bits", str(q[0]), "--q-group-size", str(q[1])]
-    )
+    # Round-to-nearest: bit for bit what build_model's nn.quantize makes
+    # (tests/test_gptq.py covers the default, GPTQ).
+    if q is None:
+        return []
+    return [
+        "-q",
+        "--q-bits",
+        str(q[0]),
+        "--q-group-size",
+        str(q[1]),
+        "--q-method",
+        "rtn",
+    ]
 
 
 def _rel(a, b):
@@ -169,7 +179,7 @@ def test_convert_openelm(tmp_path, quant, monkeypatch):
     )
     q = QUANT[quant]
     out = tmp_path / "out"
-    convert(str(src), out, quantize=q, compat=True, progress=False)
+    convert(str(src), out, quantize=q, compat=True, progress=False, q_method="rtn")
     ours = _check_converted(src, out, q, monkeypatch)
     assert type(ours).__module__ == "flashnorm_mlx.models.openelm"
     stock, _ = load_model(out)
@@ -321,8 +331,8 @@ def test_folded_source_is_refused_unless_requantized(llama_dir, tmp_path):
         convert(str(folded), tmp_path / "x", progress=False)
     assert not (tmp_path / "x").exists()
     # Quantizing a folded float checkpoint == quantizing while folding.
-    convert(str(folded), requant, quantize=(4, 32), progress=False)
-    convert(str(llama_dir), direct, quantize=(4, 32), progress=False)
+    convert(str(folded), requant, quantize=(4, 32), progress=False, q_method="rtn")
+    convert(str(llama_dir), direct, quantize=(4, 32), progress=False, q_method="rtn")
     a, b = _files(requant), _files(direct)
     assert sorted(a) == sorted(b)
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
@@ -402,7 +412,7 @@ def test_quantized_source_matches_in_memory(llama_dir, tmp_path, how, monkeypatc
     src = _quantized_source(llama_dir)
     out = tmp_path / "out"
     # A tiny chunk_elements makes every weight go in row chunks: still bit-identical.
-    convert(src, out, progress=False, chunk_elements=1000, **how)
+    convert(src, out, progress=False, chunk_elements=1000, q_method="rtn", **how)
     model, config = _load_converted(out, monkeypatch)
     _assert_loaded_as_stored(model, out)
     # (build_model ignores quantize for a quantized source unless dequantize.)

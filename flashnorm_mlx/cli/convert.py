@@ -3,8 +3,9 @@
 import argparse
 import sys
 
+from .. import gptq
 from ..convert import convert
-from .common import Parser, StageLog, add_model_args, model_kwargs, run_main
+from .common import Parser, StageLog, UserError, add_model_args, model_kwargs, run_main
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,26 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="replace an existing checkpoint folder (nothing else) once the new "
         "one is complete",
     )
+    q = p.add_argument_group("quantization method (with -q, or a quantized source)")
+    q.add_argument(
+        "--q-method",
+        choices=gptq.METHODS,
+        default=gptq.DEFAULT_METHOD,
+        help="gptq: fold-aware GPTQ calibrated on offline text (FlashNorm 4-bit at "
+        "stock's quality; needs a tokenizer); rtn: round-to-nearest",
+    )
+    q.add_argument(
+        "--calib-seqs",
+        type=int,
+        default=gptq.Calibration.num_seqs,
+        help="GPTQ calibration windows",
+    )
+    q.add_argument(
+        "--calib-len",
+        type=int,
+        default=gptq.Calibration.seq_len,
+        help="tokens per calibration window",
+    )
     return p
 
 
@@ -42,6 +63,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
     log = StageLog("convert")
+    if args.calib_seqs < 1 or args.calib_len < 2:
+        raise UserError("--calib-seqs must be >= 1 and --calib-len >= 2")
     r = convert(
         args.model,
         args.output,
@@ -50,10 +73,14 @@ def main(argv=None):
         progress=sys.stderr.isatty(),
         on_layer=lambda i, n: log(f"layer group {i + 1}/{n} folded"),
         tokenizer=args.tokenizer,
+        q_method=args.q_method,
+        calibration=gptq.Calibration(args.calib_seqs, args.calib_len),
         **model_kwargs(args),
     )
     q = r["quantization"]
     how = f"{q['bits']}-bit, group size {q['group_size']}" if q else "not quantized"
+    if q:
+        how += f", {r['quantization_method']}"
     print(
         f"Wrote {r['path']}: {r['tensors']} tensors in {len(r['files'])} file(s), "
         f"{r['bytes'] / 1e6:.1f} MB, {r['dtype']}, {how}"

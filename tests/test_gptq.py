@@ -1,0 +1,206 @@
+"""Fold-aware quantization (gptq.py) against independent references: MLX's own
+round-to-nearest, numpy float64 objectives, and the float stock model."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+
+from flashnorm_mlx import fold, gptq, quant
+from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.perplexity import perplexity
+from flashnorm_mlx.texts import calibration_text, default_text
+
+CALIB = gptq.Calibration(num_seqs=8, seq_len=48)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return read_source(str(tiny.make_llama(tmp_path_factory.mktemp("g"), "gqa_untied")))
+
+
+def _objective(w_ref, w_q, x):
+    """||(W - Q) x||^2 summed over inputs, in float64."""
+    d = np.asarray(w_ref, np.float64) - np.asarray(w_q, np.float64)
+    return float(((np.asarray(x, np.float64) @ d.T) ** 2).sum())
+
+
+def test_gptq_beats_rtn_on_its_objective_and_packs_as_mlx_does():
+    rng = np.random.default_rng(0)
+    # Correlated inputs with very different column scales, as folded gains make.
+    x = rng.standard_normal((512, 64)) @ rng.standard_normal((64, 64)) * 0.3
+    x = (x * rng.uniform(0.25, 4.0, 64)).astype(np.float32)
+    w = rng.standard_normal((32, 64)).astype(np.float32)
+    H = mx.array(x.T @ x)
+    q = gptq.quantize_weight(mx.array(w), H, 4, 32, mx.float32)
+    deq = mx.dequantize(q["weight"], q["scales"], q["biases"], group_size=32, bits=4)
+    rtn = mx.dequantize(*mx.quantize(mx.array(w), group_size=32, bits=4), 32, 4)
+    ours, theirs = _objective(w, deq, x), _objective(w, rtn, x)
+    assert ours < 0.7 * theirs, (ours, theirs)
+    # Same storage as mx.quantize: uint32 packs, one scale and bias per group.
+    ref_w, ref_s, ref_b = mx.quantize(mx.array(w), group_size=32, bits=4)
+    assert (q["weight"].dtype, q["weight"].shape) == (ref_w.dtype, ref_w.shape)
+    assert q["scales"].shape == ref_s.shape and q["biases"].shape == ref_b.shape
+
+
+def test_hessian_of_a_norm_fed_linear_is_in_the_folded_basis(source):
+    """Layer 0's q_proj reads RMSNorm(embedding) * g in stock; the folded weight
+    reads the embedding over its RMS: H = sum of those outer products (numpy)."""
+    data = mx.array(np.arange(40, dtype=np.int32).reshape(2, 20) % 256)
+    hess = gptq.hessians(source.weights, source.config, data)
+    emb = np.asarray(source.weights["model.embed_tokens.weight"], np.float64)
+    x = emb[np.asarray(data).ravel()]
+    eps = source.config["rms_norm_eps"]
+    xhat = x / np.sqrt((x**2).mean(-1, keepdims=True) + eps)
+    want = xhat.T @ xhat
+    got = np.asarray(hess["model.layers.0.self_attn.q_proj"], np.float64)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 1e-4, err
+    # o_proj is not norm-fed: its Hessian is stock's own (no gain divided out).
+    assert "model.layers.0.self_attn.o_proj" in hess
+
+
+def _logit_error(model, ref, tokens):
+    out, want = model(tokens), ref(tokens)
+    return (mx.abs(out - want).max() / mx.abs(want).max()).item()
+
+
+def test_fold_aware_gptq_closer_to_float_than_rtn(source):
+    """FlashNorm 4-bit g32 by GPTQ vs by RTN, both against the float stock model
+    on text the calibration never saw."""
+    tokens = mx.array([source.tokenizer.encode(default_text()[:400])[:64]])
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    rtn, _ = build_model(source, "flashnorm", dtype=mx.float32, quantize=(4, 32))
+    plan = quant.plan_weights(source.weights, source.config, mx.float32, (4, 32))
+    data = gptq.calibration_data(source.tokenizer, CALIB)
+    hess = gptq.hessians(plan.weights, plan.config, data)
+    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    gptq.quantize_model(model, plan.config, hess, plan.qspec)
+    kinds = {type(m).__name__ for _, m in model.named_modules()}
+    assert "QuantizedLinear" in kinds and "Linear" not in kinds, kinds
+    e_gptq, e_rtn = _logit_error(model, ref, tokens), _logit_error(rtn, ref, tokens)
+    assert e_gptq < e_rtn, (e_gptq, e_rtn)
+
+
+def test_calibration_is_deterministic_and_apart_from_evaluation(source):
+    a = gptq.calibration_data(source.tokenizer, CALIB)
+    b = gptq.calibration_data(source.tokenizer, CALIB)
+    assert mx.array_equal(a, b).item() and a.shape == (8, 48)
+    other = gptq.calibration_data(
+        source.tokenizer, gptq.Calibration(num_seqs=8, seq_len=48, seed=1)
+    )
+    assert not mx.array_equal(a, other).item()
+    # Calibration and evaluation take alternate pydoc topics: both large, and no
+    # topic in both (some topics quote the same paragraphs, so compare topics).
+    from pydoc_data.topics import topics
+
+    cal, ev = calibration_text(), default_text()
+    assert len(cal) > 100_000 and len(ev) > 100_000
+    both = [k for k, t in topics.items() if len(t) > 2000 and t in cal and t in ev]
+    assert not both, both
+
+
+def test_perplexity_reports_methods_bits_and_an_interval(source):
+    r = perplexity(
+        source,
+        seq_len=32,
+        num_seqs=4,
+        dtype=mx.float32,
+        quantize=(4, 32),
+        calibration=CALIB,
+    )
+    assert (r["stock_method"], r["flashnorm_method"]) == ("rtn", "gptq"), r
+    assert abs(r["stock_bits_per_weight"] - r["flashnorm_bits_per_weight"]) < 0.2, r
+    lo, hi = r["diff_rel_ci95"]
+    assert lo <= r["diff_rel"] <= hi or abs(r["diff_rel"] - (lo + hi) / 2) < 1, r
+    r = perplexity(
+        source,
+        seq_len=32,
+        num_seqs=4,
+        dtype=mx.float32,
+        q_method="rtn",
+        quantize=(4, 32),
+    )
+    assert r["flashnorm_method"] == "rtn", r
+    r = perplexity(source, seq_len=32, num_seqs=4, dtype=mx.float32)
+    assert r["stock_method"] == r["flashnorm_method"] == "float", r
+
+
+def _tensors(folder):
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(mx.load(str(f)))
+    return out
+
+
+def test_convert_gptq_is_recorded_deterministic_and_runs_in_stock_mlx_lm(
+    source, tmp_path
+):
+    import json
+
+    from mlx_lm.utils import load_model
+
+    from flashnorm_mlx.convert import convert
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        convert(
+            source,
+            out,
+            quantize=(4, 32),
+            compat=True,
+            progress=False,
+            calibration=CALIB,
+        )
+    marker = json.loads((a / "config.json").read_text())["flashnorm"]
+    assert marker["quantization_method"]["method"] == "gptq", marker
+    assert marker["quantization_method"]["calibration"]["num_seqs"] == CALIB.num_seqs
+    ta, tb = _tensors(a), _tensors(b)
+    assert sorted(ta) == sorted(tb)
+    assert all(mx.array_equal(ta[k], tb[k]).item() for k in ta), "not deterministic"
+    # --compat: stock mlx-lm loads the GPTQ checkpoint and computes what ours does.
+    x = mx.array([[5, 17, 99, 3, 250, 42]])
+    stock, _ = load_model(a)
+    ours, _ = build_model(read_source(str(a)), "flashnorm", dtype=mx.float32)
+    rel = (mx.abs(stock(x) - ours(x)).max() / mx.abs(ours(x)).max()).item()
+    assert rel < tiny.f32_tol(1e-5), rel
+
+
+def test_convert_gptq_equals_in_memory_gptq(source, tmp_path):
+    """convert (q, k, v separate, in row chunks) and quantize_model (fused q|k|v)
+    give the same quantization: GPTQ rows are independent."""
+    from flashnorm_mlx.convert import convert
+
+    out = tmp_path / "q"
+    convert(
+        source,
+        out,
+        quantize=(4, 32),
+        progress=False,
+        calibration=CALIB,
+        chunk_elements=1000,
+    )
+    conv, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
+    plan = quant.plan_weights(source.weights, source.config, mx.float32, (4, 32))
+    hess = gptq.hessians(
+        plan.weights, plan.config, gptq.calibration_data(source.tokenizer, CALIB)
+    )
+    mem, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    gptq.quantize_model(mem, plan.config, hess, plan.qspec)
+    for name in ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        m1 = dict(conv.named_modules())[f"model.layers.1.{name}"]
+        m2 = dict(mem.named_modules())[f"model.layers.1.{name}"]
+        w1 = mx.dequantize(m1.weight, m1.scales, m1.biases, 32, 4)
+        w2 = mx.dequantize(m2.weight, m2.scales, m2.biases, 32, 4)
+        same = (w1 == w2).astype(mx.float32).mean().item()
+        assert same == 1.0, (name, same)
+
+
+def test_convert_gptq_without_a_tokenizer_is_one_clear_error(tmp_path):
+    from flashnorm_mlx.convert import convert
+    from flashnorm_mlx.loading import LoadError
+
+    src = read_source(str(tiny.make_openelm(tmp_path / "e", tokenizer=False)))
+    with pytest.raises(LoadError, match="--q-method rtn"):
+        convert(src, tmp_path / "out", quantize=(4, 32), progress=False)
+    assert not (tmp_path / "out").exists()
