@@ -10,16 +10,15 @@ weights with the same settings. Perplexity = exp(mean next-token NLL).
 import math
 import time
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
-
 from mlx_lm.utils import compute_bits_per_weight
 
 from . import gptq, quant
-from .texts import calibration_text, default_text  # noqa: F401 (public here too)
 from .loading import LoadError, Source, build_model, model_dtype
+from .texts import calibration_text, default_text  # noqa: F401 (public here too)
 
 MODES = ("stock", "flashnorm")
 
@@ -88,6 +87,7 @@ def perplexity(
     progress: bool = False,
     q_method: str = gptq.DEFAULT_METHOD,
     calibration: gptq.Calibration = gptq.Calibration(),
+    on_stage: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """Perplexity per mode on `tokens` (or `text`, default: `default_text()`).
 
@@ -101,7 +101,9 @@ def perplexity(
     (default GPTQ on the folded weights, calibrated on `calibration_text`; see
     gptq.py); each side reports its method and bits per weight, and the result
     a 95% confidence interval of the relative difference (over windows).
+    on_stage(text) is told when a model is built and each batch is scored.
     """
+    stage = on_stage or (lambda text: None)
     modes = list(modes)
     for m in modes:
         if m not in MODES:
@@ -135,11 +137,17 @@ def perplexity(
                 (q_method if mode == "flashnorm" else "rtn") if quantized else "float"
             )
             result[f"{mode}_bits_per_weight"] = compute_bits_per_weight(model)
+            stage(f"built {mode} ({result[f'{mode}_method']})")
             task = bar.add_task(mode, total=int(data.shape[0]))
+            scored = [0]
+
+            def advance(n, mode=mode, task=task, scored=scored):
+                bar.advance(task, n)
+                scored[0] += n
+                stage(f"{mode}: {scored[0]}/{data.shape[0]} windows scored")
+
             start = time.perf_counter()
-            nll[mode] = _model_nll(
-                model, data, batch_size, lambda n: bar.advance(task, n)
-            )
+            nll[mode] = _model_nll(model, data, batch_size, advance)
             seconds = time.perf_counter() - start
             del model
             mean = float(nll[mode].mean())

@@ -247,6 +247,8 @@ def test_verify_of_a_float_source_says_float(model_dir, capsys):
 
 
 def test_long_commands_print_stage_lines_when_piped(model_dir, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 8)
     runs = {
         "verify": (
             _run("verify", str(model_dir), "-g", "4"),
@@ -266,6 +268,21 @@ def test_long_commands_print_stage_lines_when_piped(model_dir, tmp_path):
                 "stock,flashnorm",
             ),
             ["building stock: done", "warm-up flashnorm: done", "round 1/1: flashnorm"],
+        ),
+        "perplexity": (
+            _run(
+                "perplexity",
+                str(model_dir),
+                "--data",
+                str(text),
+                "--seq-len",
+                "8",
+                "--num-seqs",
+                "2",
+                "-b",
+                "1",
+            ),
+            ["built stock", "stock: 2/2 windows scored", "flashnorm: 2/2 windows"],
         ),
         "convert": (
             _run("convert", str(model_dir), "-o", str(tmp_path / "out")),

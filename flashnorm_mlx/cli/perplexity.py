@@ -7,7 +7,14 @@ import sys
 from ..loading import read_source
 from ..perplexity import MODES, load_text, perplexity
 from ..verify import comparison
-from .common import Parser, add_model_args, model_kwargs, need_tokenizer, run_main
+from .common import (
+    Parser,
+    StageLog,
+    add_model_args,
+    model_kwargs,
+    need_tokenizer,
+    run_main,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -54,6 +61,7 @@ def main(argv=None):
         modes=MODES if args.mode == "both" else (args.mode,),
         batch_size=args.batch_size,
         progress=sys.stderr.isatty(),
+        on_stage=StageLog("perplexity"),
         **model_kwargs(args),
     )
     kw = model_kwargs(args)
