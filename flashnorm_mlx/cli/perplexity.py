@@ -4,6 +4,7 @@ import argparse
 import json
 import sys
 
+from .. import gptq
 from ..loading import read_source
 from ..perplexity import MODES, load_text, perplexity
 from ..verify import comparison
@@ -42,6 +43,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mode", choices=("both", *MODES), default="both", help="models to score"
     )
+    p.add_argument(
+        "--q-method",
+        choices=gptq.METHODS,
+        default=gptq.DEFAULT_METHOD,
+        help="how FlashNorm is quantized (stock: mlx-lm's round-to-nearest): gptq, "
+        "fold-aware and calibrated on text never scored, or rtn",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -62,6 +70,7 @@ def main(argv=None):
         batch_size=args.batch_size,
         progress=sys.stderr.isatty(),
         on_stage=StageLog("perplexity"),
+        q_method=args.q_method,
         **model_kwargs(args),
     )
     kw = model_kwargs(args)
@@ -80,6 +89,8 @@ def _print_table(r: dict) -> None:
     quant = r["quantization"] or "not quantized"
     t = Table(title=f"Perplexity: {r['model']} ({r['dtype']}, {quant})")
     t.add_column("model")
+    t.add_column("weights", justify="left")
+    t.add_column("bits/weight", justify="right")
     t.add_column("perplexity", justify="right")
     t.add_column("mean NLL", justify="right")
     t.add_column("tokens/sec", justify="right")
@@ -87,6 +98,8 @@ def _print_table(r: dict) -> None:
         if mode in r:
             t.add_row(
                 mode,
+                r[f"{mode}_method"],
+                f"{r[f'{mode}_bits_per_weight']:.2f}",
                 f"{r[mode]:.4f}",
                 f"{r[f'{mode}_nll']:.6f}",
                 f"{r[f'{mode}_tokens_per_sec']:.0f}",
@@ -105,4 +118,10 @@ def _print_table(r: dict) -> None:
             f"FlashNorm vs stock perplexity: {r['diff_rel']:+.3e} relative "
             f"({100 * r['diff_rel']:+.2g}%), largest per-token NLL difference "
             f"{r['max_token_nll_diff']:.3e}"
+        )
+    if r.get("diff_rel_ci95"):
+        lo, hi = r["diff_rel_ci95"]
+        console.print(
+            f"95% interval of the difference (over windows): {100 * lo:+.2f}% to "
+            f"{100 * hi:+.2f}%"
         )
