@@ -16,7 +16,7 @@ refused with `ContextOverflow`.
 """
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
@@ -103,6 +103,9 @@ class ChatSession:
     messages: List[dict] = field(default_factory=list, init=False)
     cache: list = field(default_factory=list, init=False)
     cache_ids: List[int] = field(default_factory=list, init=False)
+    # The last reply and the full prompt it answered, for /compare.
+    last_prompt_ids: List[int] = field(default_factory=list, init=False)
+    last_reply_ids: List[int] = field(default_factory=list, init=False)
 
     def __post_init__(self):
         if not _has_chat_template(self.tokenizer):
@@ -252,6 +255,7 @@ class ChatSession:
         reply = self.tokenizer.decode([t for t in reply_ids if t not in eos])
         if reply_ids:  # an interrupt before the first token leaves no trace
             self.messages = messages + [{"role": "assistant", "content": reply}]
+            self.last_prompt_ids, self.last_reply_ids = list(ids), list(reply_ids)
         return TurnStats(
             reply=reply,
             reply_ids=reply_ids,
@@ -280,3 +284,19 @@ def _has_chat_template(tokenizer) -> bool:
     if flag is not None:
         return bool(flag)
     return getattr(tokenizer, "chat_template", None) is not None
+
+
+def compare_decode_speed(
+    models: Dict[str, object], prompt_ids: List[int], n_tokens: int, sampler=None
+) -> Dict[str, dict]:
+    """Regenerate `n_tokens` (end-of-sequence ignored) from `prompt_ids` on each
+    model, each after a short untimed warm-up, timed as `bench` times a trial:
+    {name: bench.time_generation(...)}. Same prompt, count and sampler for all."""
+    from .bench import time_generation
+
+    prompt = mx.array(prompt_ids)
+    out = {}
+    for name, model in models.items():
+        time_generation(model, prompt[-8:], 2, sampler)  # compile, first-call costs
+        out[name] = time_generation(model, prompt, n_tokens, sampler)
+    return out

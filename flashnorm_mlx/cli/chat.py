@@ -9,7 +9,13 @@ import sys
 
 import mlx.core as mx
 
-from ..chat import ChatError, ChatSession, ContextOverflow, context_length
+from ..chat import (
+    ChatError,
+    ChatSession,
+    ContextOverflow,
+    compare_decode_speed,
+    context_length,
+)
 from ..loading import build_model, read_source
 from .common import (
     Parser,
@@ -24,6 +30,8 @@ from .common import (
 HELP = """\
 /help   show this help
 /reset  forget the conversation (the system prompt stays) and clear the KV cache
+/compare  regenerate the last reply with stock, flashnorm and nonorm on the same
+        weights and prompt; their decode tok/s side by side
 /quit   leave (also /exit, or Ctrl-D)
 Ctrl-C stops a reply; the partial reply stays in the conversation."""
 
@@ -134,8 +142,41 @@ def turn_notices(stats, requested_max_tokens: int, limit) -> list:
     return notes
 
 
-def run_chat(session: ChatSession, ui, max_tokens: int) -> int:
-    """The read-reply loop; returns the exit status."""
+class Comparer:
+    """/compare: the chat's model plus stock and nonorm built on the same source
+    and settings (once, on first use), timed on the last reply's prompt."""
+
+    VARIANTS = ("flashnorm", "stock", "nonorm")
+
+    def __init__(self, source, mode: str, model, kwargs: dict, sampler=None):
+        self.source, self.kwargs, self.sampler = source, kwargs, sampler
+        self.models = {mode: model}
+
+    def __call__(self, session: ChatSession) -> str:
+        n = len(session.last_reply_ids)
+        if n < 2:
+            return "(/compare needs a reply of 2 or more tokens first)"
+        for v in self.VARIANTS:
+            if v not in self.models:
+                self.models[v], _ = build_model(self.source, v, **self.kwargs)
+        models = {v: self.models[v] for v in self.VARIANTS}
+        r = compare_decode_speed(models, session.last_prompt_ids, n, self.sampler)
+        base = r["stock"]["decode_tps"]
+        cells = [
+            f"{v} {r[v]['decode_tps']:.1f}"
+            + (f" ({r[v]['decode_tps'] / base:.2f}x)" if v != "stock" else "")
+            for v in self.VARIANTS
+        ]
+        return (
+            f"decode tok/s, last reply regenerated ({n} tokens, end-of-sequence "
+            f"ignored, same {len(session.last_prompt_ids)}-token prompt and "
+            f"weights): " + " | ".join(cells)
+        )
+
+
+def run_chat(session: ChatSession, ui, max_tokens: int, compare=None) -> int:
+    """The read-reply loop; returns the exit status. compare(session) -> the
+    line /compare prints (None: /compare is not offered)."""
     while True:
         try:
             line = ui.read()
@@ -156,6 +197,12 @@ def run_chat(session: ChatSession, ui, max_tokens: int) -> int:
                 ui.notice("(conversation reset)")
             elif command == "/help":
                 ui.help()
+            elif command == "/compare" and compare is not None:
+                ui.notice("(regenerating the last reply with each variant ...)")
+                try:
+                    ui.notice(compare(session))
+                except KeyboardInterrupt:
+                    ui.notice("(comparison interrupted)")
             else:
                 ui.notice(f"unknown command {command}; /help lists the commands")
             continue
@@ -208,4 +255,6 @@ def main(argv=None):
             ("system", args.system_prompt or "(template default)"),
         ]
     )
-    return run_chat(session, ui, args.max_tokens)
+    sampler = session.sampler
+    compare = Comparer(source, args.mode, model, model_kwargs(args), sampler)
+    return run_chat(session, ui, args.max_tokens, compare)
