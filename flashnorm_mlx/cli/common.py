@@ -227,6 +227,8 @@ def run_main(fn):
         except KeyboardInterrupt:
             print("", file=sys.stderr)
             return 130
+        except SystemExit as e:  # argparse: --help (0) or a bad flag (2), printed
+            return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
 
     return wrapper
 
