@@ -1,11 +1,13 @@
-"""Read a llama.cpp GGUF file as a Hugging Face-style Llama checkpoint.
+"""Read a llama.cpp GGUF file as a Hugging Face-style Llama, Qwen2 or Qwen3 checkpoint.
 
 `mx.load(path, return_metadata=True)` gives the tensors (Q4_0/Q4_1/Q8_0 as MLX
 affine group-32 triples `.weight/.scales/.biases`, F32/F16 as plain arrays;
 K-quants come back already dequantized to float16) and the metadata. From them
 we build what `loading.Source` holds for a Hugging Face folder:
 - a config.json dict (plus `"quantization"` keyed by module path, as mlx-lm has),
-- weights under Hugging Face names, with llama.cpp's Q/K row permutation undone,
+- weights under Hugging Face names, with llama.cpp's Q/K row permutation undone
+  (Llama only: llama.cpp permutes Q/K rows for interleaved RoPE there, and
+  leaves Qwen's, which use the half-split layout, as they are),
 - a fast tokenizer from the GGUF vocabulary, wrapped for mlx-lm.
 """
 
@@ -37,6 +39,14 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's QK-norm
+    "attn_k_norm": "self_attn.k_norm",
+}
+# general.architecture -> the Hugging Face architectures entry (model_type = key).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 _SUFFIXES = ("weight", "scales", "biases", "bias")
 
@@ -88,20 +98,20 @@ def read_gguf(
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise LoadError(f"{path}: not a readable GGUF file ({msg})") from None
     arch = meta.get("general.architecture")
-    if arch != "llama":
+    if arch not in ARCHITECTURES:
         raise LoadError(
             f"{path}: GGUF architecture {arch!r} is not supported "
-            "(flashnorm-mlx reads llama GGUF files)"
+            f"(flashnorm-mlx reads {', '.join(ARCHITECTURES)} GGUF files)"
         )
     try:
-        config = gguf_config(meta, raw, path)
+        config = gguf_config(meta, raw, path, arch)
         weights = hf_weights(raw, config, path)
     except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
         # Metadata of the wrong kind (a string where a count belongs, ...).
         raise LoadError(f"{path}: unusable GGUF metadata ({_first_line(e)})") from None
-    quant = quantization(weights)
-    if quant:
-        config["quantization"] = quant
+    qblock = quantization(weights)
+    if qblock:
+        config["quantization"] = qblock
     tokenizer = None
     if load_tokenizer:
         try:
@@ -146,43 +156,42 @@ def _required(meta: dict, key: str, path: Path):
     return v
 
 
-def gguf_config(meta: dict, tensors: Dict[str, mx.array], path: Path) -> dict:
-    """A Hugging Face Llama config.json dict from `llama.*` metadata."""
-    if _value(meta, "llama.expert_count", 0):
-        raise LoadError(
-            f"{path}: mixture-of-experts llama GGUF files are not supported"
-        )
-    n_heads = int(_required(meta, "llama.attention.head_count", path))
-    n_kv = int(_value(meta, "llama.attention.head_count_kv", n_heads))
-    hidden = int(_required(meta, "llama.embedding_length", path))
-    head_dim = int(_value(meta, "llama.attention.key_length", 0) or hidden // n_heads)
-    v_dim = int(_value(meta, "llama.attention.value_length", head_dim))
-    rope_dim = int(_value(meta, "llama.rope.dimension_count", head_dim))
+def gguf_config(
+    meta: dict, tensors: Dict[str, mx.array], path: Path, arch: str = "llama"
+) -> dict:
+    """A Hugging Face config.json dict from `<arch>.*` metadata."""
+    a = arch
+    if _value(meta, f"{a}.expert_count", 0):
+        raise LoadError(f"{path}: mixture-of-experts GGUF files are not supported")
+    n_heads = int(_required(meta, f"{a}.attention.head_count", path))
+    n_kv = int(_value(meta, f"{a}.attention.head_count_kv", n_heads))
+    hidden = int(_required(meta, f"{a}.embedding_length", path))
+    head_dim = int(_value(meta, f"{a}.attention.key_length", 0) or hidden // n_heads)
+    v_dim = int(_value(meta, f"{a}.attention.value_length", head_dim))
+    rope_dim = int(_value(meta, f"{a}.rope.dimension_count", head_dim))
     if v_dim != head_dim or rope_dim != head_dim:
         raise LoadError(
             f"{path}: key/value/rope widths {head_dim}/{v_dim}/{rope_dim} differ; "
             "only full-width RoPE with equal key and value heads is supported"
         )
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = (
-        len(tokens) if isinstance(tokens, list) else _value(meta, "llama.vocab_size")
-    )
+    vocab = len(tokens) if isinstance(tokens, list) else _value(meta, f"{a}.vocab_size")
     if "token_embd.weight" in tensors:  # the embedding rows are what the model needs
         vocab = tensors["token_embd.weight"].shape[0]
     config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": arch,
+        "architectures": [ARCHITECTURES[arch]],
         "hidden_size": hidden,
-        "num_hidden_layers": int(_required(meta, "llama.block_count", path)),
-        "intermediate_size": int(_required(meta, "llama.feed_forward_length", path)),
+        "num_hidden_layers": int(_required(meta, f"{a}.block_count", path)),
+        "intermediate_size": int(_required(meta, f"{a}.feed_forward_length", path)),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
         "rms_norm_eps": _f32(
-            _required(meta, "llama.attention.layer_norm_rms_epsilon", path)
+            _required(meta, f"{a}.attention.layer_norm_rms_epsilon", path)
         ),
-        "rope_theta": _f32(_value(meta, "llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_value(meta, "llama.context_length", 2048)),
+        "rope_theta": _f32(_value(meta, f"{a}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_value(meta, f"{a}.context_length", 2048)),
         "vocab_size": int(vocab),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
@@ -192,18 +201,18 @@ def gguf_config(meta: dict, tensors: Dict[str, mx.array], path: Path) -> dict:
         tid = _value(meta, f"tokenizer.ggml.{name}_token_id")
         if tid is not None:
             config[key] = int(tid)
-    scaling = _rope_scaling(meta, tensors, config, path)
+    scaling = _rope_scaling(meta, tensors, config, path, a)
     if scaling:
         config["rope_scaling"] = scaling
     return config
 
 
 def _rope_scaling(
-    meta: dict, tensors: dict, config: dict, path: Path
+    meta: dict, tensors: dict, config: dict, path: Path, a: str = "llama"
 ) -> Optional[dict]:
-    kind = _value(meta, "llama.rope.scaling.type", "none")
-    factor = float(_value(meta, "llama.rope.scaling.factor", 0.0) or 0.0)
-    original = _value(meta, "llama.rope.scaling.original_context_length")
+    kind = _value(meta, f"{a}.rope.scaling.type", "none")
+    factor = float(_value(meta, f"{a}.rope.scaling.factor", 0.0) or 0.0)
+    original = _value(meta, f"{a}.rope.scaling.original_context_length")
     if "rope_freqs.weight" in tensors:
         return _llama3_scaling(tensors["rope_freqs.weight"], config, path)
     if kind in ("none", None) or factor in (0.0, 1.0):
@@ -296,11 +305,14 @@ def hf_weights(
             continue
         hf = hf_name(name)
         if hf is None:
-            raise LoadError(f"{path}: unexpected tensor {name!r} for a llama GGUF")
+            raise LoadError(
+                f"{path}: unexpected tensor {name!r} for a {config['model_type']} GGUF"
+            )
         _check_type(name, value, raw, path)
-        if ".self_attn.q_proj." in hf:
+        permuted = config["model_type"] == "llama"  # interleaved-RoPE rows
+        if permuted and ".self_attn.q_proj." in hf:
             value = unpermute_rows(value, config["num_attention_heads"])
-        elif ".self_attn.k_proj." in hf:
+        elif permuted and ".self_attn.k_proj." in hf:
             value = unpermute_rows(value, config["num_key_value_heads"])
         out[hf] = value
     missing = [k for k in _expected(config) if k not in out]
@@ -339,8 +351,13 @@ def _expected(config: dict) -> List[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config["tie_word_embeddings"]:
         names.append("lm_head.weight")
+    layer = [m for g, m in _LAYER_NAMES.items() if not g.endswith(("q_norm", "k_norm"))]
+    if config["model_type"] == "qwen3":
+        layer += ["self_attn.q_norm", "self_attn.k_norm"]
     for i in range(config["num_hidden_layers"]):
-        names += [f"model.layers.{i}.{m}.weight" for m in _LAYER_NAMES.values()]
+        names += [f"model.layers.{i}.{m}.weight" for m in layer]
+        if config["model_type"] == "qwen2":
+            names += [f"model.layers.{i}.self_attn.{n}_proj.bias" for n in "qkv"]
     return names
 
 

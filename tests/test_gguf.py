@@ -34,6 +34,8 @@ HF_TO_GGUF_LAYER = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 HF_TO_GGUF_GLOBAL = {
     "model.embed_tokens": "token_embd",
@@ -131,17 +133,20 @@ def llama3_rope_freqs(cfg: dict) -> np.ndarray:
 
 def write_tiny_gguf(path: Path, cfg: dict, weights: dict, **meta_kw) -> Path:
     tensors = {}
+    # llama.cpp permutes Q/K rows for Llama only (Qwen keeps the half-split rows).
+    permute = cfg.get("model_type", "llama") == "llama"
     for k, v in weights.items():
         if "rotary_emb" in k:
             continue
-        if ".q_proj." in k:
+        if permute and ".q_proj." in k:
             v = llama_cpp_permute(v, cfg["num_attention_heads"])
-        elif ".k_proj." in k:
+        elif permute and ".k_proj." in k:
             v = llama_cpp_permute(v, cfg["num_key_value_heads"])
         tensors[_gguf_name(k)] = mx.array(v)
     if (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = mx.array(llama3_rope_freqs(cfg))
-    mx.save_gguf(str(path), tensors, tiny_metadata(cfg, **meta_kw))
+    arch = cfg.get("model_type", "llama")
+    mx.save_gguf(str(path), tensors, tiny_metadata(cfg, arch=arch, **meta_kw))
     return path
 
 
@@ -458,3 +463,24 @@ def test_real_chat_template_ids_match_independent_derivation(smollm2):
     assert ids.count(tokens.index("<|im_start|>")) == 5, ids
     assert ids.count(tokens.index("<|im_end|>")) == 4, ids
     assert tok.decode(ids) == rendered
+
+
+@pytest.mark.parametrize("name", list(tiny.QWEN_CONFIGS))
+def test_tiny_qwen_gguf_reads_back_and_runs_as_the_hf_checkpoint(tmp_path, name):
+    """Qwen2 (q/k/v biases) and Qwen3 (QK-norm) GGUF files: the same tensors as
+    the Hugging Face folder, and FlashNorm on the GGUF matches stock on the folder."""
+    cfg = tiny.qwen_config(name)
+    folder = tiny.make_qwen(tmp_path / "hf", name, seed=2)
+    hf = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    gguf = write_tiny_gguf(tmp_path / f"{name}.gguf", cfg, hf)
+    config, weights, _ = read_gguf(gguf)
+    assert config["model_type"] == cfg["model_type"], config
+    expected = {k: v for k, v in hf.items() if "rotary_emb" not in k}
+    assert sorted(weights) == sorted(expected)
+    for k, v in expected.items():
+        assert np.array_equal(np.array(weights[k]), v), f"{k} differs after reading"
+    ids = mx.array([[5, 77, 200, 3, 9, 120]])
+    ref, _ = build_model(read_source(str(folder)), "stock", dtype=mx.float32)
+    got, _ = build_model(read_source(str(gguf)), "flashnorm", dtype=mx.float32)
+    rel = (mx.abs(ref(ids) - got(ids)).max() / mx.abs(ref(ids)).max()).item()
+    assert rel < tiny.f32_tol(), f"{name}: FlashNorm on the GGUF vs stock: {rel:.3e}"
