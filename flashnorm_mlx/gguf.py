@@ -419,16 +419,32 @@ def build_fast_tokenizer(meta: dict, path: Path):
     """A `tokenizers.Tokenizer` equal to llama.cpp's for a "gpt2" (byte-level BPE)
     GGUF vocabulary: BPE over tokens and merges, llama.cpp's pre-tokenizer regexes,
     control tokens (token_type 3) as special tokens, BOS/EOS added as the file says."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+    regexes, ignore_merges, add_bos_default = _pre_tokenizer(meta, path)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not isinstance(tokens, list) or not isinstance(merges, list):
+        raise LoadError(f"{path}: GGUF metadata has no tokenizer tokens or merges")
+    # A duplicate token keeps its last id, as in llama.cpp.
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bpe = models.BPE(
+        vocab, pairs, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges
+    )
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    _add_special_tokens(tok, tokens, _value(meta, "tokenizer.ggml.token_type"))
+    _add_bos_eos(tok, tokens, meta, add_bos_default)
+    return tok
+
+
+def _pre_tokenizer(meta: dict, path: Path):
+    """(regexes, ignore_merges, add_bos default) of the file's pre-tokenizer."""
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise LoadError(
@@ -441,32 +457,14 @@ def build_fast_tokenizer(meta: dict, path: Path):
             f"{path}: GGUF pre-tokenizer {pre!r} is not supported "
             f"(known: {', '.join(sorted(PRE_TOKENIZERS))})"
         )
-    regexes, ignore_merges, add_bos_default = PRE_TOKENIZERS[pre]
-    tokens = meta.get("tokenizer.ggml.tokens")
-    merges = meta.get("tokenizer.ggml.merges")
-    if not isinstance(tokens, list) or not isinstance(merges, list):
-        raise LoadError(f"{path}: GGUF metadata has no tokenizer tokens or merges")
-    types = _value(meta, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    return PRE_TOKENIZERS[pre]
 
-    vocab = {
-        t: i for i, t in enumerate(tokens)
-    }  # a duplicate keeps its last id, as in llama.cpp
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(
-        models.BPE(
-            vocab,
-            pairs,
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=ignore_merges,
-        )
-    )
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
-    tok.decoder = decoders.ByteLevel()
 
+def _add_special_tokens(tok, tokens: List[str], types: Optional[List[int]]) -> None:
+    """Control tokens as special tokens, user-defined ones as added tokens."""
+    from tokenizers import AddedToken
+
+    types = types or [1] * len(tokens)
     special = [tokens[i] for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL]
     user = [tokens[i] for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED]
     tok.add_special_tokens(
@@ -474,6 +472,11 @@ def build_fast_tokenizer(meta: dict, path: Path):
     )
     if user:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+
+def _add_bos_eos(tok, tokens: List[str], meta: dict, add_bos_default: bool) -> None:
+    """BOS/EOS around every encoding where the file (or its pre-tokenizer) says."""
+    from tokenizers import processors
 
     bos_id = _value(meta, "tokenizer.ggml.bos_token_id")
     eos_id = _value(meta, "tokenizer.ggml.eos_token_id")
@@ -492,4 +495,3 @@ def build_fast_tokenizer(meta: dict, path: Path):
             pair=f"{single} $B:1",
             special_tokens=list(dict.fromkeys(marks)),
         )
-    return tok
