@@ -11,6 +11,7 @@ COMMANDS = {
     "bench": ("bench", "tokens/sec of stock vs FlashNorm vs the norm-removed bound"),
     "convert": ("convert", "write a folded (optionally quantized) checkpoint"),
     "perplexity": ("perplexity", "perplexity of stock vs FlashNorm on real text"),
+    "serve": ("serve", "an OpenAI-compatible HTTP server (chat, completions)"),
 }
 
 

@@ -1,0 +1,112 @@
+"""`flashnorm-mlx serve [MODEL]`: an OpenAI-compatible HTTP server (serve.py)."""
+
+import argparse
+import sys
+
+from ..loading import build_model, read_source
+from ..serve import ApiServer, Service, Settings, bind_warning, run_until_signal
+from ..source import default_model_path
+from .common import (
+    Parser,
+    UserError,
+    add_model_args,
+    add_sampling_args,
+    model_kwargs,
+    need_tokenizer,
+    run_main,
+)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="flashnorm-mlx serve",
+        description="Serve a model over an OpenAI-compatible HTTP API: "
+        "/v1/chat/completions, /v1/completions, /v1/models, /health.",
+    )
+    add_model_args(p, exact_default=True)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (0.0.0.0: every interface, with a warning)",
+    )
+    p.add_argument(
+        "--port", type=int, default=8080, help="port to listen on (0: any free one)"
+    )
+    # Request defaults, for requests that do not set them.
+    add_sampling_args(p, max_tokens=512)
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="longest prompt + reply in tokens (default: the model's, from its "
+        "config); longer requests get a 400",
+    )
+    p.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=512,
+        help="prompt tokens per turn; other requests get turns between chunks",
+    )
+    p.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=10,
+        help="conversations whose KV caches are kept for their next turn",
+    )
+    p.add_argument(
+        "--decode-concurrency",
+        type=int,
+        default=32,
+        help="requests generating at once (round-robin); more wait in a queue",
+    )
+    return p
+
+
+@run_main
+def main(argv=None):
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be from 0 to 65535, not {args.port}")
+    for flag in ("prompt_cache_size", "decode_concurrency"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    # Bind first: a port in use is one line before a long model load.
+    try:
+        server = ApiServer(args.host, args.port)
+    except (OSError, OverflowError) as e:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {e}") from None
+
+    def build():
+        source = read_source(args.model, tokenizer=args.tokenizer)
+        tokenizer = need_tokenizer(source.tokenizer, source.name)
+        model, config = build_model(source, args.mode, **model_kwargs(args))
+        return model, tokenizer, config
+
+    try:
+        settings = Settings(
+            max_tokens=args.max_tokens,
+            temp=args.temp,
+            top_p=args.top_p,
+            seed=args.seed,
+            prefill_step_size=args.prefill_step_size,
+            prompt_cache_size=args.prompt_cache_size,
+            decode_concurrency=args.decode_concurrency,
+            max_context=args.max_context,
+        )
+        model_id = args.model or default_model_path().stem
+        server.attach(Service(build, model_id, args.mode, settings))
+    except BaseException:
+        server.server_close()
+        raise
+    warning = bind_warning(args.host)
+    if warning:
+        print(f"flashnorm-mlx serve: {warning}", file=sys.stderr, flush=True)
+    print(
+        f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
+        f"{server.url}/v1 (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
+    run_until_signal(server)
+    return 0
