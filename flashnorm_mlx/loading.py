@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import fold, models, nonorm, quant
+from . import distributed, fold, models, nonorm, quant
 from .errors import LoadError
 from .source import Source, read_source
 
@@ -29,23 +29,33 @@ def build_model(
     quantize: Optional[Tuple[int, int]] = None,
     dequantize: bool = False,
     notes: Optional[List[str]] = None,
+    group: Optional[mx.distributed.Group] = None,
 ) -> Tuple[nn.Module, dict]:
     """Build the `mode` model on `source`'s weights; returns (model, its config).
 
     quantize=(bits, group_size): quantize a float source after folding;
     dequantize: keep a quantized source's function in float (see quant.py).
     `notes` collects a line for the user where the weights were not taken as
-    the obvious reading of the flags would suggest.
+    the obvious reading of the flags would suggest. `group`: split the model
+    over it (distributed.shard_model) before its weights are evaluated, layer
+    by layer, so a rank holds its own shard and one layer's full tensors at a
+    time (ShardError where it cannot be split).
     """
     if mode not in MODES:
         raise LoadError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    source_weights = source.weights if group is None else _own_handles(source)
     plan = quant.plan_weights(
-        source.weights, source.config, dtype, quantize, dequantize
+        source_weights, source.config, dtype, quantize, dequantize
     )
+    del source_weights
     if plan.note and notes is not None:
         notes.append(plan.note)
     if mode == "nonorm":  # the norm-removed speed bound, for `bench`
-        return nonorm.build_nonorm(plan)
+        model, config = nonorm.build_nonorm(plan)  # calibrated whole, then split
+        if group is not None:
+            distributed.shard_model(model, group, source.name)
+            mx.eval(model.parameters())
+        return model, config
     weights, config = plan.weights, plan.config
     if fold.is_folded(config):
         # Folded already (by `convert`): stock runs it with unit gains restored.
@@ -55,15 +65,40 @@ def build_model(
         weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
         weights, config = fold.fold_norms(weights, config)
     weights = fold.map_floats(weights, lambda v: v.astype(plan.dtype))
+    qspec, stored_quantized = plan.qspec, plan.stored_quantized
+    del plan  # from here the model alone holds the (lazy) weights
     try:
-        model = models.instantiate(config, weights, mode, plan.stored_quantized)
+        model = models.instantiate(config, weights, mode, stored_quantized)
     except (ValueError, KeyError) as e:  # weights or config that do not fit
         # mlx-lm lists missing parameters on lines of their own: keep one line.
         raise LoadError(f"{source.name}: {' '.join(str(e).split())}") from None
-    if plan.qspec:
-        config = quant.apply_qspec(model, plan.qspec, config)
+    del weights
+    if qspec:
+        config = quant.apply_qspec(model, qspec, config)
+    if group is not None:  # quantized first: mlx shards QuantizedLinear as is
+        distributed.shard_model(model, group, source.name)
+        for layer in model.layers:  # each layer's full tensors freed once cut
+            mx.eval(layer.parameters())
     mx.eval(model.parameters())
     return model, config
+
+
+def _own_handles(source: Source) -> dict:
+    """The weights of a folder source opened again, lazily, for one build alone:
+    the full tensors a rank reads to cut its shard are then freed once cut,
+    where `source`'s own (shared) handles would keep them. Anything else (GGUF,
+    which mx.load reads whole; weights not as the files hold them): `source`'s."""
+    if source.folder is None:
+        return source.weights
+    try:
+        fresh = read_source(str(source.folder), need_tokenizer=False).weights
+    except LoadError:
+        return source.weights
+    same = fresh.keys() == source.weights.keys() and all(
+        (fresh[k].shape, fresh[k].dtype) == (v.shape, v.dtype)
+        for k, v in source.weights.items()
+    )
+    return fresh if same else source.weights
 
 
 def load(

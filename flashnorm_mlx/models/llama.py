@@ -24,7 +24,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.llama import ModelArgs  # the config is stock's, field for field
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .. import kernels
+from .. import distributed, kernels
 from ..arch import Architecture, NormPair
 
 ARCH = Architecture(
@@ -93,6 +93,22 @@ class Attention(nn.Module):
         B, L, _ = xs.shape
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
+    def shard(self, group):
+        """Whole heads per rank: q|k|v rows (three unequal segments under GQA) and
+        their bias split N ways, o_proj's columns split and its output all-summed.
+        The epilogue then just sees fewer heads; h, the scale, RoPE and QK-norm
+        gains (per head_dim) stay whole."""
+        size = group.size()
+        distributed.check_heads(self.n_heads, self.n_kv_heads, size)
+        h = self.head_dim
+        qkv = [self.n_heads * h, (self.n_heads + self.n_kv_heads) * h]
+        self.qkv_proj = distributed.all_to_sharded(self.qkv_proj, group, qkv, "qkv")
+        if "qkv_bias" in self:
+            distributed.shard_vector(self, "qkv_bias", qkv, group)
+        self.o_proj = distributed.sharded_to_all(self.o_proj, group, "o_proj")
+        self.n_heads //= size
+        self.n_kv_heads //= size
+
     def epilogue(self, qkv, ms, offset):
         """(q', k', v') in (B, H, L, h) from the (B, L, (Hq+2Hkv)h) matmul output."""
         bias = self.qkv_bias if "qkv_bias" in self else None
@@ -147,6 +163,16 @@ class MLP(nn.Module):
             gate, up = mx.split((gu * s).astype(gu.dtype) + self.gate_up_bias, 2, -1)
             return self.down_proj(nn.silu(gate) * up), None
         return self.down_proj(kernels.deferred_glu(gu, ms)), ms
+
+    def shard(self, group):
+        """gate|up rows (and their bias) split N ways, down_proj all-summed."""
+        half = [self.gate_up_proj.weight.shape[0] // 2]
+        self.gate_up_proj = distributed.all_to_sharded(
+            self.gate_up_proj, group, half, "gate_up_proj"
+        )
+        if "gate_up_bias" in self:
+            distributed.shard_vector(self, "gate_up_bias", half, group)
+        self.down_proj = distributed.sharded_to_all(self.down_proj, group, "down_proj")
 
 
 class TransformerBlock(nn.Module):
@@ -253,6 +279,15 @@ class Model(nn.Module):
                 f"{p}.mlp.gate_up_bias",
             )
         return weights
+
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """Tensor parallelism as mlx-lm's Llama shards (`mlx_lm.utils.sharded_load`
+        calls it): each block's attention and MLP split over `group`; embedding,
+        head and the residual stream stay whole on every rank."""
+        group = group or mx.distributed.init()
+        for layer in self.layers:
+            layer.self_attn.shard(group)
+            layer.mlp.shard(group)
 
     @property
     def layers(self):

@@ -21,6 +21,7 @@ last block's residual is the final norm.
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import (
     BaseModelArgs,
@@ -30,7 +31,7 @@ from mlx_lm.models.base import (
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.openelm import make_divisible
 
-from .. import kernels
+from .. import distributed, kernels
 from ..arch import Architecture, NormPair
 from .qk_norm import QKNorm, QKNormGains
 
@@ -214,6 +215,12 @@ class Model(nn.Module):
         if self.args.share_input_output_layers:
             weights.pop("lm_head.weight", None)
         return weights
+
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        """Tensor parallelism the mlx-lm way: per layer, q|k|v and gate|up rows
+        split N ways (whole heads), out_proj and proj_2 all-summed. mlx-lm's own
+        OpenELM has the same layout, so both use one function."""
+        distributed.shard_openelm_layers(self.layers, group or mx.distributed.init())
 
     @property
     def layers(self):
