@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import dispatch, fold
+from . import dispatch, distributed, fold
 from .loading import LoadError, Source, build_model, model_dtype, weight_bytes
 from .models import model_classes
 from .nonorm import rms_norm_paths
@@ -311,6 +311,7 @@ class _Steps:
         self.progress, self.total, self.done = progress, total, 0
 
     def __call__(self, desc: str) -> None:
+        distributed.kick()  # progress: the other ranks are alive
         if self.progress:
             self.progress(desc, self.done, self.total)
         self.done += 1
@@ -419,12 +420,14 @@ def run_bench(
     prefill_step_size: int = 2048,
     sampler=None,
     progress: Optional[Progress] = None,
+    group: Optional[mx.distributed.Group] = None,
 ) -> dict:
     """Build every variant from `source`, warm each up, time `trials` rounds.
 
     Returns {"settings", "device", "versions", "source", "variants" (per-variant
     summary), "ratios" (to stock), "headroom", "trials" (every timed run)}.
     sampler: mlx-lm sampler (default greedy); generation never stops early.
+    group: every variant tensor-parallel over it (each rank runs this, in step).
     """
     variants = list(variants)
     validate(variants, prompt_tokens, gen_tokens, trials)
@@ -433,14 +436,18 @@ def run_bench(
     checksum = weights_checksum(source.weights)
     checksum_s = time.perf_counter() - t0
     prompt = mx.array(prompt_ids(source.config, prompt_tokens, seed))
-    built = dict(dtype=dtype, quantize=quantize, dequantize=dequantize)
+    built = dict(dtype=dtype, quantize=quantize, dequantize=dequantize, group=group)
     models, info = _build_variants(source, variants, built, step)
+    distributed.barrier("building")  # a launch's ranks start timing together
     timing = dict(sampler=sampler, prefill_step_size=prefill_step_size)
-    for v in variants:
-        step(f"warm-up {v}")
-        warm = time_generation(models[v], prompt, gen_tokens, **timing)
-        info[v].update(check_logits(models[v], prompt.tolist() + warm["tokens"]))
-    records = _timed_rounds(models, variants, prompt, gen_tokens, trials, timing, step)
+    with distributed.watch("benchmarking"):  # each step kicks it
+        for v in variants:
+            step(f"warm-up {v}")
+            warm = time_generation(models[v], prompt, gen_tokens, **timing)
+            info[v].update(check_logits(models[v], prompt.tolist() + warm["tokens"]))
+        records = _timed_rounds(
+            models, variants, prompt, gen_tokens, trials, timing, step
+        )
     step.finish()
 
     summary = {v: _summarize(info[v], records, v) for v in variants}
@@ -463,6 +470,8 @@ def run_bench(
             "trials": trials,
             "seed": seed,
             "prefill_step_size": prefill_step_size,
+            "world_size": group.size() if group else 1,
+            "parallel": distributed.describe(group) if group else None,
             "dtype": str(dtype).replace("mlx.core.", "") if dtype else None,
             "quantize": list(quantize) if quantize else None,
             "dequantize": dequantize,

@@ -6,9 +6,18 @@ import os
 import tempfile
 from pathlib import Path
 
+from .. import distributed
 from ..bench import VARIANTS, run_bench, validate
 from ..loading import read_source
-from .common import Parser, StageLog, UserError, add_model_args, model_kwargs, run_main
+from .common import (
+    Parser,
+    StageLog,
+    UserError,
+    add_model_args,
+    join_launch,
+    model_kwargs,
+    run_main,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -130,7 +139,11 @@ def render(result: dict, console) -> None:
         f"(embedding table counted only when tied)"
     )
     d, ver = result["device"], result["versions"]
-    console.print(f"device: {d['name']}; mlx {ver['mlx']}, mlx-lm {ver['mlx_lm']}")
+    parallel = st.get("parallel")
+    console.print(
+        f"device: {d['name']}{f', {parallel}' if parallel else ''}; "
+        f"mlx {ver['mlx']}, mlx-lm {ver['mlx_lm']}"
+    )
     for note in result["notes"]:
         console.print(f"[yellow]note: {escape(note)}[/yellow]")
 
@@ -150,6 +163,7 @@ def main(argv=None):
         raise UserError(
             f"--json: no such folder: {Path(args.json).expanduser().parent}"
         )
+    join_launch(args, sampling=False)  # mlx.launch with several ranks: tensor parallel
     source = read_source(args.model, need_tokenizer=False)
 
     err = Console(stderr=True)
@@ -182,7 +196,7 @@ def main(argv=None):
             progress=progress,
             **model_kwargs(args),
         )
-    if args.json:
+    if args.json and distributed.is_main_rank():  # one writer per launch
         write_json(args.json, result)
     out = Console()
     if not out.is_terminal:  # piped or redirected: don't wrap the table at 80

@@ -9,6 +9,7 @@ import sys
 
 import mlx.core as mx
 
+from .. import distributed
 from ..chat import (
     ChatError,
     ChatSession,
@@ -22,6 +23,7 @@ from .common import (
     UserError,
     add_model_args,
     add_sampling_args,
+    join_launch,
     model_kwargs,
     need_tokenizer,
     run_main,
@@ -207,7 +209,8 @@ def run_chat(session: ChatSession, ui, max_tokens: int, compare=None) -> int:
                 ui.notice(f"unknown command {command}; /help lists the commands")
             continue
         try:
-            stats = session.send(line, on_text=ui.text)
+            with distributed.watch("generating a reply"):  # no-op in one process
+                stats = session.send(line, on_text=distributed.kicking(ui.text))
         except ContextOverflow as e:
             ui.notice(str(e))
             continue
@@ -228,11 +231,13 @@ def main(argv=None):
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    if args.seed is not None:
-        mx.random.seed(args.seed)
+    join_launch(args)  # mlx.launch with several ranks: tensor parallel
     source = read_source(args.model, tokenizer=args.tokenizer)
     tokenizer = need_tokenizer(source.tokenizer, source.name)
     model, config = build_model(source, args.mode, **model_kwargs(args))
+    distributed.announce()
+    if args.seed is not None:  # after the build: a sharded build draws random
+        mx.random.seed(args.seed)  # init weights, so the seed governs sampling alone
     limit = args.max_context or context_length(config)
     try:
         session = ChatSession(

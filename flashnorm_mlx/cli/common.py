@@ -7,6 +7,7 @@ import sys
 import time
 from typing import Optional
 
+from .. import distributed
 from ..fold import FoldError
 from ..loading import DTYPES, LoadError
 
@@ -184,11 +185,31 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def model_kwargs(args) -> dict:
+    launch = distributed.current()
+    if launch is None and distributed.launch_backend():
+        # N copies of the whole job (convert: N writers of one folder) help nobody.
+        raise UserError(
+            "started by mlx.launch with several ranks: only generate, chat and "
+            "bench run tensor-parallel; run this command in one process"
+        )
     return dict(
         dtype=DTYPES[args.dtype] if args.dtype else None,
         quantize=(args.q_bits, args.q_group_size) if args.quantize else None,
         dequantize=args.dequantize,
+        **({"group": launch.group} if launch else {}),
     )
+
+
+def join_launch(args, sampling: bool = True):
+    """Started by mlx.launch with several ranks: join its group (a bounded wait),
+    print on rank 0 only and, for sampling, share rank 0's seed so every rank
+    draws the same tokens. None in one process."""
+    launch = distributed.join()
+    if launch is not None:
+        distributed.quiet_other_ranks()
+        if sampling:
+            args.seed = distributed.shared_seed(args.seed)
+    return launch
 
 
 class StageLog:
@@ -199,7 +220,9 @@ class StageLog:
 
     def __init__(self, command: str, enabled: Optional[bool] = None):
         self.prefix = f"flashnorm-mlx {command}:"
-        self.enabled = not sys.stderr.isatty() if enabled is None else enabled
+        if enabled is None:  # one log for a tensor-parallel launch: rank 0's
+            enabled = not sys.stderr.isatty() and distributed.is_main_rank()
+        self.enabled = enabled
         self.start = self.last = time.perf_counter()
 
     def __call__(self, what: str) -> None:
@@ -222,7 +245,14 @@ def run_main(fn):
         try:
             return fn(argv)
         except (LoadError, FoldError, UserError) as e:
-            print(f"flashnorm-mlx: error: {e}", file=sys.stderr)
+            rank = distributed.rank_prefix()  # "rank 1: " off rank 0 of a launch
+            print(f"flashnorm-mlx: error: {rank}{e}", file=sys.stderr)
+            return 1
+        except RuntimeError as e:  # a collective failed: a peer exited
+            if not distributed.is_collective_error(e):
+                raise
+            rank, why = distributed.rank_prefix(), distributed.lost_peer_message(e)
+            print(f"flashnorm-mlx: error: {rank}{why}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print("", file=sys.stderr)

@@ -5,12 +5,14 @@ import sys
 
 import mlx.core as mx
 
+from .. import distributed
 from ..loading import build_model, read_source
 from .common import (
     Parser,
     UserError,
     add_model_args,
     add_sampling_args,
+    join_launch,
     model_kwargs,
     need_tokenizer,
     run_main,
@@ -60,18 +62,21 @@ def main(argv=None):
     )
     if not prompt.strip():  # the model would answer an empty message
         raise UserError("the prompt is empty (-p TEXT, or -p - to read stdin)")
-    if args.seed is not None:
-        mx.random.seed(args.seed)
+    join_launch(args)  # mlx.launch with several ranks: tensor parallel
     source = read_source(args.model, tokenizer=args.tokenizer)
     tokenizer = need_tokenizer(source.tokenizer, source.name)
     model, _ = build_model(source, args.mode, **model_kwargs(args))
+    distributed.announce()
+    if args.seed is not None:  # after the build: a sharded build draws random
+        mx.random.seed(args.seed)  # init weights, so the seed governs sampling alone
 
     ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
     sampler = make_sampler(args.temp, args.top_p)
     last = None
-    for last in stream_generate(
+    responses = stream_generate(
         model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler
-    ):
+    )
+    for last in distributed.watched(responses, "generating"):
         print(last.text, end="", flush=True)
     print()
     print("=" * 10)
