@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import mlx.core as mx
 
 from . import fold, gptq, quant
+from .progress import progress_bar
 from .errors import LoadError
 from .source import Source, read_source, resolve
 
@@ -224,27 +225,6 @@ def layer_groups(keys: List[str]) -> List[Tuple[str, List[str]]]:
 # --- writing -----------------------------------------------------------------
 
 
-def _progress(enabled: bool, stage: str = "folding"):
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
-    return Progress(
-        TextColumn(f"[bold]{stage}[/] {{task.description}}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-        transient=True,
-    )
-
-
 def _write_weights(
     dst: Path, weights: Weights, config: dict, max_shard_gb: int
 ) -> List[str]:
@@ -358,7 +338,9 @@ def convert(
     recipe = Recipe(weights, source.config, quantize, dtype, dequantize, compat)
     del weights
     if q_method == "gptq" and recipe.qspec:
-        with _progress(progress, "calibrating GPTQ on") as bar:
+        with progress_bar(
+            progress, "[bold]calibrating GPTQ on[/] {task.description}"
+        ) as bar:
             task = bar.add_task("text windows", total=calibration.num_seqs)
             recipe.calibrate(
                 source.tokenizer, calibration, lambda n: bar.advance(task, n)
@@ -461,7 +443,7 @@ def _compute(
     done: Weights = {}
     modules = set(recipe.modules)
     groups = layer_groups(recipe.order)
-    with _progress(progress) as bar:
+    with progress_bar(progress, "[bold]folding[/] {task.description}") as bar:
         task = bar.add_task("", total=len(groups))
         for i, (name, keys) in enumerate(groups):
             bar.update(task, description=name)

@@ -17,6 +17,7 @@ import numpy as np
 from mlx_lm.utils import compute_bits_per_weight
 
 from . import gptq, quant
+from .progress import progress_bar
 from .loading import LoadError, Source, build_model, model_dtype
 from .texts import calibration_text, default_text  # noqa: F401 (public here too)
 
@@ -124,7 +125,7 @@ def perplexity(
         "tokens_scored": int(data.shape[0] * (seq_len - 1)),
     }
     nll: Dict[str, np.ndarray] = {}
-    with _progress(progress) as bar:
+    with progress_bar(progress, "[bold]{task.description}[/] windows") as bar:
         for mode in modes:
             if mode == "flashnorm" and q_method == "gptq":
                 model, config = _gptq_flashnorm(source, kw, calibration, bar)
@@ -192,20 +193,6 @@ def _gptq_flashnorm(source: Source, kw: dict, calibration, bar):
     gptq.quantize_model(model, plan.config, hess, plan.qspec, lambda: bar.advance(task))
     mx.eval(model.parameters())
     return model, quant.with_quantization(config, plan.qspec)
-
-
-def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    return Progress(
-        TextColumn("[bold]{task.description}[/] windows"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-        transient=True,
-    )
 
 
 def _quant_name(config: dict) -> Optional[str]:

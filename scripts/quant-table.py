@@ -4,7 +4,9 @@ Embedded SmolLM2-135M-Instruct, offline text (texts.default_text, ~4.3k tokens
 scored), float32 compute. Rows: the float model (dequantized Q4_1), stock
 mlx-lm's round-to-nearest (RTN), FlashNorm RTN, FlashNorm GPTQ (the default of
 `convert -q` and `perplexity -q`), at group 32 (the source's own settings,
-requantized) and group 64. Usage: python scripts/quant-table.py [OUT.json]
+requantized) and group 64. On a 2-core CPU each row takes 10-25 minutes.
+Usage: python scripts/quant-table.py [OUT.json] [ROW ...]  (rows: float32,
+g64-gptq, g32-gptq, g64-rtn, g32-rtn; default all, in that order)
 """
 
 import json
@@ -31,13 +33,20 @@ def main():
         print(label, json.dumps(r), flush=True)
         return r
 
-    run("float32", dequantize=True, modes=["stock", "flashnorm"])
-    for group, q in ((64, dict(dequantize=True, quantize=(4, 64))), (32, {})):
-        run(f"g{group} stock-rtn vs flashnorm-gptq", q_method="gptq", **q)
-        run(f"g{group} flashnorm-rtn", q_method="rtn", modes=["flashnorm"], **q)
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(rows, f, indent=1)
+    g64, g32 = dict(dequantize=True, quantize=(4, 64)), {}  # g32: the source's
+    plan = {
+        "float32": dict(dequantize=True, modes=["stock", "flashnorm"]),
+        # stock mlx-lm RTN vs FlashNorm GPTQ, one run so the interval is paired
+        "g64-gptq": dict(q_method="gptq", **g64),
+        "g32-gptq": dict(q_method="gptq", **g32),
+        "g64-rtn": dict(q_method="rtn", modes=["flashnorm"], **g64),
+        "g32-rtn": dict(q_method="rtn", modes=["flashnorm"], **g32),
+    }
+    for label in sys.argv[2:] or plan:
+        run(label, **plan[label])
+        if len(sys.argv) > 1:
+            with open(sys.argv[1], "w") as f:
+                json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
