@@ -240,6 +240,18 @@ class Service:
         self._seeds = random.Random(settings.seed)
         self._seeds_lock = threading.Lock()
         self.worker = Worker(build, settings, self.tokenizer_lock)
+        self.in_flight = 0  # completion requests being answered
+        self.idle = threading.Condition()
+
+    def track(self, delta: int) -> None:
+        with self.idle:
+            self.in_flight += delta
+            self.idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> None:
+        """Let answers in flight (errors, after a stop) reach their clients."""
+        with self.idle:
+            self.idle.wait_for(lambda: self.in_flight == 0, timeout)
 
     def start(self) -> None:
         """Build the model on the generation thread; its errors raise here."""
@@ -249,6 +261,7 @@ class Service:
         w.thread.start()
         w.ready.wait()
         if w.build_error is not None:
+            w.thread.join()
             raise w.build_error
         self.tokenizer = w.tokenizer
         if self.settings.max_context is None:
@@ -268,8 +281,7 @@ class Service:
         name = (
             "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         )
-        at_least_1 = lambda v: v >= 1  # noqa: E731
-        max_tokens = _field(body, name, _is_int, "an integer >= 1", at_least_1)
+        max_tokens = _field(body, name, _is_int, "an integer >= 1", lambda v: v >= 1)
         temp = _field(
             body,
             "temperature",
@@ -409,15 +421,17 @@ class StopText:
             end = min(hits)
             out, self.text, self.sent = self.text[self.sent : end], self.text[:end], end
             return out, True
-        hold = 0
-        for k in range(
-            min(len(self.text) - self.sent, max(map(len, self.stops), default=1) - 1),
+        # The longest tail of the text that is the start of some stop string.
+        longest = max(map(len, self.stops), default=0)
+        tail = self.text[max(self.sent, len(self.text) - longest + 1) :]
+        hold = next(
+            (
+                len(tail) - i
+                for i in range(len(tail))
+                if any(s.startswith(tail[i:]) for s in self.stops)
+            ),
             0,
-            -1,
-        ):
-            if any(s.startswith(self.text[-k:]) for s in self.stops):
-                hold = k
-                break
+        )
         end = len(self.text) - hold
         out, self.sent = self.text[self.sent : end], end
         return out, False
@@ -484,11 +498,15 @@ class Worker:
             self.model, self.tokenizer, self.config = self.build()
         except BaseException as e:  # handed to Service.start on the main thread
             self.build_error = e
-            return
-        finally:
+        if self.build_error is None:
             self.ready.set()
-        self._run()
-        self.model = None  # freed on the thread that made it, as mlx_lm.server does
+            self._run()
+        self.model = self.pool = None  # freed on the thread that made them
+        # MLX wants a thread's streams destroyed before it ends, or the process
+        # may abort at exit ("terminate called without an active exception").
+        mx.synchronize()
+        mx.clear_streams()
+        self.ready.set()  # after a failed build: once this thread is done with MLX
 
     def _run(self):
         from mlx_lm.models.cache import LRUPromptCache
@@ -710,7 +728,7 @@ class Handler(BaseHTTPRequestHandler):
             handle()
         except RequestError as e:
             self._send_json(e.status, e.body())
-        except (_ClientGone, BrokenPipeError, ConnectionResetError):
+        except (_ClientGone, OSError):  # the client left, reset or stalled
             self.close_connection = True
         except Exception as e:  # a bug answering one request: log it, answer 500
             _log(f"internal error: {e}\n{traceback.format_exc()}")
@@ -789,6 +807,7 @@ class Handler(BaseHTTPRequestHandler):
         body = self._read_json()
         job = self.service.parse(kind, body)
         self.service.worker.submit(job)
+        self.service.track(+1)
         try:
             if job.stream:
                 self._stream(job)
@@ -796,6 +815,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._answer(job)
         finally:
             job.cancelled.set()  # a no-op when finished; stops it when the client left
+            self.service.track(-1)
 
     def _next_event(self, job: Job):
         """The job's next event; notices a dead worker or a client that left."""
@@ -950,7 +970,9 @@ def run_until_signal(server: ApiServer) -> None:
         server.serve_forever(poll_interval=0.2)
     finally:
         server.service.worker.close()
+        server.service.wait_idle(5.0)
         server.server_close()
+        mx.clear_streams()  # this thread's too (mlx_lm's generation stream)
         for s, handler in previous.items():
             signal.signal(s, handler)
         _log("stopped")
