@@ -533,10 +533,12 @@ class Worker:
         """One step of the request at the head of the rotation."""
         run = runs.popleft()
         try:
-            if self._step(run):
-                self._finish(run)
-            else:
+            done = self._step(run)
+            if not done:
                 runs.append(run)
+            self.active = len(runs)  # counted out before its answer goes out
+            if done:
+                self._finish(run)
         except Exception as e:  # this request fails; the others go on
             _log(f"internal error: {e}\n{traceback.format_exc()}")
             self._fail(run.job, f"internal error: {e}")

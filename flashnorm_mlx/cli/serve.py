@@ -76,6 +76,9 @@ def main(argv=None):
         server = ApiServer(args.host, args.port)
     except (OSError, OverflowError) as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e}") from None
+    warning = bind_warning(args.host)
+    if warning:
+        print(f"flashnorm-mlx serve: {warning}", file=sys.stderr, flush=True)
 
     def build():
         source = read_source(args.model, tokenizer=args.tokenizer)
@@ -99,9 +102,6 @@ def main(argv=None):
     except BaseException:
         server.server_close()
         raise
-    warning = bind_warning(args.host)
-    if warning:
-        print(f"flashnorm-mlx serve: {warning}", file=sys.stderr, flush=True)
     print(
         f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
         f"{server.url}/v1 (Ctrl-C stops)",
