@@ -154,11 +154,19 @@ def launch_backend() -> Optional[str]:
         return "jaccl"
     if "MLX_RANK" in env and "NCCL_HOST_IP" in env:
         return "nccl"
-    if "MLX_RANK" in env and env.get("MLX_HOSTFILE"):
+    if "MLX_RANK" in env and _hostfile_lists_hosts(env.get("MLX_HOSTFILE")):
         return "ring"
     if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
         return "mpi"
     return None
+
+
+def _hostfile_lists_hosts(path: Optional[str]) -> bool:
+    """mlx.launch -n 1 hands its one rank an empty ring hostfile: one process."""
+    try:
+        return bool(path) and bool(open(path).read().strip())
+    except OSError:
+        return bool(path)  # let init say what is wrong with it
 
 
 @dataclass
