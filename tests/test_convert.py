@@ -441,3 +441,25 @@ def _assert_config_describes_tensors(out: Path, float_weights: dict):
         packed, scales = files[f"{module}.weight"], files[key]
         got = (packed.shape[-1] * 32 // qp["bits"], scales.shape[-1] * qp["group_size"])
         assert got == (width, width), (module, qp, got, width)
+
+
+def test_a_folded_4bit_checkpoint_says_how_it_runs(llama_dir, tmp_path, capsys):
+    """chat/generate default to --dequantize: a checkpoint folded and quantized
+    by convert then runs in float (the stored function, exactly) and says so;
+    --requantize runs it as stored; -q would quantize it twice and is refused."""
+    out = tmp_path / "q4"
+    convert(str(llama_dir), out, quantize=(4, 32), progress=False, q_method="rtn")
+    capsys.readouterr()
+    gen = ["generate", str(out), "-p", "hi", "-m", "2", "--temp", "0"]
+    assert main(gen) == 0
+    assert "note: folded quantized checkpoint: dequantized" in capsys.readouterr().err
+    assert main([*gen, "--requantize"]) == 0
+    assert "run as stored" in capsys.readouterr().err
+    assert main([*gen, "-q"]) == 1
+    assert "quantize twice" in _one_line(capsys)
+    # The float run is the stored 4-bit function: logits equal to running it 4-bit.
+    src = read_source(str(out))
+    x = mx.array(PROMPT)
+    f, _ = build_model(src, "flashnorm", dtype=mx.float32, dequantize=True)
+    q, _ = build_model(src, "flashnorm", dtype=mx.float32)
+    assert _rel(f(x), q(x)) < 1e-5, _rel(f(x), q(x))

@@ -23,6 +23,7 @@ from .common import (
     UserError,
     add_model_args,
     add_sampling_args,
+    build,
     join_launch,
     model_kwargs,
     need_tokenizer,
@@ -234,7 +235,7 @@ def main(argv=None):
     join_launch(args)  # mlx.launch with several ranks: tensor parallel
     source = read_source(args.model, tokenizer=args.tokenizer)
     tokenizer = need_tokenizer(source.tokenizer, source.name)
-    model, config = build_model(source, args.mode, **model_kwargs(args))
+    model, config = build(source, args.mode, args)
     distributed.announce()
     if args.seed is not None:  # after the build: a sharded build draws random
         mx.random.seed(args.seed)  # init weights, so the seed governs sampling alone

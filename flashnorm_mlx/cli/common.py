@@ -9,7 +9,7 @@ from typing import Optional
 
 from .. import distributed
 from ..fold import FoldError
-from ..loading import DTYPES, LoadError
+from ..loading import DTYPES, LoadError, build_model
 
 
 class UserError(Exception):
@@ -198,6 +198,16 @@ def model_kwargs(args) -> dict:
         dequantize=args.dequantize,
         **({"group": launch.group} if launch else {}),
     )
+
+
+def build(source, mode: str, args):
+    """`build_model` with the command's flags; a note on how the weights were
+    taken (e.g. a folded 4-bit checkpoint run in float) goes to stderr."""
+    notes = []
+    model, config = build_model(source, mode, notes=notes, **model_kwargs(args))
+    for note in notes:
+        print(f"flashnorm-mlx: note: {note}", file=sys.stderr)
+    return model, config
 
 
 def join_launch(args, sampling: bool = True):

@@ -6,14 +6,14 @@ import sys
 import mlx.core as mx
 
 from .. import distributed
-from ..loading import build_model, read_source
+from ..loading import read_source
 from .common import (
     Parser,
     UserError,
     add_model_args,
     add_sampling_args,
+    build,
     join_launch,
-    model_kwargs,
     need_tokenizer,
     run_main,
 )
@@ -65,7 +65,7 @@ def main(argv=None):
     join_launch(args)  # mlx.launch with several ranks: tensor parallel
     source = read_source(args.model, tokenizer=args.tokenizer)
     tokenizer = need_tokenizer(source.tokenizer, source.name)
-    model, _ = build_model(source, args.mode, **model_kwargs(args))
+    model, _ = build(source, args.mode, args)
     distributed.announce()
     if args.seed is not None:  # after the build: a sharded build draws random
         mx.random.seed(args.seed)  # init weights, so the seed governs sampling alone

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from ..loading import build_model, read_source
+from ..loading import read_source
 from ..serve import ApiServer, Service, Settings, bind_warning, run_until_signal
 from ..source import default_model_path
 from .common import (
@@ -11,7 +11,6 @@ from .common import (
     UserError,
     add_model_args,
     add_sampling_args,
-    model_kwargs,
     need_tokenizer,
     run_main,
 )
@@ -83,7 +82,7 @@ def main(argv=None):
     def build():
         source = read_source(args.model, tokenizer=args.tokenizer)
         tokenizer = need_tokenizer(source.tokenizer, source.name)
-        model, config = build_model(source, args.mode, **model_kwargs(args))
+        model, config = build(source, args.mode, args)
         return model, tokenizer, config
 
     try:
