@@ -210,8 +210,6 @@ class ChatSession:
         max_tokens: Optional[int] = None,
     ) -> TurnStats:
         """Add a user message, stream the reply through on_text, return its stats."""
-        from mlx_lm import stream_generate
-
         max_tokens = max_tokens or self.max_tokens
         messages = self.messages + [{"role": "user", "content": text}]
         ids, messages, dropped = self._fit(messages, max_tokens)
@@ -227,28 +225,7 @@ class ChatSession:
         new_ids = ids[keep:]
 
         mx.reset_peak_memory()
-        reply_ids, last, interrupted = [], None, False
-        responses = stream_generate(
-            self.model,
-            self.tokenizer,
-            mx.array(new_ids),
-            max_tokens=max_tokens,
-            sampler=self.sampler,
-            logits_processors=self.logits_processors,
-            prompt_cache=self.cache,
-            prefill_step_size=self.prefill_step_size,
-        )
-        try:
-            for last in responses:
-                # Every token stream_generate yields has been fed to the cache.
-                reply_ids.append(last.token)
-                if on_text and last.text:
-                    on_text(last.text)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            responses.close()
-
+        reply_ids, last, interrupted = self._stream(new_ids, max_tokens, on_text)
         fed = self.cache_ids + new_ids + reply_ids if reply_ids else self.cache_ids
         self._sync_cache(fed)
         eos = set(self.tokenizer.eos_token_ids)
@@ -273,6 +250,34 @@ class ChatSession:
             dropped_messages=dropped,
             max_tokens=max_tokens,
         )
+
+    def _stream(self, new_ids, max_tokens, on_text):
+        """(reply ids, last response, interrupted): mlx-lm's stream_generate on
+        the cache; Ctrl-C stops the reply and keeps what was generated."""
+        from mlx_lm import stream_generate
+
+        reply_ids, last, interrupted = [], None, False
+        responses = stream_generate(
+            self.model,
+            self.tokenizer,
+            mx.array(new_ids),
+            max_tokens=max_tokens,
+            sampler=self.sampler,
+            logits_processors=self.logits_processors,
+            prompt_cache=self.cache,
+            prefill_step_size=self.prefill_step_size,
+        )
+        try:
+            for last in responses:
+                # Every token stream_generate yields has been fed to the cache.
+                reply_ids.append(last.token)
+                if on_text and last.text:
+                    on_text(last.text)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            responses.close()
+        return reply_ids, last, interrupted
 
 
 def _offset(c) -> int:
