@@ -11,6 +11,7 @@ from .common import (
     UserError,
     add_model_args,
     add_sampling_args,
+    build,
     need_tokenizer,
     run_main,
 )
@@ -79,7 +80,7 @@ def main(argv=None):
     if warning:
         print(f"flashnorm-mlx serve: {warning}", file=sys.stderr, flush=True)
 
-    def build():
+    def load():
         source = read_source(args.model, tokenizer=args.tokenizer)
         tokenizer = need_tokenizer(source.tokenizer, source.name)
         model, config = build(source, args.mode, args)
@@ -97,7 +98,7 @@ def main(argv=None):
             max_context=args.max_context,
         )
         model_id = args.model or default_model_path().stem
-        server.attach(Service(build, model_id, args.mode, settings))
+        server.attach(Service(load, model_id, args.mode, settings))
     except BaseException:
         server.server_close()
         raise
