@@ -134,7 +134,8 @@ def _refusal(argv, capsys, monkeypatch):
         raise AssertionError("the model was read before the flags were checked")
 
     monkeypatch.setattr(source, "read_source", no_read)
-    for mod in ("generate", "verify", "bench", "perplexity", "chat"):
+    monkeypatch.setattr(common, "read_source", no_read)  # chat and generate read here
+    for mod in ("verify", "bench", "perplexity"):
         m = __import__(f"flashnorm_mlx.cli.{mod}", fromlist=["x"])
         monkeypatch.setattr(m, "read_source", no_read)
     try:

@@ -7,8 +7,6 @@ it reads one message per line and prints only replies, stats lines and notices.
 import argparse
 import sys
 
-import mlx.core as mx
-
 from .. import distributed
 from ..chat import (
     ChatError,
@@ -17,16 +15,14 @@ from ..chat import (
     compare_decode_speed,
     context_length,
 )
-from ..loading import build_model, read_source
+from ..loading import build_model
 from .common import (
     Parser,
     UserError,
     add_model_args,
     add_sampling_args,
-    build,
-    join_launch,
+    load_for_sampling,
     model_kwargs,
-    need_tokenizer,
     run_main,
 )
 
@@ -232,13 +228,7 @@ def main(argv=None):
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    join_launch(args)  # mlx.launch with several ranks: tensor parallel
-    source = read_source(args.model, tokenizer=args.tokenizer)
-    tokenizer = need_tokenizer(source.tokenizer, source.name)
-    model, config = build(source, args.mode, args)
-    distributed.announce()
-    if args.seed is not None:  # after the build: a sharded build draws random
-        mx.random.seed(args.seed)  # init weights, so the seed governs sampling alone
+    source, tokenizer, model, config = load_for_sampling(args)
     limit = args.max_context or context_length(config)
     try:
         session = ChatSession(

@@ -9,7 +9,7 @@ from typing import Optional
 
 from .. import distributed
 from ..fold import FoldError
-from ..loading import DTYPES, LoadError, build_model
+from ..loading import DTYPES, LoadError, build_model, read_source
 
 
 class UserError(Exception):
@@ -208,6 +208,21 @@ def build(source, mode: str, args):
     for note in notes:
         print(f"flashnorm-mlx: note: {note}", file=sys.stderr)
     return model, config
+
+
+def load_for_sampling(args):
+    """(source, tokenizer, model, config) for chat and generate: join a multi-rank
+    launch, read MODEL, build it (sharded under a launch), then seed sampling."""
+    import mlx.core as mx
+
+    join_launch(args)  # mlx.launch with several ranks: tensor parallel
+    source = read_source(args.model, tokenizer=args.tokenizer)
+    tokenizer = need_tokenizer(source.tokenizer, source.name)
+    model, config = build(source, args.mode, args)
+    distributed.announce()
+    if args.seed is not None:  # after the build: a sharded build draws random
+        mx.random.seed(args.seed)  # init weights, so the seed governs sampling alone
+    return source, tokenizer, model, config
 
 
 def join_launch(args, sampling: bool = True):

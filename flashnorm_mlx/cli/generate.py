@@ -3,18 +3,13 @@
 import argparse
 import sys
 
-import mlx.core as mx
-
 from .. import distributed
-from ..loading import read_source
 from .common import (
     Parser,
     UserError,
     add_model_args,
     add_sampling_args,
-    build,
-    join_launch,
-    need_tokenizer,
+    load_for_sampling,
     run_main,
 )
 
@@ -62,13 +57,7 @@ def main(argv=None):
     )
     if not prompt.strip():  # the model would answer an empty message
         raise UserError("the prompt is empty (-p TEXT, or -p - to read stdin)")
-    join_launch(args)  # mlx.launch with several ranks: tensor parallel
-    source = read_source(args.model, tokenizer=args.tokenizer)
-    tokenizer = need_tokenizer(source.tokenizer, source.name)
-    model, _ = build(source, args.mode, args)
-    distributed.announce()
-    if args.seed is not None:  # after the build: a sharded build draws random
-        mx.random.seed(args.seed)  # init weights, so the seed governs sampling alone
+    _, tokenizer, model, _ = load_for_sampling(args)
 
     ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
     sampler = make_sampler(args.temp, args.top_p)
