@@ -269,7 +269,14 @@ def test_a_rank_that_exits_stops_the_other_with_one_line(models):
     child = str(Path(distributed_child.__file__))
     args = [child, "die", models["llama"], "-p", "hi", "-m", "40", "--temp", "0"]
     rc, out, err, secs = launch2(args)
-    assert "error: lost contact with the other ranks" in err, err
+    # MLX's ring either reports the lost peer at once, or retries its socket and
+    # stalls; then the watchdog stops rank 0. Both end it with one error line.
+    errors = [line for line in err.splitlines() if "flashnorm-mlx: error:" in line]
+    assert len(errors) == 1, err
+    assert (
+        "lost contact with the other ranks" in errors[0]
+        or "no progress for" in errors[0]
+    ), err
     assert "Traceback" not in err, err
     print(f"rank 1 exited: rank 0 stopped, launch over in {secs:.1f} s")
 
