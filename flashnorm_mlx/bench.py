@@ -30,6 +30,7 @@ from . import dispatch, distributed, fold
 from .loading import LoadError, Source, build_model, model_dtype, weight_bytes
 from .models import model_classes
 from .nonorm import rms_norm_paths
+from .verify import comparison
 
 VARIANTS = ("stock", "flashnorm", "nonorm")
 DECODE_BYTES_NOTE = (
@@ -345,7 +346,9 @@ def _build_variants(source: Source, variants, built: dict, step):
             "rms_norm_modules": len(rms_norm_paths(model)),
             "dtype": model_dtype(model),
             "quantization": (
-                {"bits": q["bits"], "group_size": q["group_size"]} if q else None
+                {k: q.get(k, "affine") for k in ("bits", "group_size", "mode")}
+                if q
+                else None
             ),
             "weight_bytes": weight_bytes(model),
             "decode_bytes_per_token": decode_bytes(model, config),
@@ -370,12 +373,16 @@ def _timed_rounds(models, variants, prompt, gen_tokens, trials, timing, step):
 def _summarize(info: dict, records: List[dict], variant: str) -> dict:
     rows = [t for t in records if t["variant"] == variant]
     decode = spread([t["decode_tps"] for t in rows])
+    trial = spread([t["trial_memory_gb"] for t in rows])
     return {
         **info,
         "prompt_tps": spread([t["prompt_tps"] for t in rows]),
         "decode_tps": decode,
         "peak_memory_gb": spread([t["peak_memory_gb"] for t in rows]),
-        "trial_memory_gb": spread([t["trial_memory_gb"] for t in rows]),
+        "trial_memory_gb": trial,
+        # What running this variant alone takes: its parameters plus the most
+        # its trials added (the process's peak also holds the other variants).
+        "variant_peak_gb": info["weight_bytes"] / 1e9 + trial["max"],
         "effective_gbps": decode["median"] * info["decode_bytes_per_token"] / 1e9,
         "all_trials_finite": all(t["last_logprobs_finite"] for t in rows),
     }
@@ -415,7 +422,7 @@ def run_bench(
     *,
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
-    dequantize: bool = False,
+    quantized: str = "stored",
     seed: int = 0,
     prefill_step_size: int = 2048,
     sampler=None,
@@ -436,7 +443,7 @@ def run_bench(
     checksum = weights_checksum(source.weights)
     checksum_s = time.perf_counter() - t0
     prompt = mx.array(prompt_ids(source.config, prompt_tokens, seed))
-    built = dict(dtype=dtype, quantize=quantize, dequantize=dequantize, group=group)
+    built = dict(dtype=dtype, quantize=quantize, quantized=quantized, group=group)
     models, info = _build_variants(source, variants, built, step)
     distributed.barrier("building")  # a launch's ranks start timing together
     timing = dict(sampler=sampler, prefill_step_size=prefill_step_size)
@@ -474,7 +481,7 @@ def run_bench(
             "parallel": distributed.describe(group) if group else None,
             "dtype": str(dtype).replace("mlx.core.", "") if dtype else None,
             "quantize": list(quantize) if quantize else None,
-            "dequantize": dequantize,
+            "quantized": quantized,
             "decode_tps": "(G - 1) / time from the first generated token to the G-th",
             "decode_bytes": DECODE_BYTES_NOTE,
             "dispatches": DISPATCH_NOTE,
@@ -489,6 +496,7 @@ def run_bench(
             "checksum_s": checksum_s,
             "quantized": fold.is_quantized(source.weights),
         },
+        **comparison(source, quantize, quantized),
         "variants": summary,
         "ratios": ratios,
         "headroom": _headroom(summary),

@@ -1,5 +1,10 @@
 """Write a folded (and optionally quantized) checkpoint that loads without folding.
 
+A quantized source (unless --dequantize, --requantize or -q) is written as
+stored instead: its tensors unchanged, its config marked (`fold.mark_norm_gains`)
+so that FlashNorm applies the norm gains in its kernels, as it does when it
+runs the source itself. What follows is the folding path.
+
 The pipeline is the one `loading.build_model` runs in memory, so a converted
 checkpoint gives the same logits as folding at load time in the same dtype (bit
 for bit when quantized): dequantize a quantized source to float32, fold the norm
@@ -58,24 +63,30 @@ class Recipe:
 
     quantize=(bits, group_size): quantize the folded float weights with these
     settings (a quantized source is dequantized first). Without it, a quantized
-    source is requantized with its own settings, or kept float with dequantize.
-    A folded source is accepted only when float and asked to be quantized or
-    cast: it is never folded again, and a folded quantized tensor is never
-    dequantized and requantized (that would quantize twice).
+    source is taken as `quantized` says (quant.py): "stored" writes its tensors
+    unchanged, marked for FlashNorm to apply the norm gains in its kernels;
+    "dequantize" folds it in float; "requantize" folds and quantizes again with
+    its own settings. A folded source is accepted only when float and asked to
+    be quantized or cast: it is never folded again, and a folded quantized
+    tensor is never dequantized and requantized (that would quantize twice).
     """
 
-    def __init__(self, weights, config, quantize, dtype, dequantize, compat):
+    def __init__(self, weights, config, quantize, dtype, quantized, compat):
         self.src, self.src_config = dict(weights), config
         self.gains: Weights = {}  # linear module -> the norm gain folded into it
         self.hessians: gptq.Hessians = {}  # module -> GPTQ Hessian (fold basis)
         self._hinv: Weights = {}
+        self.as_stored = False
         if fold.is_folded(config):
             self._refolded(quantize, dtype, compat)
             return
         # The same decision as loading (quant.plan_weights), for a file to write.
         plan = quant.plan_weights(
-            weights, config, dtype, quantize, dequantize, output=True
+            weights, config, dtype, quantize, quantized, output=True
         )
+        if plan.stored_quantized:
+            self._as_stored(dtype)
+            return
         self.out_dtype, self.qspec = plan.dtype, plan.qspec
         for norm, linears in fold.norm_pairs(config, weights):
             self.gains.update({m: weights[f"{norm}.weight"] for m in linears})
@@ -106,6 +117,25 @@ class Recipe:
         self.qspec = quant.uniform_qspec(weights, *quantize) if quantize else None
         self.out_dtype = dtype or quant.source_dtype(weights)
         self._finish(weights)
+
+    def _as_stored(self, dtype):
+        """A quantized source's own tensors, unchanged: folding would change
+        them, so the config's marker says the gains ride in the kernels."""
+        if dtype is not None:
+            raise LoadError(
+                "--dtype would round the stored scales and norm gains: a quantized "
+                "source is written as stored; pass --dequantize or --requantize to "
+                "fold it and choose a dtype"
+            )
+        self.as_stored = True
+        self.qspec, self.out_dtype = None, quant.source_dtype(self.src)
+        self.config = fold.mark_norm_gains(self.src_config)
+        self._stock = None
+        self.modules = [
+            k[: -len(".weight")] for k, v in self.src.items() if _is_matrix(k, v)
+        ]
+        self.small = {k: v for k, v in self.src.items() if not _is_matrix(k, v)}
+        self.order = [k for k in self.src if not k.endswith((".scales", ".biases"))]
 
     def _finish(self, folded: Weights) -> None:
         self.config = {
@@ -160,6 +190,8 @@ class Recipe:
         """
         keys = [f"{module}.{s}" for s in ("weight", "scales", "biases")]
         part = {k: self.src[k][rows] for k in keys if k in self.src}
+        if self.as_stored:
+            return part
         if f"{module}.scales" in part:
             part, _ = fold.dequantize_weights(part, self.src_config, mx.float32)
         part = fold.map_floats(part, lambda v: v.astype(mx.float32))
@@ -295,7 +327,7 @@ def convert(
     out_dir: Union[str, Path],
     quantize: Optional[Tuple[int, int]] = None,
     dtype: Optional[mx.Dtype] = None,
-    dequantize: bool = False,
+    quantized: str = "stored",
     compat: bool = False,
     force: bool = False,
     progress: bool = True,
@@ -335,9 +367,10 @@ def convert(
     else:
         weights = source.weights
 
-    recipe = Recipe(weights, source.config, quantize, dtype, dequantize, compat)
+    recipe = Recipe(weights, source.config, quantize, dtype, quantized, compat)
     del weights
     if q_method == "gptq" and recipe.qspec:
+        gptq.check_qspec(recipe.qspec)
         with progress_bar(
             progress, "[bold]calibrating GPTQ on[/] {task.description}"
         ) as bar:
@@ -527,10 +560,13 @@ def _summary(out: Path, weights: Weights, config: dict, files: List[str]) -> dic
         "bytes": sum(v.nbytes for v in weights.values()),
         "dtype": str(quant.source_dtype(weights)).split(".")[-1],
         "quantization": (
-            {k: q[k] for k in ("bits", "group_size", "mode")} if q else None
+            {k: q.get(k, "affine") for k in ("bits", "group_size", "mode")}
+            if q
+            else None
         ),
-        "compat": config[fold.MARKER]["compat"],
-        "final_norm_folded": config[fold.MARKER]["final_norm_folded"],
+        "compat": config[fold.MARKER].get("compat", False),
+        "final_norm_folded": config[fold.MARKER].get("final_norm_folded", False),
+        "as_stored": fold.has_norm_gains(config),
         "quantization_method": (
             config[fold.MARKER].get("quantization_method", {}).get("method")
         ),

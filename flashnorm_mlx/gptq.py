@@ -33,11 +33,24 @@ from mlx_lm.quant.gptq import Catcher
 from mlx_lm.quant.gptq import quantize as pack
 
 from . import fold, models
+from .errors import LoadError
 from .texts import calibration_text
 
 METHODS = ("gptq", "rtn")
 DEFAULT_METHOD = "gptq"
 DAMPING = 0.01  # of the mean Hessian diagonal, as GPTQ and mlx-lm use
+PACKED_BITS = (2, 4, 8)  # what mlx-lm's GPTQ packer writes
+
+
+def check_qspec(qspec: dict) -> None:
+    """LoadError, before any work, for bit widths the GPTQ packer cannot write."""
+    bad = sorted({v["bits"] for v in qspec.values()} - set(PACKED_BITS))
+    if bad:
+        raise LoadError(
+            f"--q-method gptq writes {', '.join(map(str, PACKED_BITS))}-bit weights, "
+            f"not {', '.join(map(str, bad))}-bit: pass --q-method rtn, or "
+            "--q-bits 2, 4 or 8"
+        )
 
 Hessians = Dict[str, mx.array]
 

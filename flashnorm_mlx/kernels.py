@@ -205,7 +205,8 @@ def deferred_scale(ms: mx.array, dtype: mx.Dtype) -> mx.array:
 # --- residual: the block's sum, its mean square and the next matmul's input -------
 
 # One threadgroup of NT threads per row of D. FN_ROW(i) is element i of the
-# residual row, rounded to T exactly as the twin rounds it.
+# residual row, rounded to T exactly as the twin rounds it. FN_GAIN: `gain` is
+# the final norm's (with FN_NORM) or the next norm's, on xs (without).
 RESIDUAL_BODY = (
     """\
   const int lane = FN_LANE;
@@ -257,6 +258,16 @@ RESIDUAL_BODY = (
   }
 #if FN_PRESCALE
   const float p = FN_POW2_PRESCALE(msr);
+#else
+  const float p = 1.0f;
+#endif
+#if FN_GAIN
+  // The next norm's gain, applied where the row the next matmul reads is formed
+  // (unfolded weights, e.g. a quantized checkpoint as stored).
+  for (int i = lane; i < D; i += NT) {
+    xs[base + i] = static_cast<T>(FN_ROW(i) * static_cast<float>(gain[i]) * p);
+  }
+#elif FN_PRESCALE
   for (int i = lane; i < D; i += NT) {
     xs[base + i] = static_cast<T>(FN_ROW(i) * p);
   }
@@ -280,18 +291,25 @@ def residual_ops(
     y: Optional[mx.array],
     ms_y: Optional[mx.array],
     eps: float,
+    gain: Optional[mx.array] = None,
 ) -> Tuple[mx.array, mx.array, mx.array]:
     """(out, ms, xs): out = h + s_y * y, ms = mean(out^2) + eps in float32, and xs
-    what the next matmul reads (out * p in float16, else out itself).
+    what the next matmul reads: out * gain * p, without the gain where it was
+    folded into the weights (gain None), without p but in float16.
 
     h, y (B, L, D); s_y from ms_y (B, L, 1) by `deferred_scale`, or 1 when ms_y is
-    None (y already scaled); y None: out = h (a block's input, e.g. embeddings).
+    None (y already scaled); y None: out = h (a block's input, e.g. embeddings);
+    gain (D,): the next RMSNorm's gain.
     """
     out = _residual_sum(h, y, ms_y)
     x = out.astype(mx.float32)
     ms = mx.mean(x * x, axis=-1, keepdims=True) + eps
-    xs = (out * pow2_prescale(ms)).astype(out.dtype) if prescaled(out.dtype) else out
-    return out, ms, xs
+    xs = x * gain.astype(mx.float32) if gain is not None else x
+    if prescaled(out.dtype):
+        xs = xs * pow2_prescale(ms)
+    elif gain is None:
+        return out, ms, out  # the matmuls read the residual itself
+    return out, ms, xs.astype(out.dtype)
 
 
 @functools.lru_cache(maxsize=512)
@@ -309,7 +327,7 @@ def _residual_plan(shape, dtype, has_y, scale_y, norm, has_gain, make_kernel, ba
     else:
         outputs = {"out": (shape, dtype)} if has_y else {}
         outputs["ms"] = ((*shape[:-1], 1), mx.float32)
-        if prescaled(dtype):
+        if prescaled(dtype) or has_gain:
             outputs["xs"] = (shape, dtype)
     kernel = make_kernel(
         "residual",
@@ -355,14 +373,14 @@ def _residual_call(h, y, ms_y, eps, norm, gain=None):
     return dict(zip(names, kernel(inputs=inputs, **launch)))
 
 
-def residual_kernel(h, y, ms_y, eps):
-    r = _residual_call(h, y, ms_y, eps, norm=False)
+def residual_kernel(h, y, ms_y, eps, gain=None):
+    r = _residual_call(h, y, ms_y, eps, norm=False, gain=gain)
     out = r.get("out", h)
     return out, r["ms"], r.get("xs", out)
 
 
-def residual(h, y, ms_y, eps):
-    return pick("residual", residual_kernel, residual_ops)(h, y, ms_y, eps)
+def residual(h, y, ms_y, eps, gain=None):
+    return pick("residual", residual_kernel, residual_ops)(h, y, ms_y, eps, gain)
 
 
 def residual_norm_ops(

@@ -27,14 +27,15 @@ def build_model(
     mode: str = "flashnorm",
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
-    dequantize: bool = False,
+    quantized: str = "stored",
     notes: Optional[List[str]] = None,
     group: Optional[mx.distributed.Group] = None,
 ) -> Tuple[nn.Module, dict]:
     """Build the `mode` model on `source`'s weights; returns (model, its config).
 
     quantize=(bits, group_size): quantize a float source after folding;
-    dequantize: keep a quantized source's function in float (see quant.py).
+    quantized: how a quantized source is taken, "stored" (FlashNorm applies
+    the norm gains in its kernels), "dequantize" or "requantize" (quant.py).
     `notes` collects a line for the user where the weights were not taken as
     the obvious reading of the flags would suggest. `group`: split the model
     over it (distributed.shard_model) before its weights are evaluated, layer
@@ -44,9 +45,7 @@ def build_model(
     if mode not in MODES:
         raise LoadError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     source_weights = source.weights if group is None else _own_handles(source)
-    plan = quant.plan_weights(
-        source_weights, source.config, dtype, quantize, dequantize
-    )
+    plan = quant.plan_weights(source_weights, source.config, dtype, quantize, quantized)
     del source_weights
     if plan.note and notes is not None:
         notes.append(plan.note)
@@ -57,10 +56,15 @@ def build_model(
             mx.eval(model.parameters())
         return model, config
     weights, config = plan.weights, plan.config
+    norm_gains = False
     if fold.is_folded(config):
         # Folded already (by `convert`): stock runs it with unit gains restored.
         unit = fold.restore_unit_norms if mode == "stock" else fold.drop_unit_norms
         weights = unit(weights, config)
+    elif mode == "flashnorm" and plan.stored_quantized:
+        # Stored quantized weights cannot take a fold: the kernels apply the gains.
+        norm_gains = True
+        config = fold.mark_norm_gains(config)
     elif mode == "flashnorm":
         weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
         weights, config = fold.fold_norms(weights, config)
@@ -68,7 +72,7 @@ def build_model(
     qspec, stored_quantized = plan.qspec, plan.stored_quantized
     del plan  # from here the model alone holds the (lazy) weights
     try:
-        model = models.instantiate(config, weights, mode, stored_quantized)
+        model = models.instantiate(config, weights, mode, stored_quantized, norm_gains)
     except (ValueError, KeyError) as e:  # weights or config that do not fit
         # mlx-lm lists missing parameters on lines of their own: keep one line.
         raise LoadError(f"{source.name}: {' '.join(str(e).split())}") from None
@@ -106,13 +110,14 @@ def load(
     mode: str = "flashnorm",
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
-    dequantize: bool = False,
+    quantized: str = "stored",
     tokenizer: Optional[str] = None,
 ):
-    """(model, tokenizer) for MODEL: FlashNorm-folded at load unless already folded."""
+    """(model, tokenizer) for MODEL: FlashNorm-folded at load unless already folded
+    (or, for a quantized checkpoint, as stored with the gains in the kernels)."""
     source = read_source(model, tokenizer=tokenizer)
     m, _ = build_model(
-        source, mode=mode, dtype=dtype, quantize=quantize, dequantize=dequantize
+        source, mode=mode, dtype=dtype, quantize=quantize, quantized=quantized
     )
     return m, source.tokenizer
 

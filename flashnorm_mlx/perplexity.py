@@ -84,7 +84,7 @@ def perplexity(
     batch_size: int = 4,
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
-    dequantize: bool = False,
+    quantized: str = "stored",
     progress: bool = False,
     q_method: str = gptq.DEFAULT_METHOD,
     calibration: gptq.Calibration = gptq.Calibration(),
@@ -97,8 +97,9 @@ def perplexity(
     per-token NLL difference when both ran). quantize=(bits, group_size)
     quantizes the float weights with these settings, also for a quantized
     source (which is dequantized first); without it a quantized source is
-    requantized with its own settings, or run in float with dequantize.
-    Quantized, stock is mlx-lm's round-to-nearest and FlashNorm uses `q_method`
+    taken as `quantized` says (quant.py): as stored by default, both models on
+    the very same quantized weights. Quantized by us (-q, "requantize"), stock
+    is mlx-lm's round-to-nearest and FlashNorm uses `q_method`
     (default GPTQ on the folded weights, calibrated on `calibration_text`; see
     gptq.py); each side reports its method and bits per weight, and the result
     a 95% confidence interval of the relative difference (over windows).
@@ -116,7 +117,10 @@ def perplexity(
             source.tokenizer.encode(text if text is not None else default_text())
         )
     data = windows(tokens, seq_len, num_seqs)
-    kw = dict(dtype=dtype, quantize=quantize, dequantize=dequantize or bool(quantize))
+    kw = dict(dtype=dtype, quantize=quantize, quantized=quantized)
+    ours = quant.requantizes(source.weights, source.config, quantize, quantized)
+    if ours and q_method == "gptq" and "flashnorm" in modes:  # before any work
+        gptq.check_qspec(quant.plan_weights(source.weights, source.config, **kw).qspec)
 
     result: Dict[str, object] = {
         "model": source.name,
@@ -127,15 +131,16 @@ def perplexity(
     nll: Dict[str, np.ndarray] = {}
     with progress_bar(progress, "[bold]{task.description}[/] windows") as bar:
         for mode in modes:
-            if mode == "flashnorm" and q_method == "gptq":
+            if mode == "flashnorm" and q_method == "gptq" and ours:
                 model, config = _gptq_flashnorm(source, kw, calibration, bar)
             else:
                 model, config = build_model(source, mode, **kw)
-            quantized = bool(config.get("quantization"))
             result["dtype"] = model_dtype(model)
             result["quantization"] = _quant_name(config)
             result[f"{mode}_method"] = (
-                (q_method if mode == "flashnorm" else "rtn") if quantized else "float"
+                (q_method if mode == "flashnorm" else "rtn")
+                if ours
+                else "stored" if config.get("quantization") else "float"
             )
             result[f"{mode}_bits_per_weight"] = compute_bits_per_weight(model)
             stage(f"built {mode} ({result[f'{mode}_method']})")
@@ -179,9 +184,9 @@ def _gptq_flashnorm(source: Source, kw: dict, calibration, bar):
     """FlashNorm quantized by GPTQ on its folded weights (gptq.py), from the same
     float weights and with the same settings stock's RTN gets."""
     plan = quant.plan_weights(source.weights, source.config, **kw)
-    model, config = build_model(source, "flashnorm", dtype=kw["dtype"], dequantize=True)
-    if not plan.qspec:
-        return model, config
+    model, config = build_model(
+        source, "flashnorm", dtype=kw["dtype"], quantized="dequantize"
+    )
     if source.tokenizer is None:
         raise LoadError("GPTQ calibrates on text: this model has no tokenizer")
     data = gptq.calibration_data(source.tokenizer, calibration)

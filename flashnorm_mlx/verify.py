@@ -7,7 +7,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import fold
+from . import fold, quant
 from .loading import Source, build_model, model_dtype
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time,"
@@ -29,83 +29,121 @@ def compare(
     horizon: int = 32,
     dtype=None,
     quantize=None,
-    dequantize: bool = False,
+    quantized: str = "stored",
     on_stage: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """Prefill `tokens`, then `horizon` cached greedy decode steps, on both models.
 
     Stock picks the greedy tokens; FlashNorm is fed the same tokens (teacher
     forcing), so every logit row compares the same inputs. greedy_match counts
-    the leading steps where FlashNorm's argmax equals stock's token.
+    the leading steps where FlashNorm's argmax equals stock's token. Where the
+    two carry errors of their own (float16/bfloat16, or weights quantized by
+    us), both are also scored against stock in float32 on the source's own
+    weights (`reference_*` keys): is FlashNorm's error within stock's?
     on_stage(text) is told when each stage (build, prefill, decode) is done.
     """
     stage = on_stage or (lambda text: None)
-    kw = dict(dtype=dtype, quantize=quantize, dequantize=dequantize)
-    stock, _ = build_model(source, "stock", **kw)
-    flash, _ = build_model(source, "flashnorm", **kw)
-    stage("built stock and FlashNorm on the same weights")
-    caches = {"stock": make_prompt_cache(stock), "flash": make_prompt_cache(flash)}
-    every = max(1, horizon // 4)  # about four decode lines, whatever the horizon
+    kw = dict(dtype=dtype, quantize=quantize, quantized=quantized)
+    models = {
+        "stock": build_model(source, "stock", **kw)[0],
+        "flashnorm": build_model(source, "flashnorm", **kw)[0],
+    }
+    noisy = model_dtype(models["stock"]) != "float32" or quant.requantizes(
+        source.weights, source.config, quantize, quantized
+    )
+    if noisy:  # the source's own function, as exactly as MLX computes it
+        ref_kw = dict(dtype=mx.float32, quantized="stored")
+        models["reference"] = build_model(source, "stock", **ref_kw)[0]
+    stage(
+        "built stock and FlashNorm on the same weights"
+        + (" and stock float32 as the reference" if noisy else "")
+    )
+    rows = _teacher_forced(models, tokens, horizon, stage)
+    ls, lf = rows["stock"], rows["flashnorm"]
+    r = _scores(ls, lf)
+    r["greedy_match"] = _leading_matches(rows["stock"], rows["flashnorm"], horizon)
+    if noisy:
+        ref = rows["reference"]
+        err_f = _scores(ref, lf)["max_rel_logit_diff"]
+        err_s = _scores(ref, ls)["max_rel_logit_diff"]
+        r.update(
+            reference="stock mlx-lm in float32 on the source's weights",
+            reference_flashnorm_rel_diff=err_f,
+            reference_stock_rel_diff=err_s,
+            flashnorm_within_stock_error=err_f <= err_s,
+        )
+    return {
+        "model": source.name,
+        "model_type": source.config.get("model_type"),
+        "dtype": model_dtype(models["stock"]),
+        "quantized": any(
+            "Quantized" in type(m).__name__ for _, m in models["stock"].named_modules()
+        ),
+        "prompt_tokens": len(tokens),
+        **r,
+        "greedy_horizon": horizon,
+    }
 
+
+def _teacher_forced(models: dict, tokens: List[int], horizon: int, stage) -> dict:
+    """{name: float32 logits (prompt + horizon rows, vocab)}: stock's greedy
+    tokens fed to every model, each with its own KV cache."""
+    caches = {k: make_prompt_cache(m) for k, m in models.items()}
+    rows = {k: [] for k in models}
+    every = max(1, horizon // 4)  # about four decode lines, whatever the horizon
     x = mx.array(tokens)[None]
-    rows_s, rows_f, matches = [], [], []
     for step in range(horizon + 1):
-        ls = stock(x, cache=caches["stock"])[0].astype(mx.float32)
-        lf = flash(x, cache=caches["flash"])[0].astype(mx.float32)
-        mx.eval(ls, lf)
-        rows_s.append(ls)
-        rows_f.append(lf)
-        nxt_s, nxt_f = mx.argmax(ls[-1]).item(), mx.argmax(lf[-1]).item()
-        if step < horizon:
-            matches.append(nxt_s == nxt_f)
-        x = mx.array([[nxt_s]])
+        out = {
+            k: m(x, cache=caches[k])[0].astype(mx.float32) for k, m in models.items()
+        }
+        mx.eval(out)
+        for k, v in out.items():
+            rows[k].append(v)
+        x = mx.array([[mx.argmax(out["stock"][-1]).item()]])
         if step == 0:
             stage(f"prefilled {len(tokens)} prompt tokens")
         elif step % every == 0 or step == horizon:
             stage(f"decode step {step}/{horizon}")
-    ls, lf = mx.concatenate(rows_s), mx.concatenate(rows_f)
+    return {k: mx.concatenate(v) for k, v in rows.items()}
+
+
+def _leading_matches(ls: mx.array, lf: mx.array, horizon: int) -> int:
+    """Leading decode steps where both argmaxes agree (the prompt's last row
+    predicts step 1)."""
+    a = mx.argmax(ls[-horizon - 1 : -1], axis=-1)
+    b = mx.argmax(lf[-horizon - 1 : -1], axis=-1)
+    same = (a == b).tolist()
+    return next((i for i, m in enumerate(same) if not m), len(same))
+
+
+def _scores(ls: mx.array, lf: mx.array) -> dict:
+    """Logit differences and KL(ls || lf) of two (rows, vocab) float32 arrays."""
     diff = mx.abs(ls - lf)
-    finite_s, finite_f = bool(mx.isfinite(ls).all()), bool(mx.isfinite(lf).all())
     ps = nn.log_softmax(ls)
     # Clamp float round-off: KL is non-negative.
     kl = mx.maximum(mx.sum(mx.exp(ps) * (ps - nn.log_softmax(lf)), axis=-1), 0.0)
-    greedy = next((i for i, m in enumerate(matches) if not m), len(matches))
     scale = mx.abs(ls).max().item()
     return {
-        "model": source.name,
-        "model_type": source.config.get("model_type"),
-        "dtype": model_dtype(stock),
-        "quantized": "quantization" in _cfg(source, kw),
-        "prompt_tokens": len(tokens),
         "max_abs_logit_diff": diff.max().item(),
         "max_rel_logit_diff": diff.max().item() / max(scale, 1e-30),
         "logit_scale": scale,
         "kl": mx.mean(kl).item(),
         "kl_max": mx.max(kl).item(),
-        "greedy_match": greedy,
-        "greedy_horizon": horizon,
-        "stock_finite": finite_s,
-        "flashnorm_finite": finite_f,
+        "stock_finite": bool(mx.isfinite(ls).all()),
+        "flashnorm_finite": bool(mx.isfinite(lf).all()),
     }
 
 
-def _cfg(source: Source, kw: dict) -> dict:
-    quantized = kw.get("quantize") or (
-        any(k.endswith(".scales") for k in source.weights) and not kw.get("dequantize")
-    )
-    return {"quantization": True} if quantized else {}
-
-
-def comparison(source: Source, quantize=None, dequantize: bool = False) -> dict:
+def comparison(source: Source, quantize=None, quantized: str = "stored") -> dict:
     """Which weights stock and FlashNorm are compared on, and what that measures.
 
-    {"comparison": "float" | "requantized" | "quantized", "comparison_note": one
-    sentence}; only "float" isolates FlashNorm: quantizing folded weights puts
-    columns with different gains into one group, so the other two include
-    quantization differences.
+    {"comparison": "float" | "stored" | "requantized" | "quantized",
+    "comparison_note": one sentence}. "float" and "stored" isolate FlashNorm:
+    both models run the very same weights. The other two quantize folded and
+    unfolded weights apart (a fold puts columns with different gains into one
+    group), so their differences include quantization.
     """
-    q = source.config.get("quantization") if fold.is_quantized(source.weights) else None
-    src = f"{q['bits']}-bit group {q['group_size']}" if q else None
+    src = quant.describe(source.config) if fold.is_quantized(source.weights) else None
     if quantize:
         how = f"{quantize[0]}-bit group {quantize[1]}"
         return {
@@ -120,16 +158,27 @@ def comparison(source: Source, quantize=None, dequantize: bool = False) -> dict:
             "comparison_note": "both models on the same float weights (the source "
             "is not quantized): differences are FlashNorm's alone",
         }
-    if dequantize:
+    if quantized == "dequantize":
         return {
             "comparison": "float",
             "comparison_note": f"the {src} source dequantized, both models on the "
-            "same float weights: differences are FlashNorm's alone (--requantize "
-            "compares requantized models, quantization differences included)",
+            "same float weights: differences are FlashNorm's alone",
         }
+    if quantized == "requantize" and not fold.is_folded(source.config):
+        return {
+            "comparison": "requantized",
+            "comparison_note": f"both models requantized to the source's {src} "
+            "from the same float weights (FlashNorm's after folding): differences "
+            "include quantization, not only FlashNorm (the default, --as-stored, "
+            "compares on the same quantized weights)",
+        }
+    gains = (
+        "its norm gains folded by convert"
+        if fold.is_folded(source.config)
+        else "FlashNorm applies the norm gains in its kernels"
+    )
     return {
-        "comparison": "requantized",
-        "comparison_note": f"both models requantized to the source's {src} from the "
-        "same float weights (FlashNorm's after folding): differences include "
-        "quantization, not only FlashNorm (--dequantize isolates FlashNorm)",
+        "comparison": "stored",
+        "comparison_note": f"same quantized weights: both models run the {src} "
+        f"checkpoint as stored ({gains}): differences are FlashNorm's alone",
     }

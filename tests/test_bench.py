@@ -217,8 +217,9 @@ def test_nonorm_from_a_quantized_source(source):
     qsrc = _quantized_source(source)
     tokens = mx.array([list(range(5, 25))])
     for dequantize in (False, True):
-        model, config = build_model(qsrc, "nonorm", dequantize=dequantize)
-        stock, _ = build_model(qsrc, "stock", dequantize=dequantize)
+        how = "dequantize" if dequantize else "stored"
+        model, config = build_model(qsrc, "nonorm", quantized=how)
+        stock, _ = build_model(qsrc, "stock", quantized=how)
         qlayers = {
             type(model.model.layers[0].self_attn.q_proj).__name__,
             type(stock.model.layers[0].self_attn.q_proj).__name__,

@@ -213,13 +213,20 @@ def quantized_dir(tmp_path_factory):
     return tiny.write_model(tmp_path_factory.mktemp("q"), cfg, weights, False)
 
 
-def test_verify_defaults_to_float_weights_and_says_so(quantized_dir, capsys):
+def test_verify_defaults_to_the_stored_weights_and_says_so(quantized_dir, capsys):
     args = ["verify", str(quantized_dir), "--json", "-g", "8", "--dtype", "float32"]
     assert main(args) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["comparison"] == "float" and "dequantized" in r["comparison_note"], r
-    # On the same float weights FlashNorm is exact: FlashNorm's difference alone.
+    assert r["comparison"] == "stored", r
+    assert "same quantized weights" in r["comparison_note"], r
+    assert r["quantized"] and "reference" not in r, r
+    # On the same stored weights FlashNorm is exact: FlashNorm's difference alone.
     assert r["max_rel_logit_diff"] < 1e-4 and r["greedy_match"] == 8, r
+
+    assert main([*args, "--dequantize"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["comparison"] == "float" and "dequantized" in d["comparison_note"], d
+    assert not d["quantized"] and d["max_rel_logit_diff"] < 1e-4, d
 
     assert main([*args, "--requantize"]) == 0
     q = json.loads(capsys.readouterr().out)
@@ -228,9 +235,28 @@ def test_verify_defaults_to_float_weights_and_says_so(quantized_dir, capsys):
     assert "4-bit group 32" in q["comparison_note"], q
     # Requantizing folded weights really does differ more (it is not FlashNorm).
     assert q["max_rel_logit_diff"] > 10 * r["max_rel_logit_diff"], (q, r)
+    # ...so both are also scored against stock float32 on the source's weights.
+    assert q["reference_stock_rel_diff"] > 0, q
+    assert q["reference_flashnorm_rel_diff"] > 0, q
 
     assert main(["verify", str(quantized_dir), "-g", "2"]) == 0
-    assert "comparison (float)" in capsys.readouterr().out
+    assert "comparison (stored)" in capsys.readouterr().out
+
+
+def test_verify_in_float16_scores_both_against_stock_float32(quantized_dir, capsys):
+    """Two noisy runs compared with each other mislead: float16 FlashNorm and
+    float16 stock are each compared with float32 stock on the same weights."""
+    args = ["verify", str(quantized_dir), "--json", "-g", "4", "--dtype", "float16"]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["dtype"] == "float16" and r["comparison"] == "stored", r
+    f, s = r["reference_flashnorm_rel_diff"], r["reference_stock_rel_diff"]
+    assert 0 < s < 0.05 and 0 < f < 0.05, r
+    assert r["flashnorm_within_stock_error"] == (f <= s), r
+    assert main([a for a in args if a != "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "against stock mlx-lm in float32 on the source's weights" in out, out
+    assert ("within stock's own" in out) == (f <= s), out
 
 
 def test_verify_of_a_float_source_says_float(model_dir, capsys):
@@ -287,7 +313,7 @@ def test_long_commands_print_stage_lines_when_piped(model_dir, tmp_path):
         ),
         "convert": (
             _run("convert", str(model_dir), "-o", str(tmp_path / "out")),
-            ["layer group 1/3 folded", "layer group 3/3 folded"],
+            ["layer group 1/3 done", "layer group 3/3 done"],
         ),
     }
     for command, (r, wanted) in runs.items():

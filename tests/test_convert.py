@@ -405,9 +405,9 @@ def _quantized_source(folder: Path) -> Source:
 @pytest.mark.parametrize(
     "how",
     [
-        dict(),  # requantize with the source's own settings
-        dict(dequantize=True),  # float
-        dict(dequantize=True, quantize=(4, 64)),  # other settings, from float
+        dict(quantized="requantize"),  # with the source's own settings
+        dict(quantized="dequantize"),  # float
+        dict(quantized="dequantize", quantize=(4, 64)),  # other settings, from float
         dict(quantize=(4, 64)),  # -q alone also means: from float, these settings
     ],
     ids=["requant_source_settings", "dequantize", "dequantize_q64", "q64"],
@@ -419,15 +419,42 @@ def test_quantized_source_matches_in_memory(llama_dir, tmp_path, how, monkeypatc
     convert(src, out, progress=False, chunk_elements=1000, q_method="rtn", **how)
     model, config = _load_converted(out, monkeypatch)
     _assert_loaded_as_stored(model, out)
-    # (build_model ignores quantize for a quantized source unless dequantize.)
-    ref_kw = {**how, "dequantize": how.get("dequantize") or "quantize" in how}
-    ref, ref_config = build_model(src, "flashnorm", dtype=mx.float32, **ref_kw)
+    ref, ref_config = build_model(src, "flashnorm", dtype=mx.float32, **how)
     ours = dict(tree_flatten(model.parameters()))
     theirs = dict(tree_flatten(ref.parameters()))
     assert sorted(ours) == sorted(theirs)
     diff = [k for k in ours if not mx.array_equal(ours[k], theirs[k]).item()]
     assert not diff, f"differs from build_model{how}: {diff}"
     _assert_config_describes_tensors(out, read_source(str(llama_dir)).weights)
+
+
+def test_quantized_source_is_written_as_stored(llama_dir, tmp_path, capsys):
+    """The default for a quantized source: its tensors unchanged, the config
+    marked so FlashNorm applies the gains in its kernels; it loads in one step
+    to the same model as running the source itself, and stock mlx-lm loads it."""
+    from mlx_lm.utils import load_model
+
+    src = _quantized_source(llama_dir)
+    out = tmp_path / "stored"
+    r = convert(src, out, progress=False, chunk_elements=1000)
+    assert r["as_stored"] and r["quantization"]["bits"] == 4, r
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg[fold.MARKER] == {"folded": False, "format": 1, "norm_gains": "kernels"}
+    assert cfg["quantization"] == src.config["quantization"], cfg
+    files = _files(out)
+    assert sorted(files) == sorted(src.weights), sorted(set(files) ^ set(src.weights))
+    changed = [k for k in files if not mx.array_equal(files[k], src.weights[k]).item()]
+    assert not changed and all(files[k].dtype == src.weights[k].dtype for k in files)
+    x = mx.array(PROMPT)
+    ours, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
+    ref, _ = build_model(src, "flashnorm", dtype=mx.float32)
+    assert mx.array_equal(ours(x), ref(x)).item()
+    stock, _ = load_model(out)
+    assert _rel(ours(x), stock(x)) < 1e-4, _rel(ours(x), stock(x))
+    # Rounding the stored scales to another dtype is refused, leaving nothing.
+    with pytest.raises(LoadError, match="--dtype would round the stored scales"):
+        convert(src, tmp_path / "f16", progress=False, dtype=mx.float16)
+    assert not (tmp_path / "f16").exists() and not _leftovers(tmp_path / "f16")
 
 
 def _assert_config_describes_tensors(out: Path, float_weights: dict):
@@ -444,22 +471,23 @@ def _assert_config_describes_tensors(out: Path, float_weights: dict):
 
 
 def test_a_folded_4bit_checkpoint_says_how_it_runs(llama_dir, tmp_path, capsys):
-    """chat/generate default to --dequantize: a checkpoint folded and quantized
-    by convert then runs in float (the stored function, exactly) and says so;
-    --requantize runs it as stored; -q would quantize it twice and is refused."""
+    """A checkpoint folded and quantized by convert runs as stored by default and
+    says so; --dequantize runs it in float (the stored function, exactly);
+    --requantize and -q would quantize it twice and are refused."""
     out = tmp_path / "q4"
     convert(str(llama_dir), out, quantize=(4, 32), progress=False, q_method="rtn")
     capsys.readouterr()
     gen = ["generate", str(out), "-p", "hi", "-m", "2", "--temp", "0"]
     assert main(gen) == 0
-    assert "note: folded quantized checkpoint: dequantized" in capsys.readouterr().err
-    assert main([*gen, "--requantize"]) == 0
     assert "run as stored" in capsys.readouterr().err
-    assert main([*gen, "-q"]) == 1
-    assert "quantize twice" in _one_line(capsys)
+    assert main([*gen, "--dequantize"]) == 0
+    assert "note: folded quantized checkpoint: dequantized" in capsys.readouterr().err
+    for flag in ("--requantize", "-q"):
+        assert main([*gen, flag]) == 1
+        assert "quantize twice" in _one_line(capsys)
     # The float run is the stored 4-bit function: logits equal to running it 4-bit.
     src = read_source(str(out))
     x = mx.array(PROMPT)
-    f, _ = build_model(src, "flashnorm", dtype=mx.float32, dequantize=True)
+    f, _ = build_model(src, "flashnorm", dtype=mx.float32, quantized="dequantize")
     q, _ = build_model(src, "flashnorm", dtype=mx.float32)
     assert _rel(f(x), q(x)) < 1e-5, _rel(f(x), q(x))

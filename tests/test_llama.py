@@ -140,9 +140,9 @@ def test_quantized_tensors_are_never_refolded(source):
 
 
 def test_quantized_source_is_dequantized_folded_requantized(source):
-    """4-bit source: both variants are quantized from the same float weights with
-    the source's settings; FlashNorm's quantized model equals quantizing the
-    in-memory fold of the dequantized weights."""
+    """4-bit source, --requantize: both variants are quantized from the same float
+    weights with the source's settings; FlashNorm's quantized model equals
+    quantizing the in-memory fold of the dequantized weights."""
     from flashnorm_mlx.loading import Source
 
     _skip_if_not_quantizable(source)
@@ -158,13 +158,13 @@ def test_quantized_source_is_dequantized_folded_requantized(source):
     deq_w, deq_c = fold.dequantize_weights(qw, cfg)
     fsrc = Source("f", deq_c, deq_w)
     x = mx.array([PROMPT])
-    a, _ = build_model(qsrc, "flashnorm")
+    a, _ = build_model(qsrc, "flashnorm", quantized="requantize")
     b, _ = build_model(fsrc, "flashnorm", dtype=mx.float32, quantize=(4, 32))
     assert mx.array_equal(a(x), b(x)), mx.abs(a(x) - b(x)).max().item()
     s, _ = build_model(qsrc, "stock")
     assert type(s.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
     # Exact mode: dequantize and run float; matches stock on the dequantized weights.
-    r = compare(qsrc, PROMPT, horizon=8, dtype=mx.float32, dequantize=True)
+    r = compare(qsrc, PROMPT, horizon=8, dtype=mx.float32, quantized="dequantize")
     assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 8, r
 
 

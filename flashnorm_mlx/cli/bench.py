@@ -92,7 +92,8 @@ def render(result: dict, console) -> None:
         "prompt x stock",
     ):
         table.add_column(col, justify="left" if col == "variant" else "right")
-    for col in ("launches/tok", "peak GB", "GB/s", "build s", "norms", "logits"):
+    cols = ("launches/tok", "MB/tok", "peak GB", "GB/s", "build s", "norms", "logits")
+    for col in cols:
         table.add_column(col, justify="right")
     for v, s in result["variants"].items():
         r = result["ratios"].get(v)
@@ -107,7 +108,8 @@ def render(result: dict, console) -> None:
             f"{r['decode']['median_of_ratios']:.3f}" if r else "1.000",
             f"{r['prompt']['median_of_ratios']:.3f}" if r else "1.000",
             launches,
-            f"{s['peak_memory_gb']['max']:.3f}",
+            f"{s['decode_bytes_per_token'] / 1e6:.1f}",
+            f"{s['variant_peak_gb']:.3f}",
             f"{s['effective_gbps']:.2f}",
             f"{s['build_s']:.1f}",
             str(s["rms_norm_modules"]),
@@ -130,13 +132,22 @@ def render(result: dict, console) -> None:
     )
     first = next(iter(result["variants"].values()))
     q = first["quantization"]
-    qtxt = f"{q['bits']}-bit group {q['group_size']}" if q else "unquantized"
+    qtxt = (
+        (f"{q['bits']}-bit" if q["mode"] == "affine" else q["mode"])
+        + f" group {q['group_size']}"
+        if q
+        else "unquantized"
+    )
     console.print(
         f"{same} (checksum {result['source']['checksum'][:12]}), "
         f"{first['dtype']}, {qtxt}; "
-        f"x stock = median of per-round ratios; peak GB = the process's (all "
-        f"variants stay loaded); GB/s = decode tok/s x parameter bytes per step "
-        f"(embedding table counted only when tied)"
+        f"x stock = median of per-round ratios; MB/tok = parameter bytes one "
+        f"decode step reads (embedding table counted only when tied); peak GB = "
+        f"the variant's parameters plus the most its trials added; GB/s = "
+        f"decode tok/s x MB/tok"
+    )
+    console.print(
+        f"comparison ({result['comparison']}): {escape(result['comparison_note'])}"
     )
     d, ver = result["device"], result["versions"]
     parallel = st.get("parallel")

@@ -41,7 +41,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         description="Chat with a model; the KV cache is kept across turns. "
         "Reads one message per line from stdin when it is not a terminal.",
     )
-    add_model_args(p, exact_default=True)
+    add_model_args(p)
     p.add_argument("--system-prompt", default=None, help="system message")
     add_sampling_args(p, max_tokens=256)
     p.add_argument(

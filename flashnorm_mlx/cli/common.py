@@ -89,14 +89,30 @@ def make_parser(prog: str, description: str) -> Parser:
 RUN_MODES = ("flashnorm", "stock")
 
 
-def add_model_args(
-    parser: argparse.ArgumentParser, mode: bool = True, exact_default: bool = False
-) -> None:
-    """MODEL, --tokenizer, --mode, --dtype and the quantization flags.
+# How a quantized source runs (quant.QUANTIZED_WAYS), one line of help each.
+QUANTIZED_FLAGS = {
+    "stored": (
+        "--as-stored",
+        "quantized source: run its quantized weights as stored, stock's exact "
+        "function and bytes per token; FlashNorm applies the norm gains in its "
+        "kernels (default)",
+    ),
+    "dequantize": (
+        "--dequantize",
+        "quantized source: dequantize, fold and run in float: the same function, "
+        "2-4x the bytes per token (default: off)",
+    ),
+    "requantize": (
+        "--requantize",
+        "quantized source: dequantize, fold in float32, quantize again with the "
+        "source's bits and group size (stock alike): a slightly different function "
+        "(default: off)",
+    ),
+}
 
-    exact_default: a quantized source runs dequantized (exact) unless --requantize;
-    otherwise it is requantized unless --dequantize.
-    """
+
+def add_model_args(parser: argparse.ArgumentParser, mode: bool = True) -> None:
+    """MODEL, --tokenizer, --mode, --dtype and the quantization flags."""
     parser.add_argument(
         "model",
         nargs="?",
@@ -129,7 +145,8 @@ def add_model_args(
         "-q",
         "--quantize",
         action="store_true",
-        help="quantize a float model after folding",
+        help="quantize a float model after folding (a quantized one is "
+        "dequantized first)",
     )
     # None: not given, so -q's defaults apply and their use without -q shows.
     parser.add_argument(
@@ -147,22 +164,11 @@ def add_model_args(
         help="weights per quantization group with -q (default: 64)",
     )
     group = parser.add_mutually_exclusive_group()
-    group.add_argument(
-        "--dequantize",
-        dest="dequantize",
-        action="store_true",
-        default=exact_default,
-        help="quantized source: dequantize, fold and run in float, the same function "
-        "as the source" + (" (default)" if exact_default else " (default: off)"),
-    )
-    group.add_argument(
-        "--requantize",
-        dest="dequantize",
-        action="store_false",
-        help="quantized source: dequantize, fold in float32, requantize with the "
-        "source's bits and group size (stock is requantized the same way)"
-        + (" (default: off)" if exact_default else " (default)"),
-    )
+    for way, (flag, text) in QUANTIZED_FLAGS.items():
+        group.add_argument(
+            flag, dest="quantized", action="store_const", const=way, help=text
+        )
+    parser.set_defaults(quantized="stored")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -195,7 +201,7 @@ def model_kwargs(args) -> dict:
     return dict(
         dtype=DTYPES[args.dtype] if args.dtype else None,
         quantize=(args.q_bits, args.q_group_size) if args.quantize else None,
-        dequantize=args.dequantize,
+        quantized=args.quantized,
         **({"group": launch.group} if launch else {}),
     )
 
@@ -270,8 +276,7 @@ def run_main(fn):
         try:
             return fn(argv)
         except (LoadError, FoldError, UserError) as e:
-            rank = distributed.rank_prefix()  # "rank 1: " off rank 0 of a launch
-            print(f"flashnorm-mlx: error: {rank}{e}", file=sys.stderr)
+            distributed.report_error(e)  # a launch: one line, not one per rank
             return 1
         except RuntimeError as e:  # a collective failed: a peer exited
             if not distributed.is_collective_error(e):

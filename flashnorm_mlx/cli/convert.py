@@ -14,8 +14,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         description="Fold the norm gains into the weights (in float32), optionally "
         "quantize, and save a checkpoint that flashnorm-mlx loads without folding "
         "again. -q quantizes the folded float weights with --q-bits/--q-group-size "
-        "(a quantized source is dequantized first); without -q a quantized source "
-        "is requantized with its own settings, or written in float with --dequantize.",
+        "(a quantized source is dequantized first). Without -q a quantized source "
+        "is written as stored: its weights unchanged, config.json marked for "
+        "FlashNorm to apply the norm gains in its kernels (stock's exact function "
+        "and bytes); --requantize folds it and quantizes again with its own "
+        "settings, --dequantize writes it folded in float.",
     )
     add_model_args(p, mode=False)
     p.add_argument(
@@ -71,16 +74,22 @@ def main(argv=None):
         compat=args.compat,
         force=args.force,
         progress=sys.stderr.isatty(),
-        on_layer=lambda i, n: log(f"layer group {i + 1}/{n} folded"),
+        on_layer=lambda i, n: log(f"layer group {i + 1}/{n} done"),
         tokenizer=args.tokenizer,
         q_method=args.q_method,
         calibration=gptq.Calibration(args.calib_seqs, args.calib_len),
         **model_kwargs(args),
     )
     q = r["quantization"]
-    how = f"{q['bits']}-bit, group size {q['group_size']}" if q else "not quantized"
+    how = "not quantized"
     if q:
-        how += f", {r['quantization_method']}"
+        bits = f"{q['bits']}-bit" if q["mode"] == "affine" else q["mode"]
+        how = f"{bits}, group size {q['group_size']}, " + (
+            "the source's weights as stored, norm gains applied in FlashNorm's "
+            "kernels"
+            if r["as_stored"]
+            else r["quantization_method"]
+        )
     print(
         f"Wrote {r['path']}: {r['tensors']} tensors in {len(r['files'])} file(s), "
         f"{r['bytes'] / 1e6:.1f} MB, {r['dtype']}, {how}"

@@ -19,7 +19,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         prog="flashnorm-mlx generate",
         description="Generate one completion; prints tokens/sec and peak memory after it.",
     )
-    add_model_args(p, exact_default=True)
+    add_model_args(p)
     p.add_argument(
         "-p", "--prompt", default="Hello", help="prompt text ('-' reads stdin)"
     )

@@ -22,10 +22,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="flashnorm-mlx perplexity",
         description="Perplexity of stock mlx-lm and FlashNorm on the same text and "
-        "weights (both quantized from the same float weights with the same "
-        "settings). -q quantizes with --q-bits/--q-group-size, dequantizing a "
-        "quantized source first; without -q a quantized source is requantized "
-        "with its own settings, or run in float with --dequantize.",
+        "weights. A quantized source runs as stored (both models on the very same "
+        "quantized weights), or in float with --dequantize, or requantized with "
+        "its own settings with --requantize; -q quantizes with "
+        "--q-bits/--q-group-size (both from the same float weights).",
     )
     add_model_args(p, mode=False)
     p.add_argument(
@@ -74,7 +74,7 @@ def main(argv=None):
         **model_kwargs(args),
     )
     kw = model_kwargs(args)
-    r.update(comparison(source, kw["quantize"], kw["dequantize"]))
+    r.update(comparison(source, kw["quantize"], kw["quantized"]))
     if args.json:
         print(json.dumps(r))
         return 0

@@ -23,7 +23,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API: "
         "/v1/chat/completions, /v1/completions, /v1/models, /health.",
     )
-    add_model_args(p, exact_default=True)
+    add_model_args(p)
     p.add_argument(
         "--host",
         default="127.0.0.1",

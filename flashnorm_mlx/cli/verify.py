@@ -21,7 +21,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         description="Run stock mlx-lm and FlashNorm on the same weights and tokens; "
         "report logit differences, KL divergence and greedy agreement.",
     )
-    add_model_args(p, mode=False, exact_default=True)
+    add_model_args(p, mode=False)
     p.add_argument(
         "-p", "--prompt", default=None, help="prompt text (default: a fixed sentence)"
     )
@@ -42,7 +42,7 @@ def main(argv=None):
     if not tokens:
         raise UserError("the prompt encodes to no tokens")
     kw = model_kwargs(args)
-    how = comparison(source, kw["quantize"], kw["dequantize"])
+    how = comparison(source, kw["quantize"], kw["quantized"])
     # verify has no live bar: its stage lines show on a terminal too.
     r = compare(
         source, tokens, horizon=args.horizon, on_stage=StageLog("verify", True), **kw
@@ -67,9 +67,29 @@ def main(argv=None):
         "finite logits (stock, flashnorm)",
         f"{r['stock_finite']}, {r['flashnorm_finite']}",
     )
+    if "reference" in r:
+        t.add_row(
+            "vs stock float32: FlashNorm, stock",
+            f"{r['reference_flashnorm_rel_diff']:.3e}, "
+            f"{r['reference_stock_rel_diff']:.3e}",
+        )
     console = Console()
     console.print(t)
     console.print(
         f"comparison ({r['comparison']}): {r['comparison_note']}", markup=False
     )
+    if "reference" in r:
+        within = r["flashnorm_within_stock_error"]
+        ratio = r["reference_flashnorm_rel_diff"] / max(
+            r["reference_stock_rel_diff"], 1e-30
+        )
+        console.print(
+            f"against {r['reference']} (max |logit diff| / max |logit|): "
+            + (
+                "FlashNorm's error is within stock's own"
+                if within
+                else f"FlashNorm's error is {ratio:.2f}x stock's own"
+            ),
+            markup=False,
+        )
     return 0

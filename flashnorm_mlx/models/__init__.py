@@ -48,14 +48,22 @@ def model_classes(config: dict, mode: str):
     return module.Model, module.ModelArgs
 
 
-def instantiate(config: dict, weights: dict, mode: str, pre_quantized: bool):
+def instantiate(
+    config: dict,
+    weights: dict,
+    mode: str,
+    pre_quantized: bool,
+    norm_gains: bool = False,
+):
     """The `mode` class built on `weights` (its `sanitize` applied); quantized
-    modules made where `pre_quantized` weights have scales. ValueError on
+    modules made where `pre_quantized` weights have scales. norm_gains: ours on
+    unfolded weights, the norm gains applied in the kernels. ValueError on
     weights that do not fit the config."""
     import mlx.nn as nn
 
     model_cls, args_cls = model_classes(config, mode)
-    model = model_cls(args_cls.from_dict(config))
+    args = args_cls.from_dict(config)
+    model = model_cls(args, norm_gains=True) if norm_gains else model_cls(args)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     if pre_quantized:

@@ -1,6 +1,8 @@
 """FlashNorm Llama: mlx-lm's Llama with folded norm gains and deferred 1/RMS.
 
-Runs on weights folded by `flashnorm_mlx.fold.fold_norms`. Per block, with s the
+Runs on weights folded by `flashnorm_mlx.fold.fold_norms`, or with
+`norm_gains` on a checkpoint's own (e.g. quantized) weights, the gains then
+applied in the kernels (models/blocks.py). Per block, with s the
 per-token rsqrt(mean(x^2) + eps) in float32 (DESIGN.md section 2):
     q' = RoPE(x @ Wq*) * s / sqrt(h),  k' = RoPE(x @ Wk*) * s,  v' = (x @ Wv*) * s
     ffn = down(silu(s * (x @ Wg*)) * (x @ Wu*)) * s
@@ -10,9 +12,8 @@ A decode step launches as few primitives as it can (DESIGN.md 4a), 11 per block:
     qkv matmul -> qkv_epilogue (split, RoPE, s) -> 2 cache writes -> attention
     -> o_proj -> residual (h = x + a, ms of h) -> gate|up matmul
     -> deferred_glu -> down matmul -> residual (h + s * y, ms for the next block)
-Each block hands the next its residual x, ms = mean(x^2) + eps and xs, what
-the matmuls read (x * p in float16, else x); the last block's residual is the
-final norm, so the head reads a normalized row and needs no scaling after.
+Blocks hand each other (x, ms, xs) as models/blocks.py describes; the last
+block's residual is the final norm, so the head needs no scaling after.
 """
 
 from typing import Optional
@@ -26,6 +27,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import distributed, kernels
 from ..arch import Architecture, NormPair
+from .blocks import Block, run_blocks
 
 ARCH = Architecture(
     layers_key="num_hidden_layers",
@@ -182,33 +184,31 @@ class TransformerBlock(nn.Module):
         self.use_sliding = use_sliding
         self.self_attn = attention
         self.mlp = MLP(args)
+        if norm_gains:
+            self.keep_gains(args.hidden_size)
 
-    def __call__(self, x, ms, xs, mask=None, cache=None, final=False, gain=None):
-        """x: (B, L, D) residual, ms = mean(x^2) + eps (B, L, 1) float32, xs = x as
-        the matmuls read it. Returns the next block's (x, ms, xs), or with `final`
-        the final RMSNorm of the output (with `gain`, None where it is folded)."""
-        h, ms_h, hs = kernels.residual(
-            x, self.self_attn(xs, ms, mask, cache), None, self.eps
-        )
-        y, ms_y = self.mlp(hs, ms_h)
-        if final:
-            return kernels.residual_norm(h, y, ms_y, self.eps, gain)
-        return kernels.residual(h, y, ms_y, self.eps)
+    def attend(self, xs, ms, mask, cache):
+        return self.self_attn(xs, ms, mask, cache)
+
+    def feed_forward(self, xs, ms):
+        return self.mlp(xs, ms)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args, final_norm: bool, attention_cls=Attention):
+    def __init__(self, args, attention_cls=Attention, norm_gains=False):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         layer_types = getattr(args, "layer_types", None)
         layer_types = layer_types or ["full_attention"] * args.num_hidden_layers
         self.layers = [
-            TransformerBlock(args, attention_cls(args), t == "sliding_attention")
+            TransformerBlock(
+                args, attention_cls(args), t == "sliding_attention", norm_gains
+            )
             for t in layer_types
         ]
-        # Kept only when the head is tied to the embedding (nothing to fold into).
-        if final_norm:
+        # Folded into an untied head, so kept only for a tied one or unfolded.
+        if args.tie_word_embeddings or norm_gains:
             self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.fa_idx = layer_types.index("full_attention")
         self.swa_idx = next(
@@ -223,20 +223,14 @@ class LlamaModel(nn.Module):
         )
         cache = cache or [None] * len(self.layers)
         fa_mask = create_attention_mask(h, cache[self.fa_idx])
+        swa_mask = None
         if self.swa_idx is not None:
             swa_mask = create_attention_mask(
                 h, cache[self.swa_idx], window_size=self.args.sliding_window
             )
-        # Statistics of the first block's input; each block hands on its own.
-        _, ms, hs = kernels.residual(h, None, None, self.args.rms_norm_eps)
-        last = len(self.layers) - 1
+        masks = [swa_mask if l.use_sliding else fa_mask for l in self.layers]
         gain = self.norm.weight if "norm" in self else None
-        for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            mask = swa_mask if layer.use_sliding else fa_mask
-            out = layer(h, ms, hs, mask, cache=c, final=i == last, gain=gain)
-            if i < last:
-                h, ms, hs = out
-        return out
+        return run_blocks(self.layers, h, self.args.rms_norm_eps, masks, cache, gain)
 
 
 class Model(nn.Module):
@@ -244,11 +238,13 @@ class Model(nn.Module):
     # Qwen3's QK-norm) subclass this with their own attention class.
     attention_cls = Attention
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, norm_gains: bool = False):
+        """norm_gains: the weights are unfolded (a quantized checkpoint as stored)
+        and the RMSNorm gains are applied in the kernels (models/blocks.py)."""
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = LlamaModel(args, args.tie_word_embeddings, self.attention_cls)
+        self.model = LlamaModel(args, self.attention_cls, norm_gains)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

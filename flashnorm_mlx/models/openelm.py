@@ -14,8 +14,8 @@ with RoPE's cos and sin, so attention runs with scale 1. Without QK-norm
 sqrt(h), k' = RoPE(k) * s.
 
 A decode step launches 11 primitives per block, as FlashNorm Llama's does (see
-models/llama.py): blocks hand on (x, ms, xs) through `kernels.residual`, and the
-last block's residual is the final norm.
+models/llama.py): blocks hand on (x, ms, xs) as models/blocks.py describes, with
+the norm gains folded or, with `norm_gains`, applied in the kernels.
 """
 
 from dataclasses import dataclass
@@ -33,6 +33,7 @@ from mlx_lm.models.openelm import make_divisible
 
 from .. import distributed, kernels
 from ..arch import Architecture, NormPair
+from .blocks import Block, run_blocks
 from .qk_norm import QKNorm, QKNormGains
 
 ARCH = Architecture(
@@ -140,65 +141,59 @@ class MLP(nn.Module):
         self.proj_2 = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, xs, ms):
-        """proj_2(silu(s*gate) * up), s from ms; the caller's residual applies the
-        other s to the output."""
-        return self.proj_2(kernels.deferred_glu(self.proj_1(xs), ms))
+        """(proj_2(silu(s*gate) * up), ms), s from ms: the output owes the other s,
+        which the caller's residual applies."""
+        return self.proj_2(kernels.deferred_glu(self.proj_1(xs), ms)), ms
 
 
-class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int):
+class TransformerBlock(Block):
+    NORMS = ("attn_norm", "ffn_norm")
+
+    def __init__(self, args: ModelArgs, layer_id: int, norm_gains: bool = False):
         super().__init__()
         self.eps = args.rms_norm_eps
         self.attn = Attention(args, layer_id)
         self.ffn = MLP(args, layer_id)
+        if norm_gains:
+            self.keep_gains(args.model_dim)
 
-    def __call__(self, x, ms, xs, mask=None, cache=None, final=False, gain=None):
-        """x: (B, L, D) residual, ms = mean(x^2) + eps (B, L, 1) float32, xs = x as
-        the matmuls read it. Returns the next block's (x, ms, xs), or with `final`
-        the final RMSNorm of the output (with `gain`, None where it is folded)."""
-        h, ms_h, hs = kernels.residual(
-            x, self.attn(xs, ms, mask, cache), None, self.eps
-        )
-        y = self.ffn(hs, ms_h)
-        if final:
-            return kernels.residual_norm(h, y, ms_h, self.eps, gain)
-        return kernels.residual(h, y, ms_h, self.eps)
+    def attend(self, xs, ms, mask, cache):
+        return self.attn(xs, ms, mask, cache)
+
+    def feed_forward(self, xs, ms):
+        return self.ffn(xs, ms)
 
 
 class OpenELMModel(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, norm_gains: bool = False):
         super().__init__()
         self.args = args
         self.token_embeddings = nn.Embedding(args.vocab_size, args.model_dim)
         self.layers = [
-            TransformerBlock(args, layer_id=i)
+            TransformerBlock(args, i, norm_gains)
             for i in range(args.num_transformer_layers)
         ]
-        # Kept only when the head is the embedding (nothing to fold into).
-        if args.share_input_output_layers:
+        # Folded into an untied head, so kept only for a shared one or unfolded.
+        if args.share_input_output_layers or norm_gains:
             self.norm = nn.RMSNorm(args.model_dim, eps=args.rms_norm_eps)
 
     def __call__(self, inputs, cache=None):
         h = self.token_embeddings(inputs)
         cache = cache or [None] * len(self.layers)
         mask = create_attention_mask(h, cache[0])
-        # Statistics of the first block's input; each block hands on its own.
-        _, ms, hs = kernels.residual(h, None, None, self.args.rms_norm_eps)
-        last = len(self.layers) - 1
         gain = self.norm.weight if "norm" in self else None
-        for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            out = layer(h, ms, hs, mask, cache=c, final=i == last, gain=gain)
-            if i < last:
-                h, ms, hs = out
-        return out
+        masks = [mask] * len(self.layers)
+        return run_blocks(self.layers, h, self.args.rms_norm_eps, masks, cache, gain)
 
 
 class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, norm_gains: bool = False):
+        """norm_gains: unfolded weights, the RMSNorm gains applied in the kernels
+        (models/blocks.py)."""
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.transformer = OpenELMModel(args)
+        self.transformer = OpenELMModel(args, norm_gains)
         if not args.share_input_output_layers:
             self.lm_head = nn.Linear(args.model_dim, args.vocab_size, bias=False)
 
