@@ -23,6 +23,7 @@ PARTS = {
         "test_qwen.py",
         "test_gguf.py",
         "test_real_model.py",
+        "test_stored.py",
     },
 }
 

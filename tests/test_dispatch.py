@@ -85,6 +85,53 @@ def test_flashnorm_launches_fewer_than_nonorm_and_stock(sources, name, dtype):
     assert fn < nn_ < st, (name, dtype, {"flashnorm": fn, "nonorm": nn_, "stock": st})
 
 
+def quantized_as_stored(source):
+    """`source` as a 4-bit group 32 checkpoint (every 2-D weight whose width 32
+    divides), which FlashNorm runs as stored, the gains in the residual kernel."""
+    from flashnorm_mlx.loading import Source
+
+    weights = {}
+    for k, v in source.weights.items():
+        if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % 32 == 0:
+            m = k[: -len(".weight")]
+            weights[k], weights[f"{m}.scales"], weights[f"{m}.biases"] = mx.quantize(
+                v, group_size=32, bits=4
+            )
+        else:
+            weights[k] = v
+    q = {"group_size": 32, "bits": 4, "mode": "affine"}
+    return Source(source.name, {**source.config, "quantization": q}, weights)
+
+
+STORED = {
+    "llama-untied": ("llama", "gqa_untied"),
+    "llama-tied": ("llama", "mha_tied"),
+    "qwen2-bias": ("qwen", "qwen2"),
+    "qwen3-qk-norm": ("qwen", "qwen3_untied"),
+    "openelm-untied": ("openelm", "quantizable_untied"),
+}
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("name", STORED)
+def test_stored_quantized_step_launches_11_per_block(name, dtype, tmp_path):
+    """A quantized checkpoint as stored: the same launches as the folded model,
+    fewer than stock's on the same stored weights."""
+    arch, cfg = STORED[name]
+    make = getattr(tiny, f"make_{arch}")
+    src = quantized_as_stored(read_source(str(make(tmp_path, cfg, tokenizer=False))))
+    model, config = build_model(src, "flashnorm", dtype=dtype)
+    assert config["flashnorm"]["norm_gains"] == "kernels", config["flashnorm"]
+    with dispatch.gpu_like():
+        got = dispatch.count_dispatches(model)
+    # A quantized embedding gathers packed rows, scales and biases, then
+    # dequantizes: 3 launches more than a float one (stock's alike).
+    want = PER_BLOCK * layers(src) + PER_STEP + 3
+    assert got["dispatches"] == want, (name, dtype, got["by_primitive"])
+    stock = gpu_count(src, "stock", dtype)["dispatches"]
+    assert got["dispatches"] < stock, (got["dispatches"], stock)
+
+
 def test_each_kernel_and_fast_op_counts_as_one_launch():
     """The counter itself, on hand-made steps: a kernel call is one node, views
     are apart, and the upstream work a kernel reads stays in the graph."""

@@ -289,6 +289,13 @@ def test_residual_twin_vs_numpy(dtype, shape, mode):
     p = np_pow2(ms) if dtype == mx.float16 else 1.0
     ref_xs = np64(out) * p
     assert np.abs(np64(xs) - ref_xs).max() <= TOL[dtype] * np.abs(ref_xs).max()
+    # With the next norm's gain (unfolded weights): x * g * p, one rounding.
+    gain = residual_case(dtype, shape)[3]
+    out_g, ms_g, xs_g = K.residual_ops(h, y, ms_y, 1e-5, gain)
+    assert mx.array_equal(out_g, out) and mx.array_equal(ms_g, ms)
+    ref_g = np64(out) * np64(gain) * p
+    err_g = np.abs(np64(xs_g) - ref_g).max() / np.abs(ref_g).max()
+    assert xs_g.dtype == dtype and err_g <= TOL[dtype], f"xs with gain: {err_g:.3e}"
 
 
 @pytest.mark.parametrize("gain", [True, False], ids=["gain", "folded"])
@@ -370,7 +377,7 @@ VARIANTS += [
     ("residual", dict(has_y=y, scale_y=sy, prescale=p, norm=n, gain=g))
     for y, sy in ((0, 0), (1, 0), (1, 1))
     for p in (0, 1)
-    for n, g in ((0, 0), (1, 0), (1, 1))
+    for n, g in ((0, 0), (0, 1), (1, 0), (1, 1))
 ]
 
 
@@ -481,11 +488,13 @@ def elementwise_checks(dtype, shape):
     yield "deferred_glu", (gate_up, ms), [2 * TOL[dtype]]
     # out as the twin rounds it; ms: float32 sums in another order; xs: one more
     # rounding of out (an exact power of two, so only where out already differs).
+    h, y, ms_y, gain = residual_case(dtype, shape)
     for mode in RESIDUAL_MODES:
         args = (*residual_args(dtype, shape, mode), 1e-5)
         yield "residual", args, [2 * TOL[dtype], 1e-5, 2 * TOL[dtype]]
+        # xs = x * gain (* p): the gain of the next norm, unfolded weights.
+        yield "residual", (*args, gain), [2 * TOL[dtype], 1e-5, 3 * TOL[dtype]]
         yield "residual_norm", args, [3 * TOL[dtype]]
-    h, y, ms_y, gain = residual_case(dtype, shape)
     yield "residual_norm", (h, y, ms_y, 1e-5, gain), [3 * TOL[dtype]]
 
 

@@ -260,6 +260,16 @@ OPENELM_CONFIGS = {
         num_kv_heads=[2, 2, 3],
         ffn_multipliers=[1.0, 0.5, 4.0],
     ),
+    # Widths that 32- and 64-wide quantization groups divide, untied head.
+    "quantizable_untied": dict(
+        model_dim=64,
+        head_dim=16,
+        num_query_heads=[6, 8, 10],
+        num_kv_heads=[3, 4, 5],
+        ffn_multipliers=[0.5, 2.0, 1.0],
+        ffn_dim_divisor=32,
+        share_input_output_layers=False,
+    ),
     "no_qk_norm": dict(
         normalize_qk_projections=False,
         num_transformer_layers=2,

@@ -1,0 +1,226 @@
+"""Quantized checkpoints run as stored: FlashNorm vs stock mlx-lm on the same files.
+
+Reference: stock mlx-lm's own loader (`mlx_lm.utils.load_model`) on checkpoints
+that mlx-lm itself quantized (`mlx_lm.convert`), from tiny random models with
+norm gains far from 1. FlashNorm runs the very same stored tensors, the norm
+gains applied in its residual kernel (models/blocks.py), nothing requantized.
+"""
+
+import contextlib
+import io
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+import tiny
+from mlx_lm.models.cache import make_prompt_cache
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model
+
+from flashnorm_mlx import fold
+from flashnorm_mlx.loading import build_model, read_source
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
+STEPS = 32
+
+ARCHS = {
+    "llama-gqa-untied": (tiny.make_llama, "gqa_untied"),
+    "llama3-rope": (tiny.make_llama, "head_dim_llama3"),
+    "llama-tied": (tiny.make_llama, "mha_tied"),
+    "mistral-sliding": (tiny.make_llama, "mistral_sliding"),
+    "qwen2-bias": (tiny.make_qwen, "qwen2"),
+    "qwen3-untied": (tiny.make_qwen, "qwen3_untied"),
+    "qwen3-tied": (tiny.make_qwen, "qwen3_tied"),
+    "openelm-tied": (tiny.make_openelm, "shared"),
+    "openelm-untied": (tiny.make_openelm, "quantizable_untied"),
+}
+
+
+def _embedding_affine(path, module):
+    # MLX dequantizes an mxfp4 embedding to bfloat16, which would make the whole
+    # stock model bfloat16; an affine embedding keeps float32 activations, so
+    # the mxfp4 linears are checked at float32's tolerance.
+    if isinstance(module, nn.Embedding):
+        return {"group_size": 32, "bits": 8, "mode": "affine"}
+    return True
+
+
+QUANTS = {
+    "4bit-g64": dict(q_bits=4, q_group_size=64),
+    "8bit-g32": dict(q_bits=8, q_group_size=32),
+    "mxfp4": dict(
+        q_bits=4, q_group_size=32, q_mode="mxfp4", quant_predicate=_embedding_affine
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Tiny float checkpoints in Hugging Face layout, with a tokenizer (mlx-lm's
+    convert loads one) and without rotary buffers (mlx-lm's Qwen3 refuses them)."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name, (make, cfg) in ARCHS.items():
+        path = make(root / name, cfg, tokenizer=True)
+        weights = {
+            k: v
+            for k, v in mx.load(str(path / "model.safetensors")).items()
+            if "rotary_emb" not in k
+        }
+        mx.save_safetensors(str(path / "model.safetensors"), weights)
+        out[name] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized(hf_dirs, tmp_path_factory):
+    """(arch, quant) -> a folder quantized by mlx-lm's own convert."""
+    from mlx_lm.convert import convert
+
+    root = tmp_path_factory.mktemp("mlxq")
+    cache = {}
+
+    def get(arch, quant):
+        if (arch, quant) not in cache:
+            out = root / f"{arch}-{quant}"
+            with contextlib.redirect_stdout(io.StringIO()):
+                convert(str(hf_dirs[arch]), str(out), quantize=True, **QUANTS[quant])
+            cache[arch, quant] = out
+        return cache[arch, quant]
+
+    return get
+
+
+def _rel(a, b):
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def _run(models, steps=STEPS):
+    """Logits of a prompt and `steps` cached greedy steps (stock's tokens fed to
+    every model), float32, per model; plus how many leading steps agree."""
+    caches = [make_prompt_cache(m) for m in models]
+    x = mx.array([PROMPT])
+    rows = [[] for _ in models]
+    agree, diverged = 0, False
+    for _ in range(steps + 1):
+        outs = [m(x, cache=c)[0].astype(mx.float32) for m, c in zip(models, caches)]
+        for r, o in zip(rows, outs):
+            r.append(o)
+        picks = [mx.argmax(o[-1]).item() for o in outs]
+        diverged = diverged or len(set(picks)) > 1
+        agree += not diverged
+        x = mx.array([[picks[0]]])
+    return [mx.concatenate(r) for r in rows], min(agree, steps)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_float32_matches_stock_on_the_same_quantized_files(quantized, arch, quant):
+    path = quantized(arch, quant)
+    stock, _ = load_model(path)
+    source = read_source(str(path), need_tokenizer=False)
+    flash, config = build_model(source, "flashnorm", dtype=mx.float32)
+    assert fold.has_norm_gains(config), config.get(fold.MARKER)
+    # Nothing requantized or cast: every quantized tensor is the file's own.
+    params = dict(tree_flatten(flash.parameters()))
+    packed = [k for k in source.weights if k.endswith(".scales")]
+    assert packed and all(
+        (p := _fused_name(k, params)) is not None
+        and params[p].dtype == source.weights[k].dtype
+        for k in packed
+    ), packed
+    (ls, lf), agree = _run([stock, flash])
+    err = _rel(lf, ls)
+    assert err < tiny.f32_tol(), f"{arch} {quant}: rel {err:.3e}"
+    assert agree == STEPS, f"{arch} {quant}: greedy {agree}/{STEPS}"
+
+
+def _fused_name(key, params):
+    """The parameter a file's `<linear>.scales` became (q|k|v and gate|up fused)."""
+    if key in params:
+        return key
+    for part, fused in (
+        ("self_attn.q_proj", "self_attn.qkv_proj"),
+        ("self_attn.k_proj", "self_attn.qkv_proj"),
+        ("self_attn.v_proj", "self_attn.qkv_proj"),
+        ("mlp.gate_proj", "mlp.gate_up_proj"),
+        ("mlp.up_proj", "mlp.gate_up_proj"),
+    ):
+        if part in key and key.replace(part, fused) in params:
+            return key.replace(part, fused)
+    return None
+
+
+# Stated tolerances, max |logit diff| / max |logit| against stock float32 on the
+# same files (as tests/test_llama.py for float weights).
+LOW_PRECISION_TOL = {mx.float16: 0.03, mx.bfloat16: 0.12}
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("arch", ["llama-gqa-untied", "qwen3-tied", "openelm-untied"])
+def test_low_precision_close_to_float32_stock(quantized, arch, dtype):
+    source = read_source(str(quantized(arch, "4bit-g64")), need_tokenizer=False)
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    stock, _ = build_model(source, "stock", dtype=dtype)
+    flash, _ = build_model(source, "flashnorm", dtype=dtype)
+    x = mx.array([PROMPT])
+    r = ref(x)
+    err_s = _rel(stock(x).astype(mx.float32), r)
+    lf = flash(x).astype(mx.float32)
+    err_f = _rel(lf, r)
+    assert mx.isfinite(lf).all().item(), arch
+    assert err_f < LOW_PRECISION_TOL[dtype], f"flashnorm {err_f:.3e}, stock {err_s:.3e}"
+
+
+def test_float16_survives_residuals_x1000(quantized):
+    """fp16 range: with embeddings 1000x larger, x @ W would overflow; the
+    power-of-two prescale rides with the gain in xs."""
+    source = read_source(
+        str(quantized("llama-gqa-untied", "8bit-g32")), need_tokenizer=False
+    )
+    w = dict(source.weights)
+    emb = "model.embed_tokens"
+    for s in ("scales", "biases"):  # affine: w = scale * q + bias, so x1000 exactly
+        w[f"{emb}.{s}"] = w[f"{emb}.{s}"] * 1000
+    big = type(source)(source.name, source.config, w)
+    flash, _ = build_model(big, "flashnorm", dtype=mx.float16)
+    ref, _ = build_model(big, "stock", dtype=mx.float32)
+    (lf, lr), _ = _run([flash, ref], steps=4)
+    assert mx.isfinite(lf).all().item()
+    assert _rel(lf, lr) < LOW_PRECISION_TOL[mx.float16], _rel(lf, lr)
+
+
+def test_same_bytes_and_the_gains_are_the_checkpoints(quantized):
+    """FlashNorm holds what stock holds: the same parameter bytes, the norm gains
+    under their checkpoint names (applied in the kernels, never folded)."""
+    path = quantized("llama-gqa-untied", "4bit-g64")
+    source = read_source(str(path), need_tokenizer=False)
+    stock, _ = build_model(source, "stock")
+    flash, _ = build_model(source, "flashnorm")
+    nbytes = lambda m: sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+    assert nbytes(flash) == nbytes(stock), (nbytes(flash), nbytes(stock))
+    g = flash.model.layers[1].input_layernorm.weight
+    assert mx.array_equal(g, source.weights["model.layers.1.input_layernorm.weight"])
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["quantization"]["bits"] == 4
+
+
+def test_the_gain_in_the_kernel_is_what_makes_it_exact(quantized, monkeypatch):
+    """Break it on purpose: a residual that drops the gain is off by far more
+    than the tolerance (the gains are random in [0.25, 4])."""
+    from flashnorm_mlx import kernels
+
+    source = read_source(
+        str(quantized("llama-gqa-untied", "4bit-g64")), need_tokenizer=False
+    )
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    real = kernels.residual_ops
+    monkeypatch.setattr(
+        kernels,
+        "residual_ops",
+        lambda h, y, ms_y, eps, gain=None: real(h, y, ms_y, eps),
+    )
+    x = mx.array([PROMPT])
+    assert _rel(flash(x), stock(x)) > 1e-2
