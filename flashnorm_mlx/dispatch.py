@@ -76,18 +76,16 @@ def _one_node(fn):
 def gpu_like():
     """Every FlashNorm kernel (picked as on a GPU), mx.fast op and mx.dequantize
     as one node each, as Metal and CUDA launch them."""
-    saved_pick = kernels.pick
     saved = [(mx.fast, name, getattr(mx.fast, name)) for name in FAST_OPS]
     saved += [(mx, name, getattr(mx, name)) for name in CORE_OPS]
-    kernels.pick = lambda op, kernel, ops: _one_node(ops)
-    for module, name, fn in saved:
-        setattr(module, name, _one_node(fn))
-    try:
-        yield
-    finally:
-        kernels.pick = saved_pick
+    with kernels.picking(lambda op, kernel, ops: _one_node(ops)):
         for module, name, fn in saved:
-            setattr(module, name, fn)
+            setattr(module, name, _one_node(fn))
+        try:
+            yield
+        finally:
+            for module, name, fn in saved:
+                setattr(module, name, fn)
 
 
 def step_primitives(model: nn.Module, prompt_tokens: int = 4) -> Counter:

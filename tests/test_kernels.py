@@ -95,14 +95,18 @@ def make_case(dtype, L, off, ratio, mode, seed=0):
     return case
 
 
-def run_epilogue(fn, c):
+def epilogue_args(c) -> K.Epilogue:
     kw = {"bias": c["bias"]} if "bias" in c else {}
     if "gq" in c:  # 1/sqrt(h) folded into q's gain, as the OpenELM model does at load
         kw.update(
             q_gain=c["gq"] * c["h"] ** -0.5, k_gain=c["gk"], eps_q=EPS_Q, eps_k=EPS_K
         )
     inv_freq = K.rope_inv_freq(c["rope"], c["h"])
-    return fn(c["qkv"], c["ms"], c["offset"], inv_freq, c["hq"], c["hkv"], **kw)
+    return K.Epilogue(c["hq"], c["hkv"], inv_freq, c["rope"], **kw)
+
+
+def run_epilogue(fn, c):
+    return fn(c["qkv"], c["ms"], c["offset"], epilogue_args(c))
 
 
 def reference(c):
@@ -151,6 +155,35 @@ def test_qkv_epilogue_twin_matches_unfused_model_math(dtype, L, off, ratio, mode
     check_against(outs, reference(c), dtype, TOL[dtype], "twin vs reference")
 
 
+# RoPE variants the fused path does not reproduce: the model's own module runs.
+UNFUSED_ROPES = {
+    "yarn": lambda h: initialize_rope(
+        h,
+        10000.0,
+        False,
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        512,
+    ),
+    "traditional": lambda h: nn.RoPE(h, traditional=True, base=10000.0),
+    "partial": lambda h: nn.RoPE(h // 2, base=10000.0),
+}
+
+
+@pytest.mark.parametrize("rope", UNFUSED_ROPES)
+@pytest.mark.parametrize("mode", ["llama", "openelm", "qwen2"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("off", ["off5", "per_batch"])
+def test_qkv_epilogue_unfused_matches_unfused_model_math(dtype, off, mode, rope):
+    """The picker sends these variants through `qkv_epilogue_unfused`: the same
+    split, scaling, bias, QK-norm (eps * ms) and gains, with the model's RoPE."""
+    c = make_case(dtype, 7, off, 2, mode)
+    c["rope"] = UNFUSED_ROPES[rope](c["h"])
+    e = epilogue_args(c)
+    assert e.inv_freq is None, rope
+    outs = K.qkv_epilogue(c["qkv"], c["ms"], c["offset"], e)
+    check_against(outs, reference(c), dtype, TOL[dtype], f"unfused {rope}")
+
+
 def test_openelm_epsilon_adjustment_matters():
     """Without eps * ms the QK-norm of s*q is wrong: the test grid would see it."""
     c = make_case(mx.float32, 7, "off5", 2, "openelm")
@@ -170,15 +203,15 @@ def test_rope_inv_freq_reproduces_the_models_rope_bit_for_bit(name):
     for offset in (0, 9, 300, mx.array([4, 100], mx.int32)):
         # On the CPU stream mx.fast.rope is plain float32 ops: bit for bit there.
         with mx.stream(mx.cpu):
-            cos, sin = K._rope_tables(offset, 5, inv_freq)
-            ours, ref = K._rope(x, cos, sin), rope(x, offset=offset)
+            cos, sin = K.epilogue._rope_tables(offset, 5, inv_freq)
+            ours, ref = K.epilogue._rope(x, cos, sin), rope(x, offset=offset)
             assert mx.array_equal(ours, ref).item(), (
                 offset,
                 mx.abs(ours - ref).max().item(),
             )
         # A GPU's rope kernel computes its angles its own way (exp2, fast cos).
-        cos, sin = K._rope_tables(offset, 5, inv_freq)
-        ours, ref = K._rope(x, cos, sin), rope(x, offset=offset)
+        cos, sin = K.epilogue._rope_tables(offset, 5, inv_freq)
+        ours, ref = K.epilogue._rope(x, cos, sin), rope(x, offset=offset)
         top = offset if isinstance(offset, int) else offset.max().item()
         assert rel_err(ours, ref) <= 1e-5 + 4 * (top + 5) * 2**-24, offset
 
@@ -329,7 +362,7 @@ def test_picker_returns_twin_on_cpu_build(op, monkeypatch):
     assert K.backend(op) is None
     assert K.pick(op, kernel, ops) is ops
     with pytest.raises(RuntimeError, match="Metal or CUDA"):
-        K._kernel(op, "", ["x"], ["y"])
+        K._common.make_kernel(op, "", ["x"], ["y"])
 
 
 @pytest.mark.parametrize("env", ["1", "0"])
@@ -345,7 +378,7 @@ def test_picked_op_runs_the_twin_without_backend_or_with_kernels_off(env, monkey
 
 @pytest.mark.parametrize("fake", ["metal", "cuda"])
 def test_picker_honours_flashnorm_kernels_env(fake, monkeypatch):
-    monkeypatch.setattr(K, "_gpu_backend", lambda: fake)
+    monkeypatch.setattr(K._common, "gpu_backend", lambda: fake)
     monkeypatch.delenv("FLASHNORM_KERNELS", raising=False)
     for op in OPS:
         assert K.pick(op, *impls(op)) is impls(op)[0], op
@@ -361,9 +394,9 @@ def test_picker_honours_flashnorm_kernels_env(fake, monkeypatch):
 # --- renderings --------------------------------------------------------------------
 
 BODIES = {
-    "qkv_epilogue": K.QKV_EPILOGUE_BODY,
-    "deferred_glu": K.DEFERRED_GLU_BODY,
-    "residual": K.RESIDUAL_BODY,
+    "qkv_epilogue": K.epilogue.QKV_EPILOGUE_BODY,
+    "deferred_glu": K.glu.DEFERRED_GLU_BODY,
+    "residual": K.block_residual.RESIDUAL_BODY,
 }
 VARIANTS = [
     ("qkv_epilogue", dict(qk_norm=a, prescale=b, bias=c))
@@ -415,8 +448,8 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
         return lambda **call: kernel(**call, verbose=True)
 
     monkeypatch.setattr(mx.fast, "metal_kernel", verbose_metal_kernel)
-    monkeypatch.setattr(K, "_gpu_backend", lambda: "metal")
-    K._make_kernel.cache_clear()
+    monkeypatch.setattr(K._common, "gpu_backend", lambda: "metal")
+    K._common._make_kernel.cache_clear()
     c = make_case(mx.float16, 7, "per_batch", 2, "openelm")
     c_llama = make_case(mx.bfloat16, 1, "off5", 4, "llama")
     gate_up, ms = glu_case(mx.float16, (2, 7, 40))
@@ -433,7 +466,7 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
             str(tmp_path / "g.mlxfn"), graph, c["qkv"], c_llama["qkv"], gate_up
         )
     finally:
-        K._make_kernel.cache_clear()
+        K._common._make_kernel.cache_clear()
     text = capfd.readouterr().out
     sources = text.split("Generated source code for `")[1:]
     names = sorted(src.split("`")[0] for src in sources)
@@ -729,7 +762,7 @@ class HostKernels:
 
 def record_all_variants(host, monkeypatch):
     """One call per variant and dtype through the real wrappers, recording only."""
-    monkeypatch.setattr(K, "_kernel", host.record)
+    monkeypatch.setattr(K._common, "make_kernel", host.record)
     for dtype in DTYPES.values():
         for mode in ("llama", "openelm", "qwen2"):
             for off in ("off5", "per_batch"):
@@ -751,8 +784,8 @@ def host_kernels(tmp_path_factory):
 
 @pytest.fixture
 def host_backend(host_kernels, monkeypatch):
-    monkeypatch.setattr(K, "_kernel", host_kernels.run)
-    monkeypatch.setattr(K, "_gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(K._common, "make_kernel", host_kernels.run)
+    monkeypatch.setattr(K._common, "gpu_backend", lambda: "cuda")
     monkeypatch.delenv("FLASHNORM_KERNELS", raising=False)
     return host_kernels
 
@@ -787,13 +820,11 @@ def test_llama_attention_uses_the_epilogue_biased_or_not(name, tmp_path, monkeyp
     model, _ = build_model(source, "flashnorm", dtype=mx.float32)
     calls = []
     real = K.qkv_epilogue
-    monkeypatch.setattr(
-        K, "qkv_epilogue", lambda *a, **k: calls.append(k) or real(*a, **k)
-    )
+    monkeypatch.setattr(K, "qkv_epilogue", lambda *a: calls.append(a[-1]) or real(*a))
     model(mx.array([[1, 2, 3]]))
     assert len(calls) == source.config["num_hidden_layers"], len(calls)
     biased = bool(source.config.get("attention_bias"))
-    assert all((k.get("bias") is not None) == biased for k in calls), calls
+    assert all((e.bias is not None) == biased for e in calls), calls
 
 
 WHOLE_MODELS = {

@@ -251,12 +251,9 @@ def _attention(head_dim, base, eps, hq=3, hkv=1, qk_norm=True, seed=0):
     return attn
 
 
-def _epilogue(attn, qkv, ms, offset, **kw):
+def _epilogue(attn, qkv, ms, offset):
     """The model's epilogue call (Attention.__call__ minus the matmul and sdpa)."""
-    args = {**attn.epilogue_args(), **kw}
-    return kernels.qkv_epilogue(
-        qkv, ms, offset, attn._inv_freq, attn.n_heads, attn.n_kv_heads, **args
-    )
+    return kernels.qkv_epilogue(qkv, ms, offset, attn.epilogue_args())
 
 
 def _stock_qkv(attn, qkv, ms, offset: int, base):
@@ -332,24 +329,25 @@ def test_epilogue_gains_are_built_once_per_weight():
     h = 16
     attn = _attention(h, 10000.0, 1e-6)
     first = attn.epilogue_args()
-    assert attn.epilogue_args() is first
-    assert first["q_gain"].dtype == mx.float32 and first["k_gain"].dtype == mx.float32
-    assert mx.array_equal(first["q_gain"], attn.q_norm.weight * h**-0.5)
-    assert mx.array_equal(first["k_gain"], attn.k_norm.weight)
-    assert first["eps_q"] == first["eps_k"] == 1e-6
+    assert attn.epilogue_args().q_gain is first.q_gain
+    assert first.q_gain.dtype == mx.float32 and first.k_gain.dtype == mx.float32
+    assert mx.array_equal(first.q_gain, attn.q_norm.weight * h**-0.5)
+    assert mx.array_equal(first.k_gain, attn.k_norm.weight)
+    assert first.eps_q == first.eps_k == 1e-6 and first.scale is None
     attn.load_weights([("q_norm.weight", attn.q_norm.weight * 2)], strict=False)
     second = attn.epilogue_args()
-    assert second is not first and attn.epilogue_args() is second
-    assert mx.array_equal(second["q_gain"], first["q_gain"] * 2)
-    assert mx.array_equal(second["k_gain"], first["k_gain"])
+    assert second.q_gain is not first.q_gain
+    assert attn.epilogue_args().q_gain is second.q_gain
+    assert mx.array_equal(second.q_gain, first.q_gain * 2)
+    assert mx.array_equal(second.k_gain, first.k_gain)
     attn.set_dtype(mx.bfloat16)
     third = attn.epilogue_args()
-    assert third is not second and third["q_gain"].dtype == mx.float32
+    assert third.q_gain is not second.q_gain and third.q_gain.dtype == mx.float32
     want = attn.q_norm.weight.astype(mx.float32) * h**-0.5
-    assert mx.array_equal(third["q_gain"], want)
+    assert mx.array_equal(third.q_gain, want)
     # Without QK-norm: Llama mode, 1/sqrt(h) on q' (stock's sdpa scale).
-    plain = _attention(h, 10000.0, 1e-6, qk_norm=False)
-    assert plain.epilogue_args() == {"scale": h**-0.5}
+    plain = _attention(h, 10000.0, 1e-6, qk_norm=False).epilogue_args()
+    assert plain.scale == h**-0.5 and plain.q_gain is None and plain.bias is None
 
 
 def test_model_calls_the_qkv_epilogue_once_per_layer(source, monkeypatch):
@@ -359,9 +357,10 @@ def test_model_calls_the_qkv_epilogue_once_per_layer(source, monkeypatch):
     calls = []
     real = kernels.qkv_epilogue
 
-    def counting(qkv, ms, offset, inv_freq, n_heads, n_kv_heads, **kw):
-        calls.append((qkv.shape, n_heads, n_kv_heads, sorted(kw)))
-        return real(qkv, ms, offset, inv_freq, n_heads, n_kv_heads, **kw)
+    def counting(qkv, ms, offset, e):
+        mode = ["gains"] if e.q_gain is not None else ["scale"] * (e.scale is not None)
+        calls.append((qkv.shape, e.n_heads, e.n_kv_heads, mode))
+        return real(qkv, ms, offset, e)
 
     monkeypatch.setattr(kernels, "qkv_epilogue", counting)
     cache = make_prompt_cache(flash)
@@ -369,11 +368,7 @@ def test_model_calls_the_qkv_epilogue_once_per_layer(source, monkeypatch):
     cfg = source.config
     n = cfg["num_transformer_layers"]
     assert len(calls) == 2 * n, f"{len(calls)} epilogue calls for {n} layers x 2"
-    mode = (
-        ["eps_k", "eps_q", "k_gain", "q_gain"]
-        if cfg["normalize_qk_projections"]
-        else ["scale"]
-    )
+    mode = ["gains"] if cfg["normalize_qk_projections"] else ["scale"]
     for i, (shape, hq, hkv, kw) in enumerate(calls):
         layer = i % n
         assert (hq, hkv) == (cfg["num_query_heads"][layer], cfg["num_kv_heads"][layer])

@@ -216,9 +216,9 @@ def test_the_gain_in_the_kernel_is_what_makes_it_exact(quantized, monkeypatch):
     )
     stock, _ = build_model(source, "stock", dtype=mx.float32)
     flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    real = kernels.residual_ops
+    real = kernels.block_residual.residual_ops
     monkeypatch.setattr(
-        kernels,
+        kernels.block_residual,
         "residual_ops",
         lambda h, y, ms_y, eps, gain=None: real(h, y, ms_y, eps),
     )

@@ -276,7 +276,8 @@ def run_main(fn):
         try:
             return fn(argv)
         except (LoadError, FoldError, UserError) as e:
-            distributed.report_error(e)  # a launch: one line, not one per rank
+            rank = distributed.rank_prefix()  # "rank 1: " off rank 0 of a launch
+            print(f"flashnorm-mlx: error: {rank}{e}", file=sys.stderr)
             return 1
         except RuntimeError as e:  # a collective failed: a peer exited
             if not distributed.is_collective_error(e):

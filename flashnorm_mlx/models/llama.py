@@ -87,7 +87,7 @@ class Attention(nn.Module):
         # ms = mean(x^2) + eps of the block input x: (B, L, 1) float32.
         qkv = self.qkv_proj(xs)
         offset = cache.offset if cache is not None else 0
-        q, k, v = self.epilogue(qkv, ms, offset)
+        q, k, v = kernels.qkv_epilogue(qkv, ms, offset, self.epilogue_args())
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
 
@@ -111,38 +111,13 @@ class Attention(nn.Module):
         self.n_heads //= size
         self.n_kv_heads //= size
 
-    def epilogue(self, qkv, ms, offset):
-        """(q', k', v') in (B, H, L, h) from the (B, L, (Hq+2Hkv)h) matmul output."""
+    def epilogue_args(self) -> kernels.Epilogue:
+        """The qkv epilogue's settings: heads, RoPE, 1/sqrt(h), the bias if any."""
         bias = self.qkv_bias if "qkv_bias" in self else None
-        if self._inv_freq is not None:
-            heads = (self.n_heads, self.n_kv_heads)
-            return kernels.qkv_epilogue(
-                qkv, ms, offset, self._inv_freq, *heads, scale=self.scale, bias=bias
-            )
-        return self._split_rope_scale(qkv, ms, offset, bias)
-
-    def _split_rope_scale(self, qkv, ms, offset, bias):
-        """Unfused epilogue, for RoPE variants the kernel does not cover."""
-        B, L, _ = qkv.shape
-        dtype = qkv.dtype
-        s = kernels.deferred_scale(ms, dtype)
-        if bias is not None:  # the bias comes after the deferred scaling
-            qkv = (qkv * s).astype(dtype) + bias
-            s_q, s_kv = self.scale, None
-        else:
-            s_q, s_kv = s * self.scale, s
-        qkv = qkv.reshape(B, L, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        qkv = qkv.transpose(0, 2, 1, 3)
-        q, k, v = mx.split(qkv, [self.n_heads, self.n_heads + self.n_kv_heads], axis=1)
-
-        # RoPE is linear per token, so the per-token scalar rides along with it.
-        s_q = s_q if isinstance(s_q, float) else s_q[:, None]
-        q = (self.rope(q, offset=offset) * s_q).astype(dtype)
-        k = self.rope(k, offset=offset)
-        if s_kv is not None:
-            k = (k * s_kv[:, None]).astype(dtype)
-            v = (v * s_kv[:, None]).astype(dtype)
-        return q, k, v
+        heads = (self.n_heads, self.n_kv_heads)
+        return kernels.Epilogue(
+            *heads, self._inv_freq, self.rope, scale=self.scale, bias=bias
+        )
 
 
 class MLP(nn.Module):
@@ -177,8 +152,10 @@ class MLP(nn.Module):
         self.down_proj = distributed.sharded_to_all(self.down_proj, group, "down_proj")
 
 
-class TransformerBlock(nn.Module):
-    def __init__(self, args, attention: nn.Module, use_sliding: bool = False):
+class TransformerBlock(Block):
+    NORMS = ("input_layernorm", "post_attention_layernorm")
+
+    def __init__(self, args, attention: nn.Module, use_sliding=False, norm_gains=False):
         super().__init__()
         self.eps = args.rms_norm_eps
         self.use_sliding = use_sliding

@@ -97,12 +97,15 @@ class Attention(nn.Module):
         if self._inv_freq is None:
             raise ValueError(f"head_dim {h}: the qkv epilogue needs an even head_dim")
 
-    def epilogue_args(self) -> dict:
-        """The epilogue's mode keywords: QK-norm gains and epsilons (see
-        models/qk_norm.py), or Llama's scale without QK-norm."""
+    def epilogue_args(self) -> kernels.Epilogue:
+        """The epilogue's mode: QK-norm gains and epsilons (see models/qk_norm.py),
+        or Llama's scale without QK-norm."""
+        heads = (self.n_heads, self.n_kv_heads, self._inv_freq)
         if "q_norm" not in self:
-            return {"scale": self.scale}
-        return self._qk_gains(self.q_norm.weight, self.k_norm.weight)
+            return kernels.Epilogue(*heads, scale=self.scale)
+        return kernels.Epilogue(
+            *heads, **self._qk_gains(self.q_norm.weight, self.k_norm.weight)
+        )
 
     def __call__(self, xs, ms, mask=None, cache=None):
         # xs: (B, L, D) block input as the matmuls read it (x * p in float16);
@@ -111,15 +114,7 @@ class Attention(nn.Module):
         offset = cache.offset if cache is not None else 0
         # One pass: heads out, QK-norm of s*q and s*k (or s / sqrt(h) on q, s on
         # k without QK-norm), RoPE with the gains, s on v.
-        q, k, v = kernels.qkv_epilogue(
-            qkv,
-            ms,
-            offset,
-            self._inv_freq,
-            self.n_heads,
-            self.n_kv_heads,
-            **self.epilogue_args(),
-        )
+        q, k, v = kernels.qkv_epilogue(qkv, ms, offset, self.epilogue_args())
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
 

@@ -1,0 +1,81 @@
+"""The deferred-scaling ops FlashNorm models call, as custom kernels and plain ops.
+
+One module per op, the kernel body beside its plain-MLX twin:
+- `block_residual`: `residual` (h + s*y, its mean square, the next matmul's
+  input xs, with the next norm's gain where it is not folded) and
+  `residual_norm` (the last one, fused with the final RMSNorm);
+- `glu`: `deferred_glu`, silu(s * gate) * up;
+- `epilogue`: `qkv_epilogue`, q', k', v' from the fused qkv matmul output;
+- `render`: the kernel dialect and its Metal and CUDA preludes;
+- `_common`: backend choice, the picker, lazy kernel objects, the prescale.
+
+Each op `<op>` picks `<op>_kernel` (one `mx.fast` kernel launch) where a Metal
+or CUDA backend runs it, else `<op>_ops`, its twin with the same signature.
+FLASHNORM_KERNELS=0 forces the twins; FLASHNORM_KERNELS=op1,op2 enables only
+those kernels (for measuring one at a time).
+
+On Metal and CUDA a decode step costs about 10 µs per launched primitive, so
+the ops are cut along launches, not along the math (docs/design.md section 3):
+a block is qkv matmul -> `qkv_epilogue` -> cache -> attention -> o_proj ->
+`residual` -> gate|up matmul -> `deferred_glu` -> down matmul -> `residual`.
+Every small piece of math (rsqrt, the float16 power-of-two prescale, casts)
+happens inside those kernels: they take ms = mean(x^2) + eps, never a
+precomputed s. Wherever the compute dtype is float16 the residual x reaches
+the matmuls as x * p, p = `pow2_prescale(ms)` an exact power of two near 1/RMS,
+and the deferred scalar is s = rsqrt(ms) / p; every op derives p from ms with
+the same integer arithmetic, so producer and consumer agree bit for bit.
+"""
+
+from ._common import (
+    backend,
+    deferred_scale,
+    pick,
+    picking,
+    pow2_prescale,
+    prescaled,
+)
+from .block_residual import (
+    residual,
+    residual_kernel,
+    residual_norm,
+    residual_norm_kernel,
+    residual_norm_ops,
+    residual_ops,
+)
+from .epilogue import (
+    Epilogue,
+    qkv_epilogue,
+    qkv_epilogue_kernel,
+    qkv_epilogue_ops,
+    qkv_epilogue_unfused,
+    rope_inv_freq,
+)
+from .glu import deferred_glu, deferred_glu_kernel, deferred_glu_ops
+from .render import BODY_MARK, PRELUDES, render
+
+__all__ = [
+    "BODY_MARK",
+    "Epilogue",
+    "PRELUDES",
+    "backend",
+    "deferred_glu",
+    "deferred_glu_kernel",
+    "deferred_glu_ops",
+    "deferred_scale",
+    "pick",
+    "picking",
+    "pow2_prescale",
+    "prescaled",
+    "qkv_epilogue",
+    "qkv_epilogue_kernel",
+    "qkv_epilogue_ops",
+    "qkv_epilogue_unfused",
+    "render",
+    "residual",
+    "residual_kernel",
+    "residual_norm",
+    "residual_norm_kernel",
+    "residual_norm_ops",
+    "residual_ops",
+    "rope_inv_freq",
+]

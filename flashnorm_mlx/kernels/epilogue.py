@@ -1,0 +1,386 @@
+"""`qkv_epilogue`: q', k', v' in attention's layout from the fused qkv matmul output.
+
+One pass splits the heads, applies the deferred 1/RMS (and 1/sqrt(h) on q),
+RoPE, a q|k|v bias after the scaling (Qwen2) or the QK-norm with its gains in
+the rotation (OpenELM, Qwen3): docs/design.md section 2.
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import _common
+from ._common import deferred_scale, pow2_prescale, prescaled
+from .render import TREE_SUM
+
+Offset = Union[int, mx.array]
+
+# --- qkv epilogue --------------------------------------------------------------
+
+QKV_EPILOGUE_BODY = (
+    """\
+  // qkv (B, L, NH * HD) -> q (B, HQ, L, HD), k and v (B, HKV, L, HD), HD = 2 * HALF.
+  // One threadgroup of HALF threads per (token, head); thread `lane` owns the
+  // half-split rotary pair (lane, lane + HALF).
+  const int lane = FN_LANE;
+  const int group = FN_GROUP;
+  const int NH = HQ + 2 * HKV;
+  const int HD = 2 * HALF;
+  const int L = qkv_shape[1];
+  const int head = group % NH;
+  const int token = group / NH;
+  const int b = token / L;
+  const int l = token - b * L;
+  const int src = token * NH * HD + head * HD + lane;
+  const float x1 = static_cast<float>(qkv[src]);
+  const float x2 = static_cast<float>(qkv[src + HALF]);
+  const float mst = ms[token];
+#if FN_PRESCALE
+  // x was pre-scaled by the power of two p: s = rsqrt(ms) / p, 1/s^2 = ms * p^2.
+  const float pt = FN_POW2_PRESCALE(mst);
+  const float s = FN_RSQRT(mst) / pt;
+  const float inv_s2 = mst * pt * pt;
+#else
+  const float s = FN_RSQRT(mst);
+  const float inv_s2 = mst;
+#endif
+#if FN_BIAS
+  // A q/k/v bias (Qwen2) comes after the deferred scaling and before RoPE.
+  const float b1 = static_cast<float>(bias[head * HD + lane]);
+  const float b2 = static_cast<float>(bias[head * HD + lane + HALF]);
+#else
+  const float b1 = 0.0f;
+  const float b2 = 0.0f;
+#endif
+  if (head >= HQ + HKV) {
+    const int dst = ((b * HKV + head - HQ - HKV) * L + l) * HD + lane;
+    v[dst] = static_cast<T>(x1 * s + b1);
+    v[dst + HALF] = static_cast<T>(x2 * s + b2);
+    return;
+  }
+  const bool is_q = head < HQ;
+  const float theta = static_cast<float>(offset[b * OFS] + l) * inv_freq[lane];
+  const float c = FN_COS(theta);
+  const float sn = FN_SIN(theta);
+#if FN_QK_NORM
+  // rms_norm(s * y, eps) = y * rsqrt(mean(y^2) + eps / s^2): s cancels and only
+  // the epsilon changes. The gains (1/sqrt(h) in q's) go with cos and sin.
+  FN_SHARED float red[RP];
+  red[lane] = x1 * x1 + x2 * x2;
+"""
+    + TREE_SUM
+    + """\
+  const float eps = is_q ? params[0] : params[1];
+  const float r = FN_RSQRT(red[0] / static_cast<float>(HD) + eps * inv_s2);
+  const int j = lane + HALF;
+  const float g1 = is_q ? static_cast<float>(q_gain[lane]) : static_cast<float>(k_gain[lane]);
+  const float g2 = is_q ? static_cast<float>(q_gain[j]) : static_cast<float>(k_gain[j]);
+  const float y1 = x1 * r;
+  const float y2 = x2 * r;
+  const float o1 = y1 * (g1 * c) - y2 * (g2 * sn);
+  const float o2 = y2 * (g2 * c) + y1 * (g1 * sn);
+#elif FN_BIAS
+  const float y1 = x1 * s + b1;
+  const float y2 = x2 * s + b2;
+  const float qs = is_q ? params[0] : 1.0f;
+  const float o1 = (y1 * c - y2 * sn) * qs;
+  const float o2 = (y1 * sn + y2 * c) * qs;
+#else
+  // RoPE is linear per token: s (and q's 1/sqrt(h) in params[0]) ride along.
+  const float scale = is_q ? s * params[0] : s;
+  const float o1 = (x1 * c - x2 * sn) * scale;
+  const float o2 = (x1 * sn + x2 * c) * scale;
+#endif
+  if (is_q) {
+    const int dst = ((b * HQ + head) * L + l) * HD + lane;
+    q[dst] = static_cast<T>(o1);
+    q[dst + HALF] = static_cast<T>(o2);
+  } else {
+    const int dst = ((b * HKV + head - HQ) * L + l) * HD + lane;
+    k[dst] = static_cast<T>(o1);
+    k[dst + HALF] = static_cast<T>(o2);
+  }
+"""
+)
+
+
+def rope_inv_freq(rope: nn.Module, head_dim: int) -> Optional[mx.array]:
+    """(head_dim/2,) float32 angles per position of an mlx-lm RoPE module, or None.
+
+    None where the epilogue cannot reproduce the module: interleaved (traditional)
+    layout, partial rotary dims, or a module that also scales its input.
+    """
+    if getattr(rope, "traditional", False):
+        return None
+    if type(rope) is nn.RoPE:
+        if rope.dims != head_dim:
+            return None
+        return _plain_inv_freq(head_dim, float(rope.base), float(rope.scale))
+    freqs = getattr(rope, "_freqs", None)
+    dims = getattr(rope, "dims", getattr(rope, "dim", None))
+    if freqs is None or dims != head_dim or freqs.shape != (head_dim // 2,):
+        return None
+    if getattr(rope, "mscale", 1.0) != 1.0 or getattr(rope, "_scale", 1.0) != 1.0:
+        return None
+    return mx.reciprocal(freqs.astype(mx.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_inv_freq(head_dim: int, base: float, scale: float) -> mx.array:
+    # One array per RoPE config, shared by every layer, so _rope_tables' cache hits.
+    half = head_dim // 2
+    # mx.fast.rope's own float32 formula; nn.RoPE's scale multiplies positions.
+    inv = mx.exp(mx.arange(half, dtype=mx.float32) * (-math.log(base) / half))
+    return inv if scale == 1.0 else inv * scale
+
+
+# The last (inv_freq, offset, L) tables: every layer of a decode step asks for the
+# same ones, and on the CPU each op costs more than its arithmetic.
+_last_tables: dict = {}
+
+
+def _rope_tables(offset: Offset, L: int, inv_freq: mx.array):
+    """cos, sin of (offset + l) * inv_freq, float32: (L, h/2) or (B, 1, L, h/2)."""
+    if isinstance(offset, int):
+        hit = _last_tables.get((offset, L))
+        if hit is not None and hit[0] is inv_freq:
+            return hit[1], hit[2]
+        cos, sin = _compute_rope_tables(offset, L, inv_freq)
+        _last_tables.clear()
+        _last_tables[(offset, L)] = (inv_freq, cos, sin)
+        return cos, sin
+    return _compute_rope_tables(offset, L, inv_freq)
+
+
+def _compute_rope_tables(offset: Offset, L: int, inv_freq: mx.array):
+    """Full-width [cos, cos] and [-sin, sin] (rotate_half's sign folded in), so
+    RoPE(y) = y * cos_t + swap_halves(y) * sin_t: few ops, which the CPU rewards."""
+    pos = mx.arange(L, dtype=mx.float32)
+    if isinstance(offset, mx.array) and offset.size > 1:
+        pos = (pos + offset.reshape(-1, 1, 1)).reshape(-1, 1, L, 1)
+    else:
+        pos = (pos + offset)[:, None]
+    theta = pos * inv_freq
+    cos, sin = mx.cos(theta), mx.sin(theta)
+    return mx.concatenate([cos, cos], axis=-1), mx.concatenate([-sin, sin], axis=-1)
+
+
+def _swap_halves(y):
+    half = y.shape[-1] // 2
+    return mx.concatenate([y[..., half:], y[..., :half]], axis=-1)
+
+
+def _rope(y, cos_t, sin_t):
+    # Half-split RoPE with float32 tables, as mx.fast.rope computes it (bit for bit:
+    # y1*cos - y2*sin and y2*cos + y1*sin, term for term).
+    return y * cos_t + _swap_halves(y) * sin_t
+
+
+# The last gain's swap_halves: a model passes the same gain array every step.
+_last_swapped: dict = {}
+
+
+def _gain_rope(y, gain, cos_t, sin_t):
+    # RoPE(y * g) = y * (g*cos) + rotate_half(y) * (swap_halves(g)*sin), half-split:
+    # the gain lives in the tables; y itself is never multiplied by it.
+    g = gain.astype(mx.float32)
+    hit = _last_swapped.get(id(gain))
+    if hit is None or hit[0] is not gain:
+        if len(_last_swapped) > 256:
+            _last_swapped.clear()
+        hit = _last_swapped[id(gain)] = (gain, _swap_halves(g))
+    return y * (cos_t * g) + _swap_halves(y) * (sin_t * hit[1])
+
+
+@dataclass(frozen=True, eq=False)
+class Epilogue:
+    """One attention's epilogue settings: the one signature kernel, twin and the
+    unfused path share (the tensors of a call come apart: qkv, ms, offset).
+
+    inv_freq: RoPE angles per position, `rope_inv_freq(rope, h)`; None where the
+    fused path cannot reproduce `rope` (then the model's own module runs).
+    Llama mode (no gains): q' = RoPE(q) * s * scale (default h**-0.5),
+        k' = RoPE(k) * s,  v' = v * s; with a q|k|v `bias` ((Hq+2Hkv)h,), added
+        after the deferred scaling: q' = RoPE(q * s + bq) * scale, k', v' alike.
+    QK-norm mode (q_gain, k_gain (h,), 1/sqrt(h) folded into q_gain by the caller):
+        q' = RoPE(rms_norm(s * q, eps_q) * q_gain), k' likewise, v' = v * s.
+    """
+
+    n_heads: int
+    n_kv_heads: int
+    inv_freq: Optional[mx.array]
+    rope: Optional[nn.Module] = None
+    scale: Optional[float] = None
+    bias: Optional[mx.array] = None
+    q_gain: Optional[mx.array] = None
+    k_gain: Optional[mx.array] = None
+    eps_q: float = 0.0
+    eps_k: float = 0.0
+
+    def __post_init__(self):
+        if self.bias is not None and self.q_gain is not None:
+            raise ValueError("qkv_epilogue: a q/k/v bias with QK-norm is not supported")
+
+    def q_scale(self, head_dim: int) -> float:
+        return head_dim**-0.5 if self.scale is None else float(self.scale)
+
+
+def _epilogue_math(qkv, ms, e: Epilogue, rope, gain_rope):
+    """The epilogue in float32 plain ops, RoPE given as `rope(y)` and
+    `gain_rope(y, g)` = RoPE(y * g): the twin's and the unfused path's body."""
+    B, L, _ = qkv.shape
+    heads = e.n_heads + 2 * e.n_kv_heads
+    h = qkv.shape[-1] // heads
+    dtype = qkv.dtype
+    s = deferred_scale(ms, dtype)
+    # float32 math as the kernel does it; one cast here (none for float32 input)
+    # rather than one per mixed-dtype product.
+    x = qkv.astype(mx.float32).reshape(B, L, heads, h)
+    if e.bias is not None:
+        # The bias comes after the deferred scaling: s is applied here, once.
+        x = x * s[..., None] + e.bias.astype(mx.float32).reshape(heads, h)
+    x = x.transpose(0, 2, 1, 3)
+    q, k, v = mx.split(x, [e.n_heads, e.n_heads + e.n_kv_heads], axis=1)
+    s = s[:, None]  # (B, 1, L, 1)
+    if e.bias is not None:
+        q = rope(q) * e.q_scale(h)
+        return q.astype(dtype), rope(k).astype(dtype), v.astype(dtype)
+    if e.q_gain is None:
+        q = rope(q) * (s * e.q_scale(h))
+        k = rope(k) * s
+    else:
+        # The incoming s cancels in the QK-norm; only its epsilon scales by 1/s^2.
+        # 1/s^2 = ms * p^2, exactly (p a power of two).
+        p = pow2_prescale(ms) if prescaled(dtype) else None
+        inv_s2 = ms[:, None] if p is None else ms[:, None] * (p * p)[:, None]
+        q = q * mx.rsqrt(mx.mean(q * q, axis=-1, keepdims=True) + e.eps_q * inv_s2)
+        k = k * mx.rsqrt(mx.mean(k * k, axis=-1, keepdims=True) + e.eps_k * inv_s2)
+        q, k = gain_rope(q, e.q_gain), gain_rope(k, e.k_gain)
+    return q.astype(dtype), k.astype(dtype), (v * s).astype(dtype)
+
+
+def qkv_epilogue_ops(
+    qkv: mx.array, ms: mx.array, offset: Offset, e: Epilogue
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """q', k', v' in (B, H, L, h) from the fused qkv matmul output (B, L, (Hq+2Hkv)h).
+
+    ms (B, L, 1) float32 is mean(x^2) + eps of the block input x; the deferred
+    scalar is s = `deferred_scale(ms)` (in float16 x came pre-scaled by
+    `pow2_prescale(ms)`). RoPE (half-split) angle at position offset + l is
+    (offset + l) * e.inv_freq, offset an int or a (B,) array. Modes: `Epilogue`.
+    """
+    cos, sin = _rope_tables(offset, qkv.shape[1], e.inv_freq)
+    return _epilogue_math(
+        qkv,
+        ms,
+        e,
+        lambda y: _rope(y, cos, sin),
+        lambda y, g: _gain_rope(y, g, cos, sin),
+    )
+
+
+def qkv_epilogue_unfused(
+    qkv: mx.array, ms: mx.array, offset: Offset, e: Epilogue
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """The same outputs through the model's own RoPE module `e.rope`, for the
+    variants the fused path does not reproduce (YaRN's mscale, interleaved
+    pairs, partial rotary dims): RoPE(y * g) with the QK-norm gain applied first."""
+
+    def rope(y):
+        return e.rope(y, offset=offset)
+
+    return _epilogue_math(qkv, ms, e, rope, lambda y, g: rope(y * g.astype(mx.float32)))
+
+
+def _offset_array(offset: Offset) -> mx.array:
+    if isinstance(offset, mx.array):
+        offset = offset.reshape(-1)
+        return offset if offset.dtype == mx.int32 else offset.astype(mx.int32)
+    return _int_offset_array(offset)
+
+
+@functools.lru_cache(maxsize=4)
+def _int_offset_array(offset: int) -> mx.array:
+    # Every layer of a step asks for the same offset: one host array per step.
+    return mx.array([offset], dtype=mx.int32)
+
+
+def qkv_epilogue_kernel(
+    qkv: mx.array, ms: mx.array, offset: Offset, e: Epilogue
+) -> Tuple[mx.array, mx.array, mx.array]:
+    offset = _offset_array(offset)
+    qk_norm = e.q_gain is not None
+    kernel, launch = _epilogue_plan(
+        qkv.shape,
+        qkv.dtype,
+        e.n_heads,
+        e.n_kv_heads,
+        qk_norm,
+        e.bias is not None,
+        offset.size > 1,
+        _common.make_kernel,
+        _common.gpu_backend(),
+    )
+    inputs = [qkv, ms, offset, e.inv_freq]
+    if qk_norm:
+        inputs += [e.q_gain, e.k_gain, _common.consts(e.eps_q, e.eps_k)]
+    else:
+        h = qkv.shape[-1] // (e.n_heads + 2 * e.n_kv_heads)
+        inputs.append(_common.consts(e.q_scale(h)))
+        if e.bias is not None:
+            inputs.append(e.bias)
+    return tuple(kernel(inputs=inputs, **launch))
+
+
+@functools.lru_cache(maxsize=512)
+def _epilogue_plan(
+    shape,
+    dtype,
+    n_heads,
+    n_kv_heads,
+    qk_norm,
+    has_bias,
+    per_batch,
+    make_kernel,
+    backend,
+):
+    B, L, _ = shape
+    heads = n_heads + 2 * n_kv_heads
+    h = shape[-1] // heads
+    half = h // 2
+    inputs = ["qkv", "ms", "offset", "inv_freq"]
+    inputs += ["q_gain", "k_gain", "params"] if qk_norm else ["params"]
+    inputs += ["bias"] * has_bias
+    kernel = make_kernel(
+        "qkv_epilogue",
+        QKV_EPILOGUE_BODY,
+        inputs,
+        ["q", "k", "v"],
+        qk_norm=qk_norm,
+        prescale=prescaled(dtype),
+        bias=has_bias,
+    )
+    template = [("T", dtype), ("HQ", n_heads), ("HKV", n_kv_heads), ("HALF", half)]
+    template.append(("OFS", int(per_batch)))
+    if qk_norm:  # the per-head reduction: NT threads, shared array of RP floats
+        template += [("NT", half), ("RP", _common.next_pow2(half))]
+    q_shape, kv_shape = (B, n_heads, L, h), (B, n_kv_heads, L, h)
+    launch = dict(
+        template=template,
+        grid=(B * L * heads * half, 1, 1),
+        threadgroup=(half, 1, 1),
+        output_shapes=[q_shape, kv_shape, kv_shape],
+        output_dtypes=[dtype] * 3,
+    )
+    return kernel, launch
+
+
+def qkv_epilogue(qkv: mx.array, ms: mx.array, offset: Offset, e: Epilogue):
+    if e.inv_freq is None:  # a RoPE variant only the model's module computes
+        return qkv_epilogue_unfused(qkv, ms, offset, e)
+    fn = _common.pick("qkv_epilogue", qkv_epilogue_kernel, qkv_epilogue_ops)
+    return fn(qkv, ms, offset, e)

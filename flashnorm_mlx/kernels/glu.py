@@ -1,0 +1,73 @@
+"""`deferred_glu`: silu(s * gate) * up from the fused gate|up matmul output."""
+
+import functools
+
+import mlx.core as mx
+
+from . import _common
+from ._common import deferred_scale, prescaled
+
+# --- deferred GLU ----------------------------------------------------------------
+
+DEFERRED_GLU_BODY = """\
+  // out = silu(s * gate) * up; gate_up (B, L, 2F) = [gate | up], s from ms (B, L, 1).
+  const int i = FN_GLOBAL;
+  if (i >= gate_up_shape[0] * gate_up_shape[1] * F) {
+    return;
+  }
+  const int row = i / F;
+  const int col = i - row * F;
+  const float msr = ms[row];
+#if FN_PRESCALE
+  const float s = FN_RSQRT(msr) / FN_POW2_PRESCALE(msr);
+#else
+  const float s = FN_RSQRT(msr);
+#endif
+  const float g = static_cast<float>(gate_up[row * 2 * F + col]) * s;
+  const float u = static_cast<float>(gate_up[row * 2 * F + F + col]);
+  out[i] = static_cast<T>(g / (1.0f + FN_EXP(-g)) * u);
+"""
+
+
+def deferred_glu_ops(gate_up: mx.array, ms: mx.array) -> mx.array:
+    """silu(s * gate) * up from the fused (B, L, 2F) gate/up output -> (B, L, F),
+    s = `deferred_scale(ms)`. The second s (on up) is deferred past the down
+    projection: the caller's `residual` applies it."""
+    gate, up = mx.split(gate_up, 2, axis=-1)
+    g = gate * deferred_scale(ms, gate_up.dtype)
+    return (g * mx.sigmoid(g) * up).astype(gate_up.dtype)
+
+
+@functools.lru_cache(maxsize=512)
+def _glu_plan(shape, dtype, make_kernel, backend):
+    F = shape[-1] // 2
+    B, L, _ = shape
+    kernel = make_kernel(
+        "deferred_glu",
+        DEFERRED_GLU_BODY,
+        ["gate_up", "ms"],
+        ["out"],
+        prescale=prescaled(dtype),
+    )
+    launch = dict(
+        template=[("T", dtype), ("F", F)],
+        grid=(B * L * F, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(*shape[:-1], F)],
+        output_dtypes=[dtype],
+    )
+    return kernel, launch
+
+
+def deferred_glu_kernel(gate_up: mx.array, ms: mx.array) -> mx.array:
+    # gate_up (B, L, 2F), ms (B, L, 1): the kernel indexes them in flat memory.
+    kernel, launch = _glu_plan(
+        gate_up.shape, gate_up.dtype, _common.make_kernel, _common.gpu_backend()
+    )
+    return kernel(inputs=[gate_up, ms], **launch)[0]
+
+
+def deferred_glu(gate_up: mx.array, ms: mx.array) -> mx.array:
+    return _common.pick("deferred_glu", deferred_glu_kernel, deferred_glu_ops)(
+        gate_up, ms
+    )

@@ -1,0 +1,85 @@
+"""Every architecture under every RoPE variant its stock class supports, one check.
+
+Reference: stock mlx-lm's own class for the config's model_type on the same
+weights (`verify.compare`: a prompt, then cached greedy decode steps with
+stock's tokens fed to both). Plain and Llama-3 RoPE take the fused epilogue;
+YaRN (which also scales its input), interleaved (traditional) pairs and linear
+scaling through nn.RoPE's own module take the unfused one, so both paths are
+compared with stock here, for Llama (with biases too), Qwen2, Qwen3 and OpenELM.
+"""
+
+import mlx.core as mx
+import pytest
+import tiny
+
+from flashnorm_mlx import kernels
+from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.verify import compare
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
+STEPS = 12
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3 = tiny.LLAMA_CONFIGS["head_dim_llama3"]["rope_scaling"]
+ROPES = {
+    "plain": {},
+    "llama3": dict(rope_scaling=LLAMA3),
+    "yarn": dict(rope_scaling=YARN),
+    "traditional": dict(rope_traditional=True),
+}
+# (builder, tiny config, RoPE variants mlx-lm's class for it reads)
+ARCHS = {
+    "llama": (tiny.make_llama, "gqa_untied", ROPES),
+    "llama-bias": (tiny.make_llama, "linear_bias", ["plain", "yarn", "traditional"]),
+    "qwen2": (tiny.make_qwen, "qwen2", ROPES),
+    # mlx-lm's Qwen3 has no traditional RoPE; eps 0.05 makes eps * ms matter.
+    "qwen3": (tiny.make_qwen, "qwen3_tied", ["plain", "llama3", "yarn"]),
+    "openelm": (tiny.make_openelm, "big_eps", ["plain"]),  # fixed half-split RoPE
+}
+CASES = [
+    pytest.param(arch, rope, id=f"{arch}-{rope}")
+    for arch, (_, _, ropes) in ARCHS.items()
+    for rope in ropes
+]
+
+
+def _source(tmp_path, arch, rope):
+    make, cfg, _ = ARCHS[arch]
+    path = make(tmp_path, cfg, tokenizer=False)
+    if ROPES[rope]:  # the same weights, the RoPE variant in the config
+        import json
+
+        config = json.loads((path / "config.json").read_text())
+        config.update(ROPES[rope])
+        (path / "config.json").write_text(json.dumps(config))
+    return read_source(str(path))
+
+
+@pytest.mark.parametrize("arch,rope", CASES)
+def test_float32_matches_stock(tmp_path, arch, rope, monkeypatch):
+    source = _source(tmp_path, arch, rope)
+    paths = []
+    real = kernels.qkv_epilogue
+    monkeypatch.setattr(
+        kernels,
+        "qkv_epilogue",
+        lambda *a: paths.append(a[-1].inv_freq is None) or real(*a),
+    )
+    r = compare(source, PROMPT, horizon=STEPS, dtype=mx.float32)
+    assert r["max_rel_logit_diff"] < tiny.f32_tol(), (arch, rope, r)
+    assert r["greedy_match"] == STEPS, (arch, rope, r)
+    # The path this variant is meant to take, every layer, every step.
+    unfused = rope in ("yarn", "traditional")
+    assert paths and set(paths) == {unfused}, (arch, rope, set(paths))
+
+
+@pytest.mark.parametrize("arch,rope", [("llama", "yarn"), ("qwen3", "yarn")])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
+def test_unfused_low_precision_close_to_float32_stock(tmp_path, arch, rope, dtype):
+    source = _source(tmp_path, arch, rope)
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    flash, _ = build_model(source, "flashnorm", dtype=dtype)
+    x = mx.array([PROMPT])
+    r, f = ref(x), flash(x).astype(mx.float32)
+    err = (mx.abs(f - r).max() / mx.abs(r).max()).item()
+    assert mx.isfinite(f).all().item() and err < {mx.float16: 0.03}.get(dtype, 0.12)
