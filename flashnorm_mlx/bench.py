@@ -1,6 +1,6 @@
 """Decode and prompt tokens/sec of stock mlx-lm, FlashNorm and the norm-removed bound.
 
-Measured as DESIGN.md section 4 says: every variant is built from one `Source`
+Measured as docs/design.md section 4c says: every variant is built from one `Source`
 (same weights, dtype, quantization), runs the same random prompt (fixed seed)
 through mlx-lm's own `generate_step` for exactly G tokens (it never stops at
 end-of-sequence), gets one warm-up, then N trial rounds interleaved across the

@@ -1,7 +1,7 @@
 """What one decode step launches: the primitives of a cached one-token forward pass.
 
 At batch-1 decode on Metal and CUDA every kernel-launching primitive costs a
-fixed ~10 µs of dispatch whatever it computes (DESIGN.md section 4a), so the
+fixed ~10 µs of dispatch whatever it computes (docs/design.md section 4a), so the
 count of such primitives per step is what FlashNorm's speed is made of. The
 graph of one step is read with `mx.export_to_dot` without running it; views
 (reshape, transpose, slices, broadcasts) are counted apart since they launch

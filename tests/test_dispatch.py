@@ -1,10 +1,10 @@
 """Launches per decode step: the count FlashNorm's GPU speed is made of.
 
 Dispatch-bound decode on Metal and CUDA costs ~10 µs per kernel-launching
-primitive (DESIGN.md 4a). These tests count the graph of one cached decode step
-on any build, with every mx.fast op and FlashNorm kernel as one node, as a GPU
-runs them (`dispatch.gpu_like`), so a change that adds launches fails here
-without a GPU. References: mlx-lm's own classes (stock) and the norm-removed
+primitive (docs/design.md section 4a). These tests count the graph of one
+cached decode step on any build, with every mx.fast op and FlashNorm kernel as
+one node, as a GPU runs them (`dispatch.gpu_like`), so a change that adds
+launches fails here without a GPU. References: mlx-lm's own classes (stock) and the norm-removed
 bound (nonorm) on the same weights.
 """
 

@@ -62,7 +62,7 @@ def test_low_precision_close_to_float32_stock(source, dtype):
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_no_inf_nan_with_residuals_scaled_by_1000(source, dtype):
     """x @ W* sees the unnormalized residual: fp16 would overflow without the
-    power-of-two prescale (DESIGN.md section 2)."""
+    power-of-two prescale (docs/design.md section 2g)."""
     key = "model.embed_tokens.weight"
     scaled = type(source)(
         source.name, source.config, {**source.weights, key: source.weights[key] * 1000}

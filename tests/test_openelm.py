@@ -154,7 +154,7 @@ def _scaled_residuals(source: Source, factor: float) -> Source:
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_no_inf_nan_with_scaled_residuals(source, dtype):
     """x @ W* sees the unnormalized residual: fp16 needs the power-of-two
-    prescale (DESIGN.md section 2). 8000 overflows fp16 without it."""
+    prescale (docs/design.md section 2g). 8000 overflows fp16 without it."""
     for factor in (1000.0, 8000.0):
         scaled = _scaled_residuals(source, factor)
         finite, outs = {}, {}

@@ -1,4 +1,4 @@
-"""The package's shape (DESIGN.md section 5): no import cycles, no reaching into
+"""The package's shape (docs/design.md section 5): no import cycles, no reaching into
 another module's private names, one registry line and one file per architecture.
 
 Read from the source with `ast`, imports inside functions included, so a lazy

@@ -2,7 +2,7 @@
 
 `residual` closes each half of a block (h = x + s_y * y) and hands the next
 matmul xs, the row it reads; `residual_norm` is the last block's residual fused
-with the final RMSNorm (docs/design.md section 3).
+with the final RMSNorm (docs/design.md section 3b).
 """
 
 import functools

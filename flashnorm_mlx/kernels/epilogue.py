@@ -2,7 +2,7 @@
 
 One pass splits the heads, applies the deferred 1/RMS (and 1/sqrt(h) on q),
 RoPE, a q|k|v bias after the scaling (Qwen2) or the QK-norm with its gains in
-the rotation (OpenELM, Qwen3): docs/design.md section 2.
+the rotation (OpenELM, Qwen3): docs/design.md sections 2b to 2e.
 """
 
 import functools

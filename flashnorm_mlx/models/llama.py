@@ -3,12 +3,12 @@
 Runs on weights folded by `flashnorm_mlx.fold.fold_norms`, or with
 `norm_gains` on a checkpoint's own (e.g. quantized) weights, the gains then
 applied in the kernels (models/blocks.py). Per block, with s the
-per-token rsqrt(mean(x^2) + eps) in float32 (DESIGN.md section 2):
+per-token rsqrt(mean(x^2) + eps) in float32 (docs/design.md sections 2a and 2b):
     q' = RoPE(x @ Wq*) * s / sqrt(h),  k' = RoPE(x @ Wk*) * s,  v' = (x @ Wv*) * s
     ffn = down(silu(s * (x @ Wg*)) * (x @ Wu*)) * s
 so no normalized copy of x is ever materialized. Attention runs with scale 1.
 
-A decode step launches as few primitives as it can (DESIGN.md 4a), 11 per block:
+A decode step launches 11 primitives per block (docs/design.md section 3a):
     qkv matmul -> qkv_epilogue (split, RoPE, s) -> 2 cache writes -> attention
     -> o_proj -> residual (h = x + a, ms of h) -> gate|up matmul
     -> deferred_glu -> down matmul -> residual (h + s * y, ms for the next block)

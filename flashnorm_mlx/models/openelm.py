@@ -2,7 +2,7 @@
 
 Runs on weights folded by `flashnorm_mlx.fold.fold_norms` (attn_norm -> qkv_proj,
 ffn_norm -> proj_1). Per block, with ms = mean(x^2) + eps in float32 and
-s = rsqrt(ms) (DESIGN.md section 2):
+s = rsqrt(ms) (docs/design.md sections 2b and 2d):
     q, k, v = split(x @ Wqkv*)                      x is never normalized
     q' = RoPE(gq * q / sqrt(mean(q^2) + eps*ms)) / sqrt(h)   (exact QK-norm of s*q)
     k' = RoPE(gk * k / sqrt(mean(k^2) + eps*ms)),   v' = v * s

@@ -1,6 +1,6 @@
 """QK-norm (a per-head RMSNorm on q and k before RoPE: OpenELM, Qwen3) in FlashNorm.
 
-The block's deferred 1/RMS cancels inside it (DESIGN.md section 2):
+The block's deferred 1/RMS cancels inside it (docs/design.md section 2d):
 rms_norm(s * y, eps) = y * rsqrt(mean(y^2) + eps * ms), so only the epsilon
 changes, and the gains (1/sqrt(h) folded into q's) ride with RoPE's cos and sin
 inside `kernels.qkv_epilogue`. The norm modules keep only their gains.

@@ -3,7 +3,7 @@
 Qwen2 is Llama with a bias on q, k and v (none on o_proj). A bias stops the
 deferred 1/RMS from riding past RoPE, so `kernels.qkv_epilogue` applies it
 where the unfolded model had it: q' = RoPE((x @ Wq*) * s + bq) / sqrt(h),
-k' likewise, v' = (x @ Wv*) * s + bv, still in one pass (DESIGN.md section 2).
+k' likewise, v' = (x @ Wv*) * s + bv, still in one pass (docs/design.md section 2c).
 Everything else (GLU deferral, residual kernels, final norm) is models/llama.py.
 """
 
