@@ -27,6 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import dispatch, distributed, fold
+from .errors import BenchError
 from .loading import LoadError, Source, build_model, model_dtype, weight_bytes
 from .models import model_classes
 from .nonorm import rms_norm_paths
@@ -42,10 +43,6 @@ DECODE_BYTES_NOTE = (
 
 # progress(description, steps done, steps in all)
 Progress = Callable[[str, int, int], None]
-
-
-class BenchError(LoadError):
-    """Bad benchmark settings (unknown variant, no trials, ...): one line."""
 
 
 # --- what was run, on what ---------------------------------------------------

@@ -20,6 +20,8 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
+from .errors import ChatError, ContextOverflow  # noqa: F401 (raised here)
+
 # Config keys that give a model's trained context length, in order of preference.
 _CONTEXT_KEYS = (
     "max_position_embeddings",
@@ -28,14 +30,6 @@ _CONTEXT_KEYS = (
     "n_positions",
     "seq_length",
 )
-
-
-class ChatError(Exception):
-    """A chat turn that cannot run (one line for the user)."""
-
-
-class ContextOverflow(ChatError):
-    """The message does not fit in the context even without earlier turns."""
 
 
 @dataclass

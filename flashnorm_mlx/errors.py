@@ -1,5 +1,40 @@
-"""The error every layer raises for bad user input; the CLI prints it as one line."""
+"""The errors every layer raises for bad input; the CLI prints each as one line.
+
+One hierarchy: `run_main` (cli/common.py) catches `FlashNormError` and prints
+`flashnorm-mlx: error: <message>`. Subclasses say where it came from, for
+callers that want to tell them apart; the ValueError bases keep the old
+`except ValueError` callers working.
+"""
 
 
-class LoadError(Exception):
-    """Bad user input (missing file, corrupt weights, unsupported model): one line."""
+class FlashNormError(Exception):
+    """Bad user input or a state the command cannot run in: one line, exit 1."""
+
+
+class LoadError(FlashNormError):
+    """A model that cannot be read or built: missing or corrupt files, weights
+    that do not fit the config, flags the weights cannot honour."""
+
+
+class UnsupportedModel(LoadError, ValueError):
+    """A config whose model_type no model file covers."""
+
+
+class FoldError(LoadError, ValueError):
+    """Weights that cannot be folded as asked (e.g. quantized ones)."""
+
+
+class BenchError(LoadError):
+    """Benchmark settings no run can use (unknown variant, no trials, ...)."""
+
+
+class UserError(FlashNormError):
+    """A bad flag or input a command found itself."""
+
+
+class ChatError(FlashNormError):
+    """A chat turn that cannot run (e.g. a message larger than the context)."""
+
+
+class ContextOverflow(ChatError):
+    """A message that does not fit the context even alone."""

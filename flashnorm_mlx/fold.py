@@ -16,16 +16,13 @@ import mlx.core as mx
 
 from . import models
 from .arch import Architecture
+from .errors import FoldError
 
 Weights = Dict[str, mx.array]
 
 # config.json key that marks a folded checkpoint (and how it was folded).
 MARKER = "flashnorm"
 FORMAT_VERSION = 1
-
-
-class FoldError(ValueError):
-    """The weights cannot be folded as asked (e.g. they are quantized)."""
 
 
 def is_folded(config: dict) -> bool:

@@ -8,12 +8,8 @@ import time
 from typing import Optional
 
 from .. import distributed
-from ..fold import FoldError
-from ..loading import DTYPES, LoadError, build_model, read_source
-
-
-class UserError(Exception):
-    """A bad flag or input detected by a command: reported as one line."""
+from ..errors import FlashNormError, UserError  # noqa: F401 (commands raise it)
+from ..loading import DTYPES, build_model, read_source
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -275,7 +271,7 @@ def run_main(fn):
     def wrapper(argv=None):
         try:
             return fn(argv)
-        except (LoadError, FoldError, UserError) as e:
+        except FlashNormError as e:
             rank = distributed.rank_prefix()  # "rank 1: " off rank 0 of a launch
             print(f"flashnorm-mlx: error: {rank}{e}", file=sys.stderr)
             return 1

@@ -9,6 +9,7 @@ import importlib
 from types import ModuleType
 
 from ..arch import Architecture
+from ..errors import UnsupportedModel
 
 # config model_type -> module in flashnorm_mlx.models
 ARCHITECTURES = {
@@ -18,10 +19,6 @@ ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
 }
-
-
-class UnsupportedModel(ValueError):
-    """A config whose model_type no model file covers."""
 
 
 def model_module(config: dict) -> ModuleType:
