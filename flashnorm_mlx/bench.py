@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import dispatch, distributed, fold
+from . import dispatch, distributed, fold, quant
 from .errors import BenchError
 from .loading import LoadError, Source, build_model, model_dtype, weight_bytes
 from .models import model_classes
@@ -491,7 +491,7 @@ def run_bench(
             "checksum": checksum,
             "checksum_algorithm": "blake2b-128 over sorted (name, dtype, shape, bytes)",
             "checksum_s": checksum_s,
-            "quantized": fold.is_quantized(source.weights),
+            "quantized": quant.is_quantized(source.weights),
         },
         **comparison(source, quantize, quantized),
         "variants": summary,

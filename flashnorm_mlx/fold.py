@@ -10,7 +10,7 @@ MLX Linear weights are (out, in), so the gain scales input columns.
 """
 
 import copy
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import mlx.core as mx
 
@@ -39,10 +39,6 @@ def mark_norm_gains(config: dict) -> dict:
     checkpoint as stored): what `convert` writes for one."""
     marker = {"folded": False, "format": FORMAT_VERSION, "norm_gains": "kernels"}
     return {**config, MARKER: marker}
-
-
-def is_quantized(weights: Weights) -> bool:
-    return any(k.endswith(".scales") for k in weights)
 
 
 # --- which norm feeds which linear layers ----------------------------------------
@@ -143,55 +139,6 @@ def drop_unit_norms(weights: Weights, config: dict) -> Weights:
     for norm, _ in norm_pairs(config, weights):
         weights.pop(f"{norm}.weight", None)
     return weights
-
-
-def quant_params(config: dict, module: str) -> Optional[dict]:
-    """The (group_size, bits, mode) a quantized module was stored with."""
-    q = config.get("quantization")
-    if not q:
-        return None
-    per = q.get(module)
-    if isinstance(per, dict):
-        return {
-            "group_size": per["group_size"],
-            "bits": per["bits"],
-            "mode": per.get("mode", "affine"),
-        }
-    return {
-        "group_size": q["group_size"],
-        "bits": q["bits"],
-        "mode": q.get("mode", "affine"),
-    }
-
-
-def dequantize_weights(
-    weights: Weights, config: dict, dtype: mx.Dtype = mx.float32
-) -> Tuple[Weights, dict]:
-    """Quantized (weight, scales, biases) triples -> float weights in `dtype`."""
-    out: Weights = {}
-    for key, value in weights.items():
-        if key.endswith(".scales") or key.endswith(".biases"):
-            continue
-        module = key[: -len(".weight")] if key.endswith(".weight") else None
-        if module is not None and f"{module}.scales" in weights:
-            qp = quant_params(config, module)
-            if qp is None:
-                raise FoldError(f"{module} is quantized but config has no quantization")
-            value = mx.dequantize(
-                value,
-                weights[f"{module}.scales"],
-                weights.get(f"{module}.biases"),
-                group_size=qp["group_size"],
-                bits=qp["bits"],
-                mode=qp["mode"],
-            ).astype(dtype)
-        out[key] = value
-    config = {
-        k: v
-        for k, v in config.items()
-        if k not in ("quantization", "quantization_config")
-    }
-    return out, config
 
 
 def map_floats(weights: Weights, fn: Callable[[mx.array], mx.array]) -> Weights:

@@ -212,7 +212,7 @@ def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
     if plan.stored_quantized:
         # nonorm changes weights: dequantize, fold, quantize again as stored.
         qspec = quant.source_qspec(weights, config)
-        weights, config = fold.dequantize_weights(weights, config, mx.float32)
+        weights, config = quant.dequantize_weights(weights, config, mx.float32)
     if fold.is_folded(config):
         # A folded checkpoint with unit gains is the same function as the original.
         weights = fold.restore_unit_norms(weights, config)

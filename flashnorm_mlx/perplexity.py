@@ -16,9 +16,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.utils import compute_bits_per_weight
 
-from . import gptq, quant
-from .progress import progress_bar
+from . import quant, recipe
 from .loading import LoadError, Source, build_model, model_dtype
+from .progress import progress_bar
+from .quant import gptq
 from .texts import calibration_text, default_text  # noqa: F401 (public here too)
 
 MODES = ("stock", "flashnorm")
@@ -181,23 +182,22 @@ def _ratio_ci(diff: np.ndarray) -> Optional[List[float]]:
 
 
 def _gptq_flashnorm(source: Source, kw: dict, calibration, bar):
-    """FlashNorm quantized by GPTQ on its folded weights (gptq.py), from the same
-    float weights and with the same settings stock's RTN gets."""
-    plan = quant.plan_weights(source.weights, source.config, **kw)
-    model, config = build_model(
-        source, "flashnorm", dtype=kw["dtype"], quantized="dequantize"
+    """FlashNorm quantized by GPTQ on its folded weights: the checkpoint `convert`
+    would write (recipe.py, the one way GPTQ runs), from the same float weights
+    and with the same settings stock's RTN gets, in the compute dtype."""
+    dtype = kw["dtype"] or quant.compute_dtype(source.weights)
+    weights, config = recipe.fold_checkpoint(
+        source,
+        dict(source.weights),
+        kw["quantize"],
+        dtype,
+        kw["quantized"],
+        q_method="gptq",
+        calibration=calibration,
+        bar=bar,
     )
-    if source.tokenizer is None:
-        raise LoadError("GPTQ calibrates on text: this model has no tokenizer")
-    data = gptq.calibration_data(source.tokenizer, calibration)
-    task = bar.add_task("calibrating", total=int(data.shape[0]))
-    hess = gptq.hessians(
-        plan.weights, plan.config, data, advance=lambda n: bar.advance(task, n)
-    )
-    task = bar.add_task("gptq", total=len(hess))
-    gptq.quantize_model(model, plan.config, hess, plan.qspec, lambda: bar.advance(task))
-    mx.eval(model.parameters())
-    return model, quant.with_quantization(config, plan.qspec)
+    converted = Source(source.name, config, weights, source.tokenizer)
+    return build_model(converted, "flashnorm", dtype=dtype)
 
 
 def _quant_name(config: dict) -> Optional[str]:

@@ -143,7 +143,7 @@ def comparison(source: Source, quantize=None, quantized: str = "stored") -> dict
     unfolded weights apart (a fold puts columns with different gains into one
     group), so their differences include quantization.
     """
-    src = quant.describe(source.config) if fold.is_quantized(source.weights) else None
+    src = quant.describe(source.config) if quant.is_quantized(source.weights) else None
     if quantize:
         how = f"{quantize[0]}-bit group {quantize[1]}"
         return {

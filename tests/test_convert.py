@@ -9,7 +9,7 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 
-from flashnorm_mlx import fold
+from flashnorm_mlx import fold, quant
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.convert import convert
 from flashnorm_mlx.loading import LoadError, Source, build_model, read_source
@@ -463,7 +463,7 @@ def _assert_config_describes_tensors(out: Path, float_weights: dict):
     files = _files(out)
     for key in [k for k in files if k.endswith(".scales")]:
         module = key[: -len(".scales")]
-        qp = fold.quant_params(cfg, module)
+        qp = quant.quant_params(cfg, module)
         width = float_weights[f"{module}.weight"].shape[-1]
         packed, scales = files[f"{module}.weight"], files[key]
         got = (packed.shape[-1] * 32 // qp["bits"], scales.shape[-1] * qp["group_size"])

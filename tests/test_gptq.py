@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import tiny
 
-from flashnorm_mlx import fold, gptq, quant
-from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.loading import Source, build_model, read_source
 from flashnorm_mlx.perplexity import perplexity
+from flashnorm_mlx.quant import gptq
 from flashnorm_mlx.texts import calibration_text, default_text
 
 CALIB = gptq.Calibration(num_seqs=8, seq_len=48)
@@ -65,17 +65,24 @@ def _logit_error(model, ref, tokens):
     return (mx.abs(out - want).max() / mx.abs(want).max()).item()
 
 
+def _gptq_model(source, **kw):
+    """FlashNorm 4-bit g32 by GPTQ: the checkpoint convert writes, in memory."""
+    from flashnorm_mlx.recipe import fold_checkpoint
+
+    weights, config = fold_checkpoint(
+        source, dict(source.weights), (4, 32), mx.float32, calibration=CALIB, **kw
+    )
+    converted = Source(source.name, config, weights, source.tokenizer)
+    return build_model(converted, "flashnorm", dtype=mx.float32)[0]
+
+
 def test_fold_aware_gptq_closer_to_float_than_rtn(source):
     """FlashNorm 4-bit g32 by GPTQ vs by RTN, both against the float stock model
     on text the calibration never saw."""
     tokens = mx.array([source.tokenizer.encode(default_text()[:400])[:64]])
     ref, _ = build_model(source, "stock", dtype=mx.float32)
     rtn, _ = build_model(source, "flashnorm", dtype=mx.float32, quantize=(4, 32))
-    plan = quant.plan_weights(source.weights, source.config, mx.float32, (4, 32))
-    data = gptq.calibration_data(source.tokenizer, CALIB)
-    hess = gptq.hessians(plan.weights, plan.config, data)
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    gptq.quantize_model(model, plan.config, hess, plan.qspec)
+    model = _gptq_model(source)
     kinds = {type(m).__name__ for _, m in model.named_modules()}
     assert "QuantizedLinear" in kinds and "Linear" not in kinds, kinds
     e_gptq, e_rtn = _logit_error(model, ref, tokens), _logit_error(rtn, ref, tokens)
@@ -166,34 +173,16 @@ def test_convert_gptq_is_recorded_deterministic_and_runs_in_stock_mlx_lm(
     assert rel < tiny.f32_tol(1e-5), rel
 
 
-def test_convert_gptq_equals_in_memory_gptq(source, tmp_path):
-    """convert (q, k, v separate, in row chunks) and quantize_model (fused q|k|v)
-    give the same quantization: GPTQ rows are independent."""
-    from flashnorm_mlx.convert import convert
-
-    out = tmp_path / "q"
-    convert(
-        source,
-        out,
-        quantize=(4, 32),
-        progress=False,
-        calibration=CALIB,
-        chunk_elements=1000,
-    )
-    conv, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
-    plan = quant.plan_weights(source.weights, source.config, mx.float32, (4, 32))
-    hess = gptq.hessians(
-        plan.weights, plan.config, gptq.calibration_data(source.tokenizer, CALIB)
-    )
-    mem, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    gptq.quantize_model(mem, plan.config, hess, plan.qspec)
+def test_gptq_in_row_chunks_equals_whole_weights(source):
+    """GPTQ rows are independent: a weight computed in row chunks (convert's
+    bounded memory) is the weight computed whole, bit for bit."""
+    whole = _gptq_model(source)
+    chunked = _gptq_model(source, chunk_elements=1000)
     for name in ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-        m1 = dict(conv.named_modules())[f"model.layers.1.{name}"]
-        m2 = dict(mem.named_modules())[f"model.layers.1.{name}"]
-        w1 = mx.dequantize(m1.weight, m1.scales, m1.biases, 32, 4)
-        w2 = mx.dequantize(m2.weight, m2.scales, m2.biases, 32, 4)
-        same = (w1 == w2).astype(mx.float32).mean().item()
-        assert same == 1.0, (name, same)
+        m1 = dict(whole.named_modules())[f"model.layers.1.{name}"]
+        m2 = dict(chunked.named_modules())[f"model.layers.1.{name}"]
+        for p in ("weight", "scales", "biases"):
+            assert mx.array_equal(m1[p], m2[p]).item(), (name, p)
 
 
 def test_convert_gptq_without_a_tokenizer_is_one_clear_error(tmp_path):

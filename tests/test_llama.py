@@ -7,7 +7,7 @@ import pytest
 import tiny
 from mlx_lm.models.cache import make_prompt_cache
 
-from flashnorm_mlx import fold
+from flashnorm_mlx import fold, quant
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.verify import compare
 
@@ -155,7 +155,7 @@ def test_quantized_source_is_dequantized_folded_requantized(source):
         else:
             qw[k] = v
     qsrc = Source("q", cfg, qw)
-    deq_w, deq_c = fold.dequantize_weights(qw, cfg)
+    deq_w, deq_c = quant.dequantize_weights(qw, cfg)
     fsrc = Source("f", deq_c, deq_w)
     x = mx.array([PROMPT])
     a, _ = build_model(qsrc, "flashnorm", quantized="requantize")

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from .. import gptq
+from ..quant import gptq
 from ..convert import convert
 from .common import Parser, StageLog, UserError, add_model_args, model_kwargs, run_main
 

@@ -4,7 +4,7 @@ import argparse
 import json
 import sys
 
-from .. import gptq
+from ..quant import gptq
 from ..loading import read_source
 from ..perplexity import MODES, load_text, perplexity
 from ..verify import comparison

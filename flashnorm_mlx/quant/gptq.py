@@ -32,9 +32,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.quant.gptq import Catcher
 from mlx_lm.quant.gptq import quantize as pack
 
-from . import fold, models
-from .errors import LoadError
-from .texts import calibration_text
+from .. import fold, models
+from ..errors import LoadError
+from ..texts import calibration_text
 
 METHODS = ("gptq", "rtn")
 DEFAULT_METHOD = "gptq"
@@ -51,6 +51,7 @@ def check_qspec(qspec: dict) -> None:
             f"not {', '.join(map(str, bad))}-bit: pass --q-method rtn, or "
             "--q-bits 2, 4 or 8"
         )
+
 
 Hessians = Dict[str, mx.array]
 
@@ -162,48 +163,3 @@ def quantize_weight(
         "scales": scales.astype(dtype),
         "biases": biases.astype(dtype),
     }
-
-
-def quantize_model(
-    model: nn.Module,
-    config: dict,
-    hess: Hessians,
-    qspec: dict,
-    advance: Optional[Callable[[], None]] = None,
-) -> None:
-    """Quantize `model` in place as `qspec` says: GPTQ where a Hessian exists for
-    the module (or, for our fused q|k|v and gate|up, for its first part, which
-    reads the same input), round-to-nearest elsewhere (the embedding)."""
-    fused = fold.architecture(config).fused_first_part()
-    done = []
-    for name, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
-        if type(m) is not nn.Linear:
-            continue
-        part = next(
-            (name[: -len(f)] + p for f, p in fused.items() if name.endswith(f)), name
-        )
-        spec, H = qspec.get(part), hess.get(part)
-        if spec is None or H is None:
-            continue
-        q = quantize_weight(
-            m.weight, H, spec["bits"], spec["group_size"], m.weight.dtype
-        )
-        layer = nn.QuantizedLinear(
-            m.weight.shape[1],
-            m.weight.shape[0],
-            bias="bias" in m,
-            group_size=spec["group_size"],
-            bits=spec["bits"],
-        )
-        layer.update(q)
-        if "bias" in m:
-            layer.bias = m.bias
-        done.append((name, layer))
-        if advance:
-            advance()
-    model.update_modules(tree_unflatten(done))
-    rest = {k: v for k, v in qspec.items() if k not in hess}
-    if rest:  # the embedding: round-to-nearest, as stock
-        from .quant import apply_qspec
-
-        apply_qspec(model, rest, config)

@@ -17,15 +17,14 @@ quantized from the same float weights with the same settings. A checkpoint
 folded already (by `convert`) is never folded or quantized again.
 """
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from . import fold
-from .errors import LoadError
+from .. import fold
+from ..errors import LoadError
+from .specs import dequantize_weights, is_quantized, source_qspec, uniform_qspec
 
 Weights = Dict[str, mx.array]
 
@@ -86,10 +85,12 @@ def plan_weights(
             f"{', '.join(QUANTIZED_WAYS)}"
         )
     default = source_dtype(weights) if output else compute_dtype(weights)
-    dtype = dtype or default
+    given_dtype, dtype = dtype, dtype or default
     if fold.is_folded(config):
-        return _plan_folded(weights, config, dtype, quantize, quantized)
-    if not fold.is_quantized(weights):
+        return _plan_folded(
+            weights, config, dtype, given_dtype, quantize, quantized, output
+        )
+    if not is_quantized(weights):
         qspec = uniform_qspec(weights, *quantize) if quantize else None
         return WeightPlan(weights, config, dtype, qspec)
     if quantize is None and quantized == "stored":
@@ -97,41 +98,10 @@ def plan_weights(
             weights, config, dtype, stored_quantized=True, note=stored_note(config)
         )
     qspec = source_qspec(weights, config) if quantized == "requantize" else None
-    weights, config = fold.dequantize_weights(weights, config, mx.float32)
+    weights, config = dequantize_weights(weights, config, mx.float32)
     if quantize:
         qspec = uniform_qspec(weights, *quantize)
     return WeightPlan(weights, config, dtype, qspec)
-
-
-GROUP_SIZES = (32, 64, 128)  # what -q/--q-group-size offers
-
-
-def uniform_qspec(weights: Weights, bits: int, group_size: int) -> dict:
-    """Quantize every 2-D weight whose input width the group size divides, as
-    mlx-lm does; LoadError where that is none of them (-q would do nothing)."""
-    widths = {
-        k[: -len(".weight")]: v.shape[-1]
-        for k, v in weights.items()
-        if k.endswith(".weight") and v.ndim == 2
-    }
-    qspec = {
-        m: {"group_size": group_size, "bits": bits, "mode": "affine"}
-        for m, w in widths.items()
-        if w % group_size == 0
-    }
-    if widths and not qspec:
-        sizes = sorted(set(widths.values()))
-        fits = [g for g in GROUP_SIZES if any(w % g == 0 for w in sizes)]
-        raise LoadError(
-            f"-q: group size {group_size} divides no weight's input width "
-            f"({', '.join(map(str, sizes))}), so nothing would be quantized; "
-            + (
-                f"--q-group-size {' or '.join(map(str, fits))} would work"
-                if fits
-                else f"no group size -q offers ({', '.join(map(str, GROUP_SIZES))}) does"
-            )
-        )
-    return qspec
 
 
 def requantizes(
@@ -141,7 +111,7 @@ def requantizes(
     --requantize on an unfolded quantized source), not the checkpoint's own."""
     return bool(quantize) or (
         quantized == "requantize"
-        and fold.is_quantized(weights)
+        and is_quantized(weights)
         and not fold.is_folded(config)
     )
 
@@ -169,78 +139,32 @@ def stored_note(config: dict) -> str:
     )
 
 
-def _plan_folded(weights, config, dtype, quantize, quantized) -> WeightPlan:
-    if not fold.is_quantized(weights):
-        qspec = uniform_qspec(weights, *quantize) if quantize else None
-        return WeightPlan(weights, config, dtype, qspec)
-    if quantize or quantized == "requantize":
+def _plan_folded(weights, config, dtype, given_dtype, quantize, quantized, output):
+    """The folded-source rule, for loading and `convert` alike: a checkpoint that
+    `convert` folded is never folded again, and its quantized tensors are never
+    quantized again (that would quantize twice)."""
+    if is_quantized(weights):
+        if quantize or quantized == "requantize" or output:
+            raise LoadError(
+                "this checkpoint is already folded and quantized: nothing to fold, "
+                "and quantizing it again would quantize twice; "
+                + (
+                    "convert from the unfolded source"
+                    if output
+                    else "drop -q/--requantize"
+                )
+            )
+        if quantized == "dequantize":
+            # Exact: the stored quantized function, run in float.
+            weights, config = dequantize_weights(weights, config, mx.float32)
+            note = "folded quantized checkpoint: dequantized to run in float (exact)"
+            return WeightPlan(weights, config, dtype, note=note)
+        note = "folded quantized checkpoint: run as stored (nothing is requantized)"
+        return WeightPlan(weights, config, dtype, stored_quantized=True, note=note)
+    if output and quantize is None and given_dtype is None:
         raise LoadError(
-            "this checkpoint is folded and quantized already: quantizing it again "
-            "would quantize twice; drop -q/--requantize (or convert from the "
-            "unfolded source)"
+            "source is already folded (config.json has 'flashnorm'); "
+            "pass -q or --dtype to quantize or cast it"
         )
-    if quantized == "dequantize":
-        # Exact: the stored quantized function, run in float.
-        weights, config = fold.dequantize_weights(weights, config, mx.float32)
-        note = "folded quantized checkpoint: dequantized to run in float (exact)"
-        return WeightPlan(weights, config, dtype, note=note)
-    note = "folded quantized checkpoint: run as stored (nothing is requantized)"
-    return WeightPlan(weights, config, dtype, stored_quantized=True, note=note)
-
-
-# --- quantization specs ------------------------------------------------------------
-
-
-def source_qspec(weights: Weights, config: dict) -> dict:
-    """The settings each quantized module of a checkpoint was stored with."""
-    return {
-        k[: -len(".scales")]: fold.quant_params(config, k[: -len(".scales")])
-        for k in weights
-        if k.endswith(".scales")
-    }
-
-
-def _lookup(qspec: dict, path: str, fused: Dict[str, str]) -> Optional[dict]:
-    # A stacked q|k|v or gate|up linear takes the quantization of its first part.
-    if path in qspec:
-        return qspec[path]
-    for name, part in fused.items():
-        if path.endswith(name):
-            return qspec.get(path[: -len(name)] + part)
-    return None
-
-
-def apply_qspec(model: nn.Module, qspec: dict, config: dict) -> dict:
-    """Quantize `model`'s modules as `qspec` says; returns the config with the
-    quantization block."""
-    fused = fold.architecture(config).fused_first_part()
-
-    def predicate(path, module):
-        return hasattr(module, "to_quantized") and (
-            _lookup(qspec, path, fused) or False
-        )
-
-    nn.quantize(model, class_predicate=predicate)
-    return with_quantization(config, qspec)
-
-
-def quantization_block(qspec: dict) -> dict:
-    """mlx-lm's quantization block: the most common setting, per-module exceptions."""
-    bits, group_size = Counter(
-        (v["bits"], v["group_size"]) for v in qspec.values()
-    ).most_common(1)[0][0]
-    q = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    q.update(
-        {
-            k: v
-            for k, v in qspec.items()
-            if v["bits"] != bits or v["group_size"] != group_size
-        }
-    )
-    return q
-
-
-def with_quantization(config: dict, qspec: dict) -> dict:
-    """`config` with the block under both names mlx-lm reads."""
-    q = quantization_block(qspec)
-    return {**config, "quantization": q, "quantization_config": q}
+    qspec = uniform_qspec(weights, *quantize) if quantize else None
+    return WeightPlan(weights, config, dtype, qspec)

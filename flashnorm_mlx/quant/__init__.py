@@ -1,0 +1,50 @@
+"""Quantization: the one weights decision, quantization settings, fold-aware GPTQ.
+
+- `plan`: `plan_weights`, the one decision on weights, dtype and quantization
+  that loading, nonorm and `convert` share (stored, dequantize, requantize);
+- `specs`: a checkpoint's quantization settings, dequantizing, uniform ones
+  for -q, and applying them to a model;
+- `gptq`: fold-aware GPTQ (calibration, Hessians, one weight at a time).
+"""
+
+from .plan import (
+    QUANTIZED_WAYS,
+    WeightPlan,
+    compute_dtype,
+    describe,
+    plan_weights,
+    requantizes,
+    source_dtype,
+    stored_note,
+)
+from .specs import (
+    GROUP_SIZES,
+    apply_qspec,
+    dequantize_weights,
+    is_quantized,
+    quant_params,
+    quantization_block,
+    source_qspec,
+    uniform_qspec,
+    with_quantization,
+)
+
+__all__ = [
+    "GROUP_SIZES",
+    "QUANTIZED_WAYS",
+    "WeightPlan",
+    "apply_qspec",
+    "compute_dtype",
+    "dequantize_weights",
+    "describe",
+    "is_quantized",
+    "plan_weights",
+    "quant_params",
+    "quantization_block",
+    "requantizes",
+    "source_dtype",
+    "source_qspec",
+    "stored_note",
+    "uniform_qspec",
+    "with_quantization",
+]

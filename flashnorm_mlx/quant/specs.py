@@ -1,0 +1,156 @@
+"""Quantization settings: reading a checkpoint's, making uniform ones, applying them.
+
+A qspec maps a module path to {"bits", "group_size", "mode"}; the config's
+quantization block (mlx-lm's format) holds the most common setting plus
+per-module exceptions.
+"""
+
+from collections import Counter
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import fold
+from ..errors import FoldError, LoadError
+
+Weights = Dict[str, mx.array]
+
+
+def is_quantized(weights: Weights) -> bool:
+    return any(k.endswith(".scales") for k in weights)
+
+
+def quant_params(config: dict, module: str) -> Optional[dict]:
+    """The (group_size, bits, mode) a quantized module was stored with."""
+    q = config.get("quantization")
+    if not q:
+        return None
+    per = q.get(module)
+    if isinstance(per, dict):
+        return {
+            "group_size": per["group_size"],
+            "bits": per["bits"],
+            "mode": per.get("mode", "affine"),
+        }
+    return {
+        "group_size": q["group_size"],
+        "bits": q["bits"],
+        "mode": q.get("mode", "affine"),
+    }
+
+
+def dequantize_weights(
+    weights: Weights, config: dict, dtype: mx.Dtype = mx.float32
+) -> Tuple[Weights, dict]:
+    """Quantized (weight, scales, biases) triples -> float weights in `dtype`."""
+    out: Weights = {}
+    for key, value in weights.items():
+        if key.endswith(".scales") or key.endswith(".biases"):
+            continue
+        module = key[: -len(".weight")] if key.endswith(".weight") else None
+        if module is not None and f"{module}.scales" in weights:
+            qp = quant_params(config, module)
+            if qp is None:
+                raise FoldError(f"{module} is quantized but config has no quantization")
+            value = mx.dequantize(
+                value,
+                weights[f"{module}.scales"],
+                weights.get(f"{module}.biases"),
+                group_size=qp["group_size"],
+                bits=qp["bits"],
+                mode=qp["mode"],
+            ).astype(dtype)
+        out[key] = value
+    config = {
+        k: v
+        for k, v in config.items()
+        if k not in ("quantization", "quantization_config")
+    }
+    return out, config
+
+
+GROUP_SIZES = (32, 64, 128)  # what -q/--q-group-size offers
+
+
+def uniform_qspec(weights: Weights, bits: int, group_size: int) -> dict:
+    """Quantize every 2-D weight whose input width the group size divides, as
+    mlx-lm does; LoadError where that is none of them (-q would do nothing)."""
+    widths = {
+        k[: -len(".weight")]: v.shape[-1]
+        for k, v in weights.items()
+        if k.endswith(".weight") and v.ndim == 2
+    }
+    qspec = {
+        m: {"group_size": group_size, "bits": bits, "mode": "affine"}
+        for m, w in widths.items()
+        if w % group_size == 0
+    }
+    if widths and not qspec:
+        sizes = sorted(set(widths.values()))
+        fits = [g for g in GROUP_SIZES if any(w % g == 0 for w in sizes)]
+        raise LoadError(
+            f"-q: group size {group_size} divides no weight's input width "
+            f"({', '.join(map(str, sizes))}), so nothing would be quantized; "
+            + (
+                f"--q-group-size {' or '.join(map(str, fits))} would work"
+                if fits
+                else f"no group size -q offers ({', '.join(map(str, GROUP_SIZES))}) does"
+            )
+        )
+    return qspec
+
+
+def source_qspec(weights: Weights, config: dict) -> dict:
+    """The settings each quantized module of a checkpoint was stored with."""
+    return {
+        k[: -len(".scales")]: quant_params(config, k[: -len(".scales")])
+        for k in weights
+        if k.endswith(".scales")
+    }
+
+
+def _lookup(qspec: dict, path: str, fused: Dict[str, str]) -> Optional[dict]:
+    # A stacked q|k|v or gate|up linear takes the quantization of its first part.
+    if path in qspec:
+        return qspec[path]
+    for name, part in fused.items():
+        if path.endswith(name):
+            return qspec.get(path[: -len(name)] + part)
+    return None
+
+
+def apply_qspec(model: nn.Module, qspec: dict, config: dict) -> dict:
+    """Quantize `model`'s modules as `qspec` says; returns the config with the
+    quantization block."""
+    fused = fold.architecture(config).fused_first_part()
+
+    def predicate(path, module):
+        return hasattr(module, "to_quantized") and (
+            _lookup(qspec, path, fused) or False
+        )
+
+    nn.quantize(model, class_predicate=predicate)
+    return with_quantization(config, qspec)
+
+
+def quantization_block(qspec: dict) -> dict:
+    """mlx-lm's quantization block: the most common setting, per-module exceptions."""
+    bits, group_size = Counter(
+        (v["bits"], v["group_size"]) for v in qspec.values()
+    ).most_common(1)[0][0]
+    q = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    q.update(
+        {
+            k: v
+            for k, v in qspec.items()
+            if v["bits"] != bits or v["group_size"] != group_size
+        }
+    )
+    return q
+
+
+def with_quantization(config: dict, qspec: dict) -> dict:
+    """`config` with the block under both names mlx-lm reads."""
+    q = quantization_block(qspec)
+    return {**config, "quantization": q, "quantization_config": q}
