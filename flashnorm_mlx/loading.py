@@ -131,6 +131,14 @@ def model_dtype(model: nn.Module) -> str:
     return str(v.dtype).replace("mlx.core.", "")
 
 
+def bits_per_weight(model: nn.Module) -> float:
+    """Parameter bits per weight, as mlx-lm's `compute_bits_per_weight` but over
+    parameters alone (that one also counts buffers such as our RoPE angles)."""
+    from mlx_lm.utils import get_total_parameters
+
+    return 8 * weight_bytes(model) / get_total_parameters(model)
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of parameters a forward pass reads (quantized packs and scales included)."""
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))

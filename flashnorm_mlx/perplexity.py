@@ -14,10 +14,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.utils import compute_bits_per_weight
 
 from . import quant, recipe
-from .loading import LoadError, Source, build_model, model_dtype
+from .loading import LoadError, Source, bits_per_weight, build_model, model_dtype
 from .progress import progress_bar
 from .quant import gptq
 from .texts import calibration_text, default_text  # noqa: F401 (public here too)
@@ -143,7 +142,7 @@ def perplexity(
                 if ours
                 else "stored" if config.get("quantization") else "float"
             )
-            result[f"{mode}_bits_per_weight"] = compute_bits_per_weight(model)
+            result[f"{mode}_bits_per_weight"] = bits_per_weight(model)
             stage(f"built {mode} ({result[f'{mode}_method']})")
             task = bar.add_task(mode, total=int(data.shape[0]))
             scored = [0]

@@ -224,3 +224,18 @@ def test_the_gain_in_the_kernel_is_what_makes_it_exact(quantized, monkeypatch):
     )
     x = mx.array([PROMPT])
     assert _rel(flash(x), stock(x)) > 1e-2
+
+
+def test_perplexity_runs_both_on_the_stored_weights(quantized):
+    """perplexity's default on a quantized checkpoint: the same stored weights on
+    both sides, so equal bits per weight and the same perplexity."""
+    from flashnorm_mlx.perplexity import perplexity
+    from flashnorm_mlx.texts import default_text
+
+    source = read_source(str(quantized("qwen3-tied", "4bit-g64")))
+    r = perplexity(
+        source, text=default_text()[:2000], seq_len=32, num_seqs=4, dtype=mx.float32
+    )
+    assert r["stock_method"] == r["flashnorm_method"] == "stored", r
+    assert r["stock_bits_per_weight"] == r["flashnorm_bits_per_weight"], r
+    assert abs(r["diff_rel"]) < 1e-5, r
