@@ -13,11 +13,7 @@ so its decode numbers read G / (G - 1) higher).
 """
 
 import hashlib
-import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -27,8 +23,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import dispatch, distributed, fold, quant
+from .machine import device_info, versions
 from .errors import BenchError
-from .loading import LoadError, Source, build_model, model_dtype, weight_bytes
+from .loading import Source, build_model, model_dtype, weight_bytes
 from .models import model_classes
 from .nonorm import rms_norm_paths
 from .verify import comparison
@@ -66,76 +63,6 @@ def decode_bytes(model: nn.Module, config: dict) -> int:
     has_head = any(k.startswith(f"{head}.") for k, _ in params)
     table = sum(v.nbytes for k, v in params if k.startswith(f"{embed}."))
     return weight_bytes(model) - (table if has_head else 0)
-
-
-def _sh(*cmd) -> Optional[str]:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout
-        return out.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _cpu_model() -> Optional[str]:
-    if sys.platform == "darwin":
-        return _sh("sysctl", "-n", "machdep.cpu.brand_string")
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def device_info() -> dict:
-    """The machine: Apple chip, GPU name or CPU model, and the MLX backend in use."""
-    if mx.metal.is_available():
-        backend = "metal"
-    elif mx.cuda.is_available():
-        backend = "cuda"
-    else:
-        backend = "cpu"
-    info = {
-        "backend": backend,
-        "mlx_device": str(mx.default_device()),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-    }
-    try:
-        raw = mx.device_info()
-        info["mlx_device_info"] = {
-            k: v for k, v in raw.items() if isinstance(v, (str, int, float, bool))
-        }
-    except Exception:  # older MLX or a backend without it
-        raw = {}
-    gpu = raw.get("device_name") if backend != "cpu" else None
-    if backend == "metal":
-        info["name"] = f"{info['cpu'] or gpu or 'Apple silicon'} (Metal GPU)"
-    elif backend == "cuda":
-        info["name"] = f"{gpu or 'NVIDIA GPU'} (CUDA)"
-    else:
-        info["name"] = (
-            f"{info['cpu'] or raw.get('device_name') or 'CPU'} "
-            f"(CPU, {os.cpu_count()} cores)"
-        )
-    return info
-
-
-def versions() -> dict:
-    import mlx_lm
-
-    from . import __version__
-
-    return {
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-        "flashnorm_mlx": __version__,
-        "python": platform.python_version(),
-    }
 
 
 # --- one timed generation ----------------------------------------------------
@@ -410,6 +337,8 @@ def _notes(device: dict, summary: dict) -> List[str]:
     return notes
 
 
+# Over 60 lines by its keyword arguments and their documentation alone: the
+# library entry point of a command, every flag a parameter.
 def run_bench(
     source: Source,
     variants: Sequence[str] = VARIANTS,
@@ -453,7 +382,34 @@ def run_bench(
             models, variants, prompt, gen_tokens, trials, timing, step
         )
     step.finish()
+    settings = {
+        "variants": variants,
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": gen_tokens,
+        "trials": trials,
+        "seed": seed,
+        "prefill_step_size": prefill_step_size,
+        "world_size": group.size() if group else 1,
+        "parallel": distributed.describe(group) if group else None,
+        "dtype": str(dtype).replace("mlx.core.", "") if dtype else None,
+        "quantize": list(quantize) if quantize else None,
+        "quantized": quantized,
+    }
+    src = {
+        "name": source.name,
+        "model_type": source.config.get("model_type"),
+        "checksum": checksum,
+        "checksum_algorithm": "blake2b-128 over sorted (name, dtype, shape, bytes)",
+        "checksum_s": checksum_s,
+        "quantized": quant.is_quantized(source.weights),
+        **comparison(source, quantize, quantized),
+    }
+    return _report(settings, src, info, records)
 
+
+def _report(settings: dict, src: dict, info: dict, records: List[dict]) -> dict:
+    """run_bench's result from what was built (info) and timed (records)."""
+    variants = settings["variants"]
     summary = {v: _summarize(info[v], records, v) for v in variants}
     ratios = {}
     if "stock" in variants:
@@ -464,36 +420,19 @@ def run_bench(
                     "prompt": _ratios(records, v, "stock", "prompt_tps"),
                 }
     device = device_info()
-    notes = _notes(device, summary)
+    notes = {
+        "decode_tps": "(G - 1) / time from the first generated token to the G-th",
+        "decode_bytes": DECODE_BYTES_NOTE,
+        "dispatches": DISPATCH_NOTE,
+    }
     return {
-        "notes": notes,
-        "settings": {
-            "variants": variants,
-            "prompt_tokens": prompt_tokens,
-            "gen_tokens": gen_tokens,
-            "trials": trials,
-            "seed": seed,
-            "prefill_step_size": prefill_step_size,
-            "world_size": group.size() if group else 1,
-            "parallel": distributed.describe(group) if group else None,
-            "dtype": str(dtype).replace("mlx.core.", "") if dtype else None,
-            "quantize": list(quantize) if quantize else None,
-            "quantized": quantized,
-            "decode_tps": "(G - 1) / time from the first generated token to the G-th",
-            "decode_bytes": DECODE_BYTES_NOTE,
-            "dispatches": DISPATCH_NOTE,
-        },
+        "notes": _notes(device, summary),
+        "settings": {**settings, **notes},
         "device": device,
         "versions": versions(),
-        "source": {
-            "name": source.name,
-            "model_type": source.config.get("model_type"),
-            "checksum": checksum,
-            "checksum_algorithm": "blake2b-128 over sorted (name, dtype, shape, bytes)",
-            "checksum_s": checksum_s,
-            "quantized": quant.is_quantized(source.weights),
-        },
-        **comparison(source, quantize, quantized),
+        "source": {k: v for k, v in src.items() if not k.startswith("comparison")},
+        "comparison": src["comparison"],
+        "comparison_note": src["comparison_note"],
         "variants": summary,
         "ratios": ratios,
         "headroom": _headroom(summary),

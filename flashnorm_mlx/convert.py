@@ -106,6 +106,8 @@ def _write_tokenizer(dst: Path, source: Source, tokenizer_dir: Optional[Path]) -
 # --- the conversion ----------------------------------------------------------
 
 
+# Over 60 lines by its keyword arguments and their documentation alone: the
+# library entry point of a command, every flag a parameter.
 def convert(
     source: Union[Source, str, None],
     out_dir: Union[str, Path],
@@ -151,15 +153,7 @@ def convert(
     else:
         weights = dict(source.weights)  # the caller's stay
 
-    created = _missing_parents(out)  # removed again if the conversion fails
-    try:  # before any work: an output that cannot be made is one line, now
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
-        # mkdtemp makes 0700; the checkpoint gets the umask's permissions.
-        os.chmod(tmp, 0o777 & ~_umask())
-    except OSError as e:
-        _remove_dirs(created)
-        raise LoadError(f"cannot create {shown}: {e.strerror or e}") from None
+    tmp, created = _make_tmp(out, shown)  # before any work: a bad -o is one line
     try:
         done, config = fold_checkpoint(
             source,
@@ -190,6 +184,21 @@ def convert(
         _remove_dirs(created)
         raise
     return summary
+
+
+def _make_tmp(out: Path, shown: Path) -> Tuple[Path, List[Path]]:
+    """The temporary sibling folder of `out`, and the parents made for it
+    (removed again if the conversion fails)."""
+    created = _missing_parents(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+        # mkdtemp makes 0700; the checkpoint gets the umask's permissions.
+        os.chmod(tmp, 0o777 & ~_umask())
+    except OSError as e:
+        _remove_dirs(created)
+        raise LoadError(f"cannot create {shown}: {e.strerror or e}") from None
+    return tmp, created
 
 
 def is_checkpoint(folder: Path) -> bool:

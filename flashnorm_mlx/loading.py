@@ -55,21 +55,9 @@ def build_model(
             distributed.shard_model(model, group, source.name)
             mx.eval(model.parameters())
         return model, config
-    weights, config = plan.weights, plan.config
-    norm_gains = False
-    if fold.is_folded(config):
-        # Folded already (by `convert`): stock runs it with unit gains restored.
-        unit = fold.restore_unit_norms if mode == "stock" else fold.drop_unit_norms
-        weights = unit(weights, config)
-    elif mode == "flashnorm" and plan.stored_quantized:
-        # Stored quantized weights cannot take a fold: the kernels apply the gains.
-        norm_gains = True
-        config = fold.mark_norm_gains(config)
-    elif mode == "flashnorm":
-        weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
-        weights, config = fold.fold_norms(weights, config)
-    weights = fold.map_floats(weights, lambda v: v.astype(plan.dtype))
-    qspec, stored_quantized = plan.qspec, plan.stored_quantized
+    weights, config, norm_gains = _weights_for(mode, plan)
+    qspec, stored_quantized, dtype = plan.qspec, plan.stored_quantized, plan.dtype
+    weights = fold.map_floats(weights, lambda v: v.astype(dtype))
     del plan  # from here the model alone holds the (lazy) weights
     try:
         model = models.instantiate(config, weights, mode, stored_quantized, norm_gains)
@@ -85,6 +73,24 @@ def build_model(
             mx.eval(layer.parameters())
     mx.eval(model.parameters())
     return model, config
+
+
+def _weights_for(mode: str, plan: quant.WeightPlan) -> Tuple[dict, dict, bool]:
+    """(weights, config, norm_gains) the `mode` model is built on: folded for
+    FlashNorm on float weights, as stored (gains in the kernels) on quantized
+    ones; a checkpoint `convert` folded is never folded again."""
+    weights, config = plan.weights, plan.config
+    if fold.is_folded(config):
+        # Stock runs a folded checkpoint with unit gains restored.
+        unit = fold.restore_unit_norms if mode == "stock" else fold.drop_unit_norms
+        return unit(weights, config), config, False
+    if mode == "flashnorm" and plan.stored_quantized:
+        # Stored quantized weights cannot take a fold: the kernels apply the gains.
+        return weights, fold.mark_norm_gains(config), True
+    if mode == "flashnorm":
+        weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
+        return (*fold.fold_norms(weights, config), False)
+    return weights, config, False
 
 
 def _own_handles(source: Source) -> dict:

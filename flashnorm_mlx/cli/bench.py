@@ -76,7 +76,11 @@ def _cell(s: dict, fmt: str = "{:.1f}") -> str:
 
 def render(result: dict, console) -> None:
     """The summary as a rich table plus a few lines under it."""
-    from rich.markup import escape
+    console.print(_table(result))
+    _print_lines(result, console)
+
+
+def _table(result: dict):
     from rich.table import Table
 
     st = result["settings"]
@@ -115,7 +119,13 @@ def render(result: dict, console) -> None:
             str(s["rms_norm_modules"]),
             "finite" if ok else "[red]NaN/inf[/red]",  # see the note below
         )
-    console.print(table)
+    return table
+
+
+def _print_lines(result: dict, console) -> None:
+    from rich.markup import escape
+
+    st = result["settings"]
     h = result["headroom"]
     if h.get("share") is not None:
         console.print(
