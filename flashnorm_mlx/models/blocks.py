@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
 
 from .. import kernels
 
@@ -65,6 +66,23 @@ class Block(nn.Module):
         if final:
             return kernels.residual_norm(h, y, ms_y, self.eps, out_gain)
         return kernels.residual(h, y, ms_y, self.eps, out_gain)
+
+
+def attention(qkv_proj, out_proj, epilogue, xs, ms, mask=None, cache=None):
+    """A FlashNorm attention: q|k|v matmul -> `kernels.qkv_epilogue` (heads out,
+    RoPE, the deferred scale; QK-norm and gains where `epilogue` has them) ->
+    KV cache -> attention with scale 1 (1/sqrt(h) rode in q') -> out projection.
+
+    xs: (B, L, D) block input as the matmuls read it; ms: mean(x^2) + eps of the
+    block input x, (B, L, 1) float32."""
+    qkv = qkv_proj(xs)
+    offset = cache.offset if cache is not None else 0
+    q, k, v = kernels.qkv_epilogue(qkv, ms, offset, epilogue)
+    if cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+    o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
+    B, L, _ = xs.shape
+    return out_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 def run_blocks(

@@ -20,14 +20,14 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.llama import ModelArgs  # the config is stock's, field for field
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import distributed, kernels
 from ..arch import Architecture, NormPair
-from .blocks import Block, run_blocks
+from .blocks import Block, attention, run_blocks
 
 ARCH = Architecture(
     layers_key="num_hidden_layers",
@@ -83,17 +83,8 @@ class Attention(nn.Module):
         self._inv_freq = kernels.rope_inv_freq(self.rope, h)
 
     def __call__(self, xs, ms, mask=None, cache=None):
-        # xs: (B, L, D) block input as the matmuls read it (x * p in float16);
-        # ms = mean(x^2) + eps of the block input x: (B, L, 1) float32.
-        qkv = self.qkv_proj(xs)
-        offset = cache.offset if cache is not None else 0
-        q, k, v = kernels.qkv_epilogue(qkv, ms, offset, self.epilogue_args())
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-
-        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
-        B, L, _ = xs.shape
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        args = (self.qkv_proj, self.o_proj, self.epilogue_args())
+        return attention(*args, xs, ms, mask, cache)
 
     def shard(self, group):
         """Whole heads per rank: q|k|v rows (three unequal segments under GQA) and

@@ -23,17 +23,13 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import (
-    BaseModelArgs,
-    create_attention_mask,
-    scaled_dot_product_attention,
-)
+from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.openelm import make_divisible
 
 from .. import distributed, kernels
 from ..arch import Architecture, NormPair
-from .blocks import Block, run_blocks
+from .blocks import Block, attention, run_blocks
 from .qk_norm import QKNorm, QKNormGains
 
 ARCH = Architecture(
@@ -108,19 +104,10 @@ class Attention(nn.Module):
         )
 
     def __call__(self, xs, ms, mask=None, cache=None):
-        # xs: (B, L, D) block input as the matmuls read it (x * p in float16);
-        # ms = mean(x^2) + eps of the block input x: (B, L, 1) float32.
-        qkv = self.qkv_proj(xs)
-        offset = cache.offset if cache is not None else 0
-        # One pass: heads out, QK-norm of s*q and s*k (or s / sqrt(h) on q, s on
-        # k without QK-norm), RoPE with the gains, s on v.
-        q, k, v = kernels.qkv_epilogue(qkv, ms, offset, self.epilogue_args())
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-
-        o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
-        B, L, _ = xs.shape
-        return self.out_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        # The epilogue: QK-norm of s*q and s*k (or s / sqrt(h) on q, s on k
+        # without QK-norm), RoPE with the gains, s on v.
+        args = (self.qkv_proj, self.out_proj, self.epilogue_args())
+        return attention(*args, xs, ms, mask, cache)
 
 
 class MLP(nn.Module):
