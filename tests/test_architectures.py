@@ -1,4 +1,5 @@
-"""Every architecture under every RoPE variant its stock class supports, one check.
+"""Every architecture, every tiny config and RoPE variant its stock class supports:
+one float32 check against stock mlx-lm, written once.
 
 Reference: stock mlx-lm's own class for the config's model_type on the same
 weights (`verify.compare`: a prompt, then cached greedy decode steps with
@@ -41,6 +42,13 @@ CASES = [
     for arch, (_, _, ropes) in ARCHS.items()
     for rope in ropes
 ]
+# Every tiny config as written (tests/tiny.py): shapes, heads, ties, biases,
+# sliding windows, QK-norm epsilons; prompt plus 32 cached steps.
+CONFIGS = (
+    [("llama", c, tiny.make_llama) for c in tiny.LLAMA_CONFIGS]
+    + [("qwen", c, tiny.make_qwen) for c in tiny.QWEN_CONFIGS]
+    + [("openelm", c, tiny.make_openelm) for c in tiny.OPENELM_CONFIGS]
+)
 
 
 def _source(tmp_path, arch, rope):
@@ -53,6 +61,20 @@ def _source(tmp_path, arch, rope):
         config.update(ROPES[rope])
         (path / "config.json").write_text(json.dumps(config))
     return read_source(str(path))
+
+
+@pytest.mark.parametrize(
+    "make,cfg", [pytest.param(m, c, id=f"{a}-{c}") for a, c, m in CONFIGS]
+)
+def test_every_config_float32_matches_stock_over_32_decode_steps(tmp_path, make, cfg):
+    source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
+    r = compare(source, PROMPT, horizon=32, dtype=mx.float32)
+    print(f"{cfg}: rel {r['max_rel_logit_diff']:.2e}, KL max {r['kl_max']:.1e}")
+    assert r["max_rel_logit_diff"] < tiny.f32_tol(), r
+    assert r["greedy_match"] == 32, r
+    assert r["stock_finite"] and r["flashnorm_finite"], r
+    # KL grows as the square of the logit error: scaled with the float32 tolerance.
+    assert r["kl_max"] < 1e-5 * (tiny.f32_tol() / 1e-4) ** 2, r
 
 
 @pytest.mark.parametrize("arch,rope", CASES)
