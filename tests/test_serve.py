@@ -20,7 +20,8 @@ import pytest
 import tiny
 
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.serve import StopText, bind_warning
+from flashnorm_mlx.serve import bind_warning
+from flashnorm_mlx.serve.scheduler import StopText
 
 START_TIMEOUT = 240  # loading the model on a busy 2-core CPU
 REQUEST_TIMEOUT = 120
@@ -249,6 +250,38 @@ def test_concurrent_requests_are_all_answered(server):
         n, why = a.usage.completion_tokens, a.choices[0].finish_reason
         assert 1 <= n <= 2 and why in ("stop", "length"), (p, a)
         assert why == "stop" or n == 2, (p, a)
+
+
+def test_batched_answers_equal_each_alone_and_report_batch_max(server):
+    client = server.client()
+    prompts = [
+        "1, 2, 3, 4, 5, 6, 7, 8,",
+        "The capital of France is",
+        "Once upon a time, in a land far away, there lived a",
+        "Monday, Tuesday,",
+    ]
+
+    def ask(p):
+        return client.completions.create(
+            model="default", prompt=p, temperature=0, max_tokens=8, logprobs=1
+        )
+
+    alone = [ask(p) for p in prompts]
+    # Together: decoded in one batch, each prompt's cache from the first round.
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(ask, prompts))
+    worst = 0.0
+    for a, b in zip(alone, together):
+        assert a.choices[0].text == b.choices[0].text, (a, b)
+        la = a.choices[0].logprobs.token_logprobs
+        lb = b.choices[0].logprobs.token_logprobs
+        worst = max(worst, max(abs(x - y) for x, y in zip(la, lb)))
+        assert b.usage.prompt_tokens_details.cached_tokens > 0, b.usage
+    alone_max = [r.model_extra["timings"]["batch_max"] for r in alone]
+    together_max = [r.model_extra["timings"]["batch_max"] for r in together]
+    print(f"batch_max alone {alone_max}, together {together_max}; logprobs {worst:.1e}")
+    assert worst <= 1e-5, worst
+    assert alone_max == [1] * 4 and together_max == [4] * 4, (alone_max, together_max)
 
 
 def test_a_long_generation_does_not_starve_a_short_one(server):

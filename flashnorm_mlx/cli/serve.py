@@ -1,10 +1,18 @@
-"""`flashnorm-mlx serve [MODEL]`: an OpenAI-compatible HTTP server (serve.py)."""
+"""`flashnorm-mlx serve [MODEL]`: an OpenAI-compatible HTTP server (serve/)."""
 
 import argparse
+import os
 import sys
 
 from ..loading import read_source
-from ..serve import ApiServer, Service, Settings, bind_warning, run_until_signal
+from ..serve import (
+    API_KEY_ENV,
+    ApiServer,
+    Service,
+    Settings,
+    bind_warning,
+    run_until_signal,
+)
 from ..source import default_model_path
 from .common import (
     Parser,
@@ -57,7 +65,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--decode-concurrency",
         type=int,
         default=32,
-        help="requests generating at once (round-robin); more wait in a queue",
+        help="requests decoded together in one batch; more wait in a queue",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        f"(default: ${API_KEY_ENV} if set, else no key; the variable keeps the "
+        "key out of ps)",
     )
     return p
 
@@ -68,15 +83,18 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be from 0 to 65535, not {args.port}")
-    for flag in ("prompt_cache_size", "decode_concurrency"):
+    for flag in ("prefill_step_size", "prompt_cache_size", "decode_concurrency"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        parser.error(f"the API key (--api-key or ${API_KEY_ENV}) must not be empty")
     # Bind first: a port in use is one line before a long model load.
     try:
         server = ApiServer(args.host, args.port)
     except (OSError, OverflowError) as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e}") from None
-    warning = bind_warning(args.host)
+    warning = bind_warning(args.host, api_key)
     if warning:
         print(f"flashnorm-mlx serve: {warning}", file=sys.stderr, flush=True)
 
@@ -96,6 +114,7 @@ def main(argv=None):
             prompt_cache_size=args.prompt_cache_size,
             decode_concurrency=args.decode_concurrency,
             max_context=args.max_context,
+            api_key=api_key,
         )
         model_id = args.model or default_model_path().stem
         server.attach(Service(load, model_id, args.mode, settings))
@@ -104,7 +123,7 @@ def main(argv=None):
         raise
     print(
         f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
-        f"{server.url}/v1 (Ctrl-C stops)",
+        f"{server.url}/v1{' (API key required)' if api_key else ''} (Ctrl-C stops)",
         file=sys.stderr,
         flush=True,
     )

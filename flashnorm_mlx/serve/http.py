@@ -1,0 +1,418 @@
+"""The HTTP layer: routes, the API key, JSON bodies and server-sent events.
+
+The standard library's ThreadingHTTPServer reads, checks and tokenizes each
+request on its own thread, then hands Jobs to the generation worker
+(scheduler.py) and streams or collects what it sends back.
+"""
+
+import hmac
+import ipaddress
+import json
+import select
+import signal
+import socket
+import threading
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from queue import Empty
+from typing import List, Optional
+
+import mlx.core as mx
+
+from .scheduler import Job, log
+from .schema import RequestError, chat_logprobs, text_logprobs
+from .service import Service
+
+MAX_BODY_BYTES = 16 << 20
+API_KEY_ENV = "FLASHNORM_MLX_API_KEY"
+
+
+def bind_warning(host: str, api_key: Optional[str] = None) -> Optional[str]:
+    """A warning line when `host` is reachable from other machines and no API
+    key guards it, else None."""
+    if host == "localhost" or api_key:
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: assume it is reachable
+        pass
+    return (
+        f"warning: serving on {host}, reachable from other machines, with no "
+        f"authentication; set an API key with {API_KEY_ENV}=KEY (kept out of ps) "
+        "or --api-key KEY (the default, --host 127.0.0.1, is this machine only)"
+    )
+
+
+def key_matches(header: Optional[str], api_key: str) -> bool:
+    """Whether an Authorization header is `Bearer <api_key>`, compared in
+    constant time (hmac.compare_digest); anything malformed is False."""
+    if not header:
+        return False
+    scheme, _, given = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return False
+    return hmac.compare_digest(given.strip().encode(), api_key.encode())
+
+
+# --- HTTP ----------------------------------------------------------------------
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _total_usage(usages: List[dict]) -> dict:
+    """One usage for several prompts: every count summed."""
+    if len(usages) == 1:
+        return usages[0]
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return {
+        **{k: sum(u[k] for u in usages) for k in keys},
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive for JSON; streams close at the end
+    server_version = "flashnorm-mlx"
+    timeout = 300  # idle keep-alive connections are let go
+
+    def log_message(self, format, *args):
+        pass  # the generation thread logs one line per answered request
+
+    def do_GET(self):
+        self._dispatch()
+
+    def do_POST(self):
+        self._dispatch()
+
+    do_PUT = do_DELETE = do_PATCH = do_POST
+
+    @property
+    def service(self) -> Service:
+        return self.server.service
+
+    def _dispatch(self):
+        self._sent = False
+        path = self.path.split("?", 1)[0].rstrip("/")
+        try:
+            self._check_key(path)
+            routes = {
+                "/health": ("GET", self._health),
+                "/v1/models": ("GET", self._models),
+                f"/v1/models/{self.service.model_id}": ("GET", self._model),
+                "/v1/chat/completions": ("POST", lambda: self._complete("chat")),
+                "/v1/completions": ("POST", lambda: self._complete("text")),
+            }
+            if path not in routes:
+                raise RequestError(
+                    f"Invalid URL ({self.command} {self.path})",
+                    status=404,
+                    code="not_found",
+                )
+            method, handle = routes[path]
+            if self.command != method:
+                self.close_connection = True  # a body, if any, is left unread
+                raise RequestError(
+                    f"{path} takes {method}, not {self.command}",
+                    status=405,
+                    code="method_not_allowed",
+                )
+            handle()
+        except RequestError as e:
+            self._send_json(e.status, e.body())
+        except (_ClientGone, OSError):  # the client left, reset or stalled
+            self.close_connection = True
+        except Exception as e:  # a bug answering one request: log it, answer 500
+            log(f"internal error: {e}\n{traceback.format_exc()}")
+            if not self._sent:
+                err = RequestError(
+                    f"internal error: {e}", status=500, kind="server_error"
+                )
+                self._send_json(500, err.body())
+            self.close_connection = True
+
+    def _check_key(self, path: str) -> None:
+        """With an API key, every route but /health needs it (401 otherwise)."""
+        key = self.service.settings.api_key
+        if key and path != "/health":
+            if not key_matches(self.headers.get("Authorization"), key):
+                self.close_connection = True  # a body, if any, is left unread
+                raise RequestError(
+                    "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                    status=401,
+                    code="invalid_api_key",
+                )
+
+    def _send_json(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self._sent = True
+        self.wfile.write(data)
+
+    def _health(self):
+        w = self.service.worker
+        self._send_json(
+            200 if w.alive else 503,
+            {
+                "status": "ok" if w.alive else "stopping",
+                "model": self.service.model_id,
+                "mode": self.service.mode,
+                "active": w.active,
+                "queued": w.queue.qsize(),
+            },
+        )
+
+    def _model_card(self) -> dict:
+        s = self.service
+        return {
+            "id": s.model_id,
+            "object": "model",
+            "created": s.started,
+            "owned_by": f"flashnorm-mlx ({s.mode})",
+        }
+
+    def _models(self):
+        self._send_json(200, {"object": "list", "data": [self._model_card()]})
+
+    def _model(self):
+        self._send_json(200, self._model_card())
+
+    def _read_json(self) -> dict:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self.close_connection = True
+            raise RequestError(
+                "a Content-Length header is required",
+                status=411,
+                code="length_required",
+            )
+        if int(length) > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise RequestError(
+                f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                status=413,
+                code="body_too_large",
+            )
+        raw = self.rfile.read(int(length))
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(f"invalid JSON in the body: {e}", code="invalid_json")
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object", code="invalid_json")
+        return body
+
+    def _complete(self, kind: str):
+        body = self._read_json()
+        jobs = self.service.parse(kind, body)
+        self.service.track(+1)
+        try:
+            for job in jobs:
+                self.service.worker.submit(job)
+            if jobs[0].stream:
+                self._stream(jobs[0])
+            else:
+                self._answer(jobs)
+        finally:
+            for job in jobs:  # a no-op when finished; stops those whose client left
+                job.cancelled.set()
+            self.service.track(-1)
+
+    def _next_event(self, job: Job):
+        """The job's next event; notices a dead worker or a client that left."""
+        while True:
+            try:
+                return job.events.get(timeout=0.5)
+            except Empty:
+                if not self.service.worker.thread.is_alive():
+                    return (
+                        "error",
+                        RequestError(
+                            "the server is shutting down",
+                            status=503,
+                            kind="server_error",
+                        ),
+                    )
+                if self._client_gone():
+                    raise _ClientGone()
+
+    def _client_gone(self) -> bool:
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    def _answer(self, jobs: List[Job]):
+        results = []
+        for job in jobs:
+            what, value = self._next_event(job)
+            while what not in ("done", "error"):
+                what, value = self._next_event(job)
+            if what == "error":
+                raise value
+            results.append(value)
+        choices = []
+        for i, (job, r) in enumerate(zip(jobs, results)):
+            choice = {
+                "index": i,
+                "finish_reason": r["finish_reason"],
+                "logprobs": self._logprobs(job, r["logprobs"]),
+            }
+            if job.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": r["text"]}
+            else:
+                choice["text"] = r["text"]
+            choices.append(choice)
+        self._send_json(
+            200,
+            {
+                **self._head(jobs[0], chunk=False),
+                "choices": choices,
+                "usage": _total_usage([r["usage"] for r in results]),
+                # Several prompts: the last one's, with the largest batch of any.
+                "timings": {
+                    **results[-1]["timings"],
+                    "batch_max": max(r["timings"]["batch_max"] for r in results),
+                },
+            },
+        )
+
+    @staticmethod
+    def _logprobs(job: Job, entries, start: int = 0) -> Optional[dict]:
+        """choices[0].logprobs in the route's shape; None when not asked for."""
+        if entries is None:
+            return None
+        if job.kind == "chat":
+            return chat_logprobs(entries)
+        return text_logprobs(entries, start)
+
+    def _head(self, job: Job, chunk: bool) -> dict:
+        if job.kind == "chat":
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+            prefix = "chatcmpl-"
+        else:
+            obj, prefix = "text_completion", "cmpl-"
+        return {
+            "id": prefix + job.id,
+            "object": obj,
+            "created": job.created,
+            "model": job.model,
+            "system_fingerprint": f"flashnorm-mlx-{self.service.mode}",
+        }
+
+    def _chunk(
+        self, job: Job, text: Optional[str], finish=None, role=False, logprobs=None
+    ) -> dict:
+        if job.kind == "chat":
+            delta = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice.update(finish_reason=finish, logprobs=logprobs)
+        return {**self._head(job, chunk=True), "choices": [choice]}
+
+    def _event(self, obj) -> None:
+        data = obj if isinstance(obj, str) else json.dumps(obj)
+        self.wfile.write(f"data: {data}\n\n".encode())
+        self.wfile.flush()
+
+    def _stream(self, job: Job):
+        # Errors found before the first event still get a plain JSON error.
+        what, value = self._next_event(job)
+        if what == "error":
+            raise value
+        self.close_connection = True  # the stream's end is the connection's end
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self._sent = True
+        self._event(self._chunk(job, "", role=True))
+        chars = 0  # text sent so far: completions' logprobs text_offset
+        while True:
+            if what == "text":
+                piece, entries = value
+                lp = self._logprobs(
+                    job, entries if job.top_logprobs is not None else None, chars
+                )
+                self._event(self._chunk(job, piece, logprobs=lp))
+                chars += len(piece)
+            elif what == "error":
+                self._event(value.body())
+                break
+            else:  # done
+                last = self._chunk(job, None, finish=value["finish_reason"])
+                last.update(usage=value["usage"], timings=value["timings"])
+                self._event(last)
+                if job.include_usage:
+                    self._event(
+                        {
+                            **self._head(job, True),
+                            "choices": [],
+                            "usage": value["usage"],
+                        }
+                    )
+                break
+            what, value = self._next_event(job)
+        self._event("[DONE]")
+
+
+class ApiServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer bound to (host, port), IPv6 when the host is one."""
+
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int):
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        super().__init__((host, port), Handler)
+        self.service: Optional[Service] = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{port}"
+
+    def attach(self, service: Service) -> None:
+        """Start `service` (builds the model) and answer requests with it."""
+        service.start()
+        self.service = service
+
+
+def run_until_signal(server: ApiServer) -> None:
+    """Serve until SIGINT (Ctrl-C) or SIGTERM, then stop cleanly: requests in
+    flight get an error, the generation thread ends, the socket closes."""
+    stopping = threading.Event()
+
+    def stop(signum, frame):
+        if not stopping.is_set():
+            stopping.set()
+            log(f"{signal.Signals(signum).name}: stopping")
+            # shutdown() waits for serve_forever, which runs on this thread.
+            threading.Thread(target=server.shutdown, daemon=True).start()
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.service.worker.close()
+        server.service.wait_idle(5.0)
+        server.server_close()
+        mx.clear_streams()  # this thread's too (mlx_lm's generation stream)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        log("stopped")
