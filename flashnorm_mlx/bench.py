@@ -188,17 +188,30 @@ def _headroom(summary: dict) -> dict:
         return {"share": None, "note": "needs all of stock, flashnorm and nonorm"}
     st, fn, nn_ = (summary[v]["decode_tps"]["median"] for v in need)
     gap = nn_ - st
+    # The run-to-run spread: a gap inside it is no headroom, and a share of it
+    # would be a percentage of noise.
+    noise = max(
+        summary[v]["decode_tps"]["q3"] - summary[v]["decode_tps"]["q1"]
+        for v in ("stock", "nonorm")
+    )
+    measurable = gap > noise
     out = {
         "stock_tps": st,
         "flashnorm_tps": fn,
         "nonorm_tps": nn_,
         "headroom_tps": gap,
-        "share": (fn - st) / gap if gap > 0 else None,
+        "noise_tps": noise,
+        "share": (fn - st) / gap if gap > 0 and measurable else None,
     }
     pst, pfn, pnn = (summary[v]["prompt_tps"]["median"] for v in need)
     out["prompt_share"] = (pfn - pst) / (pnn - pst) if pnn > pst else None
     if gap <= 0:
         out["note"] = "nonorm is not faster than stock here: no headroom to share"
+    elif not measurable:
+        out["note"] = (
+            f"nonorm is within noise of stock here ({st:.1f} -> {nn_:.1f} tok/s, "
+            f"interquartile spread {noise:.1f}): no measurable headroom to share"
+        )
     return out
 
 

@@ -106,6 +106,26 @@ def test_every_trial_and_summary(result):
     assert result["versions"]["mlx"] == mx.__version__, result["versions"]
 
 
+def _summary(stock, flashnorm, nonorm, spread):
+    """decode/prompt medians with an interquartile spread, as _summarize gives."""
+    row = lambda m: {"median": m, "q1": m - spread / 2, "q3": m + spread / 2}
+    return {
+        v: {"decode_tps": row(m), "prompt_tps": row(m)}
+        for v, m in (("stock", stock), ("flashnorm", flashnorm), ("nonorm", nonorm))
+    }
+
+
+def test_headroom_share_only_outside_the_noise():
+    """A share of a gap smaller than the run-to-run spread is a percentage of
+    noise (this CPU once printed 409%): none is given, and the note says why."""
+    h = bench._headroom(_summary(10.0, 11.0, 12.0, 0.5))
+    assert h["share"] == 0.5 and "note" not in h, h
+    h = bench._headroom(_summary(10.60, 10.63, 10.61, 0.4))
+    assert h["share"] is None and "within noise" in h["note"], h
+    h = bench._headroom(_summary(10.0, 10.0, 9.0, 0.1))
+    assert h["share"] is None and "not faster" in h["note"], h
+
+
 def test_launches_per_token_reported_and_flashnorm_fewest_on_a_gpu(result):
     """bench's launch counts (tests/test_dispatch.py checks the counter itself)."""
     v = result["variants"]
