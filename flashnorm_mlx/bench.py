@@ -22,7 +22,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import dispatch, distributed, fold, quant
+from . import dispatch, distributed, fold, kernels, quant
 from .machine import device_info, versions
 from .errors import BenchError
 from .loading import Source, build_model, model_dtype, weight_bytes
@@ -341,6 +341,7 @@ def _notes(device: dict, summary: dict) -> List[str]:
             "are not the GPU's; in parentheses the same step with each mx.fast op "
             "and FlashNorm kernel as one launch, as on Metal and CUDA"
         )
+    notes += kernels.failures()  # a kernel that fell back to its twin here
     if any(
         not s["logits_finite"] or not s["all_trials_finite"] for s in summary.values()
     ):
@@ -449,5 +450,6 @@ def _report(settings: dict, src: dict, info: dict, records: List[dict]) -> dict:
         "variants": summary,
         "ratios": ratios,
         "headroom": _headroom(summary),
+        "kernel_failures": kernels.failures(),
         "trials": records,
     }

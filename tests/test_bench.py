@@ -115,6 +115,15 @@ def _summary(stock, flashnorm, nonorm, spread):
     }
 
 
+def test_a_kernel_that_fell_back_is_in_the_notes_and_json(result, monkeypatch):
+    from flashnorm_mlx.kernels import _common
+
+    assert result["kernel_failures"] == [], result["kernel_failures"]
+    line = "the residual kernel failed its first-use check on cuda (boom); ..."
+    monkeypatch.setattr(_common, "FAILED", {("residual", "cuda"): line})
+    assert line in bench._notes(result["device"], result["variants"])
+
+
 def test_headroom_share_only_outside_the_noise():
     """A share of a gap smaller than the run-to-run spread is a percentage of
     noise (this CPU once printed 409%): none is given, and the note says why."""

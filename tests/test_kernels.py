@@ -376,19 +376,98 @@ def test_picked_op_runs_the_twin_without_backend_or_with_kernels_off(env, monkey
     assert all(mx.array_equal(a, b).item() for a, b in zip(picked, twin))
 
 
+def picked(op):
+    """What the picker runs for `op` (a kernel comes wrapped in its check)."""
+    fn = K.pick(op, *impls(op))
+    return getattr(fn, "__wrapped__", fn)
+
+
 @pytest.mark.parametrize("fake", ["metal", "cuda"])
 def test_picker_honours_flashnorm_kernels_env(fake, monkeypatch):
     monkeypatch.setattr(K._common, "gpu_backend", lambda: fake)
     monkeypatch.delenv("FLASHNORM_KERNELS", raising=False)
     for op in OPS:
-        assert K.pick(op, *impls(op)) is impls(op)[0], op
+        assert picked(op) is impls(op)[0], op
     monkeypatch.setenv("FLASHNORM_KERNELS", "0")
     for op in OPS:
-        assert K.pick(op, *impls(op)) is impls(op)[1], op
+        assert picked(op) is impls(op)[1], op
     monkeypatch.setenv("FLASHNORM_KERNELS", "deferred_glu,residual")
     for op in OPS:
         want = impls(op)[0 if op in ("deferred_glu", "residual") else 1]
-        assert K.pick(op, *impls(op)) is want, op
+        assert picked(op) is want, op
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """A GPU backend that is not there: kernels come from the test's factory,
+    and no check or failure of an earlier test is remembered."""
+    monkeypatch.setattr(K._common, "gpu_backend", lambda: "cuda")
+    monkeypatch.delenv("FLASHNORM_KERNELS", raising=False)
+    monkeypatch.setattr(K._common, "FAILED", {})
+    K._common._first_use_checked.cache_clear()
+    yield
+    K._common._first_use_checked.cache_clear()
+
+
+def _raising_kernel(*a, **k):
+    def launch(**call):
+        raise RuntimeError("nvrtc: error: identifier 'FN_LANE' is undefined")
+
+    return launch
+
+
+def _wrong_kernel(*a, **k):
+    def launch(inputs=None, output_shapes=(), output_dtypes=(), **call):
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    return launch
+
+
+@pytest.mark.parametrize(
+    "factory,why",
+    [(_raising_kernel, "nvrtc: error"), (_wrong_kernel, "differs from its twin")],
+    ids=["fails", "disagrees"],
+)
+def test_a_failing_kernel_falls_back_to_its_twin_with_one_line(
+    fake_backend, monkeypatch, capsys, factory, why
+):
+    """A kernel that cannot compile, raises or disagrees on the backend does not
+    take the model down: the first call returns the twin's result, says so in
+    one line (op, backend, error), and the twin runs from then on."""
+    monkeypatch.setattr(K._common, "make_kernel", factory)
+    h, y, ms_y, _ = residual_case(mx.float32, (2, 3, 64))
+    want = K.residual_ops(h, y, ms_y, 1e-5)
+    got = K.residual(h, y, ms_y, 1e-5)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flashnorm-mlx: note: the residual"), err
+    assert "cuda" in err[0] and why in err[0], err
+    assert K.failures() == [err[0][len("flashnorm-mlx: note: ") :]]
+    assert K.pick("residual", *impls("residual")) is K.residual_ops
+    K.residual(h, y, ms_y, 1e-5)
+    assert capsys.readouterr().err == ""  # said once
+    # Other ops are checked on their own: deferred_glu still tries its kernel.
+    assert picked("deferred_glu") is K.deferred_glu_kernel
+
+
+@needs_cxx
+def test_a_working_kernel_is_checked_once_per_variant(
+    host_kernels, fake_backend, monkeypatch, capsys
+):
+    """The host-compiled body passes its first-use check and runs from then on;
+    each variant (dtype, which inputs are given) is checked once."""
+    monkeypatch.setattr(K._common, "make_kernel", host_kernels.run)
+    calls = []
+    real = K.block_residual.residual_ops
+    monkeypatch.setattr(
+        K.block_residual, "residual_ops", lambda *a: calls.append(1) or real(*a)
+    )
+    h, y, ms_y, gain = residual_case(mx.float32, (1, 2, 8))
+    for _ in range(3):
+        K.residual(h, y, ms_y, 1e-5)
+    K.residual(h, y, ms_y, 1e-5, gain)
+    assert len(calls) == 2 and not K.failures(), (calls, K.failures())
+    assert capsys.readouterr().err == ""
 
 
 # --- renderings --------------------------------------------------------------------

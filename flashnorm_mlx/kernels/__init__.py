@@ -29,6 +29,7 @@ the same integer arithmetic, so producer and consumer agree bit for bit.
 from ._common import (
     backend,
     deferred_scale,
+    failures,
     pick,
     picking,
     pow2_prescale,
@@ -62,6 +63,7 @@ __all__ = [
     "deferred_glu_kernel",
     "deferred_glu_ops",
     "deferred_scale",
+    "failures",
     "pick",
     "picking",
     "pow2_prescale",

@@ -8,7 +8,8 @@ Shared by every op in this package. Op modules call `_common.pick` and pass
 import contextlib
 import functools
 import os
-from typing import Optional
+import sys
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -55,8 +56,97 @@ def _enabled(env: str, op: Optional[str]) -> bool:
 
 
 def pick(op: str, kernel, ops):
-    """The picker: `kernel` where a Metal or CUDA backend runs it now, else `ops`."""
-    return kernel if backend(op) is not None else ops
+    """The picker: `kernel` where a Metal or CUDA backend runs it now, else `ops`.
+
+    A kernel is checked against its twin at the first use of each variant
+    (`_first_use_checked`); one that fails is not picked again on that backend.
+    """
+    b = backend(op)
+    if b is None or (op, b) in FAILED:
+        return ops
+    return _first_use_checked(op, b, kernel, ops)
+
+
+# (op, backend) -> the one line said when its kernel failed its first-use check.
+FAILED: Dict[Tuple[str, str], str] = {}
+# Relative error (of max |twin|) past which a kernel disagrees with its twin:
+# far above rounding, so only a broken kernel or compiler trips it.
+CHECK_TOL = {mx.float32: 1e-3, mx.float16: 2e-2, mx.bfloat16: 1e-1}
+
+
+def failures() -> List[str]:
+    """One line per kernel this process fell back from (bench's notes)."""
+    return list(FAILED.values())
+
+
+def _variant(args) -> tuple:
+    """What selects a kernel variant: dtypes and which optional inputs are given."""
+    key = []
+    for a in args:
+        if isinstance(a, mx.array):
+            key.append(a.dtype)
+        elif a is None or isinstance(a, (int, float)):
+            key.append(a is None)
+        else:  # an Epilogue: its mode
+            key.append(tuple(getattr(a, f, None) is None for f in _MODE_FIELDS))
+    return tuple(key)
+
+
+_MODE_FIELDS = ("bias", "q_gain", "inv_freq")
+
+
+@functools.lru_cache(maxsize=64)
+def _first_use_checked(op: str, b: str, kernel, ops):
+    """`kernel`, run once per variant beside `ops` on the same inputs first: if it
+    fails to compile, raises or disagrees, the twin's result is used, and the
+    twin from then on, with one line on stderr naming the op, backend, error."""
+    seen = set()
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        key = _variant(args)
+        if key in seen:
+            return kernel(*args, **kwargs)
+        want = ops(*args, **kwargs)
+        try:
+            got = kernel(*args, **kwargs)
+            mx.eval(got, want)
+            err = _disagreement(got, want)
+        except Exception as e:  # compile errors surface at evaluation
+            err = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        if err is None:
+            seen.add(key)
+            return got
+        _fail(op, b, err)
+        return want
+
+    return run
+
+
+def _disagreement(got, want) -> Optional[str]:
+    got = [got] if isinstance(got, mx.array) else list(got)
+    want = [want] if isinstance(want, mx.array) else list(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return f"output {i} is {g.dtype}{g.shape}, its twin's {w.dtype}{w.shape}"
+        g32, w32 = g.astype(mx.float32), w.astype(mx.float32)
+        both_nan = mx.isnan(g32) & mx.isnan(w32)  # NaN in, NaN out: no verdict
+        diff = mx.where(both_nan, 0.0, mx.abs(g32 - w32)).max().item()
+        scale = mx.where(both_nan, 0.0, mx.abs(w32)).max().item()
+        err = diff / scale if diff else 0.0
+        if not err <= CHECK_TOL.get(w.dtype, 1e-3):  # a NaN of its own disagrees
+            return f"output {i} differs from its twin by {err:.2e} (relative)"
+    return None
+
+
+def _fail(op: str, b: str, err: str) -> None:
+    line = (
+        f"the {op} kernel failed its first-use check on {b} ({err}); using its "
+        "plain-MLX twin from now on. Please report this with `flashnorm-mlx bench` "
+        "output."
+    )
+    FAILED[(op, b)] = line
+    print(f"flashnorm-mlx: note: {line}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
