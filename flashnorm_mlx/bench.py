@@ -30,7 +30,7 @@ from .models import model_classes
 from .nonorm import rms_norm_paths
 from .verify import comparison
 
-VARIANTS = ("stock", "flashnorm", "nonorm")
+VARIANTS = ("stock", "stock_fused", "flashnorm", "nonorm")
 DECODE_BYTES_NOTE = (
     "bytes of parameters one decode step reads: every linear (packed weights, "
     "scales, biases) and norm gain; the input embedding table only when it is "
@@ -97,7 +97,10 @@ def time_generation(
             if not tokens:
                 t_first = t_last
             tokens.append(int(token))
-        # generate_step queues one step beyond the last token: let it finish untimed.
+        # generate_step queues one step beyond the last token: let it finish untimed
+        # (on its own stream: under a launch its all-sums must not meet the next
+        # forward's in another order on each rank).
+        mx.synchronize(generation_stream)
         mx.synchronize()
     prompt_s, decode_s = t_first - tic, t_last - t_first
     return {
@@ -263,7 +266,7 @@ def _build_variants(source: Source, variants, built: dict, step):
     """{variant: model}, {variant: what was built (class, bytes, launches, ...)}."""
     for v in variants:  # import the model modules now, so build_s times only the build
         try:
-            model_classes(source.config, "stock" if v == "nonorm" else v)
+            model_classes(source.config, "flashnorm" if v == "flashnorm" else "stock")
         except ImportError as e:
             raise BenchError(f"no {v} model for {source.config['model_type']}: {e}")
     models, info = {}, {}

@@ -11,12 +11,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import distributed, fold, models, nonorm, quant
+from . import distributed, fold, models, nonorm, quant, stock_fused
 from .errors import LoadError
 from .source import Source, read_source
 
-# "nonorm": the norm-removed speed bound for `bench` (built by nonorm.py).
-MODES = ("flashnorm", "stock", "nonorm")
+# "nonorm": the norm-removed speed bound for `bench` (built by nonorm.py);
+# "stock_fused": stock with q|k|v and gate|up stacked (stock_fused.py).
+MODES = ("flashnorm", "stock", "stock_fused", "nonorm")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 __all__ = ["LoadError", "Source", "build_model", "load", "read_source", "weight_bytes"]
@@ -55,6 +56,7 @@ def build_model(
             distributed.shard_model(model, group, source.name)
             mx.eval(model.parameters())
         return model, config
+    fused, mode = mode == "stock_fused", "stock" if mode == "stock_fused" else mode
     weights, config, norm_gains = _weights_for(mode, plan)
     qspec, stored_quantized, dtype = plan.qspec, plan.stored_quantized, plan.dtype
     weights = fold.map_floats(weights, lambda v: v.astype(dtype))
@@ -71,6 +73,8 @@ def build_model(
         distributed.shard_model(model, group, source.name)
         for layer in model.layers:  # each layer's full tensors freed once cut
             mx.eval(layer.parameters())
+    if fused:  # each rank's own rows, after sharding
+        stock_fused.fuse_projections(model)
     mx.eval(model.parameters())
     return model, config
 

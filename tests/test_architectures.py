@@ -105,3 +105,45 @@ def test_unfused_low_precision_close_to_float32_stock(tmp_path, arch, rope, dtyp
     r, f = ref(x), flash(x).astype(mx.float32)
     err = (mx.abs(f - r).max() / mx.abs(r).max()).item()
     assert mx.isfinite(f).all().item() and err < {mx.float16: 0.03}.get(dtype, 0.12)
+
+
+@pytest.mark.parametrize(
+    "make,cfg,quantized",
+    [
+        (tiny.make_llama, "gqa_untied", False),
+        (tiny.make_llama, "linear_bias", False),
+        (tiny.make_llama, "mistral_sliding", False),
+        (tiny.make_qwen, "qwen3_tied", False),
+        (tiny.make_openelm, "shared", False),
+        (tiny.make_llama, "gqa_untied", True),
+    ],
+    ids=["llama", "llama-bias", "mistral", "qwen3", "openelm", "llama-4bit"],
+)
+def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
+    """bench's stock_fused: q|k|v and gate|up stacked, the rest stock's: the
+    same logits (float32, and on stored 4-bit weights), the same bytes."""
+    from mlx.utils import tree_flatten
+
+    from flashnorm_mlx.loading import Source
+
+    source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
+    if quantized:
+        w, q = {}, {"group_size": 32, "bits": 4, "mode": "affine"}
+        for k, v in source.weights.items():
+            if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % 32 == 0:
+                m = k[: -len(".weight")]
+                w[k], w[f"{m}.scales"], w[f"{m}.biases"] = mx.quantize(v, 32, 4)
+            else:
+                w[k] = v
+        source = Source(source.name, {**source.config, "quantization": q}, w)
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    fused, _ = build_model(source, "stock_fused", dtype=mx.float32)
+    x = mx.array([PROMPT])
+    a, b = stock(x), fused(x)
+    rel = (mx.abs(a - b).max() / mx.abs(a).max()).item()
+    assert rel < 1e-5, rel
+    nbytes = lambda m: sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+    assert nbytes(fused) == nbytes(stock)
+    stacked = [n for n, m in fused.named_modules() if type(m).__name__ == "Stacked"]
+    want = 0 if cfg == "shared" else 2 * len(stock.layers)  # OpenELM: fused already
+    assert len(stacked) == want, stacked

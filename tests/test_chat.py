@@ -300,7 +300,8 @@ def test_cli_model_without_chat_template(model_dir, tmp_path, capsys):
 
 COMPARE = re.compile(
     r"^decode tok/s, last reply regenerated \((\d+) tokens.*?(\d+)-token prompt.*: "
-    r"flashnorm ([\d.]+) \(([\d.]+)x\) \| stock ([\d.]+) \| nonorm ([\d.]+) \(([\d.]+)x\)$",
+    r"flashnorm ([\d.]+) \(([\d.]+)x\) \| stock ([\d.]+) \| "
+    r"stock_fused ([\d.]+) \(([\d.]+)x\) \| nonorm ([\d.]+) \(([\d.]+)x\)$",
     re.M,
 )
 
@@ -325,14 +326,14 @@ def test_compare_regenerates_the_last_reply_on_the_same_prompt(model_dir, loaded
         assert t["generated_tokens"] == len(reply) and t["decode_tps"] > 0, t
 
 
-def test_cli_compare_prints_three_speeds(model_dir, monkeypatch, capsys):
+def test_cli_compare_prints_four_speeds(model_dir, monkeypatch, capsys):
     stdin = "/compare\nHi\n/compare\n/quit\n"
     rc, out, err = run_cli(monkeypatch, capsys, [str(model_dir), "-m", "5"], stdin)
     assert rc == 0, (rc, err)
     assert "needs a reply" in out, out  # nothing to compare before the first reply
     found = COMPARE.findall(out)
     assert len(found) == 1, out
-    n, prompt_len, fn, fn_x, st, nn, nn_x = found[0]
+    n, prompt_len, fn, fn_x, st, sf, sf_x, nn, nn_x = found[0]
     stats = STATS.findall(out)
     assert int(n) == int(stats[0][0]) and int(prompt_len) == int(stats[0][1]), (
         found,
@@ -340,3 +341,4 @@ def test_cli_compare_prints_three_speeds(model_dir, monkeypatch, capsys):
     )
     assert abs(float(fn) / float(st) / float(fn_x) - 1) < 0.05, found
     assert abs(float(nn) / float(st) / float(nn_x) - 1) < 0.05, found
+    assert abs(float(sf) / float(st) / float(sf_x) - 1) < 0.05, found

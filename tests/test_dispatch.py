@@ -85,6 +85,15 @@ def test_flashnorm_launches_fewer_than_nonorm_and_stock(sources, name, dtype):
     assert fn < nn_ < st, (name, dtype, {"flashnorm": fn, "nonorm": nn_, "stock": st})
 
 
+@pytest.mark.parametrize("name", ["llama-untied", "qwen2-bias", "qwen3-qk-norm"])
+def test_stock_fused_saves_three_launches_a_block(sources, name):
+    """q|k|v and gate|up as one matmul each: 5 matmuls become 2, the rest stock's."""
+    src = sources[name]
+    st = gpu_count(src, "stock", mx.float32)["dispatches"]
+    fu = gpu_count(src, "stock_fused", mx.float32)["dispatches"]
+    assert fu == st - 3 * layers(src), (name, st, fu)
+
+
 def quantized_as_stored(source):
     """`source` as a 4-bit group 32 checkpoint (every 2-D weight whose width 32
     divides), which FlashNorm runs as stored, the gains in the residual kernel."""

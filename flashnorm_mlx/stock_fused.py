@@ -1,0 +1,112 @@
+"""stock_fused: stock mlx-lm with q|k|v and gate|up each one matmul, nothing else.
+
+bench's honest attribution. FlashNorm changes two things at once: it fuses the
+projections that read the same input (5 matmuls a block become 2) and it does
+the norm work (folded or in-kernel gains, deferred 1/RMS, fused epilogues). On
+launch-bound backends the fusion alone is worth launches, so FlashNorm's lead
+over `stock_fused` is what the norm work buys, and its lead over `stock` what
+the whole design buys. The norms stay; the function is stock's (stacking rows,
+quantized ones too, changes no output element).
+
+The stock classes call q_proj(x), k_proj(x), v_proj(x) on one x: each part
+becomes a view of one stacked matmul computed once for that x.
+"""
+
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Projections of mlx-lm's Llama-family blocks that read the same input.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_ARRAYS = ("weight", "scales", "biases", "bias")
+
+
+class Stacked(nn.Module):
+    """The parts' rows stacked into one (quantized) linear, computed once per input."""
+
+    def __init__(self, parts: List[nn.Module]):
+        super().__init__()
+        for key in _ARRAYS:
+            if key in parts[0]:
+                setattr(self, key, mx.concatenate([p[key] for p in parts], axis=0))
+        p0 = parts[0]
+        self.quant = (
+            (p0.group_size, p0.bits, getattr(p0, "mode", "affine"))
+            if "scales" in p0
+            else None
+        )
+        # The last (input, output): the parts call with the same x in turn.
+        object.__setattr__(self, "_last", (None, None))
+
+    def cached(self, x: mx.array) -> mx.array:
+        if self._last[0] is not x:
+            object.__setattr__(self, "_last", (x, self._matmul(x)))
+        return self._last[1]
+
+    def _matmul(self, x):
+        if self.quant is None:  # as nn.Linear: a bias rides in the same launch
+            if "bias" in self:
+                return mx.addmm(self.bias, x, self.weight.T)
+            return x @ self.weight.T
+        else:
+            group_size, bits, mode = self.quant
+            y = mx.quantized_matmul(
+                x,
+                self.weight,
+                self.scales,
+                self.get("biases"),
+                transpose=True,
+                group_size=group_size,
+                bits=bits,
+                mode=mode,
+            )
+        return y + self.bias if "bias" in self else y
+
+
+class Part(nn.Module):
+    """One projection's columns of a `Stacked` output (a view, no launch)."""
+
+    def __init__(self, stacked: Stacked, start: int, stop: int):
+        super().__init__()
+        object.__setattr__(self, "_stacked", stacked)  # not a child: counted once
+        self.start, self.stop = start, stop
+
+    def __call__(self, x):
+        return self._stacked.cached(x)[..., self.start : self.stop]
+
+
+def _signature(m: nn.Module) -> Optional[Tuple]:
+    """What must match for rows to stack: which arrays, their trailing shapes and
+    the quantization; None for a module that is not a plain (quantized) linear."""
+    if "weight" not in m or any(k not in _ARRAYS for k, _ in m.parameters().items()):
+        return None
+    shapes = tuple((k, m[k].shape[1:], m[k].dtype) for k in _ARRAYS if k in m)
+    quant = (m.group_size, m.bits, getattr(m, "mode", "affine")) if "scales" in m else 0
+    return shapes, quant
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Stack each group of `GROUPS` found in `model` (in place); returns how many
+    groups were stacked. A group whose parts differ (e.g. quantized apart) stays."""
+    found = [
+        (m, names)
+        for _, m in model.named_modules()
+        for names in GROUPS
+        if all(n in m for n in names)
+    ]
+    done = 0
+    for module, names in found:
+        parts = [module[n] for n in names]
+        sigs = {_signature(p) for p in parts}
+        if len(sigs) != 1 or None in sigs:
+            continue
+        stacked = Stacked(parts)
+        setattr(module, "_".join(n.split("_")[0] for n in names) + "_stacked", stacked)
+        start = 0
+        for name, part in zip(names, parts):
+            stop = start + part.weight.shape[0]
+            setattr(module, name, Part(stacked, start, stop))
+            start = stop
+        done += 1
+    return done
