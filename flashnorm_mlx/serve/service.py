@@ -59,6 +59,15 @@ class Service:
         """The Jobs of a /v1/chat/completions ("chat") or /v1/completions
         ("text") body: one per prompt (a completions request may hold several)."""
         o = read_options(kind, body, self.settings)
+        prompts, param = self._prompts(kind, body, o.stream)
+        seed = o.seed
+        if seed is None:
+            with self._seeds_lock:
+                seed = self._seeds.getrandbits(63)
+        return [self._job(kind, o, p, param, seed) for p in prompts]
+
+    def _prompts(self, kind: str, body: dict, stream: bool):
+        """(token id lists, the field they came from) of a request body."""
         if kind == "chat":
             messages = read_messages(body)
             if not getattr(self.tokenizer, "has_chat_template", False):
@@ -82,15 +91,11 @@ class Service:
                 vocab = len(self.tokenizer.get_vocab())
                 prompts = read_prompts(body, self.tokenizer.encode, vocab)
             param = "prompt"
-            if o.stream and len(prompts) > 1:
+            if stream and len(prompts) > 1:
                 raise RequestError(
                     "a stream takes one prompt", param="prompt", code="invalid_value"
                 )
-        seed = o.seed
-        if seed is None:
-            with self._seeds_lock:
-                seed = self._seeds.getrandbits(63)
-        return [self._job(kind, o, p, param, seed) for p in prompts]
+        return prompts, param
 
     def _job(self, kind: str, o, prompt: List[int], param: str, seed: int) -> Job:
         if not prompt:
