@@ -1,18 +1,14 @@
-"""Tensor parallelism on mx.distributed, the mlx-lm way: a model's `shard(group)`.
+"""Tensor parallelism under `mlx.launch`: joining, barriers, one error line, a watchdog.
 
 Started by `mlx.launch -n N ...`, each command joins the launch's group, builds
-its model with `shard_model` applied before the weights are evaluated, and
-prints on rank 0 only. q|k|v and gate|up are split by rows segment by segment
-(`all_to_sharded`), o/down by columns and summed over the group
-(`sharded_to_all`), mlx.nn's `shard_linear` doing both. FlashNorm needs nothing
-more: every rank holds the whole residual row, so the per-token mean square is
-exact locally, and the folded gains live on input columns, which a row split
-keeps whole.
+its model split over it (sharding.py) and prints on rank 0 only.
 
-Failures end every rank with one line: a peer that exits closes its socket
-(the backend raises, `lost_peer_message` words it); a peer that never connects
-or goes silent is caught by `Watchdog`, a tiny child process that stops this
-one after FLASHNORM_DIST_TIMEOUT seconds (default 120) without progress.
+Failures end every rank with one line in all: a rank that fails while loading
+meets the others at their first barrier and the lowest failed rank alone
+prints (`report_error`); a peer that exits later closes its socket (the
+backend raises, `lost_peer_message` words it); a peer that never connects or
+goes silent is caught by `Watchdog`, a tiny child process that stops this one
+after FLASHNORM_DIST_TIMEOUT seconds (default 120) without progress.
 """
 
 import os
@@ -21,130 +17,15 @@ import subprocess
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence
+from typing import Callable, Iterable, Iterator, List, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx.nn.layers.distributed import shard_inplace, shard_linear
 
-from .errors import LoadError
+from .errors import JoinError, LoadError, PeerFailed
 
 TIMEOUT_ENV = "FLASHNORM_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120.0
-
-
-class ShardError(LoadError):
-    """A model that cannot be split over the group (one line for the user)."""
-
-
-# --- sharding --------------------------------------------------------------------
-
-
-def check_heads(n_heads: int, n_kv_heads: int, size: int, where: str = "") -> None:
-    """Whole heads per rank: q and k/v head counts must both divide by `size`."""
-    if n_heads % size or n_kv_heads % size:
-        at = f" ({where})" if where else ""
-        raise ShardError(
-            f"cannot shard over {size} ranks: {n_heads} query and {n_kv_heads} "
-            f"key/value heads{at}; both must be divisible by {size}"
-        )
-
-
-def _check_rows(rows: int, segments: Sequence[int], size: int, name: str):
-    for a, b in zip([0, *segments], [*segments, rows]):
-        if (b - a) % size:
-            raise ShardError(
-                f"cannot shard {name} over {size} ranks: {b - a} output rows "
-                f"(rows {a}-{b} of {rows}) do not divide by {size}"
-            )
-
-
-def all_to_sharded(
-    linear: nn.Module, group, segments: Sequence[int] = (), name: str = "a layer"
-) -> nn.Module:
-    """mlx's all-to-sharded linear: each rank keeps 1/N of every row segment
-    (q|k|v: segments at the end of q and of k, unequal under GQA)."""
-    _check_rows(linear.weight.shape[0], segments, group.size(), name)
-    return shard_linear(
-        linear, "all-to-sharded", segments=list(segments) or 1, group=group
-    )
-
-
-def sharded_to_all(linear: nn.Module, group, name: str = "a layer") -> nn.Module:
-    """mlx's sharded-to-all linear: 1/N of the input columns, outputs all-summed.
-    A quantized layer splits its columns by whole quantization groups."""
-    size = group.size()
-    cols = linear.weight.shape[1]
-    unit = 1
-    if isinstance(linear, nn.QuantizedLinear):
-        cols = cols * 32 // linear.bits
-        unit = linear.group_size
-    if cols % (size * unit):
-        what = f" in whole groups of {unit}" if unit > 1 else ""
-        raise ShardError(
-            f"cannot shard {name} over {size} ranks: its {cols} input columns "
-            f"do not split{what} (quantize with a smaller --q-group-size, or not at all)"
-        )
-    return shard_linear(linear, "sharded-to-all", group=group)
-
-
-def shard_vector(module: nn.Module, key: str, segments: Sequence[int], group):
-    """Split the parameter `module.<key>` (a fused bias) as its rows were split."""
-    _check_rows(module[key].shape[0], segments, group.size(), key)
-    shard_inplace(
-        module,
-        lambda path, w: (0, list(segments) or 1) if path == key else None,
-        group=group,
-    )
-
-
-def shard_openelm_layers(layers: List[nn.Module], group) -> None:
-    """OpenELM's blocks, ours and mlx-lm's alike (same names, q|k|v rows, gate|up
-    rows): the per-layer head counts are divided, every layer's own."""
-    size = group.size()
-    for i, layer in enumerate(layers):
-        attn, ffn = layer.attn, layer.ffn
-        check_heads(attn.n_heads, attn.n_kv_heads, size, f"layer {i}")
-        h = attn.head_dim
-        qkv = [attn.n_heads * h, (attn.n_heads + attn.n_kv_heads) * h]
-        attn.qkv_proj = all_to_sharded(attn.qkv_proj, group, qkv, f"layer {i} qkv")
-        attn.out_proj = sharded_to_all(attn.out_proj, group, f"layer {i} out_proj")
-        attn.n_heads //= size
-        attn.n_kv_heads //= size
-        half = ffn.proj_1.weight.shape[0] // 2  # gate | up
-        ffn.proj_1 = all_to_sharded(ffn.proj_1, group, [half], f"layer {i} proj_1")
-        ffn.proj_2 = sharded_to_all(ffn.proj_2, group, f"layer {i} proj_2")
-
-
-def _attention_modules(model: nn.Module):
-    for name, m in model.named_modules():
-        if hasattr(m, "n_heads") and hasattr(m, "n_kv_heads"):
-            yield name, m
-
-
-def shard_model(model: nn.Module, group, name: str = "the model") -> None:
-    """Split `model` over `group` in place: its own `shard` (ours; mlx-lm's Llama,
-    Mistral, Qwen2, Qwen3), or `shard_openelm_layers` for mlx-lm's OpenELM, which
-    has none. ShardError where it cannot be split."""
-    size = group.size()
-    for where, attn in _attention_modules(model):  # mlx-lm's shard does not check
-        check_heads(attn.n_heads, attn.n_kv_heads, size, where)
-    try:
-        if hasattr(model, "shard"):
-            model.shard(group)
-        elif getattr(model, "model_type", None) == "openelm":
-            shard_openelm_layers(model.layers, group)
-        else:
-            raise ShardError(
-                f"{name}: {type(model).__module__}.{type(model).__name__} has no "
-                "tensor-parallel shard; run it in one process"
-            )
-    except ValueError as e:  # mlx's own checks (a split that does not divide)
-        raise ShardError(f"cannot shard {name} over {size} ranks: {e}") from None
-
-
-# --- the launch ------------------------------------------------------------------
 
 
 def launch_backend() -> Optional[str]:
@@ -176,6 +57,9 @@ class Launch:
     group: "mx.distributed.Group"
     backend: str
     watchdog: "Watchdog"
+    # False until the first barrier: a rank that fails before it tells the
+    # others there (report_error), so one line explains a failure, not N.
+    settled: bool = False
 
     @property
     def rank(self) -> int:
@@ -227,7 +111,7 @@ def join() -> Optional[Launch]:
         group = mx.distributed.init(strict=True, backend=backend)
     except RuntimeError as e:
         watchdog.close()
-        raise LoadError(f"cannot start the {backend} group: {e}") from None
+        raise JoinError(f"cannot start the {backend} group: {e}") from None
     watchdog.pause()
     if group.size() < 2:
         watchdog.close()
@@ -238,11 +122,12 @@ def join() -> Optional[Launch]:
 
 
 def barrier(what: str) -> None:
-    """Wait until every rank gets here (e.g. all loaded), bounded by the watchdog.
+    """Wait until every rank gets here (e.g. all loaded), bounded by the watchdog;
+    PeerFailed where a rank failed on its way here (it says why, this one stops).
 
     Waits for this rank's queued work first: a generation step still running on
-    mlx-lm's generation stream would otherwise meet this all_sum in a different
-    order on each rank, and collectives pair up by order, not by name."""
+    mlx-lm's generation stream would otherwise meet this collective in a
+    different order on each rank, and collectives pair up by order, not by name."""
     if _LAUNCH is None:
         return
     from mlx_lm.generate import generation_stream
@@ -250,7 +135,61 @@ def barrier(what: str) -> None:
     mx.synchronize(generation_stream)
     mx.synchronize()
     with watch(f"waiting for the other ranks ({what})"):
-        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=_LAUNCH.group))
+        failed = _failed_ranks(False)
+        if failed:
+            _failed_ranks(False)  # the failed rank prints before anyone exits
+    _LAUNCH.settled = True
+    if failed:
+        raise PeerFailed(f"rank {failed[0]} failed while {what}")
+
+
+def _failed_ranks(failed: bool) -> List[int]:
+    """The ranks that say they failed: one all_gather, every rank's flag."""
+    flag = mx.array([int(failed)], dtype=mx.int32)
+    flags = mx.distributed.all_gather(flag, group=_LAUNCH.group).tolist()
+    return [r for r, f in enumerate(flags) if f]
+
+
+def report_error(e: BaseException) -> None:
+    """Print `e` as the command's one error line, where this rank should.
+
+    One process: always. A launch's rank that failed before the first barrier
+    (loading; the same bad input fails every rank alike): the ranks meet at it
+    (barrier), and only the lowest failed rank prints. Before joining, rank 0
+    alone prints (every rank parsed the same arguments), except a failure to
+    join. After the first barrier, each failing rank prints its own line."""
+    line = f"flashnorm-mlx: error: {rank_prefix()}{e}"
+    if isinstance(e, PeerFailed):
+        return
+    if _LAUNCH is None:
+        rank = _env_rank()
+        if isinstance(e, JoinError) or not rank:
+            prefix = f"rank {rank}: " if rank else ""
+            print(f"flashnorm-mlx: error: {prefix}{e}", file=sys.stderr, flush=True)
+        return
+    if _LAUNCH.settled:
+        print(line, file=sys.stderr, flush=True)
+        return
+    _LAUNCH.settled = True
+    try:
+        with watch("telling the other ranks about an error"):
+            failed = _failed_ranks(True)
+            if failed[0] == _LAUNCH.rank:
+                print(line, file=sys.stderr, flush=True)
+            _failed_ranks(True)
+    except RuntimeError as lost:  # a peer gone as well: say this rank's own part
+        if not is_collective_error(lost):
+            raise
+        print(line, file=sys.stderr, flush=True)
+
+
+def _env_rank() -> Optional[int]:
+    """This process's rank as the launcher set it (before joining), else None."""
+    for key in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 def announce() -> None:

@@ -38,3 +38,16 @@ class ChatError(FlashNormError):
 
 class ContextOverflow(ChatError):
     """A message that does not fit the context even alone."""
+
+
+class ShardError(LoadError):
+    """A model that cannot be split over the group of a launch."""
+
+
+class PeerFailed(LoadError):
+    """Another rank failed before the first barrier and said why: this rank
+    stops without a line of its own."""
+
+
+class JoinError(LoadError):
+    """This rank could not join the launch: its own line, whatever the others do."""

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import distributed, fold, models, nonorm, quant, stock_fused
+from . import fold, models, nonorm, quant, sharding, stock_fused
 from .errors import LoadError
 from .source import Source, read_source
 
@@ -39,7 +39,7 @@ def build_model(
     the norm gains in its kernels), "dequantize" or "requantize" (quant.py).
     `notes` collects a line for the user where the weights were not taken as
     the obvious reading of the flags would suggest. `group`: split the model
-    over it (distributed.shard_model) before its weights are evaluated, layer
+    over it (sharding.shard_model) before its weights are evaluated, layer
     by layer, so a rank holds its own shard and one layer's full tensors at a
     time (ShardError where it cannot be split).
     """
@@ -53,7 +53,7 @@ def build_model(
     if mode == "nonorm":  # the norm-removed speed bound, for `bench`
         model, config = nonorm.build_nonorm(plan)  # calibrated whole, then split
         if group is not None:
-            distributed.shard_model(model, group, source.name)
+            sharding.shard_model(model, group, source.name)
             mx.eval(model.parameters())
         return model, config
     fused, mode = mode == "stock_fused", "stock" if mode == "stock_fused" else mode
@@ -70,7 +70,7 @@ def build_model(
     if qspec:
         config = quant.apply_qspec(model, qspec, config)
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
-        distributed.shard_model(model, group, source.name)
+        sharding.shard_model(model, group, source.name)
         for layer in model.layers:  # each layer's full tensors freed once cut
             mx.eval(layer.parameters())
     if fused:  # each rank's own rows, after sharding

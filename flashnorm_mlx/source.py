@@ -9,6 +9,8 @@ Every variant (stock mlx-lm, FlashNorm, nonorm) is built from one `Source`
 import glob
 import importlib.util
 import json
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
@@ -166,6 +168,23 @@ def _folder_tokenizer(path: Path, required: bool = False):
     from mlx_lm.utils import load_tokenizer
 
     try:
-        return load_tokenizer(path)
+        with _quiet_transformers():
+            return load_tokenizer(path)
     except Exception as e:
         raise LoadError(f"{path}: could not load the tokenizer ({e})") from None
+
+
+@contextmanager
+def _quiet_transformers():
+    """transformers' warnings off (errors stay): it reads config.json and warns
+    about a model_type it does not know (OpenELM's), which is not the user's to fix."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)

@@ -207,7 +207,7 @@ def build(source, mode: str, args):
     taken (e.g. a folded 4-bit checkpoint run in float) goes to stderr."""
     notes = []
     model, config = build_model(source, mode, notes=notes, **model_kwargs(args))
-    for note in notes:
+    for note in notes if distributed.is_main_rank() else []:  # once per launch
         print(f"flashnorm-mlx: note: {note}", file=sys.stderr)
     return model, config
 
@@ -272,8 +272,7 @@ def run_main(fn):
         try:
             return fn(argv)
         except FlashNormError as e:
-            rank = distributed.rank_prefix()  # "rank 1: " off rank 0 of a launch
-            print(f"flashnorm-mlx: error: {rank}{e}", file=sys.stderr)
+            distributed.report_error(e)  # a launch: one line, not one per rank
             return 1
         except RuntimeError as e:  # a collective failed: a peer exited
             if not distributed.is_collective_error(e):

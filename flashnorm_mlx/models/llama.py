@@ -25,7 +25,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.llama import ModelArgs  # the config is stock's, field for field
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .. import distributed, kernels
+from .. import kernels, sharding
 from ..arch import Architecture, NormPair
 from .blocks import Block, attention, run_blocks
 
@@ -87,20 +87,12 @@ class Attention(nn.Module):
         return attention(*args, xs, ms, mask, cache)
 
     def shard(self, group):
-        """Whole heads per rank: q|k|v rows (three unequal segments under GQA) and
-        their bias split N ways, o_proj's columns split and its output all-summed.
-        The epilogue then just sees fewer heads; h, the scale, RoPE and QK-norm
-        gains (per head_dim) stay whole."""
-        size = group.size()
-        distributed.check_heads(self.n_heads, self.n_kv_heads, size)
-        h = self.head_dim
-        qkv = [self.n_heads * h, (self.n_heads + self.n_kv_heads) * h]
-        self.qkv_proj = distributed.all_to_sharded(self.qkv_proj, group, qkv, "qkv")
-        if "qkv_bias" in self:
-            distributed.shard_vector(self, "qkv_bias", qkv, group)
-        self.o_proj = distributed.sharded_to_all(self.o_proj, group, "o_proj")
-        self.n_heads //= size
-        self.n_kv_heads //= size
+        """Whole GQA groups per rank, unevenly where the heads do not divide
+        (a key/value head held by several ranks when there are fewer of them):
+        q|k|v rows and their bias, o_proj's columns for the local query heads,
+        its output all-summed. The epilogue then just sees fewer heads; h, the
+        scale, RoPE and QK-norm gains (per head_dim) stay whole."""
+        sharding.shard_attention(self, group)
 
     def epilogue_args(self) -> kernels.Epilogue:
         """The qkv epilogue's settings: heads, RoPE, 1/sqrt(h), the bias if any."""
@@ -133,14 +125,9 @@ class MLP(nn.Module):
         return self.down_proj(kernels.deferred_glu(gu, ms)), ms
 
     def shard(self, group):
-        """gate|up rows (and their bias) split N ways, down_proj all-summed."""
-        half = [self.gate_up_proj.weight.shape[0] // 2]
-        self.gate_up_proj = distributed.all_to_sharded(
-            self.gate_up_proj, group, half, "gate_up_proj"
-        )
-        if "gate_up_bias" in self:
-            distributed.shard_vector(self, "gate_up_bias", half, group)
-        self.down_proj = distributed.sharded_to_all(self.down_proj, group, "down_proj")
+        """gate|up rows (and their bias) and down_proj's columns, as even as a
+        quantized down_proj's groups allow; down_proj all-summed."""
+        sharding.shard_mlp(self, group)
 
 
 class TransformerBlock(Block):

@@ -27,7 +27,7 @@ from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.openelm import make_divisible
 
-from .. import distributed, kernels
+from .. import kernels, sharding
 from ..arch import Architecture, NormPair
 from .blocks import Block, attention, run_blocks
 from .qk_norm import QKNorm, QKNormGains
@@ -194,10 +194,10 @@ class Model(nn.Module):
         return weights
 
     def shard(self, group: Optional[mx.distributed.Group] = None):
-        """Tensor parallelism the mlx-lm way: per layer, q|k|v and gate|up rows
-        split N ways (whole heads), out_proj and proj_2 all-summed. mlx-lm's own
-        OpenELM has the same layout, so both use one function."""
-        distributed.shard_openelm_layers(self.layers, group or mx.distributed.init())
+        """Tensor parallelism the mlx-lm way, each layer by its own head counts:
+        q|k|v rows by whole GQA groups, gate|up rows, out_proj and proj_2
+        all-summed. mlx-lm's OpenELM has the same names, so both use one function."""
+        sharding.shard_layers(self.layers, group or mx.distributed.init())
 
     @property
     def layers(self):

@@ -1,0 +1,275 @@
+"""Splitting a model over an mx.distributed group: a model's `shard(group)`.
+
+Started by `mlx.launch -n N ...`, each command joins the launch's group, builds
+its model with `shard_model` applied before the weights are evaluated, and
+prints on rank 0 only. Attention splits by whole GQA groups (`split_heads`):
+each rank takes a run of key/value heads and the query heads that attend to
+them, unevenly where the counts do not divide, and where there are fewer
+key/value heads than ranks a key/value head is held by every rank whose query
+heads need it. q|k|v and gate|up keep their rows for those heads and hidden
+columns (`take_rows`); o_proj and down_proj their input columns, the outputs
+all-summed (`sum_columns`); a quantized layer is cut on group boundaries only.
+The same functions split ours, mlx-lm's (stock) and nonorm's models, whose
+layers share these names. FlashNorm needs nothing more: every rank holds the
+whole residual row, so the per-token mean square is exact locally, and the
+folded gains live on input columns, which a row split keeps whole.
+"""
+
+import copy
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import (
+    QuantizedShardedToAllLinear,
+    ShardedToAllLinear,
+)
+
+from .errors import ShardError
+
+
+def runs(total: int, parts: int, unit: int = 1) -> List[Tuple[int, int]]:
+    """`total` split into `parts` contiguous [a, b) runs of whole `unit`s, as
+    even as can be (the first runs one unit longer); a run may be empty."""
+    n, extra = divmod(total // unit, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + (n + (i < extra)) * unit)
+    return list(zip(bounds, bounds[1:]))
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """One rank's share of an attention layer: query heads [q0, q1) and the
+    key/value heads [k0, k1) they attend to, whole GQA groups only."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+
+    @property
+    def n_heads(self) -> int:
+        return self.q1 - self.q0
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.k1 - self.k0
+
+
+def split_heads(
+    n_heads: int, n_kv_heads: int, size: int, where: str = ""
+) -> List[HeadSplit]:
+    """Every rank's HeadSplit (index = rank). At least as many key/value heads as
+    ranks: contiguous runs of them, each with its query heads (SmolLM2's 9:3 over
+    2 ranks: 6:2 and 3:1). Fewer: each key/value head goes to a run of ranks that
+    split its query heads and all hold it (5:1 over 2: 3:1 and 2:1). Attention
+    needs whole groups per rank (local query heads a multiple of local kv heads,
+    in order), which both keep. ShardError with fewer query heads than ranks."""
+    at = f" ({where})" if where else ""
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ShardError(
+            f"cannot shard{at}: {n_heads} query heads do not form whole groups "
+            f"over {n_kv_heads} key/value heads"
+        )
+    if n_heads < size:
+        raise ShardError(
+            f"cannot shard over {size} ranks{at}: {n_heads} query heads, and each "
+            f"rank needs at least one; launch at most {n_heads} ranks"
+        )
+    g = n_heads // n_kv_heads
+    if n_kv_heads >= size:
+        return [HeadSplit(a * g, b * g, a, b) for a, b in runs(n_kv_heads, size)]
+    splits = []
+    for kv, (r0, r1) in enumerate(runs(size, n_kv_heads)):  # ranks per kv head
+        for a, b in runs(g, r1 - r0):
+            splits.append(HeadSplit(kv * g + a, kv * g + b, kv, kv + 1))
+    return splits
+
+
+def _cut(a: mx.array, ranges: Sequence[Tuple[int, int]], axis: int = 0) -> mx.array:
+    """The rows (axis 0) or columns (axis -1) in `ranges`, copied: a view would
+    keep the whole source tensor alive."""
+    parts = [a[s:e] if axis == 0 else a[..., s:e] for s, e in ranges]
+    return mx.contiguous(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis))
+
+
+def take_rows(linear: nn.Module, ranges: Sequence[Tuple[int, int]]) -> nn.Module:
+    """`linear` (float or quantized) holding only its output rows in `ranges`:
+    the all-to-sharded half, which needs no communication to run. Quantization
+    groups run along a row, so any row range is exact."""
+    part = copy.copy(linear)
+    for key in ("weight", "scales", "biases", "bias"):
+        if key in linear and linear[key] is not None:
+            part[key] = _cut(linear[key], ranges)
+    return part
+
+
+class _SumLinear(ShardedToAllLinear):
+    """Input columns of a linear layer; its output all-summed over the group,
+    then the bias (once). mlx's class, built from the cut arrays, as its own
+    constructor wants an even split."""
+
+    def __init__(self, weight, bias, group):
+        nn.Module.__init__(self)
+        self.group = group
+        self.weight = weight
+        if bias is not None:
+            self.bias = bias
+
+
+class _QuantizedSumLinear(QuantizedShardedToAllLinear):
+    """_SumLinear for a quantized layer (columns cut on group boundaries)."""
+
+    def __init__(self, arrays: dict, bias, layer: nn.QuantizedLinear, group):
+        nn.Module.__init__(self)
+        self.group = group
+        self.group_size, self.bits = layer.group_size, layer.bits
+        self.mode = getattr(layer, "mode", "affine")
+        self.weight, self.scales = arrays["weight"], arrays["scales"]
+        self.biases = arrays.get("biases")
+        if bias is not None:
+            self.bias = bias
+        self.freeze()
+
+
+def column_unit(linear: nn.Module) -> int:
+    """The finest column split of `linear`: a quantized layer's group size."""
+    return linear.group_size if isinstance(linear, nn.QuantizedLinear) else 1
+
+
+def input_width(linear: nn.Module) -> int:
+    cols = linear.weight.shape[1]
+    if isinstance(linear, nn.QuantizedLinear):
+        cols = cols * 32 // linear.bits
+    return cols
+
+
+def sum_columns(linear: nn.Module, cols: Tuple[int, int], group, name: str):
+    """The sharded-to-all half: `linear`'s input columns [a, b), output all-summed."""
+    a, b = cols
+    bias = linear["bias"] if "bias" in linear else None
+    if not isinstance(linear, nn.QuantizedLinear):
+        return _SumLinear(_cut(linear.weight, [cols], -1), bias, group)
+    gs, bits = linear.group_size, linear.bits
+    if a % gs or b % gs or (a * bits) % 32:
+        raise ShardError(
+            f"cannot shard {name} over {group.size()} ranks: a rank's input columns "
+            f"{a}-{b} do not start and end on its quantization groups of {gs} "
+            "(quantize with a --q-group-size that divides the head dimension, "
+            "or run in float)"
+        )
+    packed = (a * bits // 32, b * bits // 32)
+    arrays = {"weight": _cut(linear.weight, [packed], -1)}
+    for key in ("scales", "biases"):
+        if key in linear and linear[key] is not None:
+            arrays[key] = _cut(linear[key], [(a // gs, b // gs)], -1)
+    return _QuantizedSumLinear(arrays, bias, linear, group)
+
+
+def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
+    """Split one attention module over `group` by whole GQA groups (split_heads):
+    its q, k and v rows, fused as q|k|v (ours, OpenELM's; with our `qkv_bias`)
+    or three linears (mlx-lm's Llama, Qwen2, Qwen3), and the o_proj/out_proj
+    columns that read its query heads; the local head counts set. The same for
+    FlashNorm, stock and nonorm, which share these names."""
+    hq, hkv = attn.n_heads, attn.n_kv_heads
+    mine = split_heads(hq, hkv, group.size(), where)[group.rank()]
+    fused = "qkv_proj" in attn
+    if fused:  # (rows are output features, quantized or not)
+        h = attn.qkv_proj.weight.shape[0] // (hq + 2 * hkv)
+    else:  # mlx-lm's Qwen2 keeps no head_dim
+        h = attn.q_proj.weight.shape[0] // hq
+    q = [(mine.q0 * h, mine.q1 * h)]
+    kv = [(mine.k0 * h, mine.k1 * h)]
+    if fused:  # rows [q heads | k heads | v heads]
+        k_at, v_at = hq * h, (hq + hkv) * h
+        rows = q + [(a + k_at, b + k_at) for a, b in kv]
+        rows += [(a + v_at, b + v_at) for a, b in kv]
+        attn.qkv_proj = take_rows(attn.qkv_proj, rows)
+        if "qkv_bias" in attn:
+            attn.qkv_bias = _cut(attn.qkv_bias, rows)
+    else:
+        attn.q_proj = take_rows(attn.q_proj, q)
+        attn.k_proj = take_rows(attn.k_proj, kv)
+        attn.v_proj = take_rows(attn.v_proj, kv)
+    out = "o_proj" if "o_proj" in attn else "out_proj"
+    label = f"{where} {out}".strip()
+    setattr(attn, out, sum_columns(attn[out], q[0], group, label))
+    attn.n_heads, attn.n_kv_heads = mine.n_heads, mine.n_kv_heads
+    return mine
+
+
+def split_ffn(hidden: int, unit: int, size: int, name: str) -> List[Tuple[int, int]]:
+    """Every rank's hidden columns [a, b): as even as whole `unit`s allow."""
+    units = hidden // unit
+    if units < size:
+        if unit > 1:
+            what = f"{units} quantization group(s) of {unit}"
+            fix = f"launch at most {units} ranks, or quantize with a smaller group"
+        else:
+            what, fix = f"{hidden} hidden columns", f"launch at most {hidden} ranks"
+        raise ShardError(
+            f"cannot shard {name} over {size} ranks: its input is {what}, and "
+            f"each rank needs at least one; {fix}"
+        )
+    return runs(hidden, size, unit)
+
+
+def shard_mlp(mlp: nn.Module, group, where: str = "") -> Tuple[int, int]:
+    """Split a GLU feed-forward over `group`: gate and up rows and down's input
+    columns, the same hidden columns on each (a quantized down_proj splits on
+    its group boundaries only). Ours (gate_up_proj, optional gate_up_bias),
+    OpenELM's (proj_1 = gate|up, proj_2) and mlx-lm's (gate/up/down_proj)."""
+    if "proj_1" in mlp:
+        fused, down = "proj_1", "proj_2"
+    else:
+        fused = "gate_up_proj" if "gate_up_proj" in mlp else None
+        down = "down_proj"
+    hidden = input_width(mlp[down])
+    label = f"{where} {down}".strip()
+    a, b = split_ffn(hidden, column_unit(mlp[down]), group.size(), label)[group.rank()]
+    if fused:  # rows [gate | up]
+        rows = [(a, b), (hidden + a, hidden + b)]
+        setattr(mlp, fused, take_rows(mlp[fused], rows))
+        if "gate_up_bias" in mlp:
+            mlp.gate_up_bias = _cut(mlp.gate_up_bias, rows)
+    else:
+        mlp.gate_proj = take_rows(mlp.gate_proj, [(a, b)])
+        mlp.up_proj = take_rows(mlp.up_proj, [(a, b)])
+    setattr(mlp, down, sum_columns(mlp[down], (a, b), group, label))
+    return a, b
+
+
+def shard_layers(layers: List[nn.Module], group) -> None:
+    """Every block's attention and feed-forward, each layer by its own head
+    counts (OpenELM's vary); embedding, head and residual stay whole."""
+    for i, layer in enumerate(layers):
+        attn = layer["self_attn"] if "self_attn" in layer else layer["attn"]
+        ffn = layer["mlp"] if "mlp" in layer else layer["ffn"]
+        shard_attention(attn, group, f"layer {i}")
+        shard_mlp(ffn, group, f"layer {i}")
+
+
+def shard_model(model: nn.Module, group, name: str = "the model") -> None:
+    """Split `model` over `group` in place: ours by its own `shard`, mlx-lm's
+    (stock, nonorm) by `shard_layers`, as mlx-lm's own shard needs head counts
+    that divide. ShardError (one line) where it cannot be split."""
+    size = group.size()
+    ours = type(model).__module__.startswith(__package__ + ".")
+    try:
+        if ours and hasattr(model, "shard"):
+            model.shard(group)
+        elif hasattr(model, "layers") and not ours:
+            shard_layers(model.layers, group)
+        else:
+            raise ShardError(
+                f"{name}: {type(model).__module__}.{type(model).__name__} has no "
+                "tensor-parallel shard; run it in one process"
+            )
+    except ValueError as e:  # mlx's own checks
+        raise ShardError(f"cannot shard {name} over {size} ranks: {e}") from None
+
+
+# --- the launch ------------------------------------------------------------------
