@@ -281,20 +281,19 @@ def _compute(
     modules = set(recipe.modules)
     groups = layer_groups(recipe.order)
     task = bar.add_task("", total=len(groups))
-    if True:
-        for i, (name, keys) in enumerate(groups):
-            bar.update(task, description=name)
-            for key in keys:
-                module = key[: -len(".weight")]
-                if key.endswith(".weight") and module in modules:
-                    done.update(_module_output(recipe, module, chunk_elements))
-                    recipe.release(module)
-                else:
-                    done[key] = recipe.small.pop(key)
-                    mx.eval(done[key])
-            if on_layer is not None:
-                on_layer(i, len(groups))
-            bar.advance(task)
+    for i, (name, keys) in enumerate(groups):
+        bar.update(task, description=name)
+        for key in keys:
+            module = key[: -len(".weight")]
+            if key.endswith(".weight") and module in modules:
+                done.update(_module_output(recipe, module, chunk_elements))
+                recipe.release(module)
+            else:
+                done[key] = recipe.small.pop(key)
+                mx.eval(done[key])
+        if on_layer is not None:
+            on_layer(i, len(groups))
+        bar.advance(task)
     # Back to the source's tensor order, a packed weight followed by its scales.
     order = [name for key in recipe.order for name in (key, *_siblings(key))]
     return {k: done[k] for k in order if k in done}
