@@ -124,18 +124,9 @@ def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
     same logits (float32, and on stored 4-bit weights), the same bytes."""
     from mlx.utils import tree_flatten
 
-    from flashnorm_mlx.loading import Source
-
     source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
     if quantized:
-        w, q = {}, {"group_size": 32, "bits": 4, "mode": "affine"}
-        for k, v in source.weights.items():
-            if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % 32 == 0:
-                m = k[: -len(".weight")]
-                w[k], w[f"{m}.scales"], w[f"{m}.biases"] = mx.quantize(v, 32, 4)
-            else:
-                w[k] = v
-        source = Source(source.name, {**source.config, "quantization": q}, w)
+        source = tiny.quantized(source)
     stock, _ = build_model(source, "stock", dtype=mx.float32)
     fused, _ = build_model(source, "stock_fused", dtype=mx.float32)
     x = mx.array([PROMPT])

@@ -228,18 +228,9 @@ def test_nonorm_finite_with_residuals_scaled(source, dtype, scale):
     assert mx.isfinite(out).all().item() and peak < 10 * peak_ref, (peak, peak_ref)
 
 
-def _quantized_source(src: Source, bits=4, group_size=32) -> Source:
+def _quantized_source(src: Source) -> Source:
     """`src` stored pre-quantized (weight, scales, biases), as a 4-bit checkpoint is."""
-    w = {}
-    for k, v in src.weights.items():
-        if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group_size == 0:
-            q, s, b = mx.quantize(v, group_size=group_size, bits=bits)
-            m = k[: -len(".weight")]
-            w.update({f"{m}.weight": q, f"{m}.scales": s, f"{m}.biases": b})
-        else:
-            w[k] = v
-    cfg = {**src.config, "quantization": {"group_size": group_size, "bits": bits}}
-    return Source(src.name + " q4", cfg, w)
+    return tiny.quantized(src)
 
 
 def test_nonorm_from_a_quantized_source(source):

@@ -94,24 +94,6 @@ def test_stock_fused_saves_three_launches_a_block(sources, name):
     assert fu == st - 3 * layers(src), (name, st, fu)
 
 
-def quantized_as_stored(source):
-    """`source` as a 4-bit group 32 checkpoint (every 2-D weight whose width 32
-    divides), which FlashNorm runs as stored, the gains in the residual kernel."""
-    from flashnorm_mlx.loading import Source
-
-    weights = {}
-    for k, v in source.weights.items():
-        if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % 32 == 0:
-            m = k[: -len(".weight")]
-            weights[k], weights[f"{m}.scales"], weights[f"{m}.biases"] = mx.quantize(
-                v, group_size=32, bits=4
-            )
-        else:
-            weights[k] = v
-    q = {"group_size": 32, "bits": 4, "mode": "affine"}
-    return Source(source.name, {**source.config, "quantization": q}, weights)
-
-
 STORED = {
     "llama-untied": ("llama", "gqa_untied"),
     "llama-tied": ("llama", "mha_tied"),
@@ -128,7 +110,7 @@ def test_stored_quantized_step_launches_11_per_block(name, dtype, tmp_path):
     fewer than stock's on the same stored weights."""
     arch, cfg = STORED[name]
     make = getattr(tiny, f"make_{arch}")
-    src = quantized_as_stored(read_source(str(make(tmp_path, cfg, tokenizer=False))))
+    src = tiny.quantized(read_source(str(make(tmp_path, cfg, tokenizer=False))))
     model, config = build_model(src, "flashnorm", dtype=dtype)
     assert config["flashnorm"]["norm_gains"] == "kernels", config["flashnorm"]
     with dispatch.gpu_like():

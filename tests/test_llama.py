@@ -140,16 +140,8 @@ def test_quantized_source_is_dequantized_folded_requantized(source):
     from flashnorm_mlx.loading import Source
 
     _skip_if_not_quantizable(source)
-    cfg = {**source.config, "quantization": {"group_size": 32, "bits": 4}}
-    qw = {}
-    for k, v in source.weights.items():
-        if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % 32 == 0:
-            m = k[: -len(".weight")]
-            qw[k], qw[f"{m}.scales"], qw[f"{m}.biases"] = mx.quantize(v, 32, 4)
-        else:
-            qw[k] = v
-    qsrc = Source("q", cfg, qw)
-    deq_w, deq_c = quant.dequantize_weights(qw, cfg)
+    qsrc = tiny.quantized(source)
+    deq_w, deq_c = quant.dequantize_weights(qsrc.weights, qsrc.config)
     fsrc = Source("f", deq_c, deq_w)
     x = mx.array([PROMPT])
     a, _ = build_model(qsrc, "flashnorm", quantized="requantize")

@@ -332,6 +332,28 @@ def make_openelm(
     return write_model(path, cfg, openelm_weights(cfg, seed), tokenizer)
 
 
+# --- a quantized checkpoint, as mlx-lm or a GGUF stores it --------------------------
+
+
+def quantized(source, bits: int = 4, group_size: int = 32):
+    """`source` (a loading.Source) stored pre-quantized: every 2-D weight whose
+    width the group size divides as (weight, scales, biases), the config with
+    its quantization block."""
+    from flashnorm_mlx.loading import Source
+
+    w = {}
+    for k, v in source.weights.items():
+        if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group_size == 0:
+            m = k[: -len(".weight")]
+            w[k], w[f"{m}.scales"], w[f"{m}.biases"] = mx.quantize(
+                mx.array(v), group_size=group_size, bits=bits
+            )
+        else:
+            w[k] = v
+    q = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    return Source(source.name, {**source.config, "quantization": q}, w)
+
+
 # --- float32 tolerance on this device ---------------------------------------------
 
 
