@@ -69,18 +69,19 @@ RESIDUAL_BODY = (
   if (lane == 0) {
     ms[FN_GROUP] = msr;
   }
+#if FN_GAIN
+  // The next norm's gain, applied where the row the next matmul reads is formed
+  // (unfolded weights, e.g. a quantized checkpoint as stored).
 #if FN_PRESCALE
   const float p = FN_POW2_PRESCALE(msr);
 #else
   const float p = 1.0f;
 #endif
-#if FN_GAIN
-  // The next norm's gain, applied where the row the next matmul reads is formed
-  // (unfolded weights, e.g. a quantized checkpoint as stored).
   for (int i = lane; i < D; i += NT) {
     xs[base + i] = static_cast<T>(FN_ROW(i) * static_cast<float>(gain[i]) * p);
   }
 #elif FN_PRESCALE
+  const float p = FN_POW2_PRESCALE(msr);
   for (int i = lane; i < D; i += NT) {
     xs[base + i] = static_cast<T>(FN_ROW(i) * p);
   }

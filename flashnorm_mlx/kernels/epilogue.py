@@ -43,10 +43,14 @@ QKV_EPILOGUE_BODY = (
   // x was pre-scaled by the power of two p: s = rsqrt(ms) / p, 1/s^2 = ms * p^2.
   const float pt = FN_POW2_PRESCALE(mst);
   const float s = FN_RSQRT(mst) / pt;
+#if FN_QK_NORM
   const float inv_s2 = mst * pt * pt;
+#endif
 #else
   const float s = FN_RSQRT(mst);
+#if FN_QK_NORM
   const float inv_s2 = mst;
+#endif
 #endif
 #if FN_BIAS
   // A q/k/v bias (Qwen2) comes after the deferred scaling and before RoPE.
