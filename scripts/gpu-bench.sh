@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Issue 10's GPU measurements, on an NVIDIA machine with MLX's CUDA build set up as
+# The GPU measurements, on an NVIDIA machine with MLX's CUDA build set up as
 # ../shared/device/README.md says (run from the project root, after
 # `bash .devkit/device-setup.sh && source ~/kit/env.sh`). Random-weight checkpoints
 # at real shapes (decode speed depends on shapes, not values), then
-# `bench -p 128 -g 128 -n 7` in each model's dtype and in 4-bit group 64.
+# `bench -p 128 -g 128 -n 7` (stock, stock_fused, flashnorm, nonorm) in each model's
+# dtype and on a 4-bit group 64 copy quantized by mlx-lm itself, which every
+# variant runs as stored: the same 4-bit weights for stock and FlashNorm.
 # Results: one JSON per run and bench's tables in $OUT (default ./gpu-bench).
 set -euo pipefail
 out=${OUT:-gpu-bench}
@@ -14,10 +16,9 @@ python3 -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$out/versions.txt" || true
 python3 "$tools/mkshapes.py" "$out/models" $models
 for m in $models; do
-  for q in float 4bit; do
-    flags=()
-    [ "$q" = 4bit ] && flags=(-q --q-bits 4 --q-group-size 64)
-    PYTHONPATH=. python3 -m flashnorm_mlx bench "$out/models/$m" -p 128 -g 128 -n 7 \
-      "${flags[@]}" --json "$out/$m-$q.json" | tee -a "$out/tables.txt"
+  python3 scripts/quantize-as-mlx-lm.py "$out/models/$m" "$out/models/$m-4bit" 4 64
+  for q in "" -4bit; do
+    PYTHONPATH=. python3 -m flashnorm_mlx bench "$out/models/$m$q" -p 128 -g 128 -n 7 \
+      --json "$out/$m$q.json" | tee -a "$out/tables.txt"
   done
 done
