@@ -239,3 +239,27 @@ def test_perplexity_runs_both_on_the_stored_weights(quantized):
     assert r["stock_method"] == r["flashnorm_method"] == "stored", r
     assert r["stock_bits_per_weight"] == r["flashnorm_bits_per_weight"], r
     assert abs(r["diff_rel"]) < 1e-5, r
+
+
+def test_quantize_as_mlx_lm_script_makes_a_stored_checkpoint(hf_dirs, tmp_path):
+    """scripts/quantize-as-mlx-lm.py (gpu-bench's 4-bit rows): mlx-lm's own
+    quantization, which FlashNorm then runs as stored, equal to stock."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "scripts" / "quantize-as-mlx-lm.py"
+    out = tmp_path / "q"
+    r = subprocess.run(
+        [sys.executable, str(script), str(hf_dirs["llama-gqa-untied"]), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    source = read_source(str(out))
+    assert source.config["quantization"]["bits"] == 4, source.config
+    stock, _ = load_model(out)
+    flash, config = build_model(source, "flashnorm", dtype=mx.float32)
+    assert fold.has_norm_gains(config)
+    (ls, lf), agree = _run([stock, flash], steps=4)
+    assert _rel(lf, ls) < tiny.f32_tol() and agree == 4
