@@ -84,3 +84,23 @@ def test_cli_bad_data_file_is_one_line(model_dir, tmp_path, capsys):
     rc = main(["perplexity", str(model_dir), "--data", str(tmp_path / "missing.txt")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and "no such data file" in err[0], (rc, err)
+
+
+def test_quant_table_rows_are_perplexity_keywords():
+    """scripts/quant-table.py's rows (each 10-25 minutes, not run here) call
+    perplexity() with keywords it has and values it accepts."""
+    import importlib.util
+    import inspect
+    from pathlib import Path
+
+    from flashnorm_mlx import quant
+    from flashnorm_mlx.perplexity import perplexity
+
+    path = Path(__file__).parent.parent / "scripts" / "quant-table.py"
+    spec = importlib.util.spec_from_file_location("quant_table", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    params = inspect.signature(perplexity).parameters
+    for label, kw in table.PLAN.items():
+        assert set(kw) | set(table.EVAL) <= set(params), (label, kw)
+        assert kw.get("quantized", "stored") in quant.QUANTIZED_WAYS, (label, kw)
