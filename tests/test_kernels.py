@@ -940,3 +940,17 @@ def test_model_with_every_kernel_body_matches_twins(
             logits[env] = mx.concatenate(rows).astype(mx.float32)
     err = rel_err(logits["1"], logits["0"])
     assert err < (1e-5 if dtype == mx.float32 else 2e-2), f"{dtype}: {err:.3e}"
+
+
+def test_kernel_call_overhead_script_runs():
+    """scripts/kernel-call-overhead.py drives the real wrappers with a stand-in
+    kernel: it breaks when their signatures change."""
+    import sys
+
+    script = Path(__file__).parent.parent / "scripts" / "kernel-call-overhead.py"
+    r = subprocess.run(
+        [sys.executable, str(script), "3"], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    for op in ("residual", "residual_norm", "deferred_glu", "qkv_epilogue"):
+        assert any(line.startswith(op) for line in r.stdout.splitlines()), r.stdout
