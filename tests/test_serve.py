@@ -5,93 +5,21 @@ module; max_tokens stay small because this runs on slow CPUs."""
 
 import http.client
 import json
-import os
-import re
 import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai  # the `test` extra: a real OpenAI client against our server
 import pytest
 import tiny
+from serve_process import REQUEST_TIMEOUT, Server
 
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.serve import bind_warning
 from flashnorm_mlx.serve.scheduler import StopText
 
-START_TIMEOUT = 240  # loading the model on a busy 2-core CPU
-REQUEST_TIMEOUT = 120
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-class Server:
-    """A `flashnorm-mlx serve` process on a free port; its stderr kept as lines."""
-
-    def __init__(self, *args):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flashnorm_mlx", "serve", *args, "--port", "0"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.lines = []
-        self.ready = threading.Event()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-        if not self.ready.wait(START_TIMEOUT) or self.proc.poll() is not None:
-            self.kill()
-            pytest.fail(f"server did not start:\n{self.log()}")
-        url = next(
-            re.search(r"(http://\S+)/v1", x) for x in self.lines if " on http" in x
-        )
-        self.url = url.group(1)
-        self.port = int(self.url.rsplit(":", 1)[1])
-
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-            if " on http://" in line:
-                self.ready.set()
-        self.ready.set()  # exited
-
-    def log(self) -> str:
-        return "\n".join(self.lines)
-
-    def client(self, timeout=REQUEST_TIMEOUT):
-        return openai.OpenAI(
-            base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=timeout
-        )
-
-    def request(self, method, path, body=None, headers=None, timeout=REQUEST_TIMEOUT):
-        """(status, parsed JSON or raw text) of one plain HTTP request."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = body if isinstance(body, (bytes, type(None))) else json.dumps(body)
-            conn.request(method, path, body=data, headers=headers or {})
-            r = conn.getresponse()
-            raw = r.read().decode()
-        finally:
-            conn.close()
-        try:
-            return r.status, json.loads(raw)
-        except ValueError:
-            return r.status, raw
-
-    def stop(self, sig, timeout=30) -> int:
-        self.proc.send_signal(sig)
-        rc = self.proc.wait(timeout)
-        self.reader.join(10)  # its last lines
-        return rc
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -7,26 +7,19 @@ offsets, no padding). Logprobs and the key are checked over HTTP on a tiny
 Llama server, against a direct forward pass of the same model in this process.
 """
 
-import http.client
-import json
-import os
-import re
-import subprocess
-import sys
-import threading
 
 import mlx.core as mx
 import numpy as np
 import openai
 import pytest
 import tiny
+from serve_process import Server
 
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.loading import load
 from flashnorm_mlx.serve import API_KEY_ENV, bind_warning, key_matches
 from flashnorm_mlx.serve.scheduler import make_seeded_sampler
 
-START_TIMEOUT = 120
 KEY = "sk-test-0123456789"
 
 MODELS = {
@@ -160,58 +153,6 @@ def test_half_precision_batches_stay_finite(models, name, dtype):
 # --- a tiny Llama server: logprobs and the API key ------------------------------
 
 
-class TinyServer:
-    """`flashnorm-mlx serve` on a tiny Llama (float32), the key from the
-    environment variable."""
-
-    def __init__(self, path):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", API_KEY_ENV: KEY}
-        cmd = [sys.executable, "-m", "flashnorm_mlx", "serve", str(path)]
-        self.proc = subprocess.Popen(
-            cmd + ["--dtype", "float32", "--port", "0"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.lines, self.ready = [], threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self.ready.wait(START_TIMEOUT) or self.proc.poll() is not None:
-            self.kill()
-            pytest.fail("server did not start:\n" + "\n".join(self.lines))
-        url = next(re.search(r"(http://\S+)/v1", x) for x in self.lines if "http" in x)
-        self.url = url.group(1)
-        self.port = int(self.url.rsplit(":", 1)[1])
-
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-            if " on http://" in line:
-                self.ready.set()
-        self.ready.set()
-
-    def client(self, key=KEY):
-        return openai.OpenAI(
-            base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60
-        )
-
-    def request(self, method, path, body=None, headers=None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        try:
-            data = None if body is None else json.dumps(body)
-            conn.request(method, path, body=data, headers=headers or {})
-            r = conn.getresponse()
-            raw = r.read().decode()
-        finally:
-            conn.close()
-        return r.status, json.loads(raw), r.getheader("WWW-Authenticate")
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     return tiny.make_llama(tmp_path_factory.mktemp("serve-llama"), "gqa_untied")
@@ -219,7 +160,10 @@ def llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    s = TinyServer(llama_dir)
+    # float32, the key from the environment variable
+    s = Server(
+        str(llama_dir), "--dtype", "float32", env={API_KEY_ENV: KEY}, api_key=KEY
+    )
     yield s
     s.kill()
 
@@ -444,7 +388,7 @@ def test_bad_logprobs_fields_are_400(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     for name, (path, extra, param) in BAD_LOGPROBS.items():
         body = {"messages": [{"role": "user", "content": "x"}], "prompt": "x"}
-        status, reply, _ = server.request("POST", path, {**body, **extra}, auth)
+        status, reply, _ = server.request_auth("POST", path, {**body, **extra}, auth)
         err = reply.get("error", {})
         if status != 400 or err.get("param") != param or not err.get("message"):
             wrong.append((name, status, reply))
@@ -467,7 +411,7 @@ def test_api_key_is_required_everywhere_but_health(server):
         for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions")]:
             headers = {"Authorization": header} if header is not None else {}
             body = {"prompt": "hi", "max_tokens": 1} if method == "POST" else None
-            status, reply, auth = server.request(method, path, body, headers)
+            status, reply, auth = server.request_auth(method, path, body, headers)
             err = reply.get("error") if isinstance(reply, dict) else None
             ok = (
                 status == 401
@@ -479,7 +423,7 @@ def test_api_key_is_required_everywhere_but_health(server):
             if not ok:
                 wrong.append((header, method, path, status, reply))
     assert not wrong, "\n".join(map(str, wrong))
-    status, health, _ = server.request("GET", "/health")
+    status, health, _ = server.request_auth("GET", "/health")
     assert status == 200 and health["status"] == "ok", health
     with pytest.raises(openai.AuthenticationError):
         server.client(key="not-the-key").models.list()
