@@ -16,8 +16,9 @@ from .errors import LoadError
 from .source import Source, read_source
 
 # "nonorm": the norm-removed speed bound for `bench` (built by nonorm.py);
-# "stock_fused": stock with q|k|v and gate|up stacked (stock_fused.py).
-MODES = ("flashnorm", "stock", "stock_fused", "nonorm")
+# "stock_fused": stock with q|k|v and gate|up stacked (stock_fused.py);
+# "stock_compiled": stock given FlashNorm's compiled decode step (decode.py).
+MODES = ("flashnorm", "stock", "stock_compiled", "stock_fused", "nonorm")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 __all__ = ["LoadError", "Source", "build_model", "load", "read_source", "weight_bytes"]
@@ -31,6 +32,7 @@ def build_model(
     quantized: str = "stored",
     notes: Optional[List[str]] = None,
     group: Optional[mx.distributed.Group] = None,
+    compile: bool = True,
 ) -> Tuple[nn.Module, dict]:
     """Build the `mode` model on `source`'s weights; returns (model, its config).
 
@@ -41,7 +43,9 @@ def build_model(
     the obvious reading of the flags would suggest. `group`: split the model
     over it (sharding.shard_model) before its weights are evaluated, layer
     by layer, so a rank holds its own shard and one layer's full tensors at a
-    time (ShardError where it cannot be split).
+    time (ShardError where it cannot be split). `compile`: FlashNorm's decode
+    steps run compiled (decode.py); "stock_compiled" always does, stock,
+    stock_fused and nonorm never.
     """
     if mode not in MODES:
         raise LoadError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
@@ -56,13 +60,17 @@ def build_model(
             sharding.shard_model(model, group, source.name)
             mx.eval(model.parameters())
         return model, config
-    fused, mode = mode == "stock_fused", "stock" if mode == "stock_fused" else mode
+    fused = mode == "stock_fused"
+    compiled = mode == "stock_compiled" or (mode == "flashnorm" and compile)
+    mode = "stock" if mode in ("stock_fused", "stock_compiled") else mode
     weights, config, norm_gains = _weights_for(mode, plan)
     qspec, stored_quantized, dtype = plan.qspec, plan.stored_quantized, plan.dtype
     weights = fold.map_floats(weights, lambda v: v.astype(dtype))
     del plan  # from here the model alone holds the (lazy) weights
     try:
-        model = models.instantiate(config, weights, mode, stored_quantized, norm_gains)
+        model = models.instantiate(
+            config, weights, mode, stored_quantized, norm_gains, compiled
+        )
     except (ValueError, KeyError) as e:  # weights or config that do not fit
         # mlx-lm lists missing parameters on lines of their own: keep one line.
         raise LoadError(f"{source.name}: {' '.join(str(e).split())}") from None
@@ -122,12 +130,18 @@ def load(
     quantize: Optional[Tuple[int, int]] = None,
     quantized: str = "stored",
     tokenizer: Optional[str] = None,
+    compile: bool = True,
 ):
     """(model, tokenizer) for MODEL: FlashNorm-folded at load unless already folded
     (or, for a quantized checkpoint, as stored with the gains in the kernels)."""
     source = read_source(model, tokenizer=tokenizer)
     m, _ = build_model(
-        source, mode=mode, dtype=dtype, quantize=quantize, quantized=quantized
+        source,
+        mode=mode,
+        dtype=dtype,
+        quantize=quantize,
+        quantized=quantized,
+        compile=compile,
     )
     return m, source.tokenizer
 

@@ -34,6 +34,7 @@ from ._common import (
     picking,
     pow2_prescale,
     prescaled,
+    tracing,
 )
 from .block_residual import (
     residual,
@@ -80,4 +81,5 @@ __all__ = [
     "residual_norm_ops",
     "residual_ops",
     "rope_inv_freq",
+    "tracing",
 ]

@@ -107,6 +107,10 @@ def _first_use_checked(op: str, b: str, kernel, ops):
         key = _variant(args)
         if key in seen:
             return kernel(*args, **kwargs)
+        if _TRACING:
+            # A check evaluates, which a trace cannot: this trace runs the twin,
+            # and the kernel stays on for the eager call that checks it.
+            return ops(*args, **kwargs)
         want = ops(*args, **kwargs)
         try:
             got = kernel(*args, **kwargs)
@@ -147,6 +151,22 @@ def _fail(op: str, b: str, err: str) -> None:
     )
     FAILED[(op, b)] = line
     print(f"flashnorm-mlx: note: {line}", file=sys.stderr, flush=True)
+
+
+_TRACING = False
+
+
+@contextlib.contextmanager
+def tracing():
+    """Within: calls may be traced by `mx.compile`, so no first-use check runs
+    (it would evaluate). The compiled decode step runs each shape eagerly once
+    first, so every variant it uses is checked before it is traced."""
+    global _TRACING
+    saved, _TRACING = _TRACING, True
+    try:
+        yield
+    finally:
+        _TRACING = saved
 
 
 @contextlib.contextmanager

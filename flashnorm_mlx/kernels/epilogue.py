@@ -149,15 +149,16 @@ _last_tables: dict = {}
 
 def _rope_tables(offset: Offset, L: int, inv_freq: mx.array):
     """cos, sin of (offset + l) * inv_freq, float32: (L, h/2) or (B, 1, L, h/2)."""
-    if isinstance(offset, int):
-        hit = _last_tables.get((offset, L))
-        if hit is not None and hit[0] is inv_freq:
-            return hit[1], hit[2]
-        cos, sin = _compute_rope_tables(offset, L, inv_freq)
-        _last_tables.clear()
-        _last_tables[(offset, L)] = (inv_freq, cos, sin)
-        return cos, sin
-    return _compute_rope_tables(offset, L, inv_freq)
+    # An int offset is its own key; an array offset (a compiled step's position,
+    # a batch's offsets) is the same object in every layer of one step.
+    key = (offset if isinstance(offset, int) else id(offset), L)
+    hit = _last_tables.get(key)
+    if hit is not None and hit[0] is inv_freq and hit[1] is offset:
+        return hit[2], hit[3]
+    cos, sin = _compute_rope_tables(offset, L, inv_freq)
+    _last_tables.clear()
+    _last_tables[key] = (inv_freq, offset, cos, sin)
+    return cos, sin
 
 
 def _compute_rope_tables(offset: Offset, L: int, inv_freq: mx.array):

@@ -51,14 +51,20 @@ def instantiate(
     mode: str,
     pre_quantized: bool,
     norm_gains: bool = False,
+    compiled: bool = False,
 ):
     """The `mode` class built on `weights` (its `sanitize` applied); quantized
     modules made where `pre_quantized` weights have scales. norm_gains: ours on
-    unfolded weights, the norm gains applied in the kernels. ValueError on
-    weights that do not fit the config."""
+    unfolded weights, the norm gains applied in the kernels. compiled: decode
+    steps run compiled (decode.py). ValueError on weights that do not fit the
+    config."""
     import mlx.nn as nn
 
+    from ..decode import compiled_class
+
     model_cls, args_cls = model_classes(config, mode)
+    if compiled:
+        model_cls = compiled_class(model_cls)
     args = args_cls.from_dict(config)
     model = model_cls(args, norm_gains=True) if norm_gains else model_cls(args)
     if hasattr(model, "sanitize"):

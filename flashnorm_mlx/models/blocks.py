@@ -40,11 +40,12 @@ class Block(nn.Module):
     """A pre-norm transformer block in FlashNorm form.
 
     Subclasses set `NORMS` (the attention and FFN norms' checkpoint names),
-    `self.eps`, and define `attend(xs, ms, mask, cache)` -> the attention output
+    `ATTENTION` (the attention's), `self.eps`, and define `attend(xs, ms, mask, cache)` -> the attention output
     and `feed_forward(xs, ms)` -> (y, ms_y), the FFN output owing the deferred
     scale of ms_y (None: owing none)."""
 
     NORMS: Tuple[str, str]
+    ATTENTION = "self_attn"  # the attention module's checkpoint name
 
     def keep_gains(self, dims: int) -> None:
         """Hold both norms' gains (the unfolded form): the kernels apply them."""
@@ -56,33 +57,109 @@ class Block(nn.Module):
         name = self.NORMS[i]
         return self[name].weight if name in self else None
 
+    # Set on the layers of a model built with a compiled decode step (decode.py):
+    # single-token steps its whole-step function cannot serve (rotating, batched
+    # or quantized caches) compile this block's cache-free parts instead.
+    compile_parts = False
+
     def __call__(self, x, ms, xs, mask, cache, out_gain, final: bool):
         """(x, ms, xs) of the next block, or with `final` the final RMSNorm of
         this block's output. out_gain: the next norm's gain (None: folded)."""
-        h, ms_h, hs = kernels.residual(
-            x, self.attend(xs, ms, mask, cache), None, self.eps, self.gain(1)
-        )
+        if self.compile_parts and cache is not None and x.shape[1] == 1:
+            return self._compiled_call(x, ms, xs, mask, cache, out_gain, final)
+        return self.close(x, self.attend(xs, ms, mask, cache), out_gain, final)
+
+    def close(self, x, a, out_gain, final: bool):
+        """Everything after attention: residual, feed-forward, residual."""
+        h, ms_h, hs = kernels.residual(x, a, None, self.eps, self.gain(1))
         y, ms_y = self.feed_forward(hs, ms_h)
         if final:
             return kernels.residual_norm(h, y, ms_y, self.eps, out_gain)
         return kernels.residual(h, y, ms_y, self.eps, out_gain)
 
+    def _compiled_call(self, x, ms, xs, mask, cache, out_gain, final):
+        # The cache update and attention stay outside: only they see the cache.
+        from ..decode import CompiledOnce
 
-def attention(qkv_proj, out_proj, epilogue, xs, ms, mask=None, cache=None):
-    """A FlashNorm attention: q|k|v matmul -> `kernels.qkv_epilogue` (heads out,
-    RoPE, the deferred scale; QK-norm and gains where `epilogue` has them) ->
-    KV cache -> attention with scale 1 (1/sqrt(h) rode in q') -> out projection.
+        parts = self.__dict__.get("_parts")
+        if parts is None:
+            attn = self.attention_module()
+            parts = self.__dict__["_parts"] = {
+                "heads": CompiledOnce(attn.heads),
+                "out": CompiledOnce(attn.project_out),
+            }
+        offset = cache.offset
+        if isinstance(offset, int):  # an int would be a new constant every step
+            offset = mx.array([offset], dtype=mx.int32)
+        q, k, v = parts["heads"](xs, ms, offset)
+        a = parts["out"](attend_cached(q, k, v, mask, cache))
+        key = (final, out_gain is None)
+        close = parts.get(key)
+        if close is None:
+            close = parts[key] = CompiledOnce(self._closer(final, out_gain is None))
+        args = (x, a) if out_gain is None else (x, a, out_gain)
+        return close(*args)
 
-    xs: (B, L, D) block input as the matmuls read it; ms: mean(x^2) + eps of the
-    block input x, (B, L, 1) float32."""
-    qkv = qkv_proj(xs)
-    offset = cache.offset if cache is not None else 0
-    q, k, v = kernels.qkv_epilogue(qkv, ms, offset, epilogue)
+    def _closer(self, final: bool, folded: bool):
+        if folded:
+            return lambda x, a: self.close(x, a, None, final)
+        return lambda x, a, gain: self.close(x, a, gain, final)
+
+    def attention_module(self) -> "FusedAttention":
+        return self[self.ATTENTION]
+
+
+def attend_cached(q, k, v, mask, cache):
+    """KV cache update, then attention with scale 1 (1/sqrt(h) rode in q').
+    q (B, Hq, L, h), k and v (B, Hkv, L, h) -> (B, Hq, L, h)."""
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
-    o = scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
-    B, L, _ = xs.shape
-    return out_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    return scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
+
+
+class FusedAttention(nn.Module):
+    """A FlashNorm attention: q|k|v matmul -> `kernels.qkv_epilogue` (heads out,
+    RoPE, the deferred scale; QK-norm and gains where the epilogue has them) ->
+    KV cache -> attention with scale 1 -> out projection.
+
+    Subclasses hold `qkv_proj` and the out projection under the checkpoint's
+    name (`OUT`), and define `epilogue_args()`."""
+
+    OUT = "o_proj"
+
+    def __call__(self, xs, ms, mask=None, cache=None):
+        """xs: (B, L, D) block input as the matmuls read it; ms: mean(x^2) + eps
+        of the block input x, (B, L, 1) float32."""
+        offset = cache.offset if cache is not None else 0
+        q, k, v = self.heads(xs, ms, offset)
+        return self.project_out(attend_cached(q, k, v, mask, cache))
+
+    def heads(self, xs, ms, offset):
+        """q', k', v' (B, H, L, h) of the block input, RoPE at `offset`."""
+        return kernels.qkv_epilogue(self.qkv_proj(xs), ms, offset, self.epilogue())
+
+    def project_out(self, o):
+        B, _, L, _ = o.shape
+        return self[self.OUT](o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def epilogue(self) -> kernels.Epilogue:
+        """`epilogue_args()`, built once and again only when what it holds is
+        replaced (loading, a dtype cast, sharding), not at every call."""
+        heads, arrays = (self.n_heads, self.n_kv_heads), tuple(self._epilogue_arrays())
+        built = self.__dict__.get("_epilogue")
+        if (
+            built is None
+            or built[0] != heads
+            or any(a is not b for a, b in zip(built[1], arrays))
+        ):
+            built = self.__dict__["_epilogue"] = (heads, arrays, self.epilogue_args())
+        return built[2]
+
+    def _epilogue_arrays(self):
+        # Every array an epilogue holds comes from these (None where absent).
+        yield self.get("qkv_bias")
+        for norm in ("q_norm", "k_norm"):
+            yield self[norm].weight if norm in self else None
 
 
 def run_blocks(

@@ -27,7 +27,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels, sharding
 from ..arch import Architecture, NormPair
-from .blocks import Block, attention, run_blocks
+from .blocks import Block, FusedAttention, run_blocks
 
 ARCH = Architecture(
     layers_key="num_hidden_layers",
@@ -52,7 +52,7 @@ ARCH = Architecture(
 )
 
 
-class Attention(nn.Module):
+class Attention(FusedAttention):
     """q|k|v in one matmul, then one `qkv_epilogue` pass: heads out, RoPE, s and
     1/sqrt(h) on q, s on k and v, and a q|k|v bias after the scaling if any."""
 
@@ -81,10 +81,6 @@ class Attention(nn.Module):
         # RoPE angles per position for the fused epilogue ("_": not a parameter);
         # None where the epilogue cannot reproduce this RoPE variant.
         self._inv_freq = kernels.rope_inv_freq(self.rope, h)
-
-    def __call__(self, xs, ms, mask=None, cache=None):
-        args = (self.qkv_proj, self.o_proj, self.epilogue_args())
-        return attention(*args, xs, ms, mask, cache)
 
     def shard(self, group):
         """Whole GQA groups per rank, unevenly where the heads do not divide

@@ -29,7 +29,7 @@ from mlx_lm.models.openelm import make_divisible
 
 from .. import kernels, sharding
 from ..arch import Architecture, NormPair
-from .blocks import Block, attention, run_blocks
+from .blocks import Block, FusedAttention, run_blocks
 from .qk_norm import QKNorm, QKNormGains
 
 ARCH = Architecture(
@@ -71,7 +71,9 @@ class ModelArgs(BaseModelArgs):
 # --- blocks --------------------------------------------------------------------
 
 
-class Attention(nn.Module):
+class Attention(FusedAttention):
+    OUT = "out_proj"
+
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.head_dim = h = args.head_dim
@@ -103,12 +105,6 @@ class Attention(nn.Module):
             *heads, **self._qk_gains(self.q_norm.weight, self.k_norm.weight)
         )
 
-    def __call__(self, xs, ms, mask=None, cache=None):
-        # The epilogue: QK-norm of s*q and s*k (or s / sqrt(h) on q, s on k
-        # without QK-norm), RoPE with the gains, s on v.
-        args = (self.qkv_proj, self.out_proj, self.epilogue_args())
-        return attention(*args, xs, ms, mask, cache)
-
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
@@ -130,6 +126,7 @@ class MLP(nn.Module):
 
 class TransformerBlock(Block):
     NORMS = ("attn_norm", "ffn_norm")
+    ATTENTION = "attn"
 
     def __init__(self, args: ModelArgs, layer_id: int, norm_gains: bool = False):
         super().__init__()
