@@ -22,15 +22,15 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import dispatch, distributed, fold, kernels, quant
-from .machine import device_info, versions
+from . import decode, dispatch, distributed, fold, kernels, quant
 from .errors import BenchError
 from .loading import Source, build_model, model_dtype, weight_bytes
+from .machine import device_info, versions
 from .models import model_classes
 from .nonorm import rms_norm_paths
 from .verify import comparison
 
-VARIANTS = ("stock", "stock_fused", "flashnorm", "nonorm")
+VARIANTS = ("stock", "stock_compiled", "stock_fused", "flashnorm", "nonorm")
 DECODE_BYTES_NOTE = (
     "bytes of parameters one decode step reads: every linear (packed weights, "
     "scales, biases) and norm gain; the input embedding table only when it is "
@@ -115,6 +115,65 @@ def time_generation(
         "last_logprobs_finite": bool(mx.isfinite(logprobs).all().item()),
         "tokens": tokens,
     }
+
+
+HOST_NOTE = (
+    "host_build_ms: host time to build one decode step's graph (Python, or a "
+    "compiled step's replay) until the call returns; eval_ms: MLX encoding and "
+    "running it (mx.eval); medians over a synchronous pass after the timed "
+    "rounds; compile_ms: what the first steps of the warm-up spent beyond that "
+    "pass's median (the eager first step and the trace of a compiled variant)"
+)
+
+
+def step_times(model: nn.Module, prompt: mx.array, steps: int) -> dict:
+    """Host build and eval of `steps` greedy decode steps after `prompt`, each
+    evaluated before the next is built (section 4c: build and eval apart)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(prompt[None], cache=cache)
+    token = mx.argmax(logits[:, -1:], axis=-1)
+    mx.eval(token)
+    build, run = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = model(token, cache=cache)
+        t1 = time.perf_counter()
+        token = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(token)
+        build.append(t1 - t0)
+        run.append(time.perf_counter() - t1)
+    return {
+        "host_build_ms": 1e3 * statistics.median(build),
+        "eval_ms": 1e3 * statistics.median(run),
+    }
+
+
+def warm_up(model: nn.Module, prompt: mx.array, gen_tokens: int, timing) -> dict:
+    """The untimed first generation, its first decode steps' host time apart:
+    where a compiled variant runs eagerly once and then traces."""
+    steps = []
+    cls = type(model)
+    own, real = "__call__" in cls.__dict__, cls.__call__
+
+    def timed(self, inputs, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = real(self, inputs, *args, **kwargs)
+        if inputs.shape[-1] == 1:  # a decode step, not a prefill chunk
+            steps.append(time.perf_counter() - t0)
+        return out
+
+    cls.__call__ = timed
+    try:
+        warm = time_generation(model, prompt, gen_tokens, **timing)
+    finally:
+        if own:
+            cls.__call__ = real
+        else:
+            del cls.__call__
+    warm["first_steps_s"] = steps[:3]
+    return warm
 
 
 DISPATCH_NOTE = (
@@ -280,6 +339,7 @@ def _build_variants(source: Source, variants, built: dict, step):
         models[v] = model
         info[v] = {
             "class": f"{cls.__module__}.{cls.__qualname__}",
+            "compiled": decode.is_compiled(model),
             "build_s": build_s,
             # Re-hashed after each build: every variant saw these exact weights.
             "source_checksum": weights_checksum(source.weights),
@@ -344,6 +404,12 @@ def _notes(device: dict, summary: dict) -> List[str]:
             "are not the GPU's; in parentheses the same step with each mx.fast op "
             "and FlashNorm kernel as one launch, as on Metal and CUDA"
         )
+    compiled = [v for v, s in summary.items() if s["compiled"]]
+    notes.append(
+        "compiled decode step (one mx.compile'd function per shape): "
+        + (", ".join(compiled) if compiled else "none")
+        + "; every other variant builds each step's graph op by op"
+    )
     notes += kernels.failures()  # a kernel that fell back to its twin here
     if any(
         not s["logits_finite"] or not s["all_trials_finite"] for s in summary.values()
@@ -354,8 +420,6 @@ def _notes(device: dict, summary: dict) -> List[str]:
     return notes
 
 
-# Over 60 lines by its keyword arguments and their documentation alone: the
-# library entry point of a command, every flag a parameter.
 def run_bench(
     source: Source,
     variants: Sequence[str] = VARIANTS,
@@ -371,6 +435,7 @@ def run_bench(
     sampler=None,
     progress: Optional[Progress] = None,
     group: Optional[mx.distributed.Group] = None,
+    compile: bool = True,
 ) -> dict:
     """Build every variant from `source`, warm each up, time `trials` rounds.
 
@@ -378,26 +443,40 @@ def run_bench(
     summary), "ratios" (to stock), "headroom", "trials" (every timed run)}.
     sampler: mlx-lm sampler (default greedy); generation never stops early.
     group: every variant tensor-parallel over it (each rank runs this, in step).
+    compile: FlashNorm's decode steps compiled (stock_compiled's always are).
     """
     variants = list(variants)
     validate(variants, prompt_tokens, gen_tokens, trials)
-    step = _Steps(progress, len(variants) * (2 + trials))
+    step = _Steps(progress, len(variants) * (3 + trials))
     t0 = time.perf_counter()
     checksum = weights_checksum(source.weights)
     checksum_s = time.perf_counter() - t0
     prompt = mx.array(prompt_ids(source.config, prompt_tokens, seed))
-    built = dict(dtype=dtype, quantize=quantize, quantized=quantized, group=group)
+    built = dict(
+        dtype=dtype,
+        quantize=quantize,
+        quantized=quantized,
+        group=group,
+        compile=compile,
+    )
     models, info = _build_variants(source, variants, built, step)
     distributed.barrier("building")  # a launch's ranks start timing together
     timing = dict(sampler=sampler, prefill_step_size=prefill_step_size)
     with distributed.watch("benchmarking"):  # each step kicks it
+        first_steps = {}
         for v in variants:
             step(f"warm-up {v}")
-            warm = time_generation(models[v], prompt, gen_tokens, **timing)
+            warm = warm_up(models[v], prompt, gen_tokens, timing)
+            first_steps[v] = warm["first_steps_s"]
             info[v].update(check_logits(models[v], prompt.tolist() + warm["tokens"]))
         records = _timed_rounds(
             models, variants, prompt, gen_tokens, trials, timing, step
         )
+        for v in variants:  # after the rounds, so it cannot disturb them
+            step(f"host time {v}")
+            info[v].update(step_times(models[v], prompt, min(gen_tokens, 32)))
+            extra = [t * 1e3 - info[v]["host_build_ms"] for t in first_steps[v]]
+            info[v]["compile_ms"] = sum(max(0.0, x) for x in extra)
     step.finish()
     settings = {
         "variants": variants,
@@ -411,6 +490,7 @@ def run_bench(
         "dtype": str(dtype).replace("mlx.core.", "") if dtype else None,
         "quantize": list(quantize) if quantize else None,
         "quantized": quantized,
+        "compile": compile,
     }
     src = {
         "name": source.name,
@@ -441,6 +521,7 @@ def _report(settings: dict, src: dict, info: dict, records: List[dict]) -> dict:
         "decode_tps": "(G - 1) / time from the first generated token to the G-th",
         "decode_bytes": DECODE_BYTES_NOTE,
         "dispatches": DISPATCH_NOTE,
+        "host": HOST_NOTE,
     }
     return {
         "notes": _notes(device, summary),

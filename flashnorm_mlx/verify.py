@@ -31,8 +31,10 @@ def compare(
     quantize=None,
     quantized: str = "stored",
     on_stage: Optional[Callable[[str], None]] = None,
+    compile: bool = True,
 ) -> dict:
-    """Prefill `tokens`, then `horizon` cached greedy decode steps, on both models.
+    """Prefill `tokens`, then `horizon` cached greedy decode steps, on both models
+    (FlashNorm's steps compiled unless `compile` is False, decode.py).
 
     Stock picks the greedy tokens; FlashNorm is fed the same tokens (teacher
     forcing), so every logit row compares the same inputs. greedy_match counts
@@ -46,7 +48,7 @@ def compare(
     kw = dict(dtype=dtype, quantize=quantize, quantized=quantized)
     models = {
         "stock": build_model(source, "stock", **kw)[0],
-        "flashnorm": build_model(source, "flashnorm", **kw)[0],
+        "flashnorm": build_model(source, "flashnorm", compile=compile, **kw)[0],
     }
     noisy = model_dtype(models["stock"]) != "float32" or quant.requantizes(
         source.weights, source.config, quantize, quantized

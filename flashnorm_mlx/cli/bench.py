@@ -96,7 +96,8 @@ def _table(result: dict):
         "prompt x stock",
     ):
         table.add_column(col, justify="left" if col == "variant" else "right")
-    cols = ("launches/tok", "MB/tok", "peak GB", "GB/s", "build s", "norms", "logits")
+    cols = ("build ms", "eval ms", "launches/tok", "MB/tok", "peak GB", "GB/s")
+    cols += ("load s", "norms", "logits")
     for col in cols:
         table.add_column(col, justify="right")
     for v, s in result["variants"].items():
@@ -106,11 +107,13 @@ def _table(result: dict):
         if s["dispatches_per_token_gpu_model"] != s["dispatches_per_token"]:
             launches += f" ({s['dispatches_per_token_gpu_model']})"  # see the note
         table.add_row(
-            v,
+            v + (" (compiled)" if s["compiled"] else ""),
             _cell(s["prompt_tps"]),
             _cell(s["decode_tps"]),
             f"{r['decode']['median_of_ratios']:.3f}" if r else "1.000",
             f"{r['prompt']['median_of_ratios']:.3f}" if r else "1.000",
+            f"{s['host_build_ms']:.2f}",
+            f"{s['eval_ms']:.2f}",
             launches,
             f"{s['decode_bytes_per_token'] / 1e6:.1f}",
             f"{s['variant_peak_gb']:.3f}",
@@ -154,7 +157,9 @@ def _print_lines(result: dict, console) -> None:
         f"x stock = median of per-round ratios; MB/tok = parameter bytes one "
         f"decode step reads (embedding table counted only when tied); peak GB = "
         f"the variant's parameters plus the most its trials added; GB/s = "
-        f"decode tok/s x MB/tok"
+        f"decode tok/s x MB/tok; build ms / eval ms = host time to build one "
+        f"decode step's graph / MLX encoding and running it (medians of a "
+        f"synchronous pass after the rounds)"
     )
     console.print(
         f"comparison ({result['comparison']}): {escape(result['comparison_note'])}"

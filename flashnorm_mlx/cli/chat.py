@@ -145,7 +145,7 @@ class Comparer:
     """/compare: the chat's model plus stock and nonorm built on the same source
     and settings (once, on first use), timed on the last reply's prompt."""
 
-    VARIANTS = ("flashnorm", "stock", "stock_fused", "nonorm")
+    VARIANTS = ("flashnorm", "stock", "stock_compiled", "stock_fused", "nonorm")
 
     def __init__(self, source, mode: str, model, kwargs: dict, sampler=None):
         self.source, self.kwargs, self.sampler = source, kwargs, sampler

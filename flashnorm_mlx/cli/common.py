@@ -107,8 +107,11 @@ QUANTIZED_FLAGS = {
 }
 
 
-def add_model_args(parser: argparse.ArgumentParser, mode: bool = True) -> None:
-    """MODEL, --tokenizer, --mode, --dtype and the quantization flags."""
+def add_model_args(
+    parser: argparse.ArgumentParser, mode: bool = True, compile: bool = True
+) -> None:
+    """MODEL, --tokenizer, --mode, --dtype, the quantization flags and
+    --no-compile (not for commands that run no decode step)."""
     parser.add_argument(
         "model",
         nargs="?",
@@ -165,6 +168,15 @@ def add_model_args(parser: argparse.ArgumentParser, mode: bool = True) -> None:
             flag, dest="quantized", action="store_const", const=way, help=text
         )
     parser.set_defaults(quantized="stored")
+    if compile:
+        parser.add_argument(
+            "--no-compile",
+            dest="compile",
+            action="store_false",
+            help="run FlashNorm's decode steps uncompiled: Python builds every "
+            "step's graph op by op (by default one mx.compile'd function per "
+            "shape does; same tokens, less host time per step)",
+        )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -199,6 +211,7 @@ def model_kwargs(args) -> dict:
         quantize=(args.q_bits, args.q_group_size) if args.quantize else None,
         quantized=args.quantized,
         **({"group": launch.group} if launch else {}),
+        **({"compile": args.compile} if hasattr(args, "compile") else {}),
     )
 
 

@@ -20,7 +20,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "and bytes); --requantize folds it and quantizes again with its own "
         "settings, --dequantize writes it folded in float.",
     )
-    add_model_args(p, mode=False)
+    add_model_args(p, mode=False, compile=False)
     p.add_argument(
         "-o",
         "--output",

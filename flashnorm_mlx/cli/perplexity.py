@@ -27,7 +27,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "its own settings with --requantize; -q quantizes with "
         "--q-bits/--q-group-size (both from the same float weights).",
     )
-    add_model_args(p, mode=False)
+    add_model_args(p, mode=False, compile=False)  # scores whole windows
     p.add_argument(
         "--data",
         default=None,
