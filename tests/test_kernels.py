@@ -942,15 +942,20 @@ def test_model_with_every_kernel_body_matches_twins(
     assert err < (1e-5 if dtype == mx.float32 else 2e-2), f"{dtype}: {err:.3e}"
 
 
-def test_kernel_call_overhead_script_runs():
+@pytest.mark.parametrize("mode", ["--wrappers", "--real"])
+def test_kernel_call_overhead_script_runs(mode):
     """scripts/kernel-call-overhead.py drives the real wrappers with a stand-in
-    kernel: it breaks when their signatures change."""
+    kernel, and times real calls of each op beside the built-ins it replaces: it
+    breaks when their signatures change."""
     import sys
 
     script = Path(__file__).parent.parent / "scripts" / "kernel-call-overhead.py"
     r = subprocess.run(
-        [sys.executable, str(script), "3"], capture_output=True, text=True
+        [sys.executable, str(script), mode, "3"], capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
     for op in ("residual", "residual_norm", "deferred_glu", "qkv_epilogue"):
-        assert any(line.startswith(op) for line in r.stdout.splitlines()), r.stdout
+        assert any(line.startswith(op) for line in lines), r.stdout
+    if mode == "--real":
+        assert sum(line.startswith("stock:") for line in lines) == 3, r.stdout
