@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from . import fold, quant
+from . import fold, interrupt, quant
 from .errors import LoadError
 from .quant import gptq
 from .recipe import CHUNK_ELEMENTS, fold_checkpoint
@@ -123,6 +123,8 @@ def convert(
     chunk_elements: int = CHUNK_ELEMENTS,
     q_method: str = gptq.DEFAULT_METHOD,
     calibration: gptq.Calibration = gptq.Calibration(),
+    on_stage: Optional[Callable[[str], None]] = None,
+    on_step: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """Fold (and quantize) `source` into the checkpoint folder `out_dir`.
 
@@ -135,6 +137,8 @@ def convert(
     q_method: "gptq" (default: fold-aware GPTQ, calibrated on `calibration`
         windows of offline text; needs a tokenizer) or "rtn" (round-to-nearest);
         recorded in config.json's "flashnorm" block.
+    on_stage(text) / on_step(text): told as each stage ends / where the work is
+        (`recipe.fold_checkpoint`; writing too).
     Refuses an existing out_dir unless force and it is a checkpoint folder
     (`check_output`); a failure leaves neither out_dir, the temporary folder
     nor a created parent behind. Returns a summary dict.
@@ -154,35 +158,47 @@ def convert(
         weights = dict(source.weights)  # the caller's stay
 
     tmp, created = _make_tmp(out, shown)  # before any work: a bad -o is one line
-    try:
-        done, config = fold_checkpoint(
-            source,
-            weights,
-            quantize,
-            dtype,
-            quantized,
-            compat,
-            q_method,
-            calibration,
-            progress=progress,
-            on_layer=on_layer,
-            chunk_elements=chunk_elements,
-        )
-        del weights
-        files = _write_weights(tmp, done, config, max_shard_gb)
-        _write_config(tmp, config)
-        _write_tokenizer(tmp, source, tokenizer_dir)
-        summary = _summary(shown, done, config, files)
-        del done
-        _replace(tmp, out, shown, force)
-    except OSError as e:
+
+    def remove_tmp():
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_dirs(created)
+
+    try:
+        with interrupt.cleanup(remove_tmp):  # Ctrl-C: interrupt.py ends the run
+            done, config = fold_checkpoint(
+                source,
+                weights,
+                quantize,
+                dtype,
+                quantized,
+                compat,
+                q_method,
+                calibration,
+                progress=progress,
+                on_layer=on_layer,
+                chunk_elements=chunk_elements,
+                on_stage=on_stage,
+                on_step=on_step,
+            )
+            del weights
+            (on_step or (lambda text: None))(f"writing {shown}")
+            # A Ctrl-C waits for the files, then removes them, or for the rename.
+            with interrupt.committing():
+                files = _write_weights(tmp, done, config, max_shard_gb)
+                _write_config(tmp, config)
+                _write_tokenizer(tmp, source, tokenizer_dir)
+                summary = _summary(shown, done, config, files)
+                del done
+                interrupt.check()
+                _replace(tmp, out, shown, force)
+    except OSError as e:
+        remove_tmp()
         raise LoadError(f"cannot write {shown}: {e.strerror or e}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_dirs(created)
+        remove_tmp()
         raise
+    if on_stage is not None:
+        on_stage(f"wrote {len(files)} file(s) to {shown}")
     return summary
 
 

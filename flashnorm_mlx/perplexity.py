@@ -22,6 +22,8 @@ from .quant import gptq
 from .texts import calibration_text, default_text  # noqa: F401 (public here too)
 
 MODES = ("stock", "flashnorm")
+WARMUP_TOKENS = 16  # one window's first tokens, through each model before timing
+MIN_TIMED_TOKENS = 256  # fewer scored per side: no tokens/sec (overhead, not speed)
 
 
 def load_text(path: Optional[str]) -> str:
@@ -91,6 +93,7 @@ def perplexity(
     q_method: str = gptq.DEFAULT_METHOD,
     calibration: gptq.Calibration = gptq.Calibration(),
     on_stage: Optional[Callable[[str], None]] = None,
+    on_step: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """Perplexity per mode on `tokens` (or `text`, default: `default_text()`).
 
@@ -105,9 +108,11 @@ def perplexity(
     (default GPTQ on the folded weights, calibrated on `calibration_text`; see
     gptq.py); each side reports its method and bits per weight, and the result
     a 95% confidence interval of the relative difference (over windows).
-    on_stage(text) is told when a model is built and each batch is scored.
+    on_stage(text) is told when a model is built and scored (and GPTQ's
+    stages); on_step(text) where the work is, before each step (a batch).
     """
     stage = on_stage or (lambda text: None)
+    step = on_step or (lambda text: None)
     modes = list(modes)
     for m in modes:
         if m not in MODES:
@@ -133,8 +138,11 @@ def perplexity(
     nll: Dict[str, np.ndarray] = {}
     with progress_bar(progress, "[bold]{task.description}[/] windows") as bar:
         for mode in modes:
+            step(f"building {mode}")
             if mode == "flashnorm" and q_method == "gptq" and ours:
-                model, config = _gptq_flashnorm(source, kw, calibration, bar)
+                model, config = _gptq_flashnorm(
+                    source, kw, calibration, bar, stage, step
+                )
             else:
                 model, config = build_model(source, mode, **kw)
             method = (
@@ -146,7 +154,8 @@ def perplexity(
             result[f"{mode}_method"] = method
             result[f"{mode}_bits_per_weight"] = bits_per_weight(model)
             stage(f"built {mode} ({method})")
-            nll[mode] = _score(model, mode, data, batch_size, bar, stage, result)
+            nll[mode] = _score(model, mode, data, batch_size, bar, step, result)
+            stage(f"{mode}: {data.shape[0]}/{data.shape[0]} windows scored")
             del model
     if len(nll) == 2:
         result["diff_rel"] = (result["flashnorm"] - result["stock"]) / result["stock"]
@@ -156,7 +165,7 @@ def perplexity(
     return result
 
 
-def _score(model, mode, data, batch_size, bar, stage, result) -> np.ndarray:
+def _score(model, mode, data, batch_size, bar, step, result) -> np.ndarray:
     """Per-token NLL of `model` on the windows; perplexity and speed into result."""
     task = bar.add_task(mode, total=int(data.shape[0]))
     scored = [0]
@@ -164,15 +173,21 @@ def _score(model, mode, data, batch_size, bar, stage, result) -> np.ndarray:
     def advance(n):
         bar.advance(task, n)
         scored[0] += n
-        stage(f"{mode}: {scored[0]}/{data.shape[0]} windows scored")
+        step(f"scoring {mode}: {scored[0]}/{data.shape[0]} windows scored")
 
+    step(f"warming up {mode}")
+    # Both sides timed warm: the first forward pays MLX's one-time costs.
+    mx.eval(token_nll(model, data[:1, : min(data.shape[1], WARMUP_TOKENS)]))
+    step(f"scoring {mode}: 0/{data.shape[0]} windows scored")
     start = time.perf_counter()
     nll = _model_nll(model, data, batch_size, advance)
     seconds = time.perf_counter() - start
     mean = float(nll.mean())
     result[mode] = math.exp(mean)
     result[f"{mode}_nll"] = mean
-    result[f"{mode}_tokens_per_sec"] = data.size / seconds
+    # A few tokens time the call overhead, not the model: no figure then.
+    timed = data.size >= MIN_TIMED_TOKENS
+    result[f"{mode}_tokens_per_sec"] = data.size / seconds if timed else None
     return nll
 
 
@@ -188,7 +203,7 @@ def _ratio_ci(diff: np.ndarray) -> Optional[List[float]]:
     return [math.exp(mid - 1.96 * se) - 1, math.exp(mid + 1.96 * se) - 1]
 
 
-def _gptq_flashnorm(source: Source, kw: dict, calibration, bar):
+def _gptq_flashnorm(source: Source, kw: dict, calibration, bar, stage, step):
     """FlashNorm quantized by GPTQ on its folded weights: the checkpoint `convert`
     would write (recipe.py, the one way GPTQ runs), from the same float weights
     and with the same settings stock's RTN gets, in the compute dtype."""
@@ -202,6 +217,8 @@ def _gptq_flashnorm(source: Source, kw: dict, calibration, bar):
         q_method="gptq",
         calibration=calibration,
         bar=bar,
+        on_stage=stage,
+        on_step=step,
     )
     converted = Source(source.name, config, weights, source.tokenizer)
     return build_model(converted, "flashnorm", dtype=dtype)

@@ -4,6 +4,8 @@ On stderr, gone when done, off when not wanted (the CLI turns it off when
 stderr is not a terminal and prints a plain line per stage instead).
 """
 
+from . import interrupt
+
 
 def progress_bar(enabled: bool, label: str = "{task.description}"):
     """A rich Progress: `label` (a format of the task), bar, done/total, time."""
@@ -16,7 +18,21 @@ def progress_bar(enabled: bool, label: str = "{task.description}"):
         TimeElapsedColumn,
     )
 
-    return Progress(
+    class Bar(Progress):
+        """Taken down before Ctrl-C's line (interrupt.py), cursor restored."""
+
+        def __enter__(self):
+            self._interrupt = interrupt.live(self.stop)
+            self._interrupt.__enter__()
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            try:
+                super().__exit__(*exc)
+            finally:
+                self._interrupt.__exit__(None, None, None)
+
+    return Bar(
         TextColumn(label),
         BarColumn(),
         MofNCompleteColumn(),

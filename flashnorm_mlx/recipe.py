@@ -237,6 +237,8 @@ def fold_checkpoint(
     bar=None,
     on_layer: Optional[Callable[[int, int], None]] = None,
     chunk_elements: int = CHUNK_ELEMENTS,
+    on_stage: Optional[Callable[[str], None]] = None,
+    on_step: Optional[Callable[[str], None]] = None,
 ) -> Tuple[Weights, dict]:
     """(weights, config) of the checkpoint for `source`'s `weights`, a dict this
     call empties as it goes (pass a copy to keep yours).
@@ -245,7 +247,11 @@ def fold_checkpoint(
     text; needs a tokenizer) or "rtn"; recorded in the config's flashnorm
     block. bar: a live rich Progress to add tasks to (else one of our own when
     `progress`). on_layer(i, n): called after layer group i of n.
+    on_stage(text): told as each stage ends (calibration, all layer groups);
+    on_step(text): where the work is within a stage, before each of its steps.
     """
+    stage = on_stage or (lambda text: None)
+    step = on_step or (lambda text: None)
     recipe = Recipe(weights, source.config, quantize, dtype, quantized, compat)
     if q_method == "gptq" and recipe.qspec:
         gptq.check_qspec(recipe.qspec)
@@ -253,12 +259,30 @@ def fold_checkpoint(
             bar, progress, "[bold]calibrating GPTQ on[/] {task.description}"
         ) as b:
             task = b.add_task("text windows", total=calibration.num_seqs)
-            recipe.calibrate(
-                source.tokenizer, calibration, lambda n: b.advance(task, n)
+            done = [0]
+
+            def advance(n):
+                b.advance(task, n)
+                done[0] += n
+                step(f"calibrating GPTQ: {done[0]}/{calibration.num_seqs} windows")
+
+            step(f"calibrating GPTQ: 0/{calibration.num_seqs} windows")
+            recipe.calibrate(source.tokenizer, calibration, advance)
+            stage(
+                f"calibrated GPTQ on {calibration.num_seqs} windows of "
+                f"{calibration.seq_len} tokens"
             )
     recipe.drop_calibration_source()  # source tensors go as modules are done
-    with _bar(bar, progress, "[bold]folding[/] {task.description}") as b:
-        return _compute(recipe, b, on_layer, chunk_elements), recipe.config
+    # Nothing is folded in a quantized checkpoint kept as stored: it is copied.
+    verb = "copying" if recipe.as_stored else "folding"
+    with _bar(bar, progress, f"[bold]{verb}[/] {{task.description}}") as b:
+        done = _compute(recipe, b, on_layer, chunk_elements, step)
+    groups = len(layer_groups(recipe.order))
+    if recipe.as_stored:
+        stage(f"copied {groups} layer groups as stored")
+    else:
+        stage(f"folded{' and quantized' if recipe.qspec else ''} {groups} layer groups")
+    return done, recipe.config
 
 
 @contextlib.contextmanager
@@ -275,6 +299,7 @@ def _compute(
     bar,
     on_layer: Optional[Callable[[int, int], None]],
     chunk_elements: int,
+    step: Callable[[str], None],
 ) -> Weights:
     """Evaluate the checkpoint one layer, one module at a time (bounded memory)."""
     done: Weights = {}
@@ -283,6 +308,8 @@ def _compute(
     task = bar.add_task("", total=len(groups))
     for i, (name, keys) in enumerate(groups):
         bar.update(task, description=name)
+        verb = "copying" if recipe.as_stored else "folding"
+        step(f"{verb} {name} (layer group {i + 1}/{len(groups)})")
         for key in keys:
             module = key[: -len(".weight")]
             if key.endswith(".weight") and module in modules:

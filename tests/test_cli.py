@@ -313,7 +313,7 @@ def test_long_commands_print_stage_lines_when_piped(model_dir, tmp_path):
         ),
         "convert": (
             _run("convert", str(model_dir), "-o", str(tmp_path / "out")),
-            ["layer group 1/3 done", "layer group 3/3 done"],
+            ["folded 3 layer groups", "wrote 1 file(s)"],
         ),
     }
     for command, (r, wanted) in runs.items():

@@ -195,7 +195,7 @@ def _one_line(capsys, after_stages: bool = False) -> str:
     may follow the stage lines printed so far (stderr is not a terminal)."""
     err = capsys.readouterr().err.strip().splitlines()
     if after_stages:
-        err = [e for e in err if not e.startswith("flashnorm-mlx convert: layer")]
+        err = [e for e in err if not e.startswith("flashnorm-mlx convert: ")]
     assert len(err) == 1 and err[0].startswith("flashnorm-mlx: error:"), err
     return err[0]
 

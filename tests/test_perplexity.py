@@ -104,3 +104,42 @@ def test_quant_table_rows_are_perplexity_keywords():
     for label, kw in table.PLAN.items():
         assert set(kw) | set(table.EVAL) <= set(params), (label, kw)
         assert kw.get("quantized", "stored") in quant.QUANTIZED_WAYS, (label, kw)
+
+
+def test_both_sides_are_timed_warm(model_dir, data_file, monkeypatch):
+    """Each model runs a short warm-up forward pass before its timed windows,
+    so the first side does not pay MLX's first-call costs alone."""
+    import flashnorm_mlx.perplexity as P
+
+    calls = []
+    real_nll, real_timed = P.token_nll, P._model_nll
+    monkeypatch.setattr(
+        P, "token_nll", lambda m, b: calls.append(("call", b.shape)) or real_nll(m, b)
+    )
+
+    def timed(model, *a, **k):
+        calls.append(("timed", None))
+        return real_timed(model, *a, **k)
+
+    monkeypatch.setattr(P, "_model_nll", timed)
+    source = read_source(str(model_dir))
+    r = perplexity(source, text=data_file.read_text(), seq_len=64, num_seqs=4)
+    timed_at = [i for i, (what, _) in enumerate(calls) if what == "timed"]
+    assert len(timed_at) == 2, calls
+    for i in timed_at:  # a short forward pass right before the timing starts
+        assert i > 0 and calls[i - 1] == ("call", (1, P.WARMUP_TOKENS)), calls
+    assert r["stock_tokens_per_sec"] > 0 and r["flashnorm_tokens_per_sec"] > 0, r
+
+
+def test_too_few_tokens_have_no_tokens_per_sec(model_dir, data_file, capsys):
+    """`--seq-len 2 --num-seqs 1` times call overhead, not the model: no column."""
+    args = ["perplexity", str(model_dir), "--data", str(data_file)]
+    assert main([*args, "--seq-len", "2", "--num-seqs", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["stock_tokens_per_sec"] is None, r
+    assert r["flashnorm_tokens_per_sec"] is None, r
+    assert main([*args, "--seq-len", "2", "--num-seqs", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tokens/sec" not in out and "too few to time" in out, out
+    assert main([*args, "--seq-len", "64", "--num-seqs", "4"]) == 0
+    assert "tokens/sec" in capsys.readouterr().out

@@ -45,7 +45,11 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    module = importlib.import_module(f"flashnorm_mlx.cli.{COMMANDS[name][0]}")
+    try:  # MLX and the model code: seconds to import
+        module = importlib.import_module(f"flashnorm_mlx.cli.{COMMANDS[name][0]}")
+    except KeyboardInterrupt:
+        print(f"flashnorm-mlx {name}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     sys.argv = [f"flashnorm-mlx {name}", *argv[1:]]
     return module.main(argv[1:]) or 0
 

@@ -4,10 +4,11 @@ import argparse
 import functools
 import math
 import sys
+import threading
 import time
 from typing import Optional
 
-from .. import distributed
+from .. import distributed, interrupt
 from ..errors import FlashNormError, UserError  # noqa: F401 (commands raise it)
 from ..loading import DTYPES, build_model, read_source
 
@@ -253,28 +254,80 @@ def join_launch(args, sampling: bool = True):
 
 
 class StageLog:
-    """A plain line on stderr as each stage of a long command ends, when stderr
-    is not a terminal (a terminal gets the live bar instead, or, for verify, the
-    same lines). Lines follow a stage's end, so bad input, found while reading,
-    still gives one error line and nothing else."""
+    """Where a long command is, on stderr when it is not a terminal (a terminal
+    gets the live bar instead, or, for verify, the same lines).
+
+    `log(what)`: a stage ended, one line. `log.step(what)`: where the work is
+    within a stage, before each of its steps: a line only when none came for
+    HEARTBEAT_S, so a fast run prints its stages alone. Used as a context
+    manager, a thread repeats the step every HEARTBEAT_S while one runs long
+    (mx.eval releases the GIL). `log.now()`: what runs, for Ctrl-C's line.
+    Lines follow a stage's end, so bad input, found while reading, still
+    gives one error line and nothing else."""
+
+    HEARTBEAT_S = 10.0
 
     def __init__(self, command: str, enabled: Optional[bool] = None):
         self.prefix = f"flashnorm-mlx {command}:"
         if enabled is None:  # one log for a tensor-parallel launch: rank 0's
             enabled = not sys.stderr.isatty() and distributed.is_main_rank()
         self.enabled = enabled
-        self.start = self.last = time.perf_counter()
+        self.start = self.last = self.printed = time.perf_counter()
+        self.current, self.step_start = "", self.start
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._ticker: Optional[threading.Thread] = None
 
     def __call__(self, what: str) -> None:
-        now = time.perf_counter()
-        if self.enabled:
-            print(
-                f"{self.prefix} {what} ({now - self.last:.1f} s; "
-                f"{now - self.start:.1f} s in all)",
-                file=sys.stderr,
-                flush=True,
+        with self._lock:
+            now = time.perf_counter()
+            self._print(
+                f"{what} ({now - self.last:.1f} s; {now - self.start:.1f} s in all)"
             )
-        self.last = now
+            self.last = now
+            self.current = ""
+
+    def step(self, what: str) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            self.current, self.step_start = what, now
+            if now - self.printed >= self.HEARTBEAT_S:
+                self._print(f"{what} ({now - self.start:.1f} s in all)")
+
+    def now(self) -> str:
+        return self.current
+
+    def _print(self, line: str) -> None:
+        self.printed = time.perf_counter()
+        if self.enabled:
+            print(f"{self.prefix} {line}", file=sys.stderr, flush=True)
+
+    def _tick(self) -> None:
+        while not self._done.wait(min(1.0, self.HEARTBEAT_S / 4)):
+            with self._lock:
+                now = time.perf_counter()
+                if self.current and now - self.printed >= self.HEARTBEAT_S:
+                    self._print(
+                        f"{self.current}: still at it ({now - self.step_start:.0f} s "
+                        f"so far; {now - self.start:.1f} s in all)"
+                    )
+
+    def __enter__(self) -> "StageLog":
+        if self.enabled:
+            self._ticker = threading.Thread(target=self._tick, daemon=True)
+            self._ticker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._ticker is not None:
+            self._ticker.join()
+
+
+def interruptible(log: StageLog):
+    """Ctrl-C inside: one line saying what `log` was doing, exit 130, at once
+    (`interrupt.guard`), even inside a long mx.eval."""
+    return interrupt.guard(log.now, log.prefix)
 
 
 def run_main(fn):
@@ -294,7 +347,12 @@ def run_main(fn):
             print(f"flashnorm-mlx: error: {rank}{why}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
-            print("", file=sys.stderr)
+            interrupt.hand_over()  # a guard's watcher is printing its line
+            lead = "\n" if sys.stderr.isatty() else ""  # after the terminal's ^C
+            command = fn.__module__.rsplit(".", 1)[-1]
+            print(
+                f"{lead}flashnorm-mlx {command}: interrupted (Ctrl-C)", file=sys.stderr
+            )
             return 130
         except SystemExit as e:  # argparse: --help (0) or a bad flag (2), printed
             return e.code if isinstance(e.code, int) else 0 if e.code is None else 1

@@ -3,9 +3,17 @@
 import argparse
 import sys
 
-from ..quant import gptq
 from ..convert import convert
-from .common import Parser, StageLog, UserError, add_model_args, model_kwargs, run_main
+from ..quant import gptq
+from .common import (
+    Parser,
+    StageLog,
+    UserError,
+    add_model_args,
+    interruptible,
+    model_kwargs,
+    run_main,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -65,21 +73,23 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 @run_main
 def main(argv=None):
     args = setup_arg_parser().parse_args(argv)
-    log = StageLog("convert")
     if args.calib_seqs < 1 or args.calib_len < 2:
         raise UserError("--calib-seqs must be >= 1 and --calib-len >= 2")
-    r = convert(
-        args.model,
-        args.output,
-        compat=args.compat,
-        force=args.force,
-        progress=sys.stderr.isatty(),
-        on_layer=lambda i, n: log(f"layer group {i + 1}/{n} done"),
-        tokenizer=args.tokenizer,
-        q_method=args.q_method,
-        calibration=gptq.Calibration(args.calib_seqs, args.calib_len),
-        **model_kwargs(args),
-    )
+    with StageLog("convert") as log, interruptible(log):
+        log.step(f"reading {args.model or 'the embedded model'}")
+        r = convert(
+            args.model,
+            args.output,
+            compat=args.compat,
+            force=args.force,
+            progress=sys.stderr.isatty(),
+            tokenizer=args.tokenizer,
+            q_method=args.q_method,
+            calibration=gptq.Calibration(args.calib_seqs, args.calib_len),
+            on_stage=log,
+            on_step=log.step,
+            **model_kwargs(args),
+        )
     q = r["quantization"]
     how = "not quantized"
     if q:

@@ -4,14 +4,15 @@ import argparse
 import json
 import sys
 
-from ..quant import gptq
 from ..loading import read_source
-from ..perplexity import MODES, load_text, perplexity
+from ..perplexity import MIN_TIMED_TOKENS, MODES, load_text, perplexity
+from ..quant import gptq
 from ..verify import comparison
 from .common import (
     Parser,
     StageLog,
     add_model_args,
+    interruptible,
     model_kwargs,
     need_tokenizer,
     run_main,
@@ -59,20 +60,24 @@ def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     text = load_text(args.data)
-    source = read_source(args.model, tokenizer=args.tokenizer)
-    tokenizer = need_tokenizer(source.tokenizer, source.name)
-    r = perplexity(
-        source,
-        tokens=list(tokenizer.encode(text)),
-        seq_len=args.seq_len,
-        num_seqs=args.num_seqs,
-        modes=MODES if args.mode == "both" else (args.mode,),
-        batch_size=args.batch_size,
-        progress=sys.stderr.isatty(),
-        on_stage=StageLog("perplexity"),
-        q_method=args.q_method,
-        **model_kwargs(args),
-    )
+    with StageLog("perplexity") as log, interruptible(log):
+        log.step(f"reading {args.model or 'the embedded model'}")
+        source = read_source(args.model, tokenizer=args.tokenizer)
+        tokenizer = need_tokenizer(source.tokenizer, source.name)
+        log.step("tokenizing the text")
+        r = perplexity(
+            source,
+            tokens=list(tokenizer.encode(text)),
+            seq_len=args.seq_len,
+            num_seqs=args.num_seqs,
+            modes=MODES if args.mode == "both" else (args.mode,),
+            batch_size=args.batch_size,
+            progress=sys.stderr.isatty(),
+            on_stage=log,
+            on_step=log.step,
+            q_method=args.q_method,
+            **model_kwargs(args),
+        )
     kw = model_kwargs(args)
     r.update(comparison(source, kw["quantize"], kw["quantized"]))
     if args.json:
@@ -93,7 +98,9 @@ def _print_table(r: dict) -> None:
     t.add_column("bits/weight", justify="right")
     t.add_column("perplexity", justify="right")
     t.add_column("mean NLL", justify="right")
-    t.add_column("tokens/sec", justify="right")
+    timed = all(r.get(f"{m}_tokens_per_sec") for m in MODES if m in r)
+    if timed:  # both warmed up, and enough tokens to time more than overhead
+        t.add_column("tokens/sec", justify="right")
     for mode in MODES:
         if mode in r:
             t.add_row(
@@ -102,7 +109,7 @@ def _print_table(r: dict) -> None:
                 f"{r[f'{mode}_bits_per_weight']:.2f}",
                 f"{r[mode]:.4f}",
                 f"{r[f'{mode}_nll']:.6f}",
-                f"{r[f'{mode}_tokens_per_sec']:.0f}",
+                *([f"{r[f'{mode}_tokens_per_sec']:.0f}"] if timed else []),
             )
     console = Console()
     console.print(t)
@@ -112,6 +119,7 @@ def _print_table(r: dict) -> None:
     console.print(
         f"{r['num_seqs']} windows of {r['seq_len']} tokens, "
         f"{r['tokens_scored']} tokens scored"
+        + ("" if timed else f" (too few to time: under {MIN_TIMED_TOKENS} per side)")
     )
     if "diff_rel" in r:
         console.print(
