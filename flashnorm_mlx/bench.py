@@ -406,7 +406,8 @@ def _notes(device: dict, summary: dict) -> List[str]:
         )
     compiled = [v for v, s in summary.items() if s["compiled"]]
     notes.append(
-        "compiled decode step (one mx.compile'd function per shape): "
+        "compiled decode step (one mx.compile'd function per shape; * in the "
+        "table): "
         + (", ".join(compiled) if compiled else "none")
         + "; every other variant builds each step's graph op by op"
     )

@@ -31,6 +31,10 @@ SUMMARY_KEYS = (
     "dispatches_per_token",
     "views_per_token",
     "dispatches_per_token_gpu_model",
+    "compiled",
+    "host_build_ms",
+    "eval_ms",
+    "compile_ms",
 )
 TRIAL_KEYS = (
     "round",
@@ -104,6 +108,33 @@ def test_every_trial_and_summary(result):
     assert {"stock_tps", "flashnorm_tps", "nonorm_tps", "share"} <= set(h), h
     assert result["device"]["name"] and result["device"]["backend"], result["device"]
     assert result["versions"]["mlx"] == mx.__version__, result["versions"]
+
+
+def test_host_time_per_step_and_which_variants_ran_compiled(result):
+    """Build and eval per decode step for every variant; flashnorm and
+    stock_compiled ran the compiled step (and spent time compiling it), the
+    others did not, and the notes say which."""
+    variants = result["variants"]
+    for v, s in variants.items():
+        assert s["host_build_ms"] > 0 and s["eval_ms"] > 0, (v, s)
+        assert s["compile_ms"] >= 0, (v, s)
+    compiled = {v for v, s in variants.items() if s["compiled"]}
+    assert compiled == {"flashnorm", "stock_compiled"}, compiled
+    for v in compiled:  # the eager first step and the trace cost host time
+        assert variants[v]["compile_ms"] > 0, (v, variants[v])
+    line = next(n for n in result["notes"] if n.startswith("compiled decode step"))
+    assert "flashnorm, stock_compiled" in line or "stock_compiled, flashnorm" in line
+    assert "stock_compiled" in result["ratios"], result["ratios"]
+
+
+def test_no_compile_runs_flashnorm_uncompiled(source):
+    r = bench.run_bench(source, ["stock", "flashnorm"], P, G, 1, compile=False)
+    assert not r["variants"]["flashnorm"]["compiled"], r["variants"]["flashnorm"]
+    assert r["settings"]["compile"] is False
+    assert any(
+        n.endswith("none; every other variant builds each step's graph op by op")
+        for n in r["notes"]
+    ), r["notes"]
 
 
 def _summary(stock, flashnorm, nonorm, spread):
@@ -328,6 +359,16 @@ def test_cli_end_to_end_json(model_dir, tmp_path, capsys):
     assert set(r["variants"]) == {"stock", "nonorm"} and "nonorm" in r["ratios"], r
     assert r["settings"]["prompt_tokens"] == P and r["settings"]["gen_tokens"] == G
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temp file left
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-compile"]], ids=["compiled", "not"])
+def test_cli_table_shows_host_time_and_compiled_rows(model_dir, capsys, flag):
+    argv = ["bench", str(model_dir), "-p", str(P), "-g", str(G), "-n", "1"]
+    assert main([*argv, "--variants", "stock,flashnorm", *flag]) == 0
+    out = capsys.readouterr().out
+    assert "build ms" in out and "eval ms" in out, out
+    assert ("flashnorm*" in out) == (not flag), out
+    assert "stock*" not in out, out
 
 
 @pytest.mark.parametrize(

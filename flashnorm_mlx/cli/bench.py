@@ -107,7 +107,7 @@ def _table(result: dict):
         if s["dispatches_per_token_gpu_model"] != s["dispatches_per_token"]:
             launches += f" ({s['dispatches_per_token_gpu_model']})"  # see the note
         table.add_row(
-            v + (" (compiled)" if s["compiled"] else ""),
+            v + ("*" if s["compiled"] else ""),  # the compiled-step note says why
             _cell(s["prompt_tps"]),
             _cell(s["decode_tps"]),
             f"{r['decode']['median_of_ratios']:.3f}" if r else "1.000",
@@ -226,7 +226,7 @@ def main(argv=None):
         write_json(args.json, result)
     out = Console()
     if not out.is_terminal:  # piped or redirected: don't wrap the table at 80
-        out = Console(width=140)
+        out = Console(width=160)
     render(result, out)
     if args.json:
         print(f"wrote {args.json}")
