@@ -116,6 +116,10 @@ NONSENSE = {
     "perplexity -b 0": ["perplexity", "-b", "0"],
     "perplexity --num-seqs -1": ["perplexity", "--num-seqs", "-1"],
     "convert --q-bits without -q": ["convert", "-o", "x", "--q-bits", "4"],
+    "--top-k -1": ["generate", "--top-k", "-1"],
+    "--min-p 2": ["chat", "--min-p", "2"],
+    "--min-tokens-to-keep 0": ["generate", "--min-tokens-to-keep", "0"],
+    "--xtc-threshold 0.9": ["generate", "--xtc-threshold", "0.9"],
 }
 EMPTY_PROMPT = {
     "generate -p ''": ["generate", "-p", ""],
@@ -322,3 +326,61 @@ def test_long_commands_print_stage_lines_when_piped(model_dir, tmp_path):
         assert all(l.startswith(f"flashnorm-mlx {command}: ") for l in lines), lines
         for want in wanted:
             assert any(want in l for l in lines), (command, want, lines)
+
+
+# --- mlx-lm's flags: --model beside MODEL, and mlx-lm's sampler options --------
+
+MODEL_COMMANDS = [*OWN_COMMANDS, "serve"]
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS)
+def test_every_command_takes_model_as_a_flag_too(command, capsys):
+    parser = __import__(
+        f"flashnorm_mlx.cli.{command}", fromlist=["x"]
+    ).setup_arg_parser()
+    extra = ["-o", "x"] if command == "convert" else []
+    assert parser.parse_args(["--model", "some/dir", *extra]).model == "some/dir"
+    assert parser.parse_args(["some/dir", *extra]).model == "some/dir"
+    assert parser.parse_args(extra).model is None
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["a/dir", "--model", "b/dir", *extra])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"flashnorm-mlx {command}: error:")
+    assert "MODEL given twice" in err[0], err
+
+
+def test_generate_with_model_flag_end_to_end(model_dir, capsys):
+    rc = main(["generate", "--model", str(model_dir), "-p", "hello", "-m", "3"])
+    assert rc == 0 and "Generation: 3 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_sampler_flags_are_mlx_lms_with_its_defaults(command):
+    import importlib
+    import inspect
+
+    from mlx_lm.sample_utils import make_sampler
+
+    mlx_lm_generate = importlib.import_module("mlx_lm.generate")
+    ours = __import__(f"flashnorm_mlx.cli.{command}", fromlist=["x"]).setup_arg_parser()
+    ours = {a.dest: a for a in ours._actions}
+    sampler_args = set(inspect.signature(make_sampler).parameters)
+    theirs = [
+        a for a in mlx_lm_generate.setup_arg_parser()._actions if a.dest in sampler_args
+    ]
+    assert {"top_k", "min_p", "top_p", "temp"} <= {a.dest for a in theirs}
+    for a in theirs:
+        assert a.dest in ours, (command, a.option_strings)
+        assert ours[a.dest].option_strings[-1] == a.option_strings[-1], a.dest
+        assert ours[a.dest].default == a.default, (a.dest, a.default)
+
+
+def test_top_k_1_samples_the_greedy_tokens(model_dir, capsys):
+    base = ["generate", str(model_dir), "-p", "hello", "-m", "8"]
+    assert main(base) == 0
+    greedy = capsys.readouterr().out.split("=" * 10)[0]
+    assert main([*base, "--temp", "5", "--top-k", "1", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.split("=" * 10)[0] == greedy
+    assert main([*base, "--temp", "5", "--min-p", "1", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.split("=" * 10)[0] == greedy

@@ -22,17 +22,22 @@ from .common import (
     add_model_args,
     add_sampling_args,
     load_for_sampling,
+    make_sampler,
     model_kwargs,
     run_main,
 )
 
+# What /compare runs beside the chat's model (each built on first use).
+COMPARE_VARIANTS = ("flashnorm", "stock", "stock_compiled", "stock_fused", "nonorm")
 HELP = """\
 /help   show this help
 /reset  forget the conversation (the system prompt stays) and clear the KV cache
-/compare  regenerate the last reply with stock, flashnorm and nonorm on the same
-        weights and prompt; their decode tok/s side by side
+/compare  regenerate the last reply on the same weights and prompt with
+        {variants}: decode tok/s side by side
 /quit   leave (also /exit, or Ctrl-D)
-Ctrl-C stops a reply; the partial reply stays in the conversation."""
+Ctrl-C stops a reply; the partial reply stays in the conversation.""".format(
+    variants=", ".join(COMPARE_VARIANTS)
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -142,10 +147,11 @@ def turn_notices(stats, requested_max_tokens: int, limit) -> list:
 
 
 class Comparer:
-    """/compare: the chat's model plus stock and nonorm built on the same source
-    and settings (once, on first use), timed on the last reply's prompt."""
+    """/compare: the chat's model plus the other COMPARE_VARIANTS built on the
+    same source and settings (once, on first use), timed on the last reply's
+    prompt."""
 
-    VARIANTS = ("flashnorm", "stock", "stock_compiled", "stock_fused", "nonorm")
+    VARIANTS = COMPARE_VARIANTS
 
     def __init__(self, source, mode: str, model, kwargs: dict, sampler=None):
         self.source, self.kwargs, self.sampler = source, kwargs, sampler
@@ -224,8 +230,6 @@ def run_chat(session: ChatSession, ui, max_tokens: int, compare=None) -> int:
 
 @run_main
 def main(argv=None):
-    from mlx_lm.sample_utils import make_sampler
-
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     source, tokenizer, model, config = load_for_sampling(args)
@@ -236,7 +240,7 @@ def main(argv=None):
             tokenizer,
             system_prompt=args.system_prompt,
             max_tokens=args.max_tokens,
-            sampler=make_sampler(args.temp, args.top_p),
+            sampler=make_sampler(args, tokenizer),
             max_context=limit,
         )
     except ChatError as e:

@@ -42,6 +42,11 @@ VALUE_RULES = {
     "num_seqs": (lambda v: v >= 0, "at least 0 (0: all of the text)"),
     "batch_size": (lambda v: v >= 1, "at least 1"),
     "max_context": (lambda v: v is None or v >= 2, "at least 2"),
+    "top_k": (lambda v: v >= 0, "at least 0 (0: off)"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
+    "min_tokens_to_keep": (lambda v: v >= 1, "at least 1"),
+    "xtc_probability": (lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
+    "xtc_threshold": (lambda v: 0 <= v <= 0.5, "in [0, 0.5]"),
 }
 Q_DEFAULTS = {"q_bits": 4, "q_group_size": 64}
 
@@ -59,6 +64,15 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         args = super().parse_args(args, namespace)
+        if hasattr(args, "model_flag"):  # MODEL, or --model as mlx-lm spells it
+            if args.model is not None and args.model_flag is not None:
+                self.error(
+                    f"MODEL given twice ({args.model!r} and --model "
+                    f"{args.model_flag!r}): give one"
+                )
+            if args.model_flag is not None:
+                args.model = args.model_flag
+            del args.model_flag
         flags = {
             a.dest: "/".join(a.option_strings)
             for a in self._actions
@@ -121,6 +135,14 @@ def add_model_args(
         "(default: the embedded SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
+        "--model",
+        dest="model_flag",
+        metavar="MODEL",
+        default=None,
+        help="MODEL as a flag, as mlx-lm's commands take it (MODEL or --model, "
+        "not both; default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer folder or repo id, for checkpoints that ship none (OpenELM) "
@@ -180,22 +202,71 @@ def add_model_args(
         )
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    """-m/--max-tokens, --temp, --top-p, --seed, as mlx-lm names them."""
+# mlx-lm's sampler flags (mlx_lm.generate; make_sampler's arguments), default
+# off: flag destination -> (type, default, help).
+SAMPLER_FLAGS = {
+    "top_p": (float, 1.0, "nucleus sampling threshold (1: off)"),
+    "top_k": (int, 0, "sample from the k most likely tokens only (0: off)"),
+    "min_p": (
+        float,
+        0.0,
+        "drop tokens less likely than min-p times the most likely one (0: off)",
+    ),
+    "min_tokens_to_keep": (int, 1, "tokens that --min-p never drops"),
+    "xtc_probability": (
+        float,
+        0.0,
+        "XTC sampling: chance per token of excluding the top choices (0: off)",
+    ),
+    "xtc_threshold": (
+        float,
+        0.1,
+        "XTC sampling: tokens at least this likely count as top choices",
+    ),
+}
+
+
+def add_sampling_args(
+    parser: argparse.ArgumentParser, max_tokens: int, sampler=tuple(SAMPLER_FLAGS)
+) -> None:
+    """-m/--max-tokens, --temp, the `sampler` flags of SAMPLER_FLAGS, --seed,
+    as mlx-lm names them."""
     parser.add_argument(
         "-m", "--max-tokens", type=int, default=max_tokens, help="most tokens per reply"
     )
     parser.add_argument(
         "--temp", type=float, default=0.0, help="sampling temperature (0: greedy)"
     )
-    parser.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling threshold"
-    )
+    for dest in sampler:
+        kind, default, text = SAMPLER_FLAGS[dest]
+        flag = "--" + dest.replace("_", "-")
+        parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument(
         "--seed",
         type=int,
         default=None,
         help="random seed for sampling (default: none, a different draw each run)",
+    )
+
+
+def make_sampler(args, tokenizer):
+    """mlx-lm's sampler for the flags, as mlx_lm.generate makes it (XTC never
+    excludes a newline or end-of-sequence token)."""
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+
+    special = []
+    if args.xtc_probability > 0:
+        eos = getattr(tokenizer, "eos_token_ids", None) or ()
+        special = list(tokenizer.encode("\n")) + list(eos)
+    return mlx_lm_sampler(
+        args.temp,
+        args.top_p,
+        args.min_p,
+        args.min_tokens_to_keep,
+        top_k=args.top_k,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=special,
     )
 
 

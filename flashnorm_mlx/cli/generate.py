@@ -10,6 +10,7 @@ from .common import (
     add_model_args,
     add_sampling_args,
     load_for_sampling,
+    make_sampler,
     run_main,
 )
 
@@ -49,7 +50,6 @@ def build_prompt(tokenizer, prompt: str, system_prompt=None, raw: bool = False) 
 @run_main
 def main(argv=None):
     from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
 
     args = setup_arg_parser().parse_args(argv)
     prompt = (
@@ -60,7 +60,7 @@ def main(argv=None):
     _, tokenizer, model, _ = load_for_sampling(args)
 
     ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
-    sampler = make_sampler(args.temp, args.top_p)
+    sampler = make_sampler(args, tokenizer)
     last = None
     responses = stream_generate(
         model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler

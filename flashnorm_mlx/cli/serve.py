@@ -1,6 +1,7 @@
 """`flashnorm-mlx serve [MODEL]`: an OpenAI-compatible HTTP server (serve/)."""
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -18,6 +19,7 @@ from .common import (
     Parser,
     UserError,
     add_model_args,
+    SAMPLER_FLAGS,
     add_sampling_args,
     build,
     need_tokenizer,
@@ -41,7 +43,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--port", type=int, default=8080, help="port to listen on (0: any free one)"
     )
     # Request defaults, for requests that do not set them.
-    add_sampling_args(p, max_tokens=512)
+    # The sampler defaults a request may override: those Settings holds.
+    add_sampling_args(p, max_tokens=512, sampler=_sampler_defaults())
     p.add_argument(
         "--max-context",
         type=int,
@@ -77,6 +80,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sampler_defaults() -> tuple:
+    """mlx-lm's sampler flags that the server's Settings has a default for."""
+    held = {f.name for f in dataclasses.fields(Settings)}
+    return tuple(dest for dest in SAMPLER_FLAGS if dest in held)
+
+
 @run_main
 def main(argv=None):
     parser = setup_arg_parser()
@@ -108,8 +117,8 @@ def main(argv=None):
         settings = Settings(
             max_tokens=args.max_tokens,
             temp=args.temp,
-            top_p=args.top_p,
             seed=args.seed,
+            **{dest: getattr(args, dest) for dest in _sampler_defaults()},
             prefill_step_size=args.prefill_step_size,
             prompt_cache_size=args.prompt_cache_size,
             decode_concurrency=args.decode_concurrency,
