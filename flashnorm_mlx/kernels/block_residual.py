@@ -128,7 +128,8 @@ def residual_ops(
 
 @functools.lru_cache(maxsize=512)
 def _residual_plan(shape, dtype, has_y, scale_y, norm, has_gain, make_kernel, backend):
-    """(kernel, launch keywords, output names) for one call signature, built once:
+    """(kernel, launch keywords, where out, ms and xs are among the outputs)
+    for one call signature, built once:
     a decode step makes this call twice per block, and at ~10 µs a launch the
     Python around it must stay small. Keyed on the kernel factory and backend
     too, so tests that swap either get fresh plans."""
@@ -161,12 +162,15 @@ def _residual_plan(shape, dtype, has_y, scale_y, norm, has_gain, make_kernel, ba
         output_shapes=[s for s, _ in outputs.values()],
         output_dtypes=[d for _, d in outputs.values()],
     )
-    return kernel, launch, tuple(outputs)
+    names = list(outputs)
+    # Output positions of (out, ms, xs); None where the kernel does not write it.
+    where = tuple(names.index(n) if n in names else None for n in ("out", "ms", "xs"))
+    return kernel, launch, where
 
 
 def _residual_call(h, y, ms_y, eps, norm, gain=None):
     # The kernel indexes rows of D in flat memory: no reshapes needed.
-    kernel, launch, names = _residual_plan(
+    kernel, launch, where = _residual_plan(
         h.shape,
         h.dtype,
         y is not None,
@@ -184,13 +188,13 @@ def _residual_call(h, y, ms_y, eps, norm, gain=None):
     inputs.append(_common.consts(float(eps)))
     if gain is not None:
         inputs.append(gain)
-    return dict(zip(names, kernel(inputs=inputs, **launch)))
+    return kernel(inputs=inputs, **launch), where
 
 
 def residual_kernel(h, y, ms_y, eps, gain=None):
-    r = _residual_call(h, y, ms_y, eps, norm=False, gain=gain)
-    out = r.get("out", h)
-    return out, r["ms"], r.get("xs", out)
+    outs, (i_out, i_ms, i_xs) = _residual_call(h, y, ms_y, eps, norm=False, gain=gain)
+    out = h if i_out is None else outs[i_out]  # y None: the residual is h itself
+    return out, outs[i_ms], out if i_xs is None else outs[i_xs]
 
 
 def residual(h, y, ms_y, eps, gain=None):
@@ -213,7 +217,7 @@ def residual_norm_ops(
 
 
 def residual_norm_kernel(h, y, ms_y, eps, gain=None):
-    return _residual_call(h, y, ms_y, eps, norm=True, gain=gain)["out"]
+    return _residual_call(h, y, ms_y, eps, norm=True, gain=gain)[0][0]
 
 
 def residual_norm(h, y, ms_y, eps, gain=None):
