@@ -384,3 +384,18 @@ def test_top_k_1_samples_the_greedy_tokens(model_dir, capsys):
     assert capsys.readouterr().out.split("=" * 10)[0] == greedy
     assert main([*base, "--temp", "5", "--min-p", "1", "--seed", "3"]) == 0
     assert capsys.readouterr().out.split("=" * 10)[0] == greedy
+
+
+# --- the note on a quantized source: one short line --------------------------
+
+
+@pytest.mark.parametrize("mode", ["flashnorm", "stock"])
+def test_a_quantized_source_gets_one_short_note(quantized_dir, model_dir, mode, capsys):
+    args = ["generate", str(quantized_dir), "--tokenizer", str(model_dir)]
+    args += ["-p", "hi", "-m", "1", "--mode", mode]
+    assert main(args) == 0
+    notes = [l for l in capsys.readouterr().err.splitlines() if "note:" in l]
+    assert len(notes) == 1 and len(notes[0]) <= 100, notes
+    assert "4-bit g32 weights as stored" in notes[0], notes
+    # The gains ride in FlashNorm's kernels; stock applies its own as always.
+    assert ("norm gains in the kernels" in notes[0]) == (mode == "flashnorm"), notes

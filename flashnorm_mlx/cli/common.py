@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Optional
 
-from .. import distributed, interrupt
+from .. import distributed, interrupt, quant
 from ..errors import FlashNormError, UserError  # noqa: F401 (commands raise it)
 from ..loading import DTYPES, build_model, read_source
 
@@ -106,7 +106,8 @@ QUANTIZED_FLAGS = {
         "--as-stored",
         "quantized source: run its quantized weights as stored, stock's exact "
         "function and bytes per token; FlashNorm applies the norm gains in its "
-        "kernels (default)",
+        "kernels, since folding them into quantized weights would mean "
+        "quantizing again (default; a short 'note:' line on stderr says so)",
     ),
     "dequantize": (
         "--dequantize",
@@ -293,6 +294,8 @@ def build(source, mode: str, args):
     notes = []
     model, config = build_model(source, mode, notes=notes, **model_kwargs(args))
     for note in notes if distributed.is_main_rank() else []:  # once per launch
+        if mode != "flashnorm":  # stock applies its norm gains as always
+            note = note.replace(quant.STORED_GAINS, "")
         print(f"flashnorm-mlx: note: {note}", file=sys.stderr)
     return model, config
 

@@ -9,6 +9,7 @@
 
 from .plan import (
     QUANTIZED_WAYS,
+    STORED_GAINS,
     WeightPlan,
     compute_dtype,
     describe,
@@ -32,6 +33,7 @@ from .specs import (
 __all__ = [
     "GROUP_SIZES",
     "QUANTIZED_WAYS",
+    "STORED_GAINS",
     "WeightPlan",
     "apply_qspec",
     "compute_dtype",

@@ -131,12 +131,23 @@ def describe(config: dict) -> str:
     )
 
 
+# The part of stored_note that is FlashNorm's alone (stock applies its gains).
+STORED_GAINS = "; norm gains in the kernels"
+
+
 def stored_note(config: dict) -> str:
-    return (
-        f"{describe(config)} checkpoint run as stored: stock and FlashNorm on the "
-        "same quantized weights, the norm gains applied in FlashNorm's kernels "
-        "(--dequantize: float; --requantize: fold, then quantize again)"
-    )
+    """One short line: '4-bit g32 weights as stored; norm gains in the kernels'
+    (the why, and the other ways, are in --as-stored's help and the README)."""
+    q = config.get("quantization") or {}
+
+    def short(spec):
+        mode = spec.get("mode", "affine")
+        bits = f"{spec.get('bits')}-bit" if mode == "affine" else mode
+        return f"{bits} g{spec.get('group_size')}"
+
+    others = sorted({short(v) for v in q.values() if isinstance(v, dict)} - {short(q)})
+    some = f" (some {', '.join(others)})" if others else ""
+    return f"{short(q)} weights{some} as stored{STORED_GAINS}"
 
 
 def _plan_folded(weights, config, dtype, given_dtype, quantize, quantized, output):
