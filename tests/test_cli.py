@@ -399,3 +399,37 @@ def test_a_quantized_source_gets_one_short_note(quantized_dir, model_dir, mode, 
     assert "4-bit g32 weights as stored" in notes[0], notes
     # The gains ride in FlashNorm's kernels; stock applies its own as always.
     assert ("norm gains in the kernels" in notes[0]) == (mode == "flashnorm"), notes
+
+
+# --- one error convention: a flag's error names the command, exit 2 ----------
+
+FLAG_ERRORS = {
+    "generate -p ''": (["generate", "-p", ""], "-p/--prompt is empty"),
+    "verify -p ' '": (["verify", "-p", " "], "-p/--prompt is empty"),
+    "bench unknown variant": (["bench", "--variants", "stock,foo"], "'foo'"),
+    "bench repeated variant": (
+        ["bench", "--variants", "stock,stock"],
+        "--variants: stock is named twice",
+    ),
+    "bench --json folder": (["bench", "--json", "/no/such/x.json"], "--json"),
+    "convert -o ''": (["convert", "-o", ""], "-o/--output is empty"),
+    "convert --calib-seqs 0": (["convert", "-o", "x", "--calib-seqs", "0"], "calib"),
+    "perplexity --data": (["perplexity", "--data", "/no/such.txt"], "--data"),
+}
+
+
+@pytest.mark.parametrize("what", list(FLAG_ERRORS))
+def test_flag_errors_name_the_command_and_exit_2(what, capsys, monkeypatch):
+    argv, says = FLAG_ERRORS[what]
+    rc, err, _ = _refusal(argv, capsys, monkeypatch)
+    assert rc == 2, (what, rc, err)
+    assert len(err) == 1 and err[0].startswith(f"flashnorm-mlx {argv[0]}: error:")
+    assert says in err[0], (what, err)
+
+
+def test_no_command_is_usage_on_stderr_and_exit_2(capsys):
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: flashnorm-mlx COMMAND"), err
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: flashnorm-mlx COMMAND")

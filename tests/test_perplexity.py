@@ -83,7 +83,8 @@ def test_cli_quantized_both_from_same_settings(model_dir, data_file, capsys):
 def test_cli_bad_data_file_is_one_line(model_dir, tmp_path, capsys):
     rc = main(["perplexity", str(model_dir), "--data", str(tmp_path / "missing.txt")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 1 and len(err) == 1 and "no such data file" in err[0], (rc, err)
+    assert rc == 2 and len(err) == 1 and "no such data file" in err[0], (rc, err)
+    assert err[0].startswith("flashnorm-mlx perplexity: error: --data:"), err
 
 
 def test_quant_table_rows_are_perplexity_keywords():

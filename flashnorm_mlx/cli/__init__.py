@@ -29,7 +29,10 @@ def _usage() -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:  # argparse's convention: usage on stderr, exit status 2
+        print(_usage(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):

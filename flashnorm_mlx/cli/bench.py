@@ -8,11 +8,11 @@ from pathlib import Path
 
 from .. import distributed
 from ..bench import VARIANTS, run_bench, validate
+from ..errors import BenchError
 from ..loading import read_source
 from .common import (
     Parser,
     StageLog,
-    UserError,
     add_model_args,
     join_launch,
     model_kwargs,
@@ -179,16 +179,23 @@ def main(argv=None):
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if args.prefill_step_size < 1:
-        raise UserError("--prefill-step-size must be at least 1")
-    # Settings checked before the (slow) read; BenchError is reported as one line.
-    validate(variants, args.prompt_tokens, args.generation_tokens, args.num_trials)
+    # Flags checked before the (slow) read: flashnorm-mlx bench: error:, exit 2.
+    for i, v in enumerate(variants):
+        if v not in VARIANTS:
+            parser.error(
+                f"--variants: unknown variant {v!r}; choose from {', '.join(VARIANTS)}"
+            )
+        if v in variants[:i]:
+            parser.error(f"--variants: {v} is named twice")
+    try:
+        validate(variants, args.prompt_tokens, args.generation_tokens, args.num_trials)
+    except BenchError as e:
+        parser.error(str(e))
     if args.json and not Path(args.json).expanduser().parent.is_dir():
-        raise UserError(
-            f"--json: no such folder: {Path(args.json).expanduser().parent}"
-        )
+        parser.error(f"--json: no such folder: {Path(args.json).expanduser().parent}")
     join_launch(args, sampling=False)  # mlx.launch with several ranks: tensor parallel
     source = read_source(args.model, need_tokenizer=False)
 

@@ -42,6 +42,8 @@ VALUE_RULES = {
     "num_seqs": (lambda v: v >= 0, "at least 0 (0: all of the text)"),
     "batch_size": (lambda v: v >= 1, "at least 1"),
     "max_context": (lambda v: v is None or v >= 2, "at least 2"),
+    "calib_seqs": (lambda v: v >= 1, "at least 1"),
+    "calib_len": (lambda v: v >= 2, "at least 2"),
     "top_k": (lambda v: v >= 0, "at least 0 (0: off)"),
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
     "min_tokens_to_keep": (lambda v: v >= 1, "at least 1"),

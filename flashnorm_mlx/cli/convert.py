@@ -8,7 +8,6 @@ from ..quant import gptq
 from .common import (
     Parser,
     StageLog,
-    UserError,
     add_model_args,
     interruptible,
     model_kwargs,
@@ -72,9 +71,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 @run_main
 def main(argv=None):
-    args = setup_arg_parser().parse_args(argv)
-    if args.calib_seqs < 1 or args.calib_len < 2:
-        raise UserError("--calib-seqs must be >= 1 and --calib-len >= 2")
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if not args.output.strip():
+        parser.error("-o/--output is empty")
     with StageLog("convert") as log, interruptible(log):
         log.step(f"reading {args.model or 'the embedded model'}")
         r = convert(

@@ -6,7 +6,6 @@ import sys
 from .. import distributed
 from .common import (
     Parser,
-    UserError,
     add_model_args,
     add_sampling_args,
     load_for_sampling,
@@ -51,12 +50,13 @@ def build_prompt(tokenizer, prompt: str, system_prompt=None, raw: bool = False) 
 def main(argv=None):
     from mlx_lm import stream_generate
 
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
     prompt = (
         sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
     )
     if not prompt.strip():  # the model would answer an empty message
-        raise UserError("the prompt is empty (-p TEXT, or -p - to read stdin)")
+        parser.error("-p/--prompt is empty (-p TEXT, or -p - to read stdin)")
     _, tokenizer, model, _ = load_for_sampling(args)
 
     ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)

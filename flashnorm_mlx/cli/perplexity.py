@@ -4,6 +4,7 @@ import argparse
 import json
 import sys
 
+from ..errors import LoadError
 from ..loading import read_source
 from ..perplexity import MIN_TIMED_TOKENS, MODES, load_text, perplexity
 from ..quant import gptq
@@ -59,7 +60,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    text = load_text(args.data)
+    try:
+        text = load_text(args.data)
+    except LoadError as e:  # a flag's file: flashnorm-mlx perplexity: error:
+        parser.error(f"--data: {e}")
     with StageLog("perplexity") as log, interruptible(log):
         log.step(f"reading {args.model or 'the embedded model'}")
         source = read_source(args.model, tokenizer=args.tokenizer)

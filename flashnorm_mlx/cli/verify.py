@@ -34,9 +34,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 @run_main
 def main(argv=None):
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():
-        raise UserError("the prompt is empty (leave -p out for the fixed sentence)")
+        parser.error("-p/--prompt is empty (leave -p out for the fixed sentence)")
     source = read_source(args.model, tokenizer=args.tokenizer)
     tokens = prompt_tokens(source, args.prompt)
     if not tokens:
