@@ -433,3 +433,32 @@ def test_no_command_is_usage_on_stderr_and_exit_2(capsys):
     assert out == "" and err.startswith("usage: flashnorm-mlx COMMAND"), err
     assert main(["--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: flashnorm-mlx COMMAND")
+
+
+# --- help that says what is true today ----------------------------------------
+
+
+def test_top_level_help_names_every_architecture(capsys):
+    from flashnorm_mlx.models import ARCHITECTURES
+
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split()).lower()
+    for model_type in ARCHITECTURES:
+        assert model_type in text, (model_type, text)
+
+
+def test_chat_help_names_every_compare_variant():
+    from flashnorm_mlx.cli import chat
+
+    page = " ".join(chat.HELP.split())
+    for variant in chat.Comparer.VARIANTS:
+        assert variant in page, (variant, chat.HELP)
+
+
+def test_a_required_flag_shows_no_default():
+    from flashnorm_mlx.cli import convert
+
+    parser = convert.setup_arg_parser()
+    action = next(a for a in parser._actions if a.dest == "output")
+    text = parser._get_formatter()._get_help_string(action)
+    assert "default" not in text and "(required)" in text, text

@@ -1,6 +1,7 @@
 """`flashnorm-mlx COMMAND ...`: dispatch to one module per command."""
 
 import importlib
+import os
 import sys
 
 # command -> (module in flashnorm_mlx.cli, one-line help)
@@ -20,7 +21,8 @@ def _usage() -> str:
         "usage: flashnorm-mlx COMMAND [options]   (COMMAND --help for details)",
         "",
     ]
-    lines.append("Exact FlashNorm inference for Llama and OpenELM models on MLX.")
+    lines.append("Exact FlashNorm inference on MLX for Llama-family models (Llama,")
+    lines.append("Mistral, Qwen2, Qwen3) and OpenELM.")
     lines.append("MODEL defaults to the embedded SmolLM2-135M-Instruct (4-bit GGUF).")
     lines.append("")
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
@@ -28,6 +30,14 @@ def _usage() -> str:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader went away (`... --help | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:  # argparse's convention: usage on stderr, exit status 2
         print(_usage(), file=sys.stderr)

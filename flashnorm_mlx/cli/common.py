@@ -20,6 +20,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if "default" in text or action.default is argparse.SUPPRESS:
             return text
+        if action.required:  # e.g. convert's -o: there is no default to show
+            return text + " (required)"
         if action.nargs == 0:  # an on/off flag
             return text + (" (default: on)" if action.default else " (default: off)")
         if action.default is None:
