@@ -30,7 +30,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import kernels
-from .models.blocks import Block
 
 BUCKET = 256  # KV capacity grows in multiples of this (mlx-lm's KVCache.step)
 
@@ -132,7 +131,7 @@ def compiled_class(cls: type) -> type:
     def __init__(self, *args, **kwargs):
         cls.__init__(self, *args, **kwargs)
         for layer in getattr(self, "layers", ()):
-            if isinstance(layer, Block):
+            if hasattr(layer, "compile_parts"):  # our blocks (models/blocks.py)
                 layer.compile_parts = True
 
     def __call__(self, inputs, cache=None, **kwargs):
@@ -171,7 +170,7 @@ def eager(model):
     if not is_compiled(model):
         yield
         return
-    blocks = [l for l in model.layers if isinstance(l, Block)]
+    blocks = [l for l in model.layers if hasattr(l, "compile_parts")]
     model.__dict__["_eager"] = True
     for layer in blocks:
         layer.compile_parts = False

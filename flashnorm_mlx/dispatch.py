@@ -1,8 +1,9 @@
 """What one decode step launches: the primitives of a cached one-token forward pass.
 
-At batch-1 decode on Metal and CUDA every kernel-launching primitive costs a
-fixed ~10 µs of dispatch whatever it computes (docs/design.md section 4a), so the
-count of such primitives per step is what FlashNorm's speed is made of. The
+At batch-1 decode on Metal and CUDA every kernel-launching primitive costs the
+GPU a fixed ~10 µs whatever it computes, and MLX's host encoding per primitive
+on top (docs/design.md section 4a): the count of such primitives per step is
+one part of what decode speed is made of, host build time the other. The
 graph of one step is read with `mx.export_to_dot` without running it; views
 (reshape, transpose, slices, broadcasts) are counted apart since they launch
 nothing (a reshape of a non-contiguous array copies: the count says "at most").

@@ -3,14 +3,17 @@
 # ../shared/device/README.md says (run from the project root, after
 # `bash .devkit/device-setup.sh && source ~/kit/env.sh`). Random-weight checkpoints
 # at real shapes (decode speed depends on shapes, not values), then
-# `bench -p 128 -g 128 -n 7` (stock, stock_fused, flashnorm, nonorm) in each model's
-# dtype and on a 4-bit group 64 copy quantized by mlx-lm itself, which every
-# variant runs as stored: the same 4-bit weights for stock and FlashNorm.
+# `bench -p 128 -g 128 -n 7` (stock, stock_compiled, stock_fused, flashnorm,
+# nonorm; flashnorm and stock_compiled with the compiled decode step) in each
+# model's dtype and on a 4-bit group 64 copy quantized by mlx-lm itself, which
+# every variant runs as stored: the same 4-bit weights for stock and FlashNorm.
+# A 4-bit model's first prefill spends minutes in MLX's JIT of its quantized
+# kernels (cached on disk afterwards): bench's untimed warm-up takes that hit.
 # Results: one JSON per run and bench's tables in $OUT (default ./gpu-bench).
 set -euo pipefail
 out=${OUT:-gpu-bench}
 tools=${TOOLS:-.devkit/tools}
-models=${MODELS:-smollm2-135m openelm-270m llama-3.2-1b}
+models=${MODELS:-smollm2-135m openelm-270m llama-3.2-1b qwen3-0.6b}
 mkdir -p "$out"
 python3 -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "cuda", mx.cuda.is_available())' | tee "$out/versions.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$out/versions.txt" || true

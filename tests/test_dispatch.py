@@ -1,7 +1,7 @@
-"""Launches per decode step: the count FlashNorm's GPU speed is made of.
+"""Launches per decode step: the GPU's share of FlashNorm's decode speed.
 
-Dispatch-bound decode on Metal and CUDA costs ~10 µs per kernel-launching
-primitive (docs/design.md section 4a). These tests count the graph of one
+Every kernel-launching primitive costs the GPU ~10 µs at batch-1 decode on Metal
+and CUDA, and the host its encoding (docs/design.md section 4a). These tests count the graph of one
 cached decode step on any build, with every mx.fast op and FlashNorm kernel as
 one node, as a GPU runs them (`dispatch.gpu_like`), so a change that adds
 launches fails here without a GPU. References: mlx-lm's own classes (stock) and the norm-removed

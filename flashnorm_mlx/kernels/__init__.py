@@ -14,7 +14,7 @@ or CUDA backend runs it, else `<op>_ops`, its twin with the same signature.
 FLASHNORM_KERNELS=0 forces the twins; FLASHNORM_KERNELS=op1,op2 enables only
 those kernels (for measuring one at a time).
 
-On Metal and CUDA a decode step costs about 10 µs per launched primitive, so
+On Metal and CUDA every launched primitive costs ~10 µs of a decode step, so
 the ops are cut along launches, not along the math (docs/design.md section 3):
 a block is qkv matmul -> `qkv_epilogue` -> cache -> attention -> o_proj ->
 `residual` -> gate|up matmul -> `deferred_glu` -> down matmul -> `residual`.

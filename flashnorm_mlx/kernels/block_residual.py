@@ -129,9 +129,9 @@ def residual_ops(
 @functools.lru_cache(maxsize=512)
 def _residual_plan(shape, dtype, has_y, scale_y, norm, has_gain, make_kernel, backend):
     """(kernel, launch keywords, where out, ms and xs are among the outputs)
-    for one call signature, built once:
-    a decode step makes this call twice per block, and at ~10 µs a launch the
-    Python around it must stay small. Keyed on the kernel factory and backend
+    for one call signature, built once: a step makes this call twice per
+    block, and where it is not compiled (prefill, a shape's first step) the
+    Python around it is host time. Keyed on the kernel factory and backend
     too, so tests that swap either get fresh plans."""
     D = shape[-1]
     nt = min(256, max(32, _common.next_pow2(D) // 4))

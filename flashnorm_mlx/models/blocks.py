@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from .. import kernels
+from ..decode import CompiledOnce
 
 
 class Gain(nn.Module):
@@ -79,8 +80,6 @@ class Block(nn.Module):
 
     def _compiled_call(self, x, ms, xs, mask, cache, out_gain, final):
         # The cache update and attention stay outside: only they see the cache.
-        from ..decode import CompiledOnce
-
         parts = self.__dict__.get("_parts")
         if parts is None:
             attn = self.attention_module()
