@@ -85,6 +85,27 @@ def test_embedded_model_compiled_and_uncompiled_agree_over_128_tokens():
     assert compiled_ran(on)
 
 
+def test_batched_decode_compiles_block_parts_and_stays_exact(tmp_path):
+    """serve's continuous batching runs mlx-lm's BatchKVCache (left padding,
+    per-sequence offsets), which the whole step cannot serve: the blocks'
+    cache-free parts run compiled, with the uncompiled model's tokens."""
+    from mlx_lm.generate import batch_generate
+
+    from flashnorm_mlx.loading import load
+
+    path = tiny.make_llama(tmp_path, "gqa_untied")
+    prompts = [PROMPT, PROMPT[:5], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+    got = {}
+    for compile in (True, False):
+        model, tok = load(str(path), dtype=mx.float32, compile=compile)
+        r = batch_generate(model, tok, prompts, max_tokens=24, return_token_ids=True)
+        got[compile] = r.token_ids
+        parts = [l.__dict__.get("_parts") for l in model.layers]
+        assert all(p and p["heads"].seen for p in parts) == compile, compile
+        assert "_decode_step" not in model.__dict__  # no whole step: batched cache
+    assert got[True] == got[False]
+
+
 def _teacher_forced(model, prompt, tokens):
     """Prompt logits, then one row per cached single-token step fed `tokens`."""
     cache = make_prompt_cache(model)
