@@ -7,7 +7,6 @@ offsets, no padding). Logprobs and the key are checked over HTTP on a tiny
 Llama server, against a direct forward pass of the same model in this process.
 """
 
-
 import mlx.core as mx
 import numpy as np
 import openai
@@ -222,8 +221,17 @@ def test_echo_scores_the_prompt_as_lm_eval_reads_it(server, reference):
                 top,
                 best,
             )
-        assert r.choices[0].text.startswith(tok.decode(prompt)), r.choices[0].text
-        assert lp.tokens == [tok.decode([t]) for t in ids], lp.tokens
+        # The text is the decoding of every token; each token's, its piece of it.
+        assert r.choices[0].text == tok.decode(ids), (r.choices[0].text, ids)
+        _pieces_of(r.choices[0].text, lp)
+
+
+def _pieces_of(text, lp):
+    """Tokens are consecutive pieces of the text, text_offset where each starts
+    (a character split over tokens comes with the token that completes it)."""
+    assert "".join(lp.tokens) == text, (lp.tokens, text)
+    for token, at in zip(lp.tokens, lp.text_offset):
+        assert text[at : at + len(token)] == token, (text, token, at)
 
 
 def test_several_prompts_in_one_request_get_one_choice_each(server, reference):
@@ -252,7 +260,10 @@ def test_completion_logprobs_equal_a_direct_forward_pass(server, reference):
         model="tiny", prompt=prompt, max_tokens=6, logprobs=3, temperature=0
     )
     lp = r.choices[0].logprobs
-    assert lp.tokens == [tok.decode([t]) for t in ids], (lp.tokens, ids)
+    _pieces_of(r.choices[0].text, lp)
+    # What the prompt is followed by (its last character may be cut in two).
+    text, before = tok.decode(prompt + ids), tok.decode(prompt).rstrip("\ufffd")
+    assert before + r.choices[0].text == text, (r.choices[0].text, text)
     direct = [row[t] for row, t in zip(rows, ids)]
     diff = np.abs(np.array(lp.token_logprobs) - direct).max()
     print(f"max |logprob - direct| {diff:.2e}")
@@ -280,8 +291,11 @@ def test_chat_logprobs_streamed_or_not(server, reference):
     content = r.choices[0].logprobs.content
     stop = next((i + 1 for i, t in enumerate(ids) if t in tok.eos_token_ids), 5)
     assert len(content) == stop, (content, ids)
+    ended = ids[stop - 1] in tok.eos_token_ids
+    pieces = "".join(e.token for e in content[: stop - ended])
+    assert pieces == r.choices[0].message.content, (pieces, r.choices[0].message)
     for e, t, row in zip(content, ids, rows):
-        assert e.token == tok.decode([t]) and e.bytes == list(e.token.encode()), e
+        assert e.bytes == list(e.token.encode()), e
         assert abs(e.logprob - row[t]) <= 1e-4, (e.logprob, row[t])
         assert len(e.top_logprobs) == 4, e
         assert e.logprob == max(x.logprob for x in e.top_logprobs), e

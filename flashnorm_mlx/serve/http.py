@@ -289,13 +289,13 @@ class Handler(BaseHTTPRequestHandler):
         )
 
     @staticmethod
-    def _logprobs(job: Job, entries, start: int = 0) -> Optional[dict]:
+    def _logprobs(job: Job, entries) -> Optional[dict]:
         """choices[0].logprobs in the route's shape; None when not asked for."""
         if entries is None:
             return None
         if job.kind == "chat":
             return chat_logprobs(entries)
-        return text_logprobs(entries, start)
+        return text_logprobs(entries)
 
     def _head(self, job: Job, chunk: bool) -> dict:
         if job.kind == "chat":
@@ -342,15 +342,13 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self._sent = True
         self._event(self._chunk(job, "", role=True))
-        chars = 0  # text sent so far: completions' logprobs text_offset
         while True:
             if what == "text":
                 piece, entries = value
                 lp = self._logprobs(
-                    job, entries if job.top_logprobs is not None else None, chars
+                    job, entries if job.top_logprobs is not None else None
                 )
                 self._event(self._chunk(job, piece, logprobs=lp))
-                chars += len(piece)
             elif what == "error":
                 self._event(value.body())
                 break
@@ -375,6 +373,7 @@ class ApiServer(ThreadingHTTPServer):
     """ThreadingHTTPServer bound to (host, port), IPv6 when the host is one."""
 
     daemon_threads = True
+    request_queue_size = 128  # the listen backlog (socketserver's 5 resets bursts)
 
     def __init__(self, host: str, port: int):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET

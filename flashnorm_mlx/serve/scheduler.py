@@ -6,9 +6,13 @@ decodes one token for each request in flight in one forward pass (a
 left-padded and masked) and prefills a chunk of newly arrived prompts. Requests
 join as they arrive, up to `decode_concurrency`, and leave as they finish, hit
 a stop string, or their client goes. Each has its own sampler (temperature,
-top-p and a random key of its own), max tokens and stop strings. Finished
-caches go to mlx-lm's `LRUPromptCache`, and a new request starts from the
-longest cached prefix of its prompt.
+top-p, min-p, top-k and a random key of its own), logits processors (logit
+bias, penalties), max tokens and stop strings. Finished caches go to mlx-lm's
+`LRUPromptCache`, and a new request starts from the longest cached prefix of
+its prompt.
+
+Text is the exact decoding of the tokens in context (Detokenizer): the reply
+is decode(prompt + reply)[len(decode(prompt)):], grown a piece per token.
 
 The tokenizer lock is taken only to turn tokens into text, never across a
 forward pass.
@@ -54,6 +58,10 @@ class Job:
     model: str
     top_logprobs: Optional[int] = None  # None: no logprobs
     echo: bool = False  # completions: the prompt comes back, scored
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    min_tokens_to_keep: int = 1  # by min-p
+    processors: Optional[dict] = None  # make_logits_processors' arguments
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
     submitted: float = field(default_factory=time.perf_counter)
@@ -61,12 +69,19 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
-def make_seeded_sampler(temp: float, top_p: float, seed: int):
-    """mlx-lm's sampling (top-p, then temperature) with a key of the request's
-    own: requests in one batch never share random state, so a seed gives the
-    same tokens whatever else the server is doing. Called on its own row,
-    (1, vocab) logprobs."""
-    from mlx_lm.sample_utils import apply_top_p, make_sampler
+def make_seeded_sampler(
+    temp: float,
+    top_p: float,
+    seed: int,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+):
+    """mlx-lm's make_sampler (top-p, min-p, top-k, in its order, then
+    temperature) with a key of the request's own: requests in one batch never
+    share random state, so a seed gives the same tokens whatever else the
+    server is doing. Called on its own row, (1, vocab) logprobs."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
     if temp == 0:
         return make_sampler(0.0)
@@ -77,9 +92,81 @@ def make_seeded_sampler(temp: float, top_p: float, seed: int):
         key, sub = mx.random.split(key)
         if 0 < top_p < 1:
             logprobs = apply_top_p(logprobs, top_p)
+        if min_p > 0:
+            logprobs = apply_min_p(logprobs, min_p, min_tokens_to_keep)
+        if 0 < top_k < logprobs.shape[-1]:  # top_k >= the vocabulary: all kept
+            logprobs = apply_top_k(logprobs, top_k)
         return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
 
     return sample
+
+
+REPLACEMENT = "\ufffd"  # what decode makes of a character cut between tokens
+
+
+class Detokenizer:
+    """Text grown a token at a time, always the exact decoding in context:
+    the pieces of tokens added after `context` join to
+    decode(context + tokens)[len(decode(context)):] (and the context's trailing
+    partial character, if it ends in one).
+
+    Each piece is a window re-decoded, decode(ids[prefix:] + [t]) less the
+    window's text before (decode(ids[prefix:read])), so spaces a tokenizer
+    drops at the start of a text (mlx-lm's streaming detokenizers drop the
+    first token's leading space) are kept. A piece that ends in U+FFFD, a
+    character whose bytes are not all in yet, is held back and comes whole
+    with the token that completes it (as TGI and vLLM do); past HOLD_MAX
+    tokens it is let go (bytes that never make a character)."""
+
+    HOLD_MAX = 16
+    CONTEXT = 4  # tokens of context kept before the text not yet sent
+
+    def __init__(self, decode: Callable, context: List[int] = ()):
+        self.decode = decode
+        self.ids = list(context)
+        read = len(self.ids)
+        # A context cut inside a character: its last bytes wait for the reply's.
+        while read > max(0, len(self.ids) - 3) and self._text(
+            read - self.CONTEXT, read
+        ).endswith(REPLACEMENT):
+            read -= 1
+        self.prefix, self.read = max(0, read - self.CONTEXT), read
+        self.prefix_text = self._text(self.prefix, read)
+        self.emitted = 0  # characters given out by add and flush
+
+    def _text(self, start: int, end: int, extra: List[int] = ()) -> str:
+        return self.decode(self.ids[max(0, start) : end] + list(extra))
+
+    def piece(self, token: int, final: bool = False) -> str:
+        """The text `token` would add now (held back: ""); nothing changes."""
+        text = self._text(self.prefix, len(self.ids), [token])
+        held = len(self.ids) + 1 - self.prefix
+        if len(text) > len(self.prefix_text) and (
+            final or not text.endswith(REPLACEMENT) or held > self.HOLD_MAX
+        ):
+            return text[len(self.prefix_text) :]
+        return ""
+
+    def add(self, token: int, final: bool = False) -> str:
+        """Add `token`; the text it adds (final: nothing held back)."""
+        piece = self.piece(token, final)
+        self.ids.append(token)
+        if piece:
+            self.prefix, self.read = self.read, len(self.ids)
+            self.prefix_text = self._text(self.prefix, self.read)
+            self.emitted += len(piece)
+        return piece
+
+    def flush(self) -> str:
+        """The text still held back (a last partial character, as U+FFFD)."""
+        text = self._text(self.prefix, len(self.ids))
+        if len(self.ids) == self.read or len(text) <= len(self.prefix_text):
+            return ""
+        piece = text[len(self.prefix_text) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.prefix_text = self._text(self.prefix, self.read)
+        self.emitted += len(piece)
+        return piece
 
 
 class StopText:
@@ -164,7 +251,7 @@ class _Run:
     job: Job
     cached: int  # prompt tokens reused from the prompt cache
     stops: StopText
-    detokenizer: object
+    detokenizer: Optional[Detokenizer] = None
     uid: Optional[int] = None  # in the BatchGenerator
     ids: List[int] = field(default_factory=list)
     entries: Optional[List[TokenLogprob]] = None  # with logprobs: one per token
@@ -190,7 +277,6 @@ class Worker:
         self.thread = threading.Thread(
             target=self._main, name="generation", daemon=True
         )
-        self._texts: Dict[int, str] = {}  # token id -> text, for logprobs
 
     @property
     def alive(self) -> bool:
@@ -296,9 +382,7 @@ class Worker:
     def _start(self, job: Job) -> None:
         from mlx_lm.models.cache import trim_prompt_cache
 
-        with self.lock:
-            detokenizer = self.tokenizer.detokenizer
-        run = _Run(job, 0, StopText(job.stop), detokenizer)
+        run = _Run(job, 0, StopText(job.stop))
         if job.top_logprobs is not None:
             run.entries = []
         if job.echo:
@@ -311,11 +395,14 @@ class Worker:
                     self.settings.prefill_step_size,
                 )
             rest, run.cached = job.prompt[-1:], 0
-            with self.lock:
-                run.echo_text = self.tokenizer.decode(job.prompt)
-                if run.entries is not None:
-                    run.entries += [TokenLogprob(self._text(job.prompt[0]), None, [])]
-                    run.entries += self._entries(job.prompt[1:], rows)
+            last = len(job.prompt) - 1
+            with self.lock:  # the prompt's text, token by token as the reply's
+                run.detokenizer = Detokenizer(self.tokenizer.decode)
+                pieces = [
+                    self._add(run, t, score, final=job.max_tokens == 0 and i == last)[0]
+                    for i, (t, score) in enumerate(zip(job.prompt, [(None, [])] + rows))
+                ]
+            run.echo_text = "".join(pieces)
             if job.stream:  # the prompt's text is the stream's start
                 job.events.put(("text", (run.echo_text, list(run.entries or []))))
             if job.max_tokens == 0:  # nothing to generate: answered now
@@ -326,6 +413,8 @@ class Worker:
                 return
             fed = job.prompt[:-1]
         else:
+            with self.lock:  # the reply's text follows the prompt's
+                run.detokenizer = Detokenizer(self.tokenizer.decode, job.prompt)
             cache, rest = self.pool.fetch_nearest_cache(MODEL_KEY, job.prompt)
             if cache is not None and not rest:
                 # The whole prompt is cached: feed its last token again for logits.
@@ -339,7 +428,17 @@ class Worker:
             max_tokens=[job.max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[list(fed)],
-            samplers=[make_seeded_sampler(job.temp, job.top_p, job.seed)],
+            samplers=[
+                make_seeded_sampler(
+                    job.temp,
+                    job.top_p,
+                    job.seed,
+                    job.top_k,
+                    job.min_p,
+                    job.min_tokens_to_keep,
+                )
+            ],
+            logits_processors=[self._processors(job)],
             stop_sequences=[self.eos],
         )
         self.runs[run.uid] = run
@@ -366,15 +465,17 @@ class Worker:
                 run.ids.append(r.token)
                 run.first, run.last = run.first or now, now
                 run.batch_max = max(run.batch_max, n)
-                new = []
-                if run.entries is not None:
-                    new = self._entries([r.token], [scores[run.uid]])
-                    run.entries += new
-                if r.finish_reason != "stop":  # "stop" here: end of sequence
-                    run.detokenizer.add_token(r.token)
-                if r.finish_reason:
-                    run.detokenizer.finalize()
-                piece, stopped = run.stops.add(run.detokenizer.last_segment)
+                eos = r.finish_reason == "stop"  # "stop" here: end of sequence
+                text, new = self._add(
+                    run,
+                    r.token,
+                    scores.get(run.uid),
+                    final=r.finish_reason is not None,
+                    add=not eos,
+                )
+                if eos:  # no text of its own; what was held back comes out
+                    text = run.detokenizer.flush()
+                piece, stopped = run.stops.add(text)
                 if r.finish_reason or stopped:
                     run.finish_reason = "stop" if stopped else r.finish_reason
                     piece += run.stops.flush()
@@ -410,19 +511,33 @@ class Worker:
         if cache and tokens and int(getattr(cache[0], "offset", -1)) == len(tokens):
             self.pool.insert_cache(MODEL_KEY, list(tokens), cache)
 
-    def _text(self, token: int) -> str:
-        """A token's own text (lock held by the caller)."""
-        text = self._texts.get(token)
-        if text is None:
-            text = self._texts[token] = self.tokenizer.decode([token])
-        return text
+    @staticmethod
+    def _add(run: _Run, token: int, score, final=False, add=True):
+        """(the text `token` adds to run's, [its TokenLogprob] when run has
+        logprobs, from score = (logprob, top k)). A token's text in logprobs
+        is the text it adds in context, its alternatives' the text each would
+        have added, so text_offset indexes the answer's text. add=False: an
+        end-of-sequence token, which adds none. Lock held by the caller."""
+        d = run.detokenizer
+        entries = []
+        if run.entries is not None:
+            lp, top = score
+            at = d.emitted
+            alts = [(i, d.piece(i, final), v) for i, v in top if i != token]
+        text = d.add(token, final) if add else d.piece(token, final)
+        if run.entries is not None:
+            alts += [(token, text, v) for i, v in top if i == token]
+            top_text = [(t, v) for _, t, v in sorted(alts, key=lambda a: -a[2])]
+            entries = [TokenLogprob(text, lp, top_text, at)]
+            run.entries += entries
+        return (text if add else ""), entries
 
-    def _entries(self, tokens: List[int], rows) -> List[TokenLogprob]:
-        """TokenLogprob per token from top_logprobs rows (lock held by the caller)."""
-        return [
-            TokenLogprob(self._text(t), lp, [(self._text(i), v) for i, v in top])
-            for t, (lp, top) in zip(tokens, rows)
-        ]
+    @staticmethod
+    def _processors(job: Job) -> list:
+        """mlx-lm's logits processors for the job's logit bias and penalties."""
+        from mlx_lm.sample_utils import make_logits_processors
+
+        return make_logits_processors(**job.processors) if job.processors else []
 
     def _finish(self, run: _Run) -> None:
         job = run.job
@@ -433,7 +548,6 @@ class Worker:
             "text": run.echo_text + run.stops.text,
             "finish_reason": run.finish_reason,
             "logprobs": run.entries,
-            "echo_chars": len(run.echo_text),
             "usage": {
                 "prompt_tokens": len(job.prompt),
                 "completion_tokens": n,

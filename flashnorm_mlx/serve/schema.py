@@ -24,6 +24,9 @@ class Settings:
     max_tokens: int = 512  # reply budget when a request names none
     temp: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    min_tokens_to_keep: int = 1
     seed: Optional[int] = None  # seeds the per-request seeds of unseeded requests
     prefill_step_size: int = 512  # prompt tokens per step of the generation thread
     prompt_cache_size: int = 10  # conversations whose KV caches are kept
@@ -89,6 +92,10 @@ def _stop_ok(v) -> bool:
     return (len(v) <= MAX_STOP_STRINGS and all(v)) if isinstance(v, list) else bool(v)
 
 
+def _penalty_ok(v) -> bool:
+    return -2 <= v <= 2  # as OpenAI
+
+
 @dataclass(frozen=True)
 class Field:
     """One request field: its check, what it must be (said in the error), the
@@ -132,6 +139,38 @@ FIELDS = (
         lambda v: 0 < v <= 1,
         setting="top_p",
     ),
+    # mlx-lm's make_sampler (and mlx_lm.server's names); 0: off.
+    Field(
+        "top_k", _is_int, "an integer >= 0 (0: off)", lambda v: v >= 0, setting="top_k"
+    ),
+    Field(
+        "min_p",
+        _is_number,
+        "a number from 0 to 1 (0: off)",
+        lambda v: 0 <= v <= 1,
+        setting="min_p",
+    ),
+    Field(
+        "min_tokens_to_keep",
+        _is_int,
+        "an integer >= 1",
+        lambda v: v >= 1,
+        setting="min_tokens_to_keep",
+    ),
+    # mlx-lm's make_logits_processors (and mlx_lm.server's names and defaults).
+    Field("logit_bias", _is_dict, "an object of token ids to numbers"),
+    Field(
+        "repetition_penalty",
+        _is_number,
+        "a number >= 0 (0 or 1: off)",
+        lambda v: v >= 0,
+    ),
+    Field("presence_penalty", _is_number, "a number from -2 to 2", _penalty_ok),
+    Field("frequency_penalty", _is_number, "a number from -2 to 2", _penalty_ok),
+    *(
+        Field(f"{p}_context_size", _is_int, "an integer >= 1", lambda v: v >= 1)
+        for p in ("repetition", "presence", "frequency")
+    ),
     Field("seed", _is_int, "an integer from 0 to 2**64-1", lambda v: 0 <= v < 2**64),
     Field("n", _is_int, "1 (one choice per request)", lambda v: v == 1, default=1),
     Field(
@@ -162,6 +201,61 @@ FIELDS = (
 )
 
 
+# Fields that change what is sampled and that this server does not do: refused
+# (400) unless absent, null or the value that changes nothing, never ignored.
+# name: (routes, the neutral values, why not).
+REFUSED = {
+    "best_of": (("text",), (1,), "one completion per prompt is generated"),
+    "suffix": (("text",), ("",), "text after the completion is not supported"),
+    "xtc_probability": (
+        ("chat", "text"),
+        (0,),
+        "XTC sampling draws from a random state shared by every request",
+    ),
+    "response_format": (
+        ("chat", "text"),
+        ({"type": "text"},),
+        "output is not constrained to JSON or a schema",
+    ),
+    "min_tokens": (("chat", "text"), (0,), "end of sequence is never masked"),
+    "ignore_eos": (("chat", "text"), (False,), "end of sequence always ends"),
+    "typical_p": (("chat", "text"), (1,), "typical sampling is not supported"),
+    **{
+        name: (("chat", "text"), (None,), "constrained decoding is not supported")
+        for name in (
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "grammar",
+            "json_schema",
+        )
+    },
+}
+
+
+def _refuse_unsupported(kind: str, body: dict) -> None:
+    for name, (kinds, neutral, why) in REFUSED.items():
+        value = body.get(name)
+        if kind in kinds and value is not None and not _same(value, neutral):
+            said = " or ".join(json.dumps(v) for v in neutral if v is not None)
+            raise RequestError(
+                f"'{name}' is not supported: {why}"
+                + (f" (leave it out, or send {said})" if said else " (leave it out)"),
+                param=name,
+                code="unsupported_parameter",
+            )
+
+
+def _same(value, neutral) -> bool:
+    """value is one of `neutral`, and of its kind (true is not 1, nor 0 false)."""
+
+    def kind(x):
+        return "bool" if _is_bool(x) else "number" if _is_number(x) else type(x)
+
+    return any(kind(value) == kind(v) and value == v for v in neutral)
+
+
 def _read(body: dict, f: Field, settings: Settings):
     """body[f.name] when present and not null, checked; else f's default."""
     value = body.get(f.name)
@@ -190,11 +284,16 @@ class Options:
     include_usage: bool
     top_logprobs: Optional[int]  # None: no logprobs; else how many alternatives
     echo: bool
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    processors: Optional[dict] = None  # make_logits_processors' arguments
 
 
 def read_options(kind: str, body: dict, settings: Settings) -> Options:
     """The FIELDS of a /v1/chat/completions ("chat") or /v1/completions
     ("text") body, checked; a RequestError names the first bad one."""
+    _refuse_unsupported(kind, body)
     got: Dict[str, Any] = {}
     for f in FIELDS:
         if kind in f.kinds:
@@ -235,7 +334,46 @@ def read_options(kind: str, body: dict, settings: Settings) -> Options:
         include_usage=include_usage,
         top_logprobs=top,
         echo=bool(got.get("echo")),
+        top_k=got["top_k"],
+        min_p=float(got["min_p"]),
+        min_tokens_to_keep=got["min_tokens_to_keep"],
+        processors=_processors(got),
     )
+
+
+MAX_LOGIT_BIAS = 100  # as OpenAI: -100 bans a token, 100 all but forces it
+
+
+def _processors(got: dict) -> Optional[dict]:
+    """make_logits_processors' arguments, None when nothing is asked for.
+    logit_bias's keys are token ids (checked against the vocabulary later)."""
+    out: Dict[str, Any] = {}
+    bias = got["logit_bias"]
+    if bias:
+        out["logit_bias"] = {}
+        for k, v in bias.items():
+            if not (isinstance(k, str) and k.strip().isdigit()):
+                raise RequestError(
+                    f"'logit_bias' keys must be token ids, not {json.dumps(k)[:40]}",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+            if not _is_number(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+                raise RequestError(
+                    f"'logit_bias' values must be numbers from -{MAX_LOGIT_BIAS} to "
+                    f"{MAX_LOGIT_BIAS}, not {json.dumps(v)[:40]}",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+            out["logit_bias"][int(k)] = float(v)
+    for p in ("repetition", "presence", "frequency"):
+        penalty = got[f"{p}_penalty"]
+        if penalty and not (p == "repetition" and penalty == 1):
+            out[f"{p}_penalty"] = float(penalty)
+            size = got[f"{p}_context_size"]
+            if size is not None:
+                out[f"{p}_context_size"] = size
+    return out or None
 
 
 # --- prompts ---------------------------------------------------------------------
@@ -330,11 +468,13 @@ def _prompt_ids(prompt, encode: Callable, vocab_size: int) -> List[int]:
 @dataclass
 class TokenLogprob:
     """One token as text, its logprob (None: an echoed prompt's first token,
-    which nothing predicts) and its top alternatives, best first."""
+    which nothing predicts), its top alternatives, best first, and where its
+    text starts in the answer's (characters)."""
 
     token: str
     logprob: Optional[float]
     top: List[Tuple[str, float]]
+    offset: int = 0
 
 
 def chat_logprobs(entries: List[TokenLogprob]) -> dict:
@@ -352,14 +492,11 @@ def chat_logprobs(entries: List[TokenLogprob]) -> dict:
     }
 
 
-def text_logprobs(entries: List[TokenLogprob], start: int = 0) -> dict:
+def text_logprobs(entries: List[TokenLogprob]) -> dict:
     """choices[i].logprobs of a text completion: parallel lists, one item per
     token. The top dict holds the chosen token too, as OpenAI's (up to
-    logprobs + 1 keys); text_offset counts characters from `start`."""
-    offsets, at = [], start
-    for e in entries:
-        offsets.append(at)
-        at += len(e.token)
+    logprobs + 1 keys); text_offset indexes the choice's whole text (a
+    stream's chunks joined)."""
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
@@ -367,7 +504,7 @@ def text_logprobs(entries: List[TokenLogprob], start: int = 0) -> dict:
             None if e.logprob is None else _top_dict(e.top + [(e.token, e.logprob)])
             for e in entries
         ],
-        "text_offset": offsets,
+        "text_offset": [e.offset for e in entries],
     }
 
 

@@ -52,6 +52,7 @@ class Service:
             w.thread.join()
             raise w.build_error
         self.tokenizer = w.tokenizer
+        self.vocab_size = len(self.tokenizer.get_vocab())
         if self.settings.max_context is None:
             self.settings.max_context = context_length(w.config)
 
@@ -60,6 +61,13 @@ class Service:
         ("text") body: one per prompt (a completions request may hold several)."""
         o = read_options(kind, body, self.settings)
         prompts, param = self._prompts(kind, body, o.stream)
+        bias = (o.processors or {}).get("logit_bias", {})
+        if bias and not all(0 <= t < self.vocab_size for t in bias):
+            raise RequestError(
+                f"'logit_bias' token ids must be in [0, {self.vocab_size})",
+                param="logit_bias",
+                code="invalid_value",
+            )
         seed = o.seed
         if seed is None:
             with self._seeds_lock:
@@ -88,8 +96,7 @@ class Service:
             prompts, param = [[int(i) for i in ids]], "messages"
         else:
             with self.tokenizer_lock:
-                vocab = len(self.tokenizer.get_vocab())
-                prompts = read_prompts(body, self.tokenizer.encode, vocab)
+                prompts = read_prompts(body, self.tokenizer.encode, self.vocab_size)
             param = "prompt"
             if stream and len(prompts) > 1:
                 raise RequestError(
@@ -128,4 +135,8 @@ class Service:
             model=self.model_id,
             top_logprobs=o.top_logprobs,
             echo=o.echo,
+            top_k=o.top_k,
+            min_p=o.min_p,
+            min_tokens_to_keep=o.min_tokens_to_keep,
+            processors=o.processors,
         )
