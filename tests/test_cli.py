@@ -462,3 +462,19 @@ def test_a_required_flag_shows_no_default():
     action = next(a for a in parser._actions if a.dest == "output")
     text = parser._get_formatter()._get_help_string(action)
     assert "default" not in text and "(required)" in text, text
+
+
+def test_serve_takes_the_sampler_defaults_its_settings_hold():
+    import dataclasses
+
+    from flashnorm_mlx.cli import serve
+    from flashnorm_mlx.serve import Settings
+
+    held = {f.name for f in dataclasses.fields(Settings)}
+    args = serve.setup_arg_parser().parse_args(["--top-p", "0.9"])
+    for dest in serve._sampler_defaults():
+        assert dest in held and hasattr(args, dest), dest
+    assert args.top_p == 0.9
+    if "top_k" in held:  # mlx_lm.server's --top-k and --min-p, as defaults
+        args = serve.setup_arg_parser().parse_args(["--top-k", "5", "--min-p", "0.1"])
+        assert (args.top_k, args.min_p) == (5, 0.1)

@@ -16,10 +16,10 @@ from ..serve import (
 )
 from ..source import default_model_path
 from .common import (
+    SAMPLER_FLAGS,
     Parser,
     UserError,
     add_model_args,
-    SAMPLER_FLAGS,
     add_sampling_args,
     build,
     need_tokenizer,
