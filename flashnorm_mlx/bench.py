@@ -22,7 +22,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import decode, dispatch, distributed, fold, kernels, quant
+from . import decode, dispatch, distributed, kernels, models, quant
 from .errors import BenchError
 from .loading import Source, build_model, model_dtype, weight_bytes
 from .machine import device_info, versions
@@ -57,7 +57,7 @@ def weights_checksum(weights: Dict[str, mx.array]) -> str:
 
 def decode_bytes(model: nn.Module, config: dict) -> int:
     """Parameter bytes one decode step reads (see DECODE_BYTES_NOTE)."""
-    arch = fold.architecture(config)
+    arch = models.architecture(config)
     embed, head = arch.embed, arch.head
     params = tree_flatten(model.parameters())
     has_head = any(k.startswith(f"{head}.") for k, _ in params)

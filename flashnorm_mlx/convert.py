@@ -13,17 +13,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
 from . import fold, interrupt, quant
 from .errors import LoadError
+from .fold import Weights
 from .quant import gptq
 from .recipe import CHUNK_ELEMENTS, fold_checkpoint
 from .source import Source, read_source, resolve
-
-Weights = Dict[str, mx.array]
 
 # Files of a Hugging Face folder that make up its tokenizer (copied verbatim).
 TOKENIZER_PATTERNS = (
@@ -106,8 +105,6 @@ def _write_tokenizer(dst: Path, source: Source, tokenizer_dir: Optional[Path]) -
 # --- the conversion ----------------------------------------------------------
 
 
-# Over 60 lines by its keyword arguments and their documentation alone: the
-# library entry point of a command, every flag a parameter.
 def convert(
     source: Union[Source, str, None],
     out_dir: Union[str, Path],
@@ -128,7 +125,7 @@ def convert(
 ) -> dict:
     """Fold (and quantize) `source` into the checkpoint folder `out_dir`.
 
-    source: a `loading.Source`, or a MODEL string (None: the embedded default)
+    source: a `Source` (source.py), or a MODEL string (None: the embedded default)
         that is read here; then its tensors are released layer by layer.
     tokenizer: a folder or repo id whose tokenizer files to ship (OpenELM).
     on_layer(i, n): called after layer group i of n is computed (tests inject

@@ -2,8 +2,8 @@
 
 One hierarchy: `run_main` (cli/common.py) catches `FlashNormError` and prints
 `flashnorm-mlx: error: <message>`. Subclasses say where it came from, for
-callers that want to tell them apart; the ValueError bases keep the old
-`except ValueError` callers working.
+callers that want to tell them apart; the ones for a bad config or bad
+weights are ValueErrors too.
 """
 
 

@@ -15,7 +15,6 @@ from typing import Callable, Dict, List, Tuple
 import mlx.core as mx
 
 from . import models
-from .arch import Architecture
 from .errors import FoldError
 
 Weights = Dict[str, mx.array]
@@ -41,23 +40,9 @@ def mark_norm_gains(config: dict) -> dict:
     return {**config, MARKER: marker}
 
 
-# --- which norm feeds which linear layers ----------------------------------------
-
-
-def architecture(config: dict) -> Architecture:
-    """The config's architecture description (models/<model_type>.py), or FoldError."""
-    try:
-        return models.architecture(config)
-    except models.UnsupportedModel as e:
-        raise FoldError(str(e)) from None
-
-
 def norm_pairs(config: dict, weights: Weights) -> List[Tuple[str, List[str]]]:
     """(norm module, [linear modules it feeds]) for every foldable norm."""
-    return architecture(config).norm_pairs(config, weights)
-
-
-# --- the transforms ----------------------------------------------------------
+    return models.architecture(config).norm_pairs(config, weights)
 
 
 def fold_gain(weights: Weights, gain: mx.array, linear: str) -> Weights:
@@ -84,7 +69,7 @@ def fold_norms(
     """
     if is_folded(config):
         return weights, config
-    arch = architecture(config)
+    arch = models.architecture(config)
     weights = dict(weights)
     config = copy.deepcopy(config)
 
@@ -126,7 +111,7 @@ def restore_unit_norms(weights: Weights, config: dict) -> Weights:
     for norm, _ in norm_pairs(config, weights):
         key = f"{norm}.weight"
         if key not in weights:
-            width = config[architecture(config).width_key]
+            width = config[models.architecture(config).width_key]
             weights[key] = mx.ones((width,), dtype=mx.float32)
     return weights
 

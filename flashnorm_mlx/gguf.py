@@ -3,7 +3,7 @@
 `mx.load(path, return_metadata=True)` gives the tensors (Q4_0/Q4_1/Q8_0 as MLX
 affine group-32 triples `.weight/.scales/.biases`, F32/F16 as plain arrays;
 K-quants come back already dequantized to float16) and the metadata. From them
-we build what `loading.Source` holds for a Hugging Face folder:
+we build what `source.Source` holds for a Hugging Face folder:
 - a config.json dict (plus `"quantization"` keyed by module path, as mlx-lm has),
 - weights under Hugging Face names, with llama.cpp's Q/K row permutation undone
   (Llama only: llama.cpp permutes Q/K rows for interleaved RoPE there, and

@@ -38,7 +38,7 @@ def build_model(
 
     quantize=(bits, group_size): quantize a float source after folding;
     quantized: how a quantized source is taken, "stored" (FlashNorm applies
-    the norm gains in its kernels), "dequantize" or "requantize" (quant.py).
+    the norm gains in its kernels), "dequantize" or "requantize" (quant/plan.py).
     `notes` collects a line for the user where the weights were not taken as
     the obvious reading of the flags would suggest. `group`: split the model
     over it (sharding.shard_model) before its weights are evaluated, layer

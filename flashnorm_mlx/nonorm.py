@@ -129,7 +129,7 @@ def measure_rms(
 
 def norm_sites(model: nn.Module, config: dict, weights: fold.Weights) -> List[NormSite]:
     """A NormSite for every RMSNorm module of the stock `model` (else FoldError)."""
-    arch = fold.architecture(config)
+    arch = models.architecture(config)
     pairs = dict(arch.norm_pairs(config, weights))
     modules = dict(model.named_modules())
     sites = []
@@ -162,7 +162,7 @@ def fold_constants(
 
     Pure: new dicts are returned. Weights must be float (dequantize first).
     """
-    arch = fold.architecture(config)
+    arch = models.architecture(config)
     weights, config = dict(weights), copy.deepcopy(config)
     for site in sites:
         gain = weights.pop(f"{site.norm}.weight")
@@ -226,7 +226,7 @@ def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
     del calib
     weights, config = fold_constants(weights, config, sites, rms)
 
-    arch = fold.architecture(config)
+    arch = models.architecture(config)
     embed, head = arch.embed, arch.head
     if qspec and embed in qspec and head not in qspec and f"{head}.weight" in weights:
         qspec[head] = qspec[embed]  # an untied head takes its embedding's settings

@@ -76,8 +76,6 @@ def _model_nll(model, data: mx.array, batch_size: int, advance=None) -> np.ndarr
     return np.concatenate(out)
 
 
-# Over 60 lines by its keyword arguments and their documentation alone: the
-# library entry point of a command, every flag a parameter.
 def perplexity(
     source: Source,
     text: Optional[str] = None,
@@ -102,7 +100,7 @@ def perplexity(
     per-token NLL difference when both ran). quantize=(bits, group_size)
     quantizes the float weights with these settings, also for a quantized
     source (which is dequantized first); without it a quantized source is
-    taken as `quantized` says (quant.py): as stored by default, both models on
+    taken as `quantized` says (quant/plan.py): as stored by default, both models on
     the very same quantized weights. Quantized by us (-q, "requantize"), stock
     is mlx-lm's round-to-nearest and FlashNorm uses `q_method`
     (default GPTQ on the folded weights, calibrated on `calibration_text`; see

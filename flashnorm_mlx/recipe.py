@@ -26,12 +26,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from . import fold, quant
+from .fold import Weights
 from .errors import LoadError
 from .progress import progress_bar
 from .quant import gptq
 from .source import Source
-
-Weights = Dict[str, mx.array]
 
 # Weights with more elements are computed in row chunks (16 MB of float32 each).
 CHUNK_ELEMENTS = 1 << 22
@@ -44,7 +43,7 @@ class Recipe:
 
     quantize=(bits, group_size): quantize the folded float weights with these
     settings (a quantized source is dequantized first). Without it, a quantized
-    source is taken as `quantized` says (quant.py): "stored" writes its tensors
+    source is taken as `quantized` says (quant/plan.py): "stored" writes its tensors
     unchanged, marked for FlashNorm to apply the norm gains in its kernels;
     "dequantize" folds it in float; "requantize" folds and quantizes again with
     its own settings. A folded source is accepted only when float and asked to

@@ -270,6 +270,3 @@ def shard_model(model: nn.Module, group, name: str = "the model") -> None:
             )
     except ValueError as e:  # mlx's own checks
         raise ShardError(f"cannot shard {name} over {size} ranks: {e}") from None
-
-
-# --- the launch ------------------------------------------------------------------

@@ -81,7 +81,9 @@ def make_case(dtype, L, off, ratio, mode, seed=0):
     k = mx.random.split(mx.random.key(seed + 7 * L + ratio), 4)
     qkv = (mx.random.normal((B, L, (hq + 2 * hkv) * h), key=k[0]) * 3).astype(dtype)
     ms = mx.random.uniform(0.05, 20.0, (B, L, 1), key=k[1])
-    p = K.pow2_prescale(ms) if K.prescaled(dtype) else None  # float16 only
+    p = (
+        K._common.pow2_prescale(ms) if K._common.prescaled(dtype) else None
+    )  # float16 only
     rope = initialize_rope(h, theta, False, scaling, 512)
     offset = OFFSETS[off]
     offset = mx.array(offset, mx.int32) if isinstance(offset, list) else offset
@@ -151,7 +153,7 @@ def check_against(outs, refs, dtype, tol, label):
 @pytest.mark.parametrize("dtype,L,off,ratio,mode", GRID)
 def test_qkv_epilogue_twin_matches_unfused_model_math(dtype, L, off, ratio, mode):
     c = make_case(dtype, L, off, ratio, mode)
-    outs = run_epilogue(K.qkv_epilogue_ops, c)
+    outs = run_epilogue(K.epilogue.qkv_epilogue_ops, c)
     check_against(outs, reference(c), dtype, TOL[dtype], "twin vs reference")
 
 
@@ -189,7 +191,7 @@ def test_openelm_epsilon_adjustment_matters():
     c = make_case(mx.float32, 7, "off5", 2, "openelm")
     q_ref = reference(c)[0]
     c_naive = dict(c, ms=mx.ones_like(c["ms"]))  # eps unadjusted (and s = 1)
-    q_naive = run_epilogue(K.qkv_epilogue_ops, c_naive)[0]
+    q_naive = run_epilogue(K.epilogue.qkv_epilogue_ops, c_naive)[0]
     assert rel_err(q_naive, q_ref) > 1e-2, rel_err(q_naive, q_ref)
 
 
@@ -245,7 +247,7 @@ def test_pow2_prescale_is_the_power_of_two_below_one_over_rms():
     ms = mx.array(
         [1e-6, 1e-5, 0.37, 0.5, 0.999, 1.0, 1.5, 2.0, 3.99, 4.0, 1e4, 3e30, 1e38]
     ).reshape(-1, 1)
-    p = K.pow2_prescale(ms)
+    p = K._common.pow2_prescale(ms)
     want = np_pow2(ms)
     assert p.dtype == mx.float32 and np.array_equal(np64(p), want), (np64(p), want)
     s_over_p = np64(mx.rsqrt(ms)) / np64(p)
@@ -279,7 +281,7 @@ def residual_case(dtype, shape):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_deferred_glu_twin_vs_numpy(dtype, shape):
     gate_up, ms = glu_case(dtype, shape)
-    out = K.deferred_glu_ops(gate_up, ms)
+    out = K.glu.deferred_glu_ops(gate_up, ms)
     g, u = np.split(np64(gate_up), 2, axis=-1)
     g = g * np_scale(ms, dtype)
     ref = g / (1 + np.exp(-g)) * u
@@ -308,7 +310,7 @@ def np_residual(h, y, ms_y, dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_residual_twin_vs_numpy(dtype, shape, mode):
     h, y, ms_y = residual_args(dtype, shape, mode)
-    out, ms, xs = K.residual_ops(h, y, ms_y, 1e-5)
+    out, ms, xs = K.block_residual.residual_ops(h, y, ms_y, 1e-5)
     ref = np_residual(h, y, ms_y, dtype)
     ref_ms = (np64(out) ** 2).mean(-1, keepdims=True) + 1e-5
     assert out.dtype == xs.dtype == dtype and out.shape == xs.shape == shape
@@ -324,7 +326,7 @@ def test_residual_twin_vs_numpy(dtype, shape, mode):
     assert np.abs(np64(xs) - ref_xs).max() <= TOL[dtype] * np.abs(ref_xs).max()
     # With the next norm's gain (unfolded weights): x * g * p, one rounding.
     gain = residual_case(dtype, shape)[3]
-    out_g, ms_g, xs_g = K.residual_ops(h, y, ms_y, 1e-5, gain)
+    out_g, ms_g, xs_g = K.block_residual.residual_ops(h, y, ms_y, 1e-5, gain)
     assert mx.array_equal(out_g, out) and mx.array_equal(ms_g, ms)
     ref_g = np64(out) * np64(gain) * p
     err_g = np.abs(np64(xs_g) - ref_g).max() / np.abs(ref_g).max()
@@ -336,7 +338,7 @@ def test_residual_twin_vs_numpy(dtype, shape, mode):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_residual_norm_twin_vs_numpy(dtype, shape, gain):
     h, y, ms_y, g = residual_case(dtype, shape)
-    out = K.residual_norm_ops(h, y, ms_y, 1e-5, g if gain else None)
+    out = K.block_residual.residual_norm_ops(h, y, ms_y, 1e-5, g if gain else None)
     x = np_residual(h, y, ms_y, dtype)
     ref = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-5)
     ref = ref * np64(g) if gain else ref
@@ -348,10 +350,16 @@ def test_residual_norm_twin_vs_numpy(dtype, shape, gain):
 # --- pickers -----------------------------------------------------------------------
 
 OPS = ["qkv_epilogue", "deferred_glu", "residual", "residual_norm"]
+MODULES = {
+    "qkv_epilogue": K.epilogue,
+    "deferred_glu": K.glu,
+    "residual": K.block_residual,
+    "residual_norm": K.block_residual,
+}
 
 
 def impls(op):
-    return getattr(K, f"{op}_kernel"), getattr(K, f"{op}_ops")
+    return getattr(MODULES[op], f"{op}_kernel"), getattr(MODULES[op], f"{op}_ops")
 
 
 @pytest.mark.skipif(HAS_GPU_KERNELS, reason="this MLX build has a GPU backend")
@@ -360,7 +368,7 @@ def test_picker_returns_twin_on_cpu_build(op, monkeypatch):
     monkeypatch.delenv("FLASHNORM_KERNELS", raising=False)
     kernel, ops = impls(op)
     assert K.backend(op) is None
-    assert K.pick(op, kernel, ops) is ops
+    assert K._common.pick(op, kernel, ops) is ops
     with pytest.raises(RuntimeError, match="Metal or CUDA"):
         K._common.make_kernel(op, "", ["x"], ["y"])
 
@@ -372,13 +380,13 @@ def test_picked_op_runs_the_twin_without_backend_or_with_kernels_off(env, monkey
     monkeypatch.setenv("FLASHNORM_KERNELS", env)
     c = make_case(mx.float16, 7, "per_batch", 2, "llama")
     picked = run_epilogue(K.qkv_epilogue, c)
-    twin = run_epilogue(K.qkv_epilogue_ops, c)
+    twin = run_epilogue(K.epilogue.qkv_epilogue_ops, c)
     assert all(mx.array_equal(a, b).item() for a, b in zip(picked, twin))
 
 
 def picked(op):
     """What the picker runs for `op` (a kernel comes wrapped in its check)."""
-    fn = K.pick(op, *impls(op))
+    fn = K._common.pick(op, *impls(op))
     return getattr(fn, "__wrapped__", fn)
 
 
@@ -436,18 +444,20 @@ def test_a_failing_kernel_falls_back_to_its_twin_with_one_line(
     one line (op, backend, error), and the twin runs from then on."""
     monkeypatch.setattr(K._common, "make_kernel", factory)
     h, y, ms_y, _ = residual_case(mx.float32, (2, 3, 64))
-    want = K.residual_ops(h, y, ms_y, 1e-5)
+    want = K.block_residual.residual_ops(h, y, ms_y, 1e-5)
     got = K.residual(h, y, ms_y, 1e-5)
     assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("flashnorm-mlx: note: the residual"), err
     assert "cuda" in err[0] and why in err[0], err
     assert K.failures() == [err[0][len("flashnorm-mlx: note: ") :]]
-    assert K.pick("residual", *impls("residual")) is K.residual_ops
+    assert (
+        K._common.pick("residual", *impls("residual")) is K.block_residual.residual_ops
+    )
     K.residual(h, y, ms_y, 1e-5)
     assert capsys.readouterr().err == ""  # said once
     # Other ops are checked on their own: deferred_glu still tries its kernel.
-    assert picked("deferred_glu") is K.deferred_glu_kernel
+    assert picked("deferred_glu") is K.glu.deferred_glu_kernel
 
 
 @needs_cxx
@@ -495,10 +505,10 @@ VARIANTS += [
 
 @pytest.mark.parametrize("op,flags", VARIANTS, ids=lambda v: str(v))
 def test_metal_and_cuda_renderings_differ_only_in_prelude(op, flags):
-    metal = K.render(BODIES[op], "metal", **flags)
-    cuda = K.render(BODIES[op], "cuda", **flags)
-    metal_prelude, metal_body = metal.split(K.BODY_MARK)
-    cuda_prelude, cuda_body = cuda.split(K.BODY_MARK)
+    metal = K.render.render(BODIES[op], "metal", **flags)
+    cuda = K.render.render(BODIES[op], "cuda", **flags)
+    metal_prelude, metal_body = metal.split(K.render.BODY_MARK)
+    cuda_prelude, cuda_body = cuda.split(K.render.BODY_MARK)
     assert metal_body == cuda_body == BODIES[op]
     assert metal_prelude != cuda_prelude
     assert (
@@ -534,11 +544,17 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
     gate_up, ms = glu_case(mx.float16, (2, 7, 40))
 
     def graph(qkv, qkv2, gate_up):
-        q = run_epilogue(K.qkv_epilogue_kernel, dict(c, qkv=qkv))
-        q2 = run_epilogue(K.qkv_epilogue_kernel, dict(c_llama, qkv=qkv2))
-        glu = K.deferred_glu_kernel(gate_up, ms)
-        res = K.residual_kernel(glu, glu, ms, 1e-5)
-        return (*q, *q2, glu, *res, K.residual_norm_kernel(glu, None, None, 1e-5))
+        q = run_epilogue(K.epilogue.qkv_epilogue_kernel, dict(c, qkv=qkv))
+        q2 = run_epilogue(K.epilogue.qkv_epilogue_kernel, dict(c_llama, qkv=qkv2))
+        glu = K.glu.deferred_glu_kernel(gate_up, ms)
+        res = K.block_residual.residual_kernel(glu, glu, ms, 1e-5)
+        return (
+            *q,
+            *q2,
+            glu,
+            *res,
+            K.block_residual.residual_norm_kernel(glu, None, None, 1e-5),
+        )
 
     try:
         mx.export_function(
@@ -575,7 +591,7 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
     )
     for name, src in by_name.items():
         op = next(op for op in BODIES if name.startswith(f"flashnorm_{op}_"))
-        assert K.BODY_MARK + BODIES[op] in src, name
+        assert K.render.BODY_MARK + BODIES[op] in src, name
         assert "[[kernel]] void custom_kernel_" + name in src, name
         assert 'template [[host_name("custom_kernel_' + name in src, name
 
@@ -587,9 +603,13 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
 @pytest.mark.parametrize("dtype,L,off,ratio,mode", GRID)
 def test_qkv_epilogue_kernel_matches_twin(dtype, L, off, ratio, mode):
     c = make_case(dtype, L, off, ratio, mode)
-    outs = run_epilogue(K.qkv_epilogue_kernel, c)
+    outs = run_epilogue(K.epilogue.qkv_epilogue_kernel, c)
     check_against(
-        outs, run_epilogue(K.qkv_epilogue_ops, c), dtype, 2 * TOL[dtype], "kernel"
+        outs,
+        run_epilogue(K.epilogue.qkv_epilogue_ops, c),
+        dtype,
+        2 * TOL[dtype],
+        "kernel",
     )
     check_against(outs, reference(c), dtype, TOL[dtype], "kernel vs reference")
 
@@ -760,9 +780,11 @@ class HostKernels:
     @staticmethod
     def source(key: str, spec: Spec) -> str:
         # The CUDA rendering minus its prelude: the very text the GPU compiles.
-        rendered = K.render(spec.body, "cuda", **spec.flags)
-        cuda_prelude, body = rendered.split(K.BODY_MARK)
-        defines = cuda_prelude[len(K.PRELUDES["cuda"]) :]  # the variant's FN_ flags
+        rendered = K.render.render(spec.body, "cuda", **spec.flags)
+        cuda_prelude, body = rendered.split(K.render.BODY_MARK)
+        defines = cuda_prelude[
+            len(K.render.PRELUDES["cuda"]) :
+        ]  # the variant's FN_ flags
         decls = []  # buffers: input i at 2i, its shape at 2i + 1, then the outputs
         for i, (n, dt) in enumerate(zip(spec.names, spec.in_dtypes)):
             c = CTYPES[dt]
@@ -845,7 +867,9 @@ def record_all_variants(host, monkeypatch):
     for dtype in DTYPES.values():
         for mode in ("llama", "openelm", "qwen2"):
             for off in ("off5", "per_batch"):
-                run_epilogue(K.qkv_epilogue_kernel, make_case(dtype, 1, off, 2, mode))
+                run_epilogue(
+                    K.epilogue.qkv_epilogue_kernel, make_case(dtype, 1, off, 2, mode)
+                )
         for op, args, _ in elementwise_checks(dtype, (1, 2, 8)):
             impls(op)[0](*args)
 
@@ -875,9 +899,13 @@ def test_qkv_epilogue_body_on_host_matches_twin(
     host_backend, dtype, L, off, ratio, mode
 ):
     c = make_case(dtype, L, off, ratio, mode)
-    outs = run_epilogue(K.qkv_epilogue_kernel, c)
+    outs = run_epilogue(K.epilogue.qkv_epilogue_kernel, c)
     check_against(
-        outs, run_epilogue(K.qkv_epilogue_ops, c), dtype, 2 * TOL[dtype], "body"
+        outs,
+        run_epilogue(K.epilogue.qkv_epilogue_ops, c),
+        dtype,
+        2 * TOL[dtype],
+        "body",
     )
     check_against(outs, reference(c), dtype, TOL[dtype], "body vs reference")
 

@@ -219,11 +219,11 @@ def _model_shape_calls(D, F, hq, hkv, h, mode, dtype):
     elif mode == "qwen2":
         kw = dict(bias=mx.zeros((qkv.shape[-1],), dtype))
     inv_freq = mx.ones((h // 2,), mx.float32)
-    K.qkv_epilogue_kernel(qkv, ms, 7, K.Epilogue(hq, hkv, inv_freq, **kw))
-    K.deferred_glu_kernel(mx.zeros((1, 1, 2 * F), dtype), ms)
+    K.epilogue.qkv_epilogue_kernel(qkv, ms, 7, K.Epilogue(hq, hkv, inv_freq, **kw))
+    K.glu.deferred_glu_kernel(mx.zeros((1, 1, 2 * F), dtype), ms)
     x = mx.zeros((1, 1, D), dtype)
-    K.residual_kernel(x, x, ms, 1e-5)
-    K.residual_norm_kernel(x, x, ms, 1e-5, mx.ones((D,), dtype))
+    K.block_residual.residual_kernel(x, x, ms, 1e-5)
+    K.block_residual.residual_norm_kernel(x, x, ms, 1e-5, mx.ones((D,), dtype))
 
 
 def record_launches(monkeypatch) -> dict:
@@ -237,8 +237,8 @@ def record_launches(monkeypatch) -> dict:
         h, y, ms_y, gain = TK.residual_case(dtype, (1, 2, 8))
         for yy, mm in ((None, None), (y, None), (y, ms_y)):
             for g in (None, gain):
-                K.residual_kernel(h, yy, mm, 1e-5, g)
-                K.residual_norm_kernel(h, yy, mm, 1e-5, g)
+                K.block_residual.residual_kernel(h, yy, mm, 1e-5, g)
+                K.block_residual.residual_norm_kernel(h, yy, mm, 1e-5, g)
     for shape in MODEL_SHAPES.values():
         _model_shape_calls(*shape)
     return rec.launches
@@ -461,7 +461,7 @@ def test_every_render_time_variant_is_recorded():
     want = set()
     for op, flags in TK.VARIANTS:
         for dtype in TK.DTYPES.values():
-            if flags["prescale"] == K.prescaled(dtype):
+            if flags["prescale"] == K._common.prescaled(dtype):
                 items = tuple(sorted((k.upper(), str(v)) for k, v in flags.items()))
                 want.add((op.split("_")[0], dtype, items))
     assert want <= seen, sorted(map(str, want - seen))
@@ -501,7 +501,7 @@ def test_a_broken_body_fails_to_compile(monkeypatch):
     monkeypatch.setattr(K.block_residual, "RESIDUAL_BODY", broken)
     h, y, ms_y, _ = TK.residual_case(mx.bfloat16, (1, 2, 8))
     (launch,) = _one_launch(
-        monkeypatch, lambda: K.residual_kernel(h, y, ms_y, 1e-5)
+        monkeypatch, lambda: K.block_residual.residual_kernel(h, y, ms_y, 1e-5)
     ).values()
     assert "fn_undefined_name" in launch.source
     ok, log, _ = compile_launch(launch)
@@ -522,7 +522,7 @@ def test_a_break_in_one_variant_fails_only_that_variant(monkeypatch):
 
     def run():
         for dtype in TK.DTYPES.values():
-            K.deferred_glu_kernel(*TK.glu_case(dtype, (1, 2, 8)))
+            K.glu.deferred_glu_kernel(*TK.glu_case(dtype, (1, 2, 8)))
 
     results = {
         k.dtype: compile_launch(k) for k in _one_launch(monkeypatch, run).values()
@@ -543,7 +543,7 @@ def test_the_wrapper_declares_what_the_body_uses():
     assert "ms_shape" not in text and "_strides" not in text
     assert f"  using T = {CUDA_TYPE[launch.dtype]};\n" in text
     assert f"  constexpr int HALF = {dict(launch.template)['HALF']};\n" in text
-    assert text.endswith(launch.source + CLOSE) and K.BODY_MARK in launch.source
+    assert text.endswith(launch.source + CLOSE) and K.render.BODY_MARK in launch.source
     assert text.startswith(DEFAULT_HEADER + OPEN + "__global__ void custom_kernel_")
 
 
@@ -594,11 +594,11 @@ def test_reconstruction_is_the_source_mlx_builds(monkeypatch, capfd):
             ("qwen2", "off0"),
         ):
             c = TK.make_case(dtype, 1, off, 2, mode)
-            mx.eval(TK.run_epilogue(K.qkv_epilogue_kernel, c))
-        mx.eval(K.deferred_glu_kernel(*TK.glu_case(dtype, (1, 2, 8))))
+            mx.eval(TK.run_epilogue(K.epilogue.qkv_epilogue_kernel, c))
+        mx.eval(K.glu.deferred_glu_kernel(*TK.glu_case(dtype, (1, 2, 8))))
         h, y, ms_y, gain = TK.residual_case(dtype, (1, 2, 8))
-        mx.eval(K.residual_kernel(h, y, ms_y, 1e-5, gain))
-        mx.eval(K.residual_norm_kernel(h, None, None, 1e-5))
+        mx.eval(K.block_residual.residual_kernel(h, y, ms_y, 1e-5, gain))
+        mx.eval(K.block_residual.residual_norm_kernel(h, None, None, 1e-5))
     out = capfd.readouterr().out
     assert len(rec.launches) >= 15, len(rec.launches)
     for text, launch in rec.launches.items():

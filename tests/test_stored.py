@@ -14,8 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 import tiny
-from mlx_lm.models.cache import make_prompt_cache
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from flashnorm_mlx import fold

@@ -96,10 +96,6 @@ class Parser(argparse.ArgumentParser):
         return args
 
 
-def make_parser(prog: str, description: str) -> Parser:
-    return Parser(prog=prog, description=description)
-
-
 # The modes a user runs; bench adds the "nonorm" speed bound itself.
 RUN_MODES = ("flashnorm", "stock")
 

@@ -9,6 +9,9 @@ One module per op, the kernel body beside its plain-MLX twin:
 - `render`: the kernel dialect and its Metal and CUDA preludes;
 - `_common`: backend choice, the picker, lazy kernel objects, the prescale.
 
+The package exports what models, decode, dispatch and bench call; a kernel
+(`<op>_kernel`) and its twin (`<op>_ops`) stay in their op's module.
+
 Each op `<op>` picks `<op>_kernel` (one `mx.fast` kernel launch) where a Metal
 or CUDA backend runs it, else `<op>_ops`, its twin with the same signature.
 FLASHNORM_KERNELS=0 forces the twins; FLASHNORM_KERNELS=op1,op2 enables only
@@ -26,60 +29,21 @@ and the deferred scalar is s = rsqrt(ms) / p; every op derives p from ms with
 the same integer arithmetic, so producer and consumer agree bit for bit.
 """
 
-from ._common import (
-    backend,
-    deferred_scale,
-    failures,
-    pick,
-    picking,
-    pow2_prescale,
-    prescaled,
-    tracing,
-)
-from .block_residual import (
-    residual,
-    residual_kernel,
-    residual_norm,
-    residual_norm_kernel,
-    residual_norm_ops,
-    residual_ops,
-)
-from .epilogue import (
-    Epilogue,
-    qkv_epilogue,
-    qkv_epilogue_kernel,
-    qkv_epilogue_ops,
-    qkv_epilogue_unfused,
-    rope_inv_freq,
-)
-from .glu import deferred_glu, deferred_glu_kernel, deferred_glu_ops
-from .render import BODY_MARK, PRELUDES, render
+from ._common import backend, deferred_scale, failures, picking, tracing
+from .block_residual import residual, residual_norm
+from .epilogue import Epilogue, qkv_epilogue, rope_inv_freq
+from .glu import deferred_glu
 
 __all__ = [
-    "BODY_MARK",
     "Epilogue",
-    "PRELUDES",
     "backend",
     "deferred_glu",
-    "deferred_glu_kernel",
-    "deferred_glu_ops",
     "deferred_scale",
     "failures",
-    "pick",
     "picking",
-    "pow2_prescale",
-    "prescaled",
     "qkv_epilogue",
-    "qkv_epilogue_kernel",
-    "qkv_epilogue_ops",
-    "qkv_epilogue_unfused",
-    "render",
     "residual",
-    "residual_kernel",
     "residual_norm",
-    "residual_norm_kernel",
-    "residual_norm_ops",
-    "residual_ops",
     "rope_inv_freq",
     "tracing",
 ]

@@ -15,8 +15,6 @@ from . import _common
 from ._common import deferred_scale, pow2_prescale, prescaled
 from .render import TREE_SUM
 
-# --- residual: the block's sum, its mean square and the next matmul's input -------
-
 # One threadgroup of NT threads per row of D. FN_ROW(i) is element i of the
 # residual row, rounded to T exactly as the twin rounds it. FN_GAIN: `gain` is
 # the final norm's (with FN_NORM) or the next norm's, on xs (without).

@@ -19,8 +19,6 @@ from .render import TREE_SUM
 
 Offset = Union[int, mx.array]
 
-# --- qkv epilogue --------------------------------------------------------------
-
 QKV_EPILOGUE_BODY = (
     """\
   // qkv (B, L, NH * HD) -> q (B, HQ, L, HD), k and v (B, HKV, L, HD), HD = 2 * HALF.

@@ -7,8 +7,6 @@ import mlx.core as mx
 from . import _common
 from ._common import deferred_scale, prescaled
 
-# --- deferred GLU ----------------------------------------------------------------
-
 DEFERRED_GLU_BODY = """\
   // out = silu(s * gate) * up; gate_up (B, L, 2F) = [gate | up], s from ms (B, L, 1).
   const int i = FN_GLOBAL;

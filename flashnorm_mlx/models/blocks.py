@@ -41,12 +41,13 @@ class Block(nn.Module):
     """A pre-norm transformer block in FlashNorm form.
 
     Subclasses set `NORMS` (the attention and FFN norms' checkpoint names),
-    `ATTENTION` (the attention's), `self.eps`, and define `attend(xs, ms, mask, cache)` -> the attention output
-    and `feed_forward(xs, ms)` -> (y, ms_y), the FFN output owing the deferred
-    scale of ms_y (None: owing none)."""
+    `ATTENTION` and `FEED_FORWARD` (those modules' names) and `self.eps`. The
+    attention is called as (xs, ms, mask, cache) -> its output; the feed-forward
+    as (xs, ms) -> (y, ms_y), y owing the deferred scale of ms_y (None: none)."""
 
     NORMS: Tuple[str, str]
     ATTENTION = "self_attn"  # the attention module's checkpoint name
+    FEED_FORWARD = "mlp"
 
     def keep_gains(self, dims: int) -> None:
         """Hold both norms' gains (the unfolded form): the kernels apply them."""
@@ -68,12 +69,13 @@ class Block(nn.Module):
         this block's output. out_gain: the next norm's gain (None: folded)."""
         if self.compile_parts and cache is not None and x.shape[1] == 1:
             return self._compiled_call(x, ms, xs, mask, cache, out_gain, final)
-        return self.close(x, self.attend(xs, ms, mask, cache), out_gain, final)
+        a = self[self.ATTENTION](xs, ms, mask, cache)
+        return self.close(x, a, out_gain, final)
 
     def close(self, x, a, out_gain, final: bool):
         """Everything after attention: residual, feed-forward, residual."""
         h, ms_h, hs = kernels.residual(x, a, None, self.eps, self.gain(1))
-        y, ms_y = self.feed_forward(hs, ms_h)
+        y, ms_y = self[self.FEED_FORWARD](hs, ms_h)
         if final:
             return kernels.residual_norm(h, y, ms_y, self.eps, out_gain)
         return kernels.residual(h, y, ms_y, self.eps, out_gain)
@@ -82,7 +84,7 @@ class Block(nn.Module):
         # The cache update and attention stay outside: only they see the cache.
         parts = self.__dict__.get("_parts")
         if parts is None:
-            attn = self.attention_module()
+            attn = self[self.ATTENTION]
             parts = self.__dict__["_parts"] = {
                 "heads": CompiledOnce(attn.heads),
                 "out": CompiledOnce(attn.project_out),
@@ -103,9 +105,6 @@ class Block(nn.Module):
         if folded:
             return lambda x, a: self.close(x, a, None, final)
         return lambda x, a, gain: self.close(x, a, gain, final)
-
-    def attention_module(self) -> "FusedAttention":
-        return self[self.ATTENTION]
 
 
 def attend_cached(q, k, v, mask, cache):

@@ -82,14 +82,6 @@ class Attention(FusedAttention):
         # None where the epilogue cannot reproduce this RoPE variant.
         self._inv_freq = kernels.rope_inv_freq(self.rope, h)
 
-    def shard(self, group):
-        """Whole GQA groups per rank, unevenly where the heads do not divide
-        (a key/value head held by several ranks when there are fewer of them):
-        q|k|v rows and their bias, o_proj's columns for the local query heads,
-        its output all-summed. The epilogue then just sees fewer heads; h, the
-        scale, RoPE and QK-norm gains (per head_dim) stay whole."""
-        sharding.shard_attention(self, group)
-
     def epilogue_args(self) -> kernels.Epilogue:
         """The qkv epilogue's settings: heads, RoPE, 1/sqrt(h), the bias if any."""
         bias = self.qkv_bias if "qkv_bias" in self else None
@@ -120,11 +112,6 @@ class MLP(nn.Module):
             return self.down_proj(nn.silu(gate) * up), None
         return self.down_proj(kernels.deferred_glu(gu, ms)), ms
 
-    def shard(self, group):
-        """gate|up rows (and their bias) and down_proj's columns, as even as a
-        quantized down_proj's groups allow; down_proj all-summed."""
-        sharding.shard_mlp(self, group)
-
 
 class TransformerBlock(Block):
     NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -137,12 +124,6 @@ class TransformerBlock(Block):
         self.mlp = MLP(args)
         if norm_gains:
             self.keep_gains(args.hidden_size)
-
-    def attend(self, xs, ms, mask, cache):
-        return self.self_attn(xs, ms, mask, cache)
-
-    def feed_forward(self, xs, ms):
-        return self.mlp(xs, ms)
 
 
 class LlamaModel(nn.Module):
@@ -231,10 +212,7 @@ class Model(nn.Module):
         """Tensor parallelism as mlx-lm's Llama shards (`mlx_lm.utils.sharded_load`
         calls it): each block's attention and MLP split over `group`; embedding,
         head and the residual stream stay whole on every rank."""
-        group = group or mx.distributed.init()
-        for layer in self.layers:
-            layer.self_attn.shard(group)
-            layer.mlp.shard(group)
+        sharding.shard_layers(self.layers, group or mx.distributed.init())
 
     @property
     def layers(self):

@@ -68,9 +68,6 @@ class ModelArgs(BaseModelArgs):
     rope_max_length: Optional[int] = None
 
 
-# --- blocks --------------------------------------------------------------------
-
-
 class Attention(FusedAttention):
     OUT = "out_proj"
 
@@ -127,6 +124,7 @@ class MLP(nn.Module):
 class TransformerBlock(Block):
     NORMS = ("attn_norm", "ffn_norm")
     ATTENTION = "attn"
+    FEED_FORWARD = "ffn"
 
     def __init__(self, args: ModelArgs, layer_id: int, norm_gains: bool = False):
         super().__init__()
@@ -135,12 +133,6 @@ class TransformerBlock(Block):
         self.ffn = MLP(args, layer_id)
         if norm_gains:
             self.keep_gains(args.model_dim)
-
-    def attend(self, xs, ms, mask, cache):
-        return self.attn(xs, ms, mask, cache)
-
-    def feed_forward(self, xs, ms):
-        return self.ffn(xs, ms)
 
 
 class OpenELMModel(nn.Module):

@@ -16,10 +16,8 @@ from .plan import (
     plan_weights,
     requantizes,
     source_dtype,
-    stored_note,
 )
 from .specs import (
-    GROUP_SIZES,
     apply_qspec,
     dequantize_weights,
     is_quantized,
@@ -31,7 +29,6 @@ from .specs import (
 )
 
 __all__ = [
-    "GROUP_SIZES",
     "QUANTIZED_WAYS",
     "STORED_GAINS",
     "WeightPlan",
@@ -46,7 +43,6 @@ __all__ = [
     "requantizes",
     "source_dtype",
     "source_qspec",
-    "stored_note",
     "uniform_qspec",
     "with_quantization",
 ]

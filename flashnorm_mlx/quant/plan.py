@@ -18,16 +18,14 @@ folded already (by `convert`) is never folded or quantized again.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
 from .. import fold
 from ..errors import LoadError
+from ..fold import Weights
 from .specs import dequantize_weights, is_quantized, source_qspec, uniform_qspec
-
-Weights = Dict[str, mx.array]
-
 
 QUANTIZED_WAYS = ("stored", "dequantize", "requantize")
 

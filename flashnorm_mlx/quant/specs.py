@@ -11,10 +11,9 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import fold
+from .. import models
 from ..errors import FoldError, LoadError
-
-Weights = Dict[str, mx.array]
+from ..fold import Weights
 
 
 def is_quantized(weights: Weights) -> bool:
@@ -123,7 +122,7 @@ def _lookup(qspec: dict, path: str, fused: Dict[str, str]) -> Optional[dict]:
 def apply_qspec(model: nn.Module, qspec: dict, config: dict) -> dict:
     """Quantize `model`'s modules as `qspec` says; returns the config with the
     quantization block."""
-    fused = fold.architecture(config).fused_first_part()
+    fused = models.architecture(config).fused_first_part()
 
     def predicate(path, module):
         return hasattr(module, "to_quantized") and (
