@@ -436,7 +436,7 @@ def run_bench(
     sampler=None,
     progress: Optional[Progress] = None,
     group: Optional[mx.distributed.Group] = None,
-    compile: bool = True,
+    compile: Optional[bool] = None,
 ) -> dict:
     """Build every variant from `source`, warm each up, time `trials` rounds.
 
@@ -444,7 +444,8 @@ def run_bench(
     summary), "ratios" (to stock), "headroom", "trials" (every timed run)}.
     sampler: mlx-lm sampler (default greedy); generation never stops early.
     group: every variant tensor-parallel over it (each rank runs this, in step).
-    compile: FlashNorm's decode steps compiled (stock_compiled's always are).
+    compile: FlashNorm's decode steps compiled (None: with a GPU backend,
+    `decode.default_on`; stock_compiled's always are).
     """
     variants = list(variants)
     validate(variants, prompt_tokens, gen_tokens, trials)
@@ -491,7 +492,7 @@ def run_bench(
         "dtype": str(dtype).replace("mlx.core.", "") if dtype else None,
         "quantize": list(quantize) if quantize else None,
         "quantized": quantized,
-        "compile": compile,
+        "compile": decode.default_on() if compile is None else compile,
     }
     src = {
         "name": source.name,

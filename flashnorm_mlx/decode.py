@@ -159,6 +159,16 @@ def compiled_class(cls: type) -> type:
     )
 
 
+def default_on() -> bool:
+    """Whether FlashNorm's decode step compiles when not told: where a GPU backend
+    (Metal, CUDA) runs the model, since there the host sets the pace. On MLX's
+    CPU backend the matmuls do (SmolLM2-135M: ~130 ms to evaluate a step against
+    ~4 ms to build it), and a first run would spend seconds compiling CPU
+    kernels (18 s against 6 s for an 8-token generate), so it stays off there
+    unless asked for."""
+    return kernels.gpu_backend() is not None
+
+
 def is_compiled(model) -> bool:
     return getattr(type(model), "compiled_decode", False)
 

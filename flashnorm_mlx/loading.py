@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import fold, models, nonorm, quant, sharding, stock_fused
+from . import decode, fold, models, nonorm, quant, sharding, stock_fused
 from .errors import LoadError
 from .source import Source, read_source
 
@@ -32,7 +32,7 @@ def build_model(
     quantized: str = "stored",
     notes: Optional[List[str]] = None,
     group: Optional[mx.distributed.Group] = None,
-    compile: bool = True,
+    compile: Optional[bool] = None,
 ) -> Tuple[nn.Module, dict]:
     """Build the `mode` model on `source`'s weights; returns (model, its config).
 
@@ -44,8 +44,8 @@ def build_model(
     over it (sharding.shard_model) before its weights are evaluated, layer
     by layer, so a rank holds its own shard and one layer's full tensors at a
     time (ShardError where it cannot be split). `compile`: FlashNorm's decode
-    steps run compiled (decode.py); "stock_compiled" always does, stock,
-    stock_fused and nonorm never.
+    steps run compiled (decode.py; None: where `decode.default_on()`, a GPU
+    backend); "stock_compiled" always does, stock, stock_fused and nonorm never.
     """
     if mode not in MODES:
         raise LoadError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
@@ -61,6 +61,8 @@ def build_model(
             mx.eval(model.parameters())
         return model, config
     fused = mode == "stock_fused"
+    if compile is None:
+        compile = decode.default_on()
     compiled = mode == "stock_compiled" or (mode == "flashnorm" and compile)
     mode = "stock" if mode in ("stock_fused", "stock_compiled") else mode
     weights, config, norm_gains = _weights_for(mode, plan)
@@ -130,7 +132,7 @@ def load(
     quantize: Optional[Tuple[int, int]] = None,
     quantized: str = "stored",
     tokenizer: Optional[str] = None,
-    compile: bool = True,
+    compile: Optional[bool] = None,
 ):
     """(model, tokenizer) for MODEL: FlashNorm-folded at load unless already folded
     (or, for a quantized checkpoint, as stored with the gains in the kernels)."""

@@ -31,10 +31,10 @@ def compare(
     quantize=None,
     quantized: str = "stored",
     on_stage: Optional[Callable[[str], None]] = None,
-    compile: bool = True,
+    compile: Optional[bool] = None,
 ) -> dict:
     """Prefill `tokens`, then `horizon` cached greedy decode steps, on both models
-    (FlashNorm's steps compiled unless `compile` is False, decode.py).
+    (FlashNorm's steps compiled as `loading.build_model`'s `compile` says).
 
     Stock picks the greedy tokens; FlashNorm is fed the same tokens (teacher
     forcing), so every logit row compares the same inputs. greedy_match counts

@@ -51,10 +51,27 @@ def compiled_ran(model) -> bool:
 
 
 def both(source, dtype=mx.float32):
-    on, _ = build_model(source, "flashnorm", dtype=dtype)
+    on, _ = build_model(source, "flashnorm", dtype=dtype, compile=True)
     off, _ = build_model(source, "flashnorm", dtype=dtype, compile=False)
     assert decode.is_compiled(on) and not decode.is_compiled(off)
     return on, off
+
+
+@pytest.mark.parametrize("backend", [None, "metal", "cuda"])
+def test_compiled_by_default_where_a_gpu_runs_the_model(tmp_path, monkeypatch, backend):
+    """Not told, FlashNorm compiles its step where Metal or CUDA runs it (the
+    host sets the pace there), not on the CPU; stock_compiled always, stock never."""
+    source = read_source(str(tiny.make_llama(tmp_path, tokenizer=False)))
+    monkeypatch.setattr(K, "gpu_backend", lambda: backend)
+    compiled = {
+        mode: decode.is_compiled(build_model(source, mode)[0])
+        for mode in ("flashnorm", "stock", "stock_compiled")
+    }
+    assert compiled == {
+        "flashnorm": backend is not None,
+        "stock": False,
+        "stock_compiled": True,
+    }, compiled
 
 
 @EVERY_CONFIG
@@ -199,7 +216,7 @@ def test_kernels_survive_compilation(fake_kernels, tmp_path, make, cfg, capsys):
     """Each shape's first step checks every kernel variant eagerly; the trace that
     follows calls the kernels, never a twin in their place, and says nothing."""
     source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    model, _ = build_model(source, "flashnorm", dtype=mx.float32, compile=True)
     greedy(model, PROMPT, 6)
     traced = {op for op, tracing in fake_kernels["kernel"] if tracing}
     twins_traced = {op for op, tracing in fake_kernels["twin"] if tracing}

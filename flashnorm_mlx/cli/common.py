@@ -127,7 +127,7 @@ def add_model_args(
     parser: argparse.ArgumentParser, mode: bool = True, compile: bool = True
 ) -> None:
     """MODEL, --tokenizer, --mode, --dtype, the quantization flags and
-    --no-compile (not for commands that run no decode step)."""
+    --[no-]compile (not for commands that run no decode step)."""
     parser.add_argument(
         "model",
         nargs="?",
@@ -194,12 +194,14 @@ def add_model_args(
     parser.set_defaults(quantized="stored")
     if compile:
         parser.add_argument(
-            "--no-compile",
-            dest="compile",
-            action="store_false",
-            help="run FlashNorm's decode steps uncompiled: Python builds every "
-            "step's graph op by op (by default one mx.compile'd function per "
-            "shape does; same tokens, less host time per step)",
+            "--compile",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="run FlashNorm's decode step as one mx.compile'd function per "
+            "shape (same tokens, less host time per step) or, with --no-compile, "
+            "built op by op (default: compiled where Metal or CUDA runs the "
+            "model, where the host sets the pace; not on the CPU, where the "
+            "matmuls do and a first run would spend seconds compiling kernels)",
         )
 
 

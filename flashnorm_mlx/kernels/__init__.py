@@ -29,7 +29,14 @@ and the deferred scalar is s = rsqrt(ms) / p; every op derives p from ms with
 the same integer arithmetic, so producer and consumer agree bit for bit.
 """
 
-from ._common import backend, deferred_scale, failures, picking, tracing
+from ._common import (
+    backend,
+    deferred_scale,
+    failures,
+    gpu_backend,
+    picking,
+    tracing,
+)
 from .block_residual import residual, residual_norm
 from .epilogue import Epilogue, qkv_epilogue, rope_inv_freq
 from .glu import deferred_glu
@@ -40,6 +47,7 @@ __all__ = [
     "deferred_glu",
     "deferred_scale",
     "failures",
+    "gpu_backend",
     "picking",
     "qkv_epilogue",
     "residual",
