@@ -24,6 +24,7 @@ cache. Our blocks then compile their cache-free parts (models/blocks.py).
 
 import contextlib
 import functools
+import weakref
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -143,7 +144,11 @@ def compiled_class(cls: type) -> type:
             return cls.__call__(self, inputs, cache=cache, **kwargs)
         step = self.__dict__.get("_decode_step")
         if step is None:
-            forward = functools.partial(cls.__call__, self)
+            # A weak reference: the model owns its step, and a model dropped
+            # (bench, verify build several) frees its weights at once, not at
+            # the next garbage collection.
+            model = weakref.ref(self)
+            forward = lambda *a, **k: cls.__call__(model(), *a, **k)  # noqa: E731
             step = self.__dict__["_decode_step"] = DecodeStep(forward)
         return step(inputs, cache)
 

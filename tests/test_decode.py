@@ -239,3 +239,24 @@ def test_a_check_that_cannot_run_in_a_trace_switches_nothing_off(fake_kernels, c
     K.residual(h, y, None, 1e-5)
     assert [c for c in fake_kernels["kernel"] if not c[1]] == [("residual", False)] * 2
     mx.eval(out)
+
+
+@pytest.mark.parametrize("cfg", ["gqa_untied", "mistral_sliding"])
+def test_a_dropped_compiled_model_frees_at_once(tmp_path, cfg):
+    """The model owns its compiled step (and its blocks their parts) without a
+    reference cycle: bench and verify build several models, and a dropped one
+    must free its weights then, not at the next garbage collection."""
+    import gc
+    import weakref
+
+    source = read_source(str(tiny.make_llama(tmp_path, cfg, tokenizer=False)))
+    model, _ = build_model(source, "flashnorm", dtype=mx.float32, compile=True)
+    greedy(model, PROMPT, 4)
+    assert compiled_ran(model)
+    ref = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -18,6 +18,7 @@ Where the gains live (a model's `norm_gains`):
 Both are stock's function: (x * g) @ W^T * s = RMSNorm(x) @ W^T.
 """
 
+import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -102,9 +103,10 @@ class Block(nn.Module):
         return close(*args)
 
     def _closer(self, final: bool, folded: bool):
+        block = weakref.ref(self)  # the block owns its parts: no reference cycle
         if folded:
-            return lambda x, a: self.close(x, a, None, final)
-        return lambda x, a, gain: self.close(x, a, gain, final)
+            return lambda x, a: block().close(x, a, None, final)
+        return lambda x, a, gain: block().close(x, a, gain, final)
 
 
 def attend_cached(q, k, v, mask, cache):
