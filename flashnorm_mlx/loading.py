@@ -2,7 +2,9 @@
 
 The public way in: `read_source` (source.py) reads a MODEL once, `build_model`
 builds any variant on it, `load` does both. Weights, dtype and quantization
-are decided once by `quant.plan_weights`, shared with `convert` and nonorm.
+are decided once by `quant.plan_weights`, shared with `convert` and nonorm;
+every variant but nonorm is built on the tensors `recipe.Recipe` makes, the
+ones `convert` writes.
 """
 
 from typing import List, Optional, Tuple
@@ -13,6 +15,7 @@ from mlx.utils import tree_flatten
 
 from . import decode, fold, models, nonorm, quant, sharding, stock_fused
 from .errors import LoadError
+from .recipe import Recipe
 from .source import Source, read_source
 
 # "nonorm": the norm-removed speed bound for `bench` (built by nonorm.py);
@@ -51,7 +54,6 @@ def build_model(
         raise LoadError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     source_weights = source.weights if group is None else _own_handles(source)
     plan = quant.plan_weights(source_weights, source.config, dtype, quantize, quantized)
-    del source_weights
     if plan.note and notes is not None:
         notes.append(plan.note)
     if mode == "nonorm":  # the norm-removed speed bound, for `bench`
@@ -65,20 +67,21 @@ def build_model(
         compile = decode.default_on()
     compiled = mode == "stock_compiled" or (mode == "flashnorm" and compile)
     mode = "stock" if mode in ("stock_fused", "stock_compiled") else mode
-    weights, config, norm_gains = _weights_for(mode, plan)
-    qspec, stored_quantized, dtype = plan.qspec, plan.stored_quantized, plan.dtype
-    weights = fold.map_floats(weights, lambda v: v.astype(dtype))
-    del plan  # from here the model alone holds the (lazy) weights
+    # The tensors `convert` would write, computed lazily (recipe.py).
+    recipe = Recipe(source_weights, source.config, plan, stock=mode == "stock")
+    del source_weights, plan  # from here the model alone holds the (lazy) weights
+    weights, config = recipe.tensors(), recipe.config
+    norm_gains = recipe.as_stored and not fold.is_folded(config) and mode != "stock"
+    quantized_weights = recipe.as_stored or bool(recipe.qspec)
+    del recipe
     try:
         model = models.instantiate(
-            config, weights, mode, stored_quantized, norm_gains, compiled
+            config, weights, mode, quantized_weights, norm_gains, compiled
         )
     except (ValueError, KeyError) as e:  # weights or config that do not fit
         # mlx-lm lists missing parameters on lines of their own: keep one line.
         raise LoadError(f"{source.name}: {' '.join(str(e).split())}") from None
     del weights
-    if qspec:
-        config = quant.apply_qspec(model, qspec, config)
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
         sharding.shard_model(model, group, source.name)
         for layer in model.layers:  # each layer's full tensors freed once cut
@@ -87,24 +90,6 @@ def build_model(
         stock_fused.fuse_projections(model)
     mx.eval(model.parameters())
     return model, config
-
-
-def _weights_for(mode: str, plan: quant.WeightPlan) -> Tuple[dict, dict, bool]:
-    """(weights, config, norm_gains) the `mode` model is built on: folded for
-    FlashNorm on float weights, as stored (gains in the kernels) on quantized
-    ones; a checkpoint `convert` folded is never folded again."""
-    weights, config = plan.weights, plan.config
-    if fold.is_folded(config):
-        # Stock runs a folded checkpoint with unit gains restored.
-        unit = fold.restore_unit_norms if mode == "stock" else fold.drop_unit_norms
-        return unit(weights, config), config, False
-    if mode == "flashnorm" and plan.stored_quantized:
-        # Stored quantized weights cannot take a fold: the kernels apply the gains.
-        return weights, fold.mark_norm_gains(config), True
-    if mode == "flashnorm":
-        weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
-        return (*fold.fold_norms(weights, config), False)
-    return weights, config, False
 
 
 def _own_handles(source: Source) -> dict:

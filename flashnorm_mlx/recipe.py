@@ -1,15 +1,16 @@
-"""The checkpoint `convert` writes, computed in memory: fold (or not), then quantize.
+"""One weight pipeline for loading and `convert`: fold (or not), then quantize.
 
-The pipeline is the one `loading.build_model` runs, so a converted checkpoint
-gives the same logits as folding at load time in the same dtype (bit for bit
-when quantized): dequantize a quantized source to float32, fold the norm gains
-in float32 (`fold.fold_gain`; `fold.fold_norms` gives the config marker and the
-norm tensors), cast to the output dtype, then quantize every Linear/Embedding
-weight whose input width the group size divides, by fold-aware GPTQ
-(quant/gptq.py) or exactly as `nn.quantize` (and mlx-lm's convert) would.
-Tensors keep their Hugging Face names (q/k/v and gate/up stay separate; our
-Llama fuses them at load), so `--compat` checkpoints (all-ones norms kept) also
-run in stock mlx-lm. A quantized source taken as stored keeps its tensors.
+`Recipe` says how each output tensor is made from the source, one module at a
+time (`Recipe.module`, the one per-module transform): dequantize a quantized
+source to float32, fold the norm gains in float32 (`fold.fold_gain`), cast to
+the output dtype, then quantize (round-to-nearest as `nn.quantize` does, or
+fold-aware GPTQ, quant/gptq.py). `loading.build_model` builds every model
+(but nonorm) on `Recipe.tensors()`; `convert` writes what `fold_checkpoint`
+computes with the same `module`, in row chunks. So a converted checkpoint holds
+exactly the tensors loading builds. Tensors keep their Hugging Face names (q/k/v
+and gate/up stay separate; our Llama stacks them in `sanitize`), so `--compat`
+checkpoints (all-ones norms kept) also run in stock mlx-lm. A quantized source
+taken as stored keeps its tensors.
 
 `fold_checkpoint` is the one way to run GPTQ: `convert` writes what it returns,
 `perplexity` builds its FlashNorm model from it. The work goes one layer and
@@ -26,8 +27,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from . import fold, quant
-from .fold import Weights
 from .errors import LoadError
+from .fold import Weights
 from .progress import progress_bar
 from .quant import gptq
 from .source import Source
@@ -41,91 +42,76 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 class Recipe:
     """How each output tensor is made from the source (nothing computed up front).
 
-    quantize=(bits, group_size): quantize the folded float weights with these
-    settings (a quantized source is dequantized first). Without it, a quantized
-    source is taken as `quantized` says (quant/plan.py): "stored" writes its tensors
-    unchanged, marked for FlashNorm to apply the norm gains in its kernels;
-    "dequantize" folds it in float; "requantize" folds and quantizes again with
-    its own settings. A folded source is accepted only when float and asked to
-    be quantized or cast: it is never folded again, and a folded quantized
-    tensor is never dequantized and requantized (that would quantize twice).
+    weights, config: the source's; plan: `quant.plan_weights` on them (the
+    weights, dtype and quantization). stock: no fold, the norms kept (all-ones
+    ones restored on a folded source). compat: a fold keeps all-ones norm
+    tensors. output: for a file (`convert`): a quantized source taken as
+    stored keeps its tensors' dtypes, and a folded source's config records
+    `compat`. A folded source is never folded again.
     """
 
-    def __init__(self, weights, config, quantize, dtype, quantized, compat):
+    def __init__(self, weights, config, plan, stock=False, compat=False, output=False):
         # Not a copy: release() empties the caller's dict, so tensors go once done.
         self.src, self.src_config = weights, config
         self.gains: Weights = {}  # linear module -> the norm gain folded into it
         self.hessians: gptq.Hessians = {}  # module -> GPTQ Hessian (fold basis)
         self._hinv: Weights = {}
-        self.as_stored = False
-        # The same decision as loading (quant.plan_weights), for a file to write.
-        plan = quant.plan_weights(
-            weights, config, dtype, quantize, quantized, output=True
-        )
-        if plan.stored_quantized:
-            self._as_stored(dtype)
-            return
+        self.as_stored = plan.stored_quantized
         self.out_dtype, self.qspec = plan.dtype, plan.qspec
-        if fold.is_folded(config):  # cast or quantized, never folded again
-            self._refolded(compat)
-            return
-        for norm, linears in fold.norm_pairs(config, weights):
-            self.gains.update({m: weights[f"{norm}.weight"] for m in linears})
-        # Lazy: only its keys, config and small (1-D) tensors are ever evaluated.
-        floats = fold.map_floats(plan.weights, lambda v: v.astype(mx.float32))
-        self._stock = (plan.weights, plan.config)  # what calibration runs
-        folded, self.config = fold.fold_norms(floats, plan.config, compat=compat)
-        self._finish(folded)
+        self._cast = not (output and self.as_stored)
+        self._stock = None  # what calibration runs
+        if fold.is_folded(config):  # cast, quantized or dequantized, never folded
+            self._refolded(plan, stock or compat, compat if output else None)
+        elif self.as_stored:
+            self.config = config if stock else fold.mark_norm_gains(config)
+            self._finish(self.src)
+        elif stock:
+            self.config = plan.config
+            self._finish(plan.weights)
+        else:
+            for norm, linears in fold.norm_pairs(config, weights):
+                self.gains.update({m: weights[f"{norm}.weight"] for m in linears})
+            # Lazy: only its keys, config and small (1-D) tensors are evaluated.
+            floats = fold.map_floats(plan.weights, lambda v: v.astype(mx.float32))
+            self._stock = (plan.weights, plan.config)
+            folded, self.config = fold.fold_norms(floats, plan.config, compat=compat)
+            self._finish(folded)
 
-    def _refolded(self, compat):
-        unit = fold.restore_unit_norms if compat else fold.drop_unit_norms
-        weights = unit(self.src, self.src_config)
+    def _refolded(self, plan, unit_norms: bool, compat: Optional[bool]):
+        unit = fold.restore_unit_norms if unit_norms else fold.drop_unit_norms
         # With unit gains a folded checkpoint is stock's function: calibrate on it.
-        stock = fold.restore_unit_norms(self.src, self.src_config)
-        self._stock = (stock, self.src_config)
-        self.config = copy.deepcopy(self.src_config)
-        self.config[fold.MARKER]["compat"] = compat
-        self._finish(weights)
+        self._stock = (fold.restore_unit_norms(self.src, self.src_config), plan.config)
+        self.config = copy.deepcopy(plan.config)
+        if compat is not None:  # a file says whether it keeps all-ones norms
+            self.config[fold.MARKER]["compat"] = compat
+        self._finish(unit(self.src if self.as_stored else plan.weights, plan.config))
 
-    def _as_stored(self, dtype):
-        """A quantized source's own tensors, unchanged: folding would change
-        them, so the config's marker says the gains ride in the kernels."""
-        if dtype is not None:
-            raise LoadError(
-                "--dtype would round the stored scales and norm gains: a quantized "
-                "source is written as stored; pass --dequantize or --requantize to "
-                "fold it and choose a dtype"
-            )
-        self.as_stored = True
-        self.qspec, self.out_dtype = None, quant.source_dtype(self.src)
-        self.config = fold.mark_norm_gains(self.src_config)
-        self._stock = None
-        self.modules = [
-            k[: -len(".weight")] for k, v in self.src.items() if _is_matrix(k, v)
-        ]
-        self.small = {k: v for k, v in self.src.items() if not _is_matrix(k, v)}
-        self.order = [k for k in self.src if not k.endswith((".scales", ".biases"))]
-
-    def _finish(self, folded: Weights) -> None:
-        self.config = {
-            k: v
-            for k, v in self.config.items()
-            if k not in ("quantization", "quantization_config")
-        }
+    def _finish(self, out: Weights) -> None:
+        """The output's tensor names, its config's quantization block, and the
+        tensors made whole (all but the 2-D weights, which `module` makes)."""
+        if not self.as_stored:
+            self.config = {
+                k: v
+                for k, v in self.config.items()
+                if k not in ("quantization", "quantization_config")
+            }
         if self.qspec:
             self.config = quant.with_quantization(self.config, self.qspec)
-            # Until `calibrate` says otherwise: round-to-nearest.
-            self.config[fold.MARKER]["quantization_method"] = {"method": "rtn"}
-        # 2-D weights are made per module (row chunks if large), the rest as is.
+        # 2-D weights are made per module (row chunks if large), the rest as is;
+        # a quantized weight's scales and biases come with it.
+        self.order = [k for k in out if not k.endswith((".scales", ".biases"))]
         self.modules = [
-            k[: -len(".weight")] for k, v in folded.items() if _is_matrix(k, v)
+            k[: -len(".weight")] for k in self.order if _is_matrix(k, out[k])
         ]
         self.small = {
-            k: v.astype(self.out_dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-            for k, v in folded.items()
-            if not _is_matrix(k, v)
+            k: self._out(out[k]) for k in self.order if not _is_matrix(k, out[k])
         }
-        self.order = list(folded)
+
+    def _out(self, v: mx.array) -> mx.array:
+        """A float tensor in the output dtype (as stored in a file: unchanged)."""
+        if self._cast and mx.issubdtype(v.dtype, mx.floating):
+            return v.astype(self.out_dtype)
+        return v
 
     def calibrate(self, tokenizer, calibration: "gptq.Calibration", advance=None):
         """GPTQ Hessians of every quantized linear, from stock's float32 model on
@@ -152,32 +138,55 @@ class Recipe:
         return self.src[f"{module}.weight"].shape[0]
 
     def module(self, module: str, rows: slice = slice(None)) -> Weights:
-        """Output tensors of one module for a range of its rows (all ops are row-wise).
-
-        The same dict transforms, in the same order, as `loading.build_model`,
-        so the result is bit-identical to folding and quantizing in memory.
-        """
+        """Output tensors of one module for a range of its rows (all ops are
+        row-wise): the one transform loading and `convert` both run."""
         keys = [f"{module}.{s}" for s in ("weight", "scales", "biases")]
         part = {k: self.src[k][rows] for k in keys if k in self.src}
         if self.as_stored:
-            return part
+            return {k: self._out(v) for k, v in part.items()}
         if f"{module}.scales" in part:
             part, _ = quant.dequantize_weights(part, self.src_config, mx.float32)
         part = fold.map_floats(part, lambda v: v.astype(mx.float32))
         if module in self.gains:
             part = fold.fold_gain(part, self.gains[module], module)
         q = (self.qspec or {}).get(module)
-        if q and module in self.hessians:  # rows are independent in GPTQ
+        gptq_weight = part.pop(f"{module}.weight") if module in self.hessians else None
+        part = fold.map_floats(part, lambda v: v.astype(self.out_dtype))
+        if not q:
+            return part
+        if gptq_weight is not None:  # float32 in; rows are independent in GPTQ
             if module not in self._hinv:  # once per module, row chunks share it
                 self._hinv[module] = gptq.inverse_cholesky(self.hessians[module])
-            w = part.pop(f"{module}.weight")
-            part = fold.map_floats(part, lambda v: v.astype(self.out_dtype))
             out = gptq.quantize_weight(
-                w, None, q["bits"], q["group_size"], self.out_dtype, self._hinv[module]
+                gptq_weight,
+                None,
+                q["bits"],
+                q["group_size"],
+                self.out_dtype,
+                self._hinv[module],
             )
-            return {**part, **{f"{module}.{k}": v for k, v in out.items()}}
-        part = fold.map_floats(part, lambda v: v.astype(self.out_dtype))
-        return _quantized(part, {module: q}) if q else part
+        else:  # round-to-nearest, as nn.QuantizedLinear/Embedding do
+            packed, scales, *biases = mx.quantize(
+                part.pop(f"{module}.weight"),
+                group_size=q["group_size"],
+                bits=q["bits"],
+                mode=q["mode"],
+            )
+            out = {"weight": packed, "scales": scales}
+            out.update({"biases": biases[0]} if biases else {})
+        return {**part, **{f"{module}.{k}": v for k, v in out.items()}}
+
+    def tensors(self) -> Weights:
+        """Every output tensor, lazily, in the source's order: what loading
+        builds a model on (`convert` computes the same, module by module)."""
+        modules, out = set(self.modules), {}
+        for key in self.order:
+            module = key[: -len(".weight")]
+            if key.endswith(".weight") and module in modules:
+                out.update(self.module(module))
+            elif key in self.small:
+                out[key] = self.small[key]
+        return out
 
     def release(self, module: str) -> None:
         """Drop the source tensors of a module once its output is computed."""
@@ -189,24 +198,6 @@ class Recipe:
 
 def _is_matrix(key: str, value: mx.array) -> bool:
     return key.endswith(".weight") and value.ndim == 2
-
-
-def _quantized(weights: Weights, qspec: dict) -> Weights:
-    """mx.quantize each module in qspec, as nn.QuantizedLinear/Embedding do."""
-    out = {}
-    for key, value in weights.items():
-        module = key[: -len(".weight")] if key.endswith(".weight") else None
-        q = qspec.get(module)
-        if q is None:
-            out[key] = value
-            continue
-        w, scales, *biases = mx.quantize(
-            value, group_size=q["group_size"], bits=q["bits"], mode=q["mode"]
-        )
-        out[key], out[f"{module}.scales"] = w, scales
-        if biases:
-            out[f"{module}.biases"] = biases[0]
-    return out
 
 
 def layer_groups(keys: List[str]) -> List[Tuple[str, List[str]]]:
@@ -251,7 +242,19 @@ def fold_checkpoint(
     """
     stage = on_stage or (lambda text: None)
     step = on_step or (lambda text: None)
-    recipe = Recipe(weights, source.config, quantize, dtype, quantized, compat)
+    plan = quant.plan_weights(
+        weights, source.config, dtype, quantize, quantized, output=True
+    )
+    if plan.stored_quantized and dtype is not None:
+        raise LoadError(
+            "--dtype would round the stored scales and norm gains: a quantized "
+            "source is written as stored; pass --dequantize or --requantize to "
+            "fold it and choose a dtype"
+        )
+    recipe = Recipe(weights, source.config, plan, compat=compat, output=True)
+    del plan  # the recipe releases source tensors as modules are done
+    if recipe.qspec:  # until calibration says otherwise: round-to-nearest
+        recipe.config[fold.MARKER]["quantization_method"] = {"method": "rtn"}
     if q_method == "gptq" and recipe.qspec:
         gptq.check_qspec(recipe.qspec)
         with _bar(
