@@ -430,7 +430,7 @@ def run_bench(
     *,
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
-    quantized: str = "stored",
+    quantized_way: str = "stored",
     seed: int = 0,
     prefill_step_size: int = 2048,
     sampler=None,
@@ -457,7 +457,7 @@ def run_bench(
     built = dict(
         dtype=dtype,
         quantize=quantize,
-        quantized=quantized,
+        quantized_way=quantized_way,
         group=group,
         compile=compile,
     )
@@ -491,7 +491,7 @@ def run_bench(
         "parallel": distributed.describe(group) if group else None,
         "dtype": str(dtype).replace("mlx.core.", "") if dtype else None,
         "quantize": list(quantize) if quantize else None,
-        "quantized": quantized,
+        "quantized": quantized_way,
         "compile": decode.default_on() if compile is None else compile,
     }
     src = {
@@ -501,7 +501,7 @@ def run_bench(
         "checksum_algorithm": "blake2b-128 over sorted (name, dtype, shape, bytes)",
         "checksum_s": checksum_s,
         "quantized": quant.is_quantized(source.weights),
-        **comparison(source, quantize, quantized),
+        **comparison(source, quantize, quantized_way),
     }
     return _report(settings, src, info, records)
 

@@ -22,6 +22,7 @@ from .source import Source, read_source
 # "stock_fused": stock with q|k|v and gate|up stacked (stock_fused.py);
 # "stock_compiled": stock given FlashNorm's compiled decode step (decode.py).
 MODES = ("flashnorm", "stock", "stock_compiled", "stock_fused", "nonorm")
+RUN_MODES = MODES[:2]  # what a user runs; bench and chat's /compare add the rest
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 __all__ = ["LoadError", "Source", "build_model", "load", "read_source", "weight_bytes"]
@@ -32,7 +33,7 @@ def build_model(
     mode: str = "flashnorm",
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
-    quantized: str = "stored",
+    quantized_way: str = "stored",
     notes: Optional[List[str]] = None,
     group: Optional[mx.distributed.Group] = None,
     compile: Optional[bool] = None,
@@ -40,7 +41,7 @@ def build_model(
     """Build the `mode` model on `source`'s weights; returns (model, its config).
 
     quantize=(bits, group_size): quantize a float source after folding;
-    quantized: how a quantized source is taken, "stored" (FlashNorm applies
+    quantized_way: how a quantized source is taken, "stored" (FlashNorm applies
     the norm gains in its kernels), "dequantize" or "requantize" (quant/plan.py).
     `notes` collects a line for the user where the weights were not taken as
     the obvious reading of the flags would suggest. `group`: split the model
@@ -53,7 +54,9 @@ def build_model(
     if mode not in MODES:
         raise LoadError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     source_weights = source.weights if group is None else _own_handles(source)
-    plan = quant.plan_weights(source_weights, source.config, dtype, quantize, quantized)
+    plan = quant.plan_weights(
+        source_weights, source.config, dtype, quantize, quantized_way
+    )
     if plan.note and notes is not None:
         notes.append(plan.note)
     if mode == "nonorm":  # the norm-removed speed bound, for `bench`
@@ -72,12 +75,9 @@ def build_model(
     del source_weights, plan  # from here the model alone holds the (lazy) weights
     weights, config = recipe.tensors(), recipe.config
     norm_gains = recipe.as_stored and not fold.is_folded(config) and mode != "stock"
-    quantized_weights = recipe.as_stored or bool(recipe.qspec)
     del recipe
     try:
-        model = models.instantiate(
-            config, weights, mode, quantized_weights, norm_gains, compiled
-        )
+        model = models.instantiate(config, weights, mode, norm_gains, compiled)
     except (ValueError, KeyError) as e:  # weights or config that do not fit
         # mlx-lm lists missing parameters on lines of their own: keep one line.
         raise LoadError(f"{source.name}: {' '.join(str(e).split())}") from None
@@ -115,7 +115,7 @@ def load(
     mode: str = "flashnorm",
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
-    quantized: str = "stored",
+    quantized_way: str = "stored",
     tokenizer: Optional[str] = None,
     compile: Optional[bool] = None,
 ):
@@ -127,7 +127,7 @@ def load(
         mode=mode,
         dtype=dtype,
         quantize=quantize,
-        quantized=quantized,
+        quantized_way=quantized_way,
         compile=compile,
     )
     return m, source.tokenizer

@@ -209,7 +209,7 @@ def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
     calibration and the fold, then quantized as the plan says.
     """
     weights, config, qspec = plan.weights, plan.config, plan.qspec
-    if plan.stored_quantized:
+    if plan.as_stored:
         # nonorm changes weights: dequantize, fold, quantize again as stored.
         qspec = quant.source_qspec(weights, config)
         weights, config = quant.dequantize_weights(weights, config, mx.float32)
@@ -219,7 +219,7 @@ def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
     weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
 
     # Calibrate in float32 on mlx-lm's class (and its sanitize).
-    calib = models.instantiate(config, weights, "stock", pre_quantized=False)
+    calib = models.instantiate(config, weights, "stock")
     weights = calib.sanitize(weights) if hasattr(calib, "sanitize") else weights
     rms = measure_rms(calib, config["vocab_size"])
     sites = norm_sites(calib, config, weights)

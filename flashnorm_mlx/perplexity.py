@@ -16,12 +16,19 @@ import mlx.core as mx
 import numpy as np
 
 from . import quant, recipe
-from .loading import LoadError, Source, bits_per_weight, build_model, model_dtype
+from .loading import (
+    RUN_MODES,
+    LoadError,
+    Source,
+    bits_per_weight,
+    build_model,
+    model_dtype,
+)
 from .progress import progress_bar
 from .quant import gptq
 from .texts import calibration_text, default_text  # noqa: F401 (public here too)
 
-MODES = ("stock", "flashnorm")
+MODES = RUN_MODES[::-1]  # stock, the reference, scored first
 WARMUP_TOKENS = 16  # one window's first tokens, through each model before timing
 MIN_TIMED_TOKENS = 256  # fewer scored per side: no tokens/sec (overhead, not speed)
 
@@ -86,7 +93,7 @@ def perplexity(
     batch_size: int = 4,
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
-    quantized: str = "stored",
+    quantized_way: str = "stored",
     progress: bool = False,
     q_method: str = gptq.DEFAULT_METHOD,
     calibration: gptq.Calibration = gptq.Calibration(),
@@ -100,7 +107,7 @@ def perplexity(
     per-token NLL difference when both ran). quantize=(bits, group_size)
     quantizes the float weights with these settings, also for a quantized
     source (which is dequantized first); without it a quantized source is
-    taken as `quantized` says (quant/plan.py): as stored by default, both models on
+    taken as `quantized_way` says (quant/plan.py): as stored by default, both models on
     the very same quantized weights. Quantized by us (-q, "requantize"), stock
     is mlx-lm's round-to-nearest and FlashNorm uses `q_method`
     (default GPTQ on the folded weights, calibrated on `calibration_text`; see
@@ -122,8 +129,8 @@ def perplexity(
             source.tokenizer.encode(text if text is not None else default_text())
         )
     data = windows(tokens, seq_len, num_seqs)
-    kw = dict(dtype=dtype, quantize=quantize, quantized=quantized)
-    ours = quant.requantizes(source.weights, source.config, quantize, quantized)
+    kw = dict(dtype=dtype, quantize=quantize, quantized_way=quantized_way)
+    ours = quant.requantizes(source.weights, source.config, quantize, quantized_way)
     if ours and q_method == "gptq" and "flashnorm" in modes:  # before any work
         gptq.check_qspec(quant.plan_weights(source.weights, source.config, **kw).qspec)
 
@@ -211,7 +218,7 @@ def _gptq_flashnorm(source: Source, kw: dict, calibration, bar, stage, step):
         dict(source.weights),
         kw["quantize"],
         dtype,
-        kw["quantized"],
+        kw["quantized_way"],
         q_method="gptq",
         calibration=calibration,
         bar=bar,
@@ -226,8 +233,6 @@ def _quant_name(config: dict) -> Optional[str]:
     q = config.get("quantization")
     if not q:
         return None
-    extra = [v["bits"] for v in q.values() if isinstance(v, dict)]
-    tail = (
-        f" ({', '.join(sorted({f'{b}-bit' for b in extra}))} for some)" if extra else ""
-    )
-    return f"{q['bits']}-bit, group size {q['group_size']}{tail}"
+    extra = {quant.bits_words(v) for v in q.values() if isinstance(v, dict)}
+    tail = f" ({', '.join(sorted(extra))} for some)" if extra else ""
+    return f"{quant.bits_words(q)}, group size {q['group_size']}{tail}"

@@ -56,7 +56,7 @@ class Recipe:
         self.gains: Weights = {}  # linear module -> the norm gain folded into it
         self.hessians: gptq.Hessians = {}  # module -> GPTQ Hessian (fold basis)
         self._hinv: Weights = {}
-        self.as_stored = plan.stored_quantized
+        self.as_stored = plan.as_stored
         self.out_dtype, self.qspec = plan.dtype, plan.qspec
         self._cast = not (output and self.as_stored)
         self._stock = None  # what calibration runs
@@ -219,7 +219,7 @@ def fold_checkpoint(
     weights: Weights,
     quantize: Optional[Tuple[int, int]] = None,
     dtype: Optional[mx.Dtype] = None,
-    quantized: str = "stored",
+    quantized_way: str = "stored",
     compat: bool = False,
     q_method: str = gptq.DEFAULT_METHOD,
     calibration: gptq.Calibration = gptq.Calibration(),
@@ -243,9 +243,9 @@ def fold_checkpoint(
     stage = on_stage or (lambda text: None)
     step = on_step or (lambda text: None)
     plan = quant.plan_weights(
-        weights, source.config, dtype, quantize, quantized, output=True
+        weights, source.config, dtype, quantize, quantized_way, output=True
     )
-    if plan.stored_quantized and dtype is not None:
+    if plan.as_stored and dtype is not None:
         raise LoadError(
             "--dtype would round the stored scales and norm gains: a quantized "
             "source is written as stored; pass --dequantize or --requantize to "

@@ -29,7 +29,7 @@ def compare(
     horizon: int = 32,
     dtype=None,
     quantize=None,
-    quantized: str = "stored",
+    quantized_way: str = "stored",
     on_stage: Optional[Callable[[str], None]] = None,
     compile: Optional[bool] = None,
 ) -> dict:
@@ -45,16 +45,16 @@ def compare(
     on_stage(text) is told when each stage (build, prefill, decode) is done.
     """
     stage = on_stage or (lambda text: None)
-    kw = dict(dtype=dtype, quantize=quantize, quantized=quantized)
+    kw = dict(dtype=dtype, quantize=quantize, quantized_way=quantized_way)
     models = {
         "stock": build_model(source, "stock", **kw)[0],
         "flashnorm": build_model(source, "flashnorm", compile=compile, **kw)[0],
     }
     noisy = model_dtype(models["stock"]) != "float32" or quant.requantizes(
-        source.weights, source.config, quantize, quantized
+        source.weights, source.config, quantize, quantized_way
     )
     if noisy:  # the source's own function, as exactly as MLX computes it
-        ref_kw = dict(dtype=mx.float32, quantized="stored")
+        ref_kw = dict(dtype=mx.float32, quantized_way="stored")
         models["reference"] = build_model(source, "stock", **ref_kw)[0]
     stage(
         "built stock and FlashNorm on the same weights"
@@ -136,7 +136,7 @@ def _scores(ls: mx.array, lf: mx.array) -> dict:
     }
 
 
-def comparison(source: Source, quantize=None, quantized: str = "stored") -> dict:
+def comparison(source: Source, quantize=None, quantized_way: str = "stored") -> dict:
     """Which weights stock and FlashNorm are compared on, and what that measures.
 
     {"comparison": "float" | "stored" | "requantized" | "quantized",
@@ -160,13 +160,13 @@ def comparison(source: Source, quantize=None, quantized: str = "stored") -> dict
             "comparison_note": "both models on the same float weights (the source "
             "is not quantized): differences are FlashNorm's alone",
         }
-    if quantized == "dequantize":
+    if quantized_way == "dequantize":
         return {
             "comparison": "float",
             "comparison_note": f"the {src} source dequantized, both models on the "
             "same float weights: differences are FlashNorm's alone",
         }
-    if quantized == "requantize" and not fold.is_folded(source.config):
+    if quantized_way == "requantize" and not fold.is_folded(source.config):
         return {
             "comparison": "requantized",
             "comparison_note": f"both models requantized to the source's {src} "

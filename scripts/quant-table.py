@@ -23,11 +23,11 @@ EVAL = dict(seq_len=256, num_seqs=17, dtype=mx.float32)
 
 
 G64 = dict(quantize=(4, 64))  # from the dequantized float weights
-G32 = dict(quantized="requantize")  # the source's own settings
+G32 = dict(quantized_way="requantize")  # the source's own settings
 # Row -> perplexity() keywords (tests/test_perplexity.py checks they are its own).
 PLAN = {
-    "stored": dict(quantized="stored"),
-    "float32": dict(quantized="dequantize"),
+    "stored": dict(quantized_way="stored"),
+    "float32": dict(quantized_way="dequantize"),
     # stock mlx-lm RTN vs FlashNorm GPTQ, one run so the interval is paired
     "g64-gptq": dict(q_method="gptq", **G64),
     "g32-gptq": dict(q_method="gptq", **G32),

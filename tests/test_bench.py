@@ -269,8 +269,8 @@ def test_nonorm_from_a_quantized_source(source):
     tokens = mx.array([list(range(5, 25))])
     for dequantize in (False, True):
         how = "dequantize" if dequantize else "stored"
-        model, config = build_model(qsrc, "nonorm", quantized=how)
-        stock, _ = build_model(qsrc, "stock", quantized=how)
+        model, config = build_model(qsrc, "nonorm", quantized_way=how)
+        stock, _ = build_model(qsrc, "stock", quantized_way=how)
         qlayers = {
             type(model.model.layers[0].self_attn.q_proj).__name__,
             type(stock.model.layers[0].self_attn.q_proj).__name__,

@@ -405,9 +405,11 @@ def _quantized_source(folder: Path) -> Source:
 @pytest.mark.parametrize(
     "how",
     [
-        dict(quantized="requantize"),  # with the source's own settings
-        dict(quantized="dequantize"),  # float
-        dict(quantized="dequantize", quantize=(4, 64)),  # other settings, from float
+        dict(quantized_way="requantize"),  # with the source's own settings
+        dict(quantized_way="dequantize"),  # float
+        dict(
+            quantized_way="dequantize", quantize=(4, 64)
+        ),  # other settings, from float
         dict(quantize=(4, 64)),  # -q alone also means: from float, these settings
     ],
     ids=["requant_source_settings", "dequantize", "dequantize_q64", "q64"],
@@ -488,6 +490,6 @@ def test_a_folded_4bit_checkpoint_says_how_it_runs(llama_dir, tmp_path, capsys):
     # The float run is the stored 4-bit function: logits equal to running it 4-bit.
     src = read_source(str(out))
     x = mx.array(PROMPT)
-    f, _ = build_model(src, "flashnorm", dtype=mx.float32, quantized="dequantize")
+    f, _ = build_model(src, "flashnorm", dtype=mx.float32, quantized_way="dequantize")
     q, _ = build_model(src, "flashnorm", dtype=mx.float32)
     assert _rel(f(x), q(x)) < 1e-5, _rel(f(x), q(x))

@@ -144,13 +144,13 @@ def test_quantized_source_is_dequantized_folded_requantized(source):
     deq_w, deq_c = quant.dequantize_weights(qsrc.weights, qsrc.config)
     fsrc = Source("f", deq_c, deq_w)
     x = mx.array([PROMPT])
-    a, _ = build_model(qsrc, "flashnorm", quantized="requantize")
+    a, _ = build_model(qsrc, "flashnorm", quantized_way="requantize")
     b, _ = build_model(fsrc, "flashnorm", dtype=mx.float32, quantize=(4, 32))
     assert mx.array_equal(a(x), b(x)), mx.abs(a(x) - b(x)).max().item()
     s, _ = build_model(qsrc, "stock")
     assert type(s.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
     # Exact mode: dequantize and run float; matches stock on the dequantized weights.
-    r = compare(qsrc, PROMPT, horizon=8, dtype=mx.float32, quantized="dequantize")
+    r = compare(qsrc, PROMPT, horizon=8, dtype=mx.float32, quantized_way="dequantize")
     assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 8, r
 
 

@@ -104,7 +104,7 @@ def test_quant_table_rows_are_perplexity_keywords():
     params = inspect.signature(perplexity).parameters
     for label, kw in table.PLAN.items():
         assert set(kw) | set(table.EVAL) <= set(params), (label, kw)
-        assert kw.get("quantized", "stored") in quant.QUANTIZED_WAYS, (label, kw)
+        assert kw.get("quantized_way", "stored") in quant.QUANTIZED_WAYS, (label, kw)
 
 
 def test_both_sides_are_timed_warm(model_dir, data_file, monkeypatch):

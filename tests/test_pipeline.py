@@ -31,8 +31,8 @@ WAYS = {
     "float": (False, {}),
     "q4_g32": (False, dict(quantize=(4, 32))),
     "as_stored": (True, {}),
-    "dequantize": (True, dict(quantized="dequantize")),
-    "requantize": (True, dict(quantized="requantize")),
+    "dequantize": (True, dict(quantized_way="dequantize")),
+    "requantize": (True, dict(quantized_way="requantize")),
 }
 
 

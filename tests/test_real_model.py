@@ -38,7 +38,7 @@ def test_verify_dequantized_float32_matches_stock():
         prompt_tokens(source, None),
         horizon=32,
         dtype=mx.float32,
-        quantized="dequantize",
+        quantized_way="dequantize",
     )
     assert r["max_rel_logit_diff"] <= tiny.f32_tol(), r
     assert r["greedy_match"] == 32, r

@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .. import distributed
+from .. import distributed, quant
 from ..bench import VARIANTS, run_bench, validate
 from ..errors import BenchError
 from ..loading import read_source
@@ -145,12 +145,7 @@ def _print_lines(result: dict, console) -> None:
     )
     first = next(iter(result["variants"].values()))
     q = first["quantization"]
-    qtxt = (
-        (f"{q['bits']}-bit" if q["mode"] == "affine" else q["mode"])
-        + f" group {q['group_size']}"
-        if q
-        else "unquantized"
-    )
+    qtxt = f"{quant.bits_words(q)} group {q['group_size']}" if q else "unquantized"
     console.print(
         f"{same} (checksum {result['source']['checksum'][:12]}), "
         f"{first['dtype']}, {qtxt}; "

@@ -15,7 +15,7 @@ from ..chat import (
     compare_decode_speed,
     context_length,
 )
-from ..loading import build_model
+from ..loading import MODES, build_model
 from .common import (
     Parser,
     UserError,
@@ -27,8 +27,6 @@ from .common import (
     run_main,
 )
 
-# What /compare runs beside the chat's model (each built on first use).
-COMPARE_VARIANTS = ("flashnorm", "stock", "stock_compiled", "stock_fused", "nonorm")
 HELP = """\
 /help   show this help
 /reset  forget the conversation (the system prompt stays) and clear the KV cache
@@ -36,7 +34,7 @@ HELP = """\
         {variants}: decode tok/s side by side
 /quit   leave (also /exit, or Ctrl-D)
 Ctrl-C stops a reply; the partial reply stays in the conversation.""".format(
-    variants=", ".join(COMPARE_VARIANTS)
+    variants=", ".join(MODES)
 )
 
 
@@ -147,11 +145,11 @@ def turn_notices(stats, requested_max_tokens: int, limit) -> list:
 
 
 class Comparer:
-    """/compare: the chat's model plus the other COMPARE_VARIANTS built on the
+    """/compare: the chat's model plus the other modes (loading.MODES) built on the
     same source and settings (once, on first use), timed on the last reply's
     prompt."""
 
-    VARIANTS = COMPARE_VARIANTS
+    VARIANTS = MODES
 
     def __init__(self, source, mode: str, model, kwargs: dict, sampler=None):
         self.source, self.kwargs, self.sampler = source, kwargs, sampler

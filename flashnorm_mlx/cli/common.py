@@ -10,7 +10,7 @@ from typing import Optional
 
 from .. import distributed, interrupt, quant
 from ..errors import FlashNormError, UserError  # noqa: F401 (commands raise it)
-from ..loading import DTYPES, build_model, read_source
+from ..loading import DTYPES, RUN_MODES, build_model, read_source
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -94,10 +94,6 @@ class Parser(argparse.ArgumentParser):
                 if getattr(args, dest) is None:
                     setattr(args, dest, default)
         return args
-
-
-# The modes a user runs; bench adds the "nonorm" speed bound itself.
-RUN_MODES = ("flashnorm", "stock")
 
 
 # How a quantized source runs (quant.QUANTIZED_WAYS), one line of help each.
@@ -189,9 +185,9 @@ def add_model_args(
     group = parser.add_mutually_exclusive_group()
     for way, (flag, text) in QUANTIZED_FLAGS.items():
         group.add_argument(
-            flag, dest="quantized", action="store_const", const=way, help=text
+            flag, dest="quantized_way", action="store_const", const=way, help=text
         )
-    parser.set_defaults(quantized="stored")
+    parser.set_defaults(quantized_way="stored")
     if compile:
         parser.add_argument(
             "--compile",
@@ -284,7 +280,7 @@ def model_kwargs(args) -> dict:
     return dict(
         dtype=DTYPES[args.dtype] if args.dtype else None,
         quantize=(args.q_bits, args.q_group_size) if args.quantize else None,
-        quantized=args.quantized,
+        quantized_way=args.quantized_way,
         **({"group": launch.group} if launch else {}),
         **({"compile": args.compile} if hasattr(args, "compile") else {}),
     )

@@ -3,6 +3,7 @@
 import argparse
 import sys
 
+from .. import quant
 from ..convert import convert
 from ..quant import gptq
 from .common import (
@@ -93,8 +94,7 @@ def main(argv=None):
     q = r["quantization"]
     how = "not quantized"
     if q:
-        bits = f"{q['bits']}-bit" if q["mode"] == "affine" else q["mode"]
-        how = f"{bits}, group size {q['group_size']}, " + (
+        how = f"{quant.bits_words(q)}, group size {q['group_size']}, " + (
             "the source's weights as stored, norm gains applied in FlashNorm's "
             "kernels"
             if r["as_stored"]

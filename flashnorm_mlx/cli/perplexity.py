@@ -83,7 +83,7 @@ def main(argv=None):
             **model_kwargs(args),
         )
     kw = model_kwargs(args)
-    r.update(comparison(source, kw["quantize"], kw["quantized"]))
+    r.update(comparison(source, kw["quantize"], kw["quantized_way"]))
     if args.json:
         print(json.dumps(r))
         return 0

@@ -43,7 +43,7 @@ def main(argv=None):
     if not tokens:
         raise UserError("the prompt encodes to no tokens")
     kw = model_kwargs(args)
-    how = comparison(source, kw["quantize"], kw["quantized"])
+    how = comparison(source, kw["quantize"], kw["quantized_way"])
     # verify has no live bar: its stage lines show on a terminal too.
     r = compare(
         source, tokens, horizon=args.horizon, on_stage=StageLog("verify", True), **kw

@@ -49,12 +49,11 @@ def instantiate(
     config: dict,
     weights: dict,
     mode: str,
-    pre_quantized: bool,
     norm_gains: bool = False,
     compiled: bool = False,
 ):
     """The `mode` class built on `weights` (its `sanitize` applied); quantized
-    modules made where `pre_quantized` weights have scales. norm_gains: ours on
+    modules made where the weights have scales. norm_gains: ours on
     unfolded weights, the norm gains applied in the kernels. compiled: decode
     steps run compiled (decode.py). ValueError on weights that do not fit the
     config."""
@@ -69,7 +68,7 @@ def instantiate(
     model = model_cls(args, norm_gains=True) if norm_gains else model_cls(args)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
-    if pre_quantized:
+    if any(k.endswith(".scales") for k in weights):
         from mlx_lm.utils import infer_quant_config
 
         nn.quantize(

@@ -34,9 +34,9 @@ QUANTIZED_WAYS = ("stored", "dequantize", "requantize")
 class WeightPlan:
     """What to build from a checkpoint's weights.
 
-    weights: float tensors, or with `stored_quantized` the checkpoint's own
+    weights: float tensors, or with `as_stored` the checkpoint's own
     quantized ones; config: without a quantization block unless
-    `stored_quantized`;
+    `as_stored`;
     qspec: module -> {"bits", "group_size", "mode"} to quantize after the fold,
     or None; note: one line for the user when the choice is not the obvious one.
     """
@@ -45,7 +45,7 @@ class WeightPlan:
     config: dict
     dtype: mx.Dtype
     qspec: Optional[dict] = None
-    stored_quantized: bool = False
+    as_stored: bool = False
     note: Optional[str] = None
 
 
@@ -71,31 +71,31 @@ def plan_weights(
     config: dict,
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
-    quantized: str = "stored",
+    quantized_way: str = "stored",
     output: bool = False,
 ) -> WeightPlan:
-    """The one decision (see the module docstring). quantized: how a quantized
+    """The one decision (see the module docstring). quantized_way: how a quantized
     source is taken, one of QUANTIZED_WAYS. output=True: for a checkpoint to
     write (`convert`), whose dtype defaults to the source's."""
-    if quantized not in QUANTIZED_WAYS:
+    if quantized_way not in QUANTIZED_WAYS:
         raise LoadError(
-            f"unknown way {quantized!r} for a quantized source; choose from "
+            f"unknown way {quantized_way!r} for a quantized source; choose from "
             f"{', '.join(QUANTIZED_WAYS)}"
         )
     default = source_dtype(weights) if output else compute_dtype(weights)
     given_dtype, dtype = dtype, dtype or default
     if fold.is_folded(config):
         return _plan_folded(
-            weights, config, dtype, given_dtype, quantize, quantized, output
+            weights, config, dtype, given_dtype, quantize, quantized_way, output
         )
     if not is_quantized(weights):
         qspec = uniform_qspec(weights, *quantize) if quantize else None
         return WeightPlan(weights, config, dtype, qspec)
-    if quantize is None and quantized == "stored":
+    if quantize is None and quantized_way == "stored":
         return WeightPlan(
-            weights, config, dtype, stored_quantized=True, note=stored_note(config)
+            weights, config, dtype, as_stored=True, note=stored_note(config)
         )
-    qspec = source_qspec(weights, config) if quantized == "requantize" else None
+    qspec = source_qspec(weights, config) if quantized_way == "requantize" else None
     weights, config = dequantize_weights(weights, config, mx.float32)
     if quantize:
         qspec = uniform_qspec(weights, *quantize)
@@ -103,15 +103,25 @@ def plan_weights(
 
 
 def requantizes(
-    weights: Weights, config: dict, quantize: Optional[Tuple[int, int]], quantized: str
+    weights: Weights,
+    config: dict,
+    quantize: Optional[Tuple[int, int]],
+    quantized_way: str,
 ) -> bool:
     """Whether the models built this way run weights quantized by us (-q, or
     --requantize on an unfolded quantized source), not the checkpoint's own."""
     return bool(quantize) or (
-        quantized == "requantize"
+        quantized_way == "requantize"
         and is_quantized(weights)
         and not fold.is_folded(config)
     )
+
+
+def bits_words(spec: dict) -> str:
+    """'4-bit' for affine settings, else the format's name ('mxfp4'): every
+    quantization in words starts here."""
+    mode = spec.get("mode", "affine")
+    return f"{spec.get('bits')}-bit" if mode == "affine" else mode
 
 
 def describe(config: dict) -> str:
@@ -119,9 +129,7 @@ def describe(config: dict) -> str:
     q = config.get("quantization") or {}
 
     def words(spec):
-        mode = spec.get("mode", "affine")
-        bits = f"{spec.get('bits')}-bit" if mode == "affine" else mode
-        return f"{bits} group {spec.get('group_size')}"
+        return f"{bits_words(spec)} group {spec.get('group_size')}"
 
     rest = [f"{words(v)} for {k}" for k, v in q.items() if isinstance(v, dict)]
     return words(q) + (
@@ -139,21 +147,19 @@ def stored_note(config: dict) -> str:
     q = config.get("quantization") or {}
 
     def short(spec):
-        mode = spec.get("mode", "affine")
-        bits = f"{spec.get('bits')}-bit" if mode == "affine" else mode
-        return f"{bits} g{spec.get('group_size')}"
+        return f"{bits_words(spec)} g{spec.get('group_size')}"
 
     others = sorted({short(v) for v in q.values() if isinstance(v, dict)} - {short(q)})
     some = f" (some {', '.join(others)})" if others else ""
     return f"{short(q)} weights{some} as stored{STORED_GAINS}"
 
 
-def _plan_folded(weights, config, dtype, given_dtype, quantize, quantized, output):
+def _plan_folded(weights, config, dtype, given_dtype, quantize, quantized_way, output):
     """The folded-source rule, for loading and `convert` alike: a checkpoint that
     `convert` folded is never folded again, and its quantized tensors are never
     quantized again (that would quantize twice)."""
     if is_quantized(weights):
-        if quantize or quantized == "requantize" or output:
+        if quantize or quantized_way == "requantize" or output:
             raise LoadError(
                 "this checkpoint is already folded and quantized: nothing to fold, "
                 "and quantizing it again would quantize twice; "
@@ -163,13 +169,13 @@ def _plan_folded(weights, config, dtype, given_dtype, quantize, quantized, outpu
                     else "drop -q/--requantize"
                 )
             )
-        if quantized == "dequantize":
+        if quantized_way == "dequantize":
             # Exact: the stored quantized function, run in float.
             weights, config = dequantize_weights(weights, config, mx.float32)
             note = "folded quantized checkpoint: dequantized to run in float (exact)"
             return WeightPlan(weights, config, dtype, note=note)
         note = "folded quantized checkpoint: run as stored (nothing is requantized)"
-        return WeightPlan(weights, config, dtype, stored_quantized=True, note=note)
+        return WeightPlan(weights, config, dtype, as_stored=True, note=note)
     if output and quantize is None and given_dtype is None:
         raise LoadError(
             "source is already folded (config.json has 'flashnorm'); "
