@@ -281,13 +281,15 @@ def _headroom(summary: dict) -> dict:
 
 
 def validate(variants: Sequence[str], prompt_tokens: int, gen_tokens: int, trials: int):
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise BenchError(
-            f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}"
-        )
-    if not variants or len(set(variants)) != len(variants):
-        raise BenchError("--variants needs one or more distinct variants")
+    for i, v in enumerate(variants):
+        if v not in VARIANTS:
+            raise BenchError(
+                f"--variants: unknown variant {v!r}; choose from {', '.join(VARIANTS)}"
+            )
+        if v in variants[:i]:
+            raise BenchError(f"--variants: {v} is named twice")
+    if not variants:
+        raise BenchError("--variants needs one or more variants")
     if trials < 1:
         raise BenchError(f"-n/--num-trials must be at least 1 (got {trials})")
     if prompt_tokens < 1:
