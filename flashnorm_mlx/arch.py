@@ -61,7 +61,3 @@ class Architecture:
         if not self.is_tied(config):
             out.append((self.final_norm, [self.head]))
         return out
-
-    def fused_first_part(self) -> Dict[str, str]:
-        """Fused linear -> its first part (whose quantization the fused one takes)."""
-        return {p.fused: p.parts[0] for p in self.pairs}

@@ -232,6 +232,9 @@ def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
         qspec[head] = qspec[embed]  # an untied head takes its embedding's settings
 
     weights = fold.map_floats(weights, lambda v: v.astype(plan.dtype))
+    if qspec:  # as loading and convert quantize (recipe.py)
+        weights = quant.quantize_weights(weights, qspec)
+        config = quant.with_quantization(config, qspec)
     model_cls, args_cls = models.model_classes(config, "stock")
     model = model_cls(args_cls.from_dict(config))
     if hasattr(model, "sanitize"):
@@ -241,11 +244,10 @@ def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
         raise fold.FoldError(
             "nonorm: the norm modules changed between calibration and build"
         )
+    models.quantize_like(model, weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise LoadError(f"nonorm: weights do not match the model: {e}") from None
-    if qspec:
-        config = quant.apply_qspec(model, qspec, config)
     mx.eval(model.parameters())
     return model, config

@@ -165,15 +165,8 @@ class Recipe:
                 self.out_dtype,
                 self._hinv[module],
             )
-        else:  # round-to-nearest, as nn.QuantizedLinear/Embedding do
-            packed, scales, *biases = mx.quantize(
-                part.pop(f"{module}.weight"),
-                group_size=q["group_size"],
-                bits=q["bits"],
-                mode=q["mode"],
-            )
-            out = {"weight": packed, "scales": scales}
-            out.update({"biases": biases[0]} if biases else {})
+        else:
+            out = quant.rtn(part.pop(f"{module}.weight"), q)
         return {**part, **{f"{module}.{k}": v for k, v in out.items()}}
 
     def tensors(self) -> Weights:

@@ -45,6 +45,24 @@ def model_classes(config: dict, mode: str):
     return module.Model, module.ModelArgs
 
 
+def quantize_like(model, weights: dict) -> None:
+    """Make quantized modules of `model` wherever `weights` (as its `sanitize`
+    leaves them) hold scales, with the settings those tensors were packed with."""
+    if not any(k.endswith(".scales") for k in weights):
+        return
+    import mlx.nn as nn
+    from mlx_lm.utils import infer_quant_config
+
+    nn.quantize(
+        model,
+        class_predicate=lambda p, m: (
+            infer_quant_config(p, m, weights)
+            if hasattr(m, "to_quantized") and f"{p}.scales" in weights
+            else False
+        ),
+    )
+
+
 def instantiate(
     config: dict,
     weights: dict,
@@ -57,8 +75,6 @@ def instantiate(
     unfolded weights, the norm gains applied in the kernels. compiled: decode
     steps run compiled (decode.py). ValueError on weights that do not fit the
     config."""
-    import mlx.nn as nn
-
     from ..decode import compiled_class
 
     model_cls, args_cls = model_classes(config, mode)
@@ -68,17 +84,7 @@ def instantiate(
     model = model_cls(args, norm_gains=True) if norm_gains else model_cls(args)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
-    if any(k.endswith(".scales") for k in weights):
-        from mlx_lm.utils import infer_quant_config
-
-        nn.quantize(
-            model,
-            class_predicate=lambda p, m: (
-                infer_quant_config(p, m, weights)
-                if hasattr(m, "to_quantized") and f"{p}.scales" in weights
-                else False
-            ),
-        )
+    quantize_like(model, weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

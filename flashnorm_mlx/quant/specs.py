@@ -6,12 +6,10 @@ per-module exceptions.
 """
 
 from collections import Counter
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from .. import models
 from ..errors import FoldError, LoadError
 from ..fold import Weights
 
@@ -109,28 +107,31 @@ def source_qspec(weights: Weights, config: dict) -> dict:
     }
 
 
-def _lookup(qspec: dict, path: str, fused: Dict[str, str]) -> Optional[dict]:
-    # A stacked q|k|v or gate|up linear takes the quantization of its first part.
-    if path in qspec:
-        return qspec[path]
-    for name, part in fused.items():
-        if path.endswith(name):
-            return qspec.get(path[: -len(name)] + part)
-    return None
+def rtn(weight: mx.array, q: dict) -> Weights:
+    """Round-to-nearest, as nn.QuantizedLinear/Embedding quantize a weight:
+    {"weight", "scales"} and, for affine settings, "biases"."""
+    packed, scales, *biases = mx.quantize(
+        weight, group_size=q["group_size"], bits=q["bits"], mode=q["mode"]
+    )
+    return {
+        "weight": packed,
+        "scales": scales,
+        **({"biases": biases[0]} if biases else {}),
+    }
 
 
-def apply_qspec(model: nn.Module, qspec: dict, config: dict) -> dict:
-    """Quantize `model`'s modules as `qspec` says; returns the config with the
-    quantization block."""
-    fused = models.architecture(config).fused_first_part()
-
-    def predicate(path, module):
-        return hasattr(module, "to_quantized") and (
-            _lookup(qspec, path, fused) or False
-        )
-
-    nn.quantize(model, class_predicate=predicate)
-    return with_quantization(config, qspec)
+def quantize_weights(weights: Weights, qspec: dict) -> Weights:
+    """Every module in `qspec` quantized by `rtn`, the other tensors as they are."""
+    out: Weights = {}
+    for key, value in weights.items():
+        module = key[: -len(".weight")] if key.endswith(".weight") else None
+        if module in qspec:
+            out.update(
+                {f"{module}.{k}": v for k, v in rtn(value, qspec[module]).items()}
+            )
+        else:
+            out[key] = value
+    return out
 
 
 def quantization_block(qspec: dict) -> dict:
