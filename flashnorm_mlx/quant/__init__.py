@@ -26,7 +26,6 @@ from .specs import (
     quantize_weights,
     rtn,
     source_qspec,
-    uniform_qspec,
     with_quantization,
 )
 
@@ -47,6 +46,5 @@ __all__ = [
     "rtn",
     "source_dtype",
     "source_qspec",
-    "uniform_qspec",
     "with_quantization",
 ]
