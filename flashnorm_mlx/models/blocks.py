@@ -85,28 +85,29 @@ class Block(nn.Module):
         # The cache update and attention stay outside: only they see the cache.
         parts = self.__dict__.get("_parts")
         if parts is None:
-            attn = self[self.ATTENTION]
             parts = self.__dict__["_parts"] = {
-                "heads": CompiledOnce(attn.heads),
-                "out": CompiledOnce(attn.project_out),
+                "heads": CompiledOnce(self[self.ATTENTION].heads)
             }
         offset = cache.offset
         if isinstance(offset, int):  # an int would be a new constant every step
             offset = mx.array([offset], dtype=mx.int32)
         q, k, v = parts["heads"](xs, ms, offset)
-        a = parts["out"](attend_cached(q, k, v, mask, cache))
-        key = (final, out_gain is None)
-        close = parts.get(key)
+        o = attend_cached(q, k, v, mask, cache)
+        close = parts.get(final)
         if close is None:
-            close = parts[key] = CompiledOnce(self._closer(final, out_gain is None))
-        args = (x, a) if out_gain is None else (x, a, out_gain)
-        return close(*args)
+            close = parts[final] = CompiledOnce(self._closer(final))
+        return close(x, o) if out_gain is None else close(x, o, out_gain)
 
-    def _closer(self, final: bool, folded: bool):
+    def _closer(self, final: bool):
+        """The out projection and `close`, as one function of (x, o[, gain]):
+        traced apart with and without a gain (its own input signature)."""
         block = weakref.ref(self)  # the block owns its parts: no reference cycle
-        if folded:
-            return lambda x, a: block().close(x, a, None, final)
-        return lambda x, a, gain: block().close(x, a, gain, final)
+
+        def run(x, o, gain=None):
+            b = block()
+            return b.close(x, b[b.ATTENTION].project_out(o), gain, final)
+
+        return run
 
 
 def attend_cached(q, k, v, mask, cache):
