@@ -8,9 +8,12 @@ every block included:
 
 - the cache is the layer's own `KVCache` buffer (B, H, C, h), used at its full
   capacity C: the step writes the new key and value at the offset, given as an
-  array (`mx.slice_update`), and attends over all C positions with the ones past
-  the offset masked out (`_StepCache`). Capacity grows in buckets of
-  `BUCKET` positions, so a step retraces once per bucket, not per token;
+  array (`mx.slice_update`), and attends over positions 0..offset only
+  (`StepCache`). Our blocks call `kernels.decode_attention`, which takes that
+  length from the offset array; mlx-lm's attention gets a mask instead (on
+  CUDA a masked attention leaves MLX's fast single-query kernel). Capacity
+  grows in buckets of `BUCKET` positions, so a step retraces once per bucket,
+  not per token;
 - the model's own `__call__` is what gets traced, for ours and mlx-lm's classes
   alike (`stock_compiled` in bench is mlx-lm's class given this same step);
 - the first step of each new shape runs eagerly, uncompiled: the kernels'
@@ -35,9 +38,10 @@ from . import kernels
 BUCKET = 256  # KV capacity grows in multiples of this (mlx-lm's KVCache.step)
 
 
-class _StepCache:
+class StepCache:
     """One layer's KVCache as the traced step sees it: the whole fixed-capacity
-    buffers and the write position as an array; a mask hides what lies past it."""
+    buffers and the write position as an array. What lies past it is hidden by
+    `kernels.decode_attention` (our blocks) or by the mask (mlx-lm's)."""
 
     def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
         self.keys, self.values, self.offset = keys, values, offset
@@ -97,7 +101,7 @@ class DecodeStep:
         self.run = CompiledOnce(self._step)
 
     def _step(self, tokens, offset, *kv):
-        caches = [_StepCache(kv[i], kv[i + 1], offset) for i in range(0, len(kv), 2)]
+        caches = [StepCache(kv[i], kv[i + 1], offset) for i in range(0, len(kv), 2)]
         logits = self.forward(tokens, cache=caches)
         return (logits, *[a for c in caches for a in (c.keys, c.values)])
 

@@ -177,6 +177,7 @@ OPS = {
     "residual": K.block_residual,
     "residual_norm": K.block_residual,
     "deferred_glu": K.glu,
+    "decode_attention": K.attention,
 }
 
 

@@ -349,8 +349,9 @@ def test_residual_norm_twin_vs_numpy(dtype, shape, gain):
 
 # --- pickers -----------------------------------------------------------------------
 
-OPS = ["qkv_epilogue", "deferred_glu", "residual", "residual_norm"]
+OPS = ["qkv_epilogue", "deferred_glu", "residual", "residual_norm", "decode_attention"]
 MODULES = {
+    "decode_attention": K.attention,
     "qkv_epilogue": K.epilogue,
     "deferred_glu": K.glu,
     "residual": K.block_residual,
@@ -486,6 +487,7 @@ BODIES = {
     "qkv_epilogue": K.epilogue.QKV_EPILOGUE_BODY,
     "deferred_glu": K.glu.DEFERRED_GLU_BODY,
     "residual": K.block_residual.RESIDUAL_BODY,
+    "decode_attention": K.attention.DECODE_ATTENTION_BODY,
 }
 VARIANTS = [
     ("qkv_epilogue", dict(qk_norm=a, prescale=b, bias=c))
@@ -495,6 +497,7 @@ VARIANTS = [
     if not (a and c)
 ]
 VARIANTS += [("deferred_glu", dict(prescale=b)) for b in (0, 1)]
+VARIANTS += [("decode_attention", dict())]
 VARIANTS += [
     ("residual", dict(has_y=y, scale_y=sy, prescale=p, norm=n, gain=g))
     for y, sy in ((0, 0), (1, 0), (1, 1))
@@ -542,6 +545,7 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
     c = make_case(mx.float16, 7, "per_batch", 2, "openelm")
     c_llama = make_case(mx.bfloat16, 1, "off5", 4, "llama")
     gate_up, ms = glu_case(mx.float16, (2, 7, 40))
+    att = attention_case(mx.float16, "gqa4-d24-mid")
 
     def graph(qkv, qkv2, gate_up):
         q = run_epilogue(K.epilogue.qkv_epilogue_kernel, dict(c, qkv=qkv))
@@ -554,6 +558,7 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
             glu,
             *res,
             K.block_residual.residual_norm_kernel(glu, None, None, 1e-5),
+            K.attention.decode_attention_kernel(*att),
         )
 
     try:
@@ -566,6 +571,7 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
     sources = text.split("Generated source code for `")[1:]
     names = sorted(src.split("`")[0] for src in sources)
     assert names == [
+        "flashnorm_decode_attention",
         "flashnorm_deferred_glu_prescale1",
         "flashnorm_qkv_epilogue_bias0_prescale0_qk_norm0",
         "flashnorm_qkv_epilogue_bias0_prescale1_qk_norm1",
@@ -590,7 +596,7 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
         in by_name["flashnorm_qkv_epilogue_bias0_prescale0_qk_norm0"]
     )
     for name, src in by_name.items():
-        op = next(op for op in BODIES if name.startswith(f"flashnorm_{op}_"))
+        op = next(op for op in BODIES if f"{name}_".startswith(f"flashnorm_{op}_"))
         assert K.render.BODY_MARK + BODIES[op] in src, name
         assert "[[kernel]] void custom_kernel_" + name in src, name
         assert 'template [[host_name("custom_kernel_' + name in src, name
@@ -872,6 +878,7 @@ def record_all_variants(host, monkeypatch):
                 )
         for op, args, _ in elementwise_checks(dtype, (1, 2, 8)):
             impls(op)[0](*args)
+        K.attention.decode_attention_kernel(*attention_case(dtype, "mha-d64-off0"))
 
 
 @pytest.fixture(scope="module")
@@ -915,6 +922,76 @@ def test_qkv_epilogue_body_on_host_matches_twin(
 @pytest.mark.parametrize("shape", SHAPES + [(3, 1, 1000)], ids=str)
 def test_elementwise_bodies_on_host_match_twins(host_backend, dtype, shape):
     check_elementwise_kernels(dtype, shape)
+
+
+# --- decode attention: one query over the first offset + 1 cache positions ---------
+
+# (B, Hq, Hkv, capacity, head dim, offset): GQA ratios, head dims that are and are
+# not a power of two, one position only, keys past one chunk of 256 (the online
+# softmax's rescaling), a full buffer.
+ATTENTION_CASES = {
+    "mha-d64-off0": (1, 2, 2, 8, 64, 0),
+    "gqa4-d24-mid": (2, 8, 2, 40, 24, 17),
+    "gqa2-d96-two-chunks": (1, 4, 2, 512, 96, 300),
+    "gqa3-d128-full": (1, 3, 1, 260, 128, 259),
+}
+
+
+def attention_case(dtype, case):
+    B, hq, hkv, C, h, off = ATTENTION_CASES[case]
+    k = mx.random.split(mx.random.key(5), 3)
+    q = mx.random.normal((B, hq, 1, h), key=k[0]).astype(dtype)
+    # Scores spread wider with the position: a later chunk of keys holds the
+    # largest, so the online softmax must rescale what came before.
+    ramp = 0.2 + 2.0 * mx.arange(C).reshape(1, 1, -1, 1) / C
+    keys = mx.random.normal((B, hkv, C, h), key=k[1]) * ramp / h**0.25
+    values = mx.random.normal((B, hkv, C, h), key=k[2])
+    # Past the offset the buffer holds what a leak could not hide.
+    past = mx.arange(C).reshape(1, 1, -1, 1) > off
+    keys = mx.where(past, 200.0, keys).astype(dtype)
+    values = mx.where(past, 1000.0, values).astype(dtype)
+    return q, keys, values, mx.array([off], dtype=mx.int32)
+
+
+def attention_reference(q, keys, values, offset):
+    """numpy float64: softmax over positions 0..offset, query head i reading
+    KV head i // (Hq / Hkv)."""
+    q, keys, values = np64(q), np64(keys), np64(values)
+    n, group = int(offset[0].item()) + 1, q.shape[1] // keys.shape[1]
+    kv = np.repeat(np.arange(keys.shape[1]), group)
+    s = np.einsum("bhd,bhnd->bhn", q[:, :, 0], keys[:, kv, :n])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhn,bhnd->bhd", p, values[:, kv, :n])[:, :, None]
+
+
+def check_attention(fn, dtype, case, tol):
+    args = attention_case(dtype, case)
+    out = fn(*args)
+    ref = attention_reference(*args)
+    err = np.abs(np64(out) - ref).max() / np.abs(ref).max()
+    assert out.dtype == dtype and out.shape == args[0].shape, (out.dtype, out.shape)
+    assert err < tol, f"{case} {dtype}: rel err {err:.3e} >= {tol:.1e}"
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_decode_attention_twin_vs_numpy(dtype, case):
+    check_attention(K.attention.decode_attention_ops, dtype, case, 2 * TOL[dtype])
+
+
+@needs_backend
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_decode_attention_kernel_vs_numpy(dtype, case):
+    check_attention(K.attention.decode_attention_kernel, dtype, case, 2 * TOL[dtype])
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_decode_attention_body_on_host_vs_numpy(host_backend, dtype, case):
+    check_attention(K.attention.decode_attention_kernel, dtype, case, 2 * TOL[dtype])
 
 
 # --- the Llama model uses the epilogue ---------------------------------------------

@@ -5,6 +5,8 @@ One module per op, the kernel body beside its plain-MLX twin:
   input xs, with the next norm's gain where it is not folded) and
   `residual_norm` (the last one, fused with the final RMSNorm);
 - `glu`: `deferred_glu`, silu(s * gate) * up;
+- `attention`: `decode_attention`, one query per head over the first n cache
+  positions, n from an array (the compiled decode step's attention);
 - `epilogue`: `qkv_epilogue`, q', k', v' from the fused qkv matmul output;
 - `render`: the kernel dialect and its Metal and CUDA preludes;
 - `_common`: backend choice, the picker, lazy kernel objects, the prescale.
@@ -37,6 +39,7 @@ from ._common import (
     picking,
     tracing,
 )
+from .attention import decode_attention
 from .block_residual import residual, residual_norm
 from .epilogue import Epilogue, qkv_epilogue, rope_inv_freq
 from .glu import deferred_glu
@@ -44,6 +47,7 @@ from .glu import deferred_glu
 __all__ = [
     "Epilogue",
     "backend",
+    "decode_attention",
     "deferred_glu",
     "deferred_scale",
     "failures",

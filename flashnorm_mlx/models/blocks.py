@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from .. import kernels
-from ..decode import CompiledOnce
+from ..decode import CompiledOnce, StepCache
 
 
 class Gain(nn.Module):
@@ -115,6 +115,8 @@ def attend_cached(q, k, v, mask, cache):
     q (B, Hq, L, h), k and v (B, Hkv, L, h) -> (B, Hq, L, h)."""
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
+    if isinstance(cache, StepCache):  # the compiled step's whole-capacity buffers
+        return kernels.decode_attention(q, k, v, cache.offset)
     return scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
 
 

@@ -1,0 +1,146 @@
+"""`decode_attention`: one query per head over the first n positions of a KV buffer.
+
+The compiled decode step (decode.py) attends over the cache's whole fixed
+capacity C and must hide the positions past the write offset. As a mask that
+costs a launch or more per layer, and on CUDA an array mask leaves MLX's
+single-query attention kernel for a slower path (docs/design.md section 3e).
+This kernel reads n = offset + 1 from an array instead: positions past it are
+never read, and no mask exists.
+"""
+
+import functools
+
+import mlx.core as mx
+
+from . import _common
+
+NT = 256  # threads per (batch, query head); the head dim must not exceed it
+
+# One threadgroup per (batch, query head). Keys are taken NT at a time: thread t
+# scores key c0 + t (its whole dot product), the group's max and sum update an
+# online softmax, then G = NT / D groups of D threads sum p * v, thread (g, d)
+# owning output dim d of keys g, g + G, ... of the chunk; the G partial outputs
+# add up at the end. Scale 1: 1/sqrt(h) already rode in q.
+DECODE_ATTENTION_BODY = """\
+  const int lane = FN_LANE;
+  const int bh = FN_GROUP;  // b * HQ + query head
+  const int b = bh / HQ;
+  const int kv_head = (bh - b * HQ) / (HQ / HKV);
+  const int C = k_shape[2];
+  const int n = offset[0] + 1;
+  const int kv_base = (b * HKV + kv_head) * C * D;
+  const int G = NT / D;
+  const int g = lane / D;
+  const int d = lane - g * D;
+  FN_SHARED float qs[RP];
+  FN_SHARED float p[RP];
+  FN_SHARED float red[RP];
+  if (lane < D) {
+    qs[lane] = static_cast<float>(q[bh * D + lane]);
+  }
+  float m = -3.0e38f;  // running max, sum and this thread's partial output
+  float z = 0.0f;
+  float acc = 0.0f;
+  for (int c0 = 0; c0 < n; c0 += NT) {
+    FN_SYNC();  // qs written; the last chunk's p and red[0] read by everyone
+    const int j = c0 + lane;
+    float s = -3.0e38f;
+    if (j < n) {
+      s = 0.0f;
+      for (int e = 0; e < D; ++e) {
+        s += qs[e] * static_cast<float>(k[kv_base + j * D + e]);
+      }
+    }
+    red[lane] = s;
+    for (int stride = RP / 2; stride > 0; stride /= 2) {
+      FN_SYNC();
+      if (lane < stride && lane + stride < NT && red[lane + stride] > red[lane]) {
+        red[lane] = red[lane + stride];
+      }
+    }
+    FN_SYNC();
+    const float m_new = red[0] > m ? red[0] : m;
+    const float pj = j < n ? FN_EXP(s - m_new) : 0.0f;
+    p[lane] = pj;
+    FN_SYNC();  // red[0] read by everyone before the sum reuses red
+    red[lane] = pj;
+    for (int stride = RP / 2; stride > 0; stride /= 2) {
+      FN_SYNC();
+      if (lane < stride && lane + stride < NT) {
+        red[lane] += red[lane + stride];
+      }
+    }
+    FN_SYNC();
+    const float corr = FN_EXP(m - m_new);
+    z = z * corr + red[0];
+    acc *= corr;
+    if (g < G) {
+      const int last = n - c0 < NT ? n - c0 : NT;
+      for (int jj = g; jj < last; jj += G) {
+        acc += p[jj] * static_cast<float>(v[kv_base + (c0 + jj) * D + d]);
+      }
+    }
+    m = m_new;
+  }
+  FN_SYNC();
+  p[lane] = acc;  // G partial outputs of D
+  FN_SYNC();
+  if (lane < D) {
+    float o = 0.0f;
+    for (int gg = 0; gg < G; ++gg) {
+      o += p[gg * D + lane];
+    }
+    out[bh * D + lane] = static_cast<T>(o / z);
+  }
+"""
+
+
+def decode_attention_ops(
+    q: mx.array, k: mx.array, v: mx.array, offset: mx.array
+) -> mx.array:
+    """softmax(q k^T) v over positions 0..offset of k and v (B, Hkv, C, h), scale
+    1, for q (B, Hq, 1, h): MLX's attention with the rest masked out."""
+    mask = (mx.arange(k.shape[2]) <= offset).reshape(1, 1, 1, -1)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+
+
+@functools.lru_cache(maxsize=512)
+def _attention_plan(q_shape, kv_heads, dtype, make_kernel, backend):
+    B, Hq, _, D = q_shape
+    kernel = make_kernel(
+        "decode_attention", DECODE_ATTENTION_BODY, ["q", "k", "v", "offset"], ["out"]
+    )
+    launch = dict(
+        template=[
+            ("T", dtype),
+            ("D", D),
+            ("HQ", Hq),
+            ("HKV", kv_heads),
+            ("NT", NT),
+            ("RP", NT),
+        ],
+        grid=(B * Hq * NT, 1, 1),
+        threadgroup=(NT, 1, 1),
+        output_shapes=[q_shape],
+        output_dtypes=[dtype],
+    )
+    return kernel, launch
+
+
+def decode_attention_kernel(
+    q: mx.array, k: mx.array, v: mx.array, offset: mx.array
+) -> mx.array:
+    kernel, launch = _attention_plan(
+        q.shape, k.shape[1], q.dtype, _common.make_kernel, _common.gpu_backend()
+    )
+    return kernel(inputs=[q, k, v, offset], **launch)[0]
+
+
+def decode_attention(
+    q: mx.array, k: mx.array, v: mx.array, offset: mx.array
+) -> mx.array:
+    if q.shape[2] != 1 or q.shape[3] > NT or k.dtype != q.dtype:
+        return decode_attention_ops(q, k, v, offset)
+    return _common.pick(
+        "decode_attention", decode_attention_kernel, decode_attention_ops
+    )(q, k, v, offset)
