@@ -994,6 +994,24 @@ def test_decode_attention_body_on_host_vs_numpy(host_backend, dtype, case):
     check_attention(K.attention.decode_attention_kernel, dtype, case, 2 * TOL[dtype])
 
 
+def test_decode_attention_takes_the_twin_where_the_kernel_does_not_apply(
+    fake_backend, monkeypatch
+):
+    """Head dims past the kernel's threads, or keys of another dtype than q, go
+    to the twin without trying the kernel (and without a failure line)."""
+    monkeypatch.setattr(K._common, "make_kernel", _raising_kernel)
+    q, keys, values, off = attention_case(mx.float32, "gqa4-d24-mid")
+    wide = [mx.tile(a, (1, 1, 1, 12)) for a in (q, keys, values)]  # h = 288 > NT
+    for args in (
+        (*wide, off),
+        (q, keys.astype(mx.float16), values.astype(mx.float16), off),
+    ):
+        got = K.decode_attention(*args)
+        want = K.attention.decode_attention_ops(*args)
+        assert mx.array_equal(got, want).item()
+    assert not K.failures()
+
+
 # --- the Llama model uses the epilogue ---------------------------------------------
 
 

@@ -224,6 +224,9 @@ def _model_shape_calls(D, F, hq, hkv, h, mode, dtype):
     x = mx.zeros((1, 1, D), dtype)
     K.block_residual.residual_kernel(x, x, ms, 1e-5)
     K.block_residual.residual_norm_kernel(x, x, ms, 1e-5, mx.ones((D,), dtype))
+    kv = mx.zeros((1, hkv, 256, h), dtype)
+    offset = mx.array([7], dtype=mx.int32)
+    K.attention.decode_attention_kernel(mx.zeros((1, hq, 1, h), dtype), kv, kv, offset)
 
 
 def record_launches(monkeypatch) -> dict:
@@ -461,7 +464,9 @@ def test_every_render_time_variant_is_recorded():
     want = set()
     for op, flags in TK.VARIANTS:
         for dtype in TK.DTYPES.values():
-            if flags["prescale"] == K._common.prescaled(dtype):
+            if flags.get("prescale", K._common.prescaled(dtype)) == K._common.prescaled(
+                dtype
+            ):
                 items = tuple(sorted((k.upper(), str(v)) for k, v in flags.items()))
                 want.add((op.split("_")[0], dtype, items))
     assert want <= seen, sorted(map(str, want - seen))
