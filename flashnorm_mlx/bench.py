@@ -24,13 +24,12 @@ from mlx.utils import tree_flatten
 
 from . import decode, dispatch, distributed, kernels, models, quant
 from .errors import BenchError
-from .loading import Source, build_model, model_dtype, weight_bytes
+from .loading import MODES, Source, build_model, model_dtype, weight_bytes
 from .machine import device_info, versions
 from .models import model_classes
 from .nonorm import rms_norm_paths
 from .verify import comparison
 
-VARIANTS = ("stock", "stock_compiled", "stock_fused", "flashnorm", "nonorm")
 DECODE_BYTES_NOTE = (
     "bytes of parameters one decode step reads: every linear (packed weights, "
     "scales, biases) and norm gain; the input embedding table only when it is "
@@ -282,9 +281,9 @@ def _headroom(summary: dict) -> dict:
 
 def validate(variants: Sequence[str], prompt_tokens: int, gen_tokens: int, trials: int):
     for i, v in enumerate(variants):
-        if v not in VARIANTS:
+        if v not in MODES:
             raise BenchError(
-                f"--variants: unknown variant {v!r}; choose from {', '.join(VARIANTS)}"
+                f"--variants: unknown variant {v!r}; choose from {', '.join(MODES)}"
             )
         if v in variants[:i]:
             raise BenchError(f"--variants: {v} is named twice")
@@ -425,7 +424,7 @@ def _notes(device: dict, summary: dict) -> List[str]:
 
 def run_bench(
     source: Source,
-    variants: Sequence[str] = VARIANTS,
+    variants: Sequence[str] = MODES,
     prompt_tokens: int = 256,
     gen_tokens: int = 128,
     trials: int = 5,

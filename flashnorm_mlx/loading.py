@@ -18,11 +18,12 @@ from .errors import LoadError
 from .recipe import Recipe
 from .source import Source, read_source
 
-# "nonorm": the norm-removed speed bound for `bench` (built by nonorm.py);
-# "stock_fused": stock with q|k|v and gate|up stacked (stock_fused.py);
-# "stock_compiled": stock given FlashNorm's compiled decode step (decode.py).
-MODES = ("flashnorm", "stock", "stock_compiled", "stock_fused", "nonorm")
-RUN_MODES = MODES[:2]  # what a user runs; bench and chat's /compare add the rest
+# Every variant, the reference first, in the order bench and chat's /compare
+# show them. "stock_compiled": stock given FlashNorm's compiled decode step
+# (decode.py); "stock_fused": stock with q|k|v and gate|up stacked
+# (stock_fused.py); "nonorm": the norm-removed speed bound (nonorm.py).
+MODES = ("stock", "stock_compiled", "stock_fused", "flashnorm", "nonorm")
+RUN_MODES = ("stock", "flashnorm")  # what a user runs (--mode), perplexity scores
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 __all__ = ["LoadError", "Source", "build_model", "load", "read_source", "weight_bytes"]

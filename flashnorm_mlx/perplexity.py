@@ -28,7 +28,6 @@ from .progress import progress_bar
 from .quant import gptq
 from .texts import calibration_text, default_text  # noqa: F401 (public here too)
 
-MODES = RUN_MODES[::-1]  # stock, the reference, scored first
 WARMUP_TOKENS = 16  # one window's first tokens, through each model before timing
 MIN_TIMED_TOKENS = 256  # fewer scored per side: no tokens/sec (overhead, not speed)
 
@@ -89,7 +88,7 @@ def perplexity(
     tokens: Optional[List[int]] = None,
     seq_len: int = 256,
     num_seqs: Optional[int] = 16,
-    modes: Iterable[str] = MODES,
+    modes: Iterable[str] = RUN_MODES,
     batch_size: int = 4,
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
@@ -120,8 +119,8 @@ def perplexity(
     step = on_step or (lambda text: None)
     modes = list(modes)
     for m in modes:
-        if m not in MODES:
-            raise LoadError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        if m not in RUN_MODES:
+            raise LoadError(f"unknown mode {m!r}; choose from {', '.join(RUN_MODES)}")
     if tokens is None:
         if source.tokenizer is None:
             raise LoadError(f"{source.name} has no tokenizer; pass --tokenizer")

@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 
 from flashnorm_mlx import bench, dispatch, nonorm
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.loading import Source, build_model, read_source
+from flashnorm_mlx.loading import MODES, Source, build_model, read_source
 
 P, G, N = 8, 4, 2
 SUMMARY_KEYS = (
@@ -63,7 +63,7 @@ def source(model_dir):
 
 @pytest.fixture(scope="module")
 def result(source):
-    return bench.run_bench(source, bench.VARIANTS, P, G, N, compile=True)
+    return bench.run_bench(source, MODES, P, G, N, compile=True)
 
 
 def _count_rms_norm_ops(model, tokens, monkeypatch) -> int:
@@ -85,7 +85,7 @@ def _count_rms_norm_ops(model, tokens, monkeypatch) -> int:
 
 def test_every_trial_and_summary(result):
     trials = result["trials"]
-    assert len(trials) == N * len(bench.VARIANTS), trials
+    assert len(trials) == N * len(MODES), trials
     for t in trials:
         assert all(k in t for k in TRIAL_KEYS), t
         assert t["generated_tokens"] == G, t
@@ -93,7 +93,7 @@ def test_every_trial_and_summary(result):
     # Rounds interleave all variants, each round starting one variant later.
     for r in range(N):
         order = [t["variant"] for t in trials if t["round"] == r]
-        assert sorted(order) == sorted(bench.VARIANTS) and order[0] == bench.VARIANTS[r]
+        assert sorted(order) == sorted(MODES) and order[0] == MODES[r]
     for v, s in result["variants"].items():
         assert all(k in s for k in SUMMARY_KEYS), (v, sorted(s))
         for k in ("median", "min", "max", "q1", "q3"):

@@ -300,9 +300,9 @@ def test_cli_model_without_chat_template(model_dir, tmp_path, capsys):
 
 COMPARE = re.compile(
     r"^decode tok/s, last reply regenerated \((\d+) tokens.*?(\d+)-token prompt.*: "
-    r"flashnorm ([\d.]+) \(([\d.]+)x\) \| stock ([\d.]+) \| "
-    r"stock_compiled ([\d.]+) \(([\d.]+)x\) \| "
-    r"stock_fused ([\d.]+) \(([\d.]+)x\) \| nonorm ([\d.]+) \(([\d.]+)x\)$",
+    r"stock ([\d.]+) \| stock_compiled ([\d.]+) \(([\d.]+)x\) \| "
+    r"stock_fused ([\d.]+) \(([\d.]+)x\) \| flashnorm ([\d.]+) \(([\d.]+)x\) \| "
+    r"nonorm ([\d.]+) \(([\d.]+)x\)$",
     re.M,
 )
 
@@ -334,7 +334,7 @@ def test_cli_compare_prints_five_speeds(model_dir, monkeypatch, capsys):
     assert "needs a reply" in out, out  # nothing to compare before the first reply
     found = COMPARE.findall(out)
     assert len(found) == 1, out
-    n, prompt_len, fn, fn_x, st, sc, sc_x, sf, sf_x, nn, nn_x = found[0]
+    n, prompt_len, st, sc, sc_x, sf, sf_x, fn, fn_x, nn, nn_x = found[0]
     stats = STATS.findall(out)
     assert int(n) == int(stats[0][0]) and int(prompt_len) == int(stats[0][1]), (
         found,

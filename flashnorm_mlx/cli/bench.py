@@ -7,9 +7,9 @@ import tempfile
 from pathlib import Path
 
 from .. import distributed, quant
-from ..bench import VARIANTS, run_bench, validate
+from ..bench import run_bench, validate
 from ..errors import BenchError
-from ..loading import read_source
+from ..loading import MODES, read_source
 from .common import (
     Parser,
     StageLog,
@@ -41,8 +41,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--num-trials", type=int, default=5, help="timed rounds")
     p.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
-        help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)",
+        default=",".join(MODES),
+        help=f"comma-separated subset of {','.join(MODES)} (default: all)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
     p.add_argument(

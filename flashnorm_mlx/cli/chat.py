@@ -149,8 +149,6 @@ class Comparer:
     same source and settings (once, on first use), timed on the last reply's
     prompt."""
 
-    VARIANTS = MODES
-
     def __init__(self, source, mode: str, model, kwargs: dict, sampler=None):
         self.source, self.kwargs, self.sampler = source, kwargs, sampler
         self.models = {mode: model}
@@ -159,16 +157,16 @@ class Comparer:
         n = len(session.last_reply_ids)
         if n < 2:
             return "(/compare needs a reply of 2 or more tokens first)"
-        for v in self.VARIANTS:
+        for v in MODES:
             if v not in self.models:
                 self.models[v], _ = build_model(self.source, v, **self.kwargs)
-        models = {v: self.models[v] for v in self.VARIANTS}
+        models = {v: self.models[v] for v in MODES}
         r = compare_decode_speed(models, session.last_prompt_ids, n, self.sampler)
         base = r["stock"]["decode_tps"]
         cells = [
             f"{v} {r[v]['decode_tps']:.1f}"
             + (f" ({r[v]['decode_tps'] / base:.2f}x)" if v != "stock" else "")
-            for v in self.VARIANTS
+            for v in MODES
         ]
         return (
             f"decode tok/s, last reply regenerated ({n} tokens, end-of-sequence "

@@ -30,15 +30,14 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 # Values no command can run with, by flag destination: (ok, what is needed).
+# bench's own (-p, -g, -n, --variants) are `bench.validate`'s, which library
+# callers get too.
 VALUE_RULES = {
     "temp": (lambda v: math.isfinite(v) and v >= 0, "a number >= 0 (0: greedy)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "max_tokens": (lambda v: v >= 1, "at least 1"),
     "seed": (lambda v: v is None or 0 <= v < 2**32, "from 0 to 2**32-1"),
     "horizon": (lambda v: v >= 1, "at least 1"),
-    "prompt_tokens": (lambda v: v >= 1, "at least 1"),
-    "generation_tokens": (lambda v: v >= 2, "at least 2 (decode speed needs two)"),
-    "num_trials": (lambda v: v >= 1, "at least 1"),
     "prefill_step_size": (lambda v: v >= 1, "at least 1"),
     "seq_len": (lambda v: v >= 2, "at least 2"),
     "num_seqs": (lambda v: v >= 0, "at least 0 (0: all of the text)"),

@@ -6,7 +6,8 @@ import sys
 
 from ..errors import LoadError
 from ..loading import read_source
-from ..perplexity import MIN_TIMED_TOKENS, MODES, load_text, perplexity
+from ..loading import RUN_MODES
+from ..perplexity import MIN_TIMED_TOKENS, load_text, perplexity
 from ..quant import gptq
 from ..verify import comparison
 from .common import (
@@ -43,7 +44,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "-b", "--batch-size", type=int, default=4, help="windows per forward"
     )
     p.add_argument(
-        "--mode", choices=("both", *MODES), default="both", help="models to score"
+        "--mode", choices=("both", *RUN_MODES), default="both", help="models to score"
     )
     p.add_argument(
         "--q-method",
@@ -74,7 +75,7 @@ def main(argv=None):
             tokens=list(tokenizer.encode(text)),
             seq_len=args.seq_len,
             num_seqs=args.num_seqs,
-            modes=MODES if args.mode == "both" else (args.mode,),
+            modes=RUN_MODES if args.mode == "both" else (args.mode,),
             batch_size=args.batch_size,
             progress=sys.stderr.isatty(),
             on_stage=log,
@@ -102,10 +103,10 @@ def _print_table(r: dict) -> None:
     t.add_column("bits/weight", justify="right")
     t.add_column("perplexity", justify="right")
     t.add_column("mean NLL", justify="right")
-    timed = all(r.get(f"{m}_tokens_per_sec") for m in MODES if m in r)
+    timed = all(r.get(f"{m}_tokens_per_sec") for m in RUN_MODES if m in r)
     if timed:  # both warmed up, and enough tokens to time more than overhead
         t.add_column("tokens/sec", justify="right")
-    for mode in MODES:
+    for mode in RUN_MODES:
         if mode in r:
             t.add_row(
                 mode,
