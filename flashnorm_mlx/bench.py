@@ -22,12 +22,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import decode, dispatch, distributed, kernels, models, quant
+from . import decode, dispatch, kernels, models, quant
 from .errors import BenchError
 from .loading import MODES, Source, build_model, model_dtype, weight_bytes
+from .loading.nonorm import rms_norm_paths
 from .machine import device_info, versions
 from .models import model_classes
-from .nonorm import rms_norm_paths
+from .parallel import distributed
 from .verify import comparison
 
 DECODE_BYTES_NOTE = (

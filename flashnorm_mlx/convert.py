@@ -1,4 +1,4 @@
-"""Write a checkpoint that flashnorm-mlx loads in one step (recipe.py computes it).
+"""Write a checkpoint that flashnorm-mlx loads in one step (loading/recipe.py computes it).
 
 A float source is written folded (and quantized with -q); a quantized source
 as stored (its tensors unchanged, config.json marked for FlashNorm to apply the
@@ -20,9 +20,9 @@ import mlx.core as mx
 from . import fold, interrupt, quant
 from .errors import LoadError
 from .fold import Weights
+from .loading.recipe import CHUNK_ELEMENTS, fold_checkpoint
+from .loading.source import Source, read_source, resolve
 from .quant import gptq
-from .recipe import CHUNK_ELEMENTS, fold_checkpoint
-from .source import Source, read_source, resolve
 
 # Files of a Hugging Face folder that make up its tokenizer (copied verbatim).
 TOKENIZER_PATTERNS = (
@@ -125,7 +125,7 @@ def convert(
 ) -> dict:
     """Fold (and quantize) `source` into the checkpoint folder `out_dir`.
 
-    source: a `Source` (source.py), or a MODEL string (None: the embedded default)
+    source: a `Source` (loading/source.py), or a MODEL string (None: the embedded default)
         that is read here; then its tensors are released layer by layer.
     tokenizer: a folder or repo id whose tokenizer files to ship (OpenELM).
     on_layer(i, n): called after layer group i of n is computed (tests inject

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import quant, recipe
+from . import quant
 from .loading import (
     RUN_MODES,
     LoadError,
@@ -23,6 +23,7 @@ from .loading import (
     bits_per_weight,
     build_model,
     model_dtype,
+    recipe,
 )
 from .progress import progress_bar
 from .quant import gptq
@@ -209,7 +210,7 @@ def _ratio_ci(diff: np.ndarray) -> Optional[List[float]]:
 
 def _gptq_flashnorm(source: Source, kw: dict, calibration, bar, stage, step):
     """FlashNorm quantized by GPTQ on its folded weights: the checkpoint `convert`
-    would write (recipe.py, the one way GPTQ runs), from the same float weights
+    would write (loading/recipe.py, the one way GPTQ runs), from the same float weights
     and with the same settings stock's RTN gets, in the compute dtype."""
     dtype = kw["dtype"] or quant.compute_dtype(source.weights)
     weights, config = recipe.fold_checkpoint(

@@ -7,7 +7,8 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 
-from flashnorm_mlx import bench, dispatch, nonorm
+from flashnorm_mlx import bench, dispatch
+from flashnorm_mlx.loading import nonorm
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.loading import MODES, Source, build_model, read_source
 

@@ -132,7 +132,7 @@ EMPTY_PROMPT = {
 def _refusal(argv, capsys, monkeypatch):
     # The model must never be read: a refusal comes from the flags alone.
     import flashnorm_mlx.cli.common as common
-    import flashnorm_mlx.source as source
+    import flashnorm_mlx.loading.source as source
 
     def no_read(*a, **k):
         raise AssertionError("the model was read before the flags were checked")

@@ -106,8 +106,8 @@ def test_the_convert_bar_says_copying_for_weights_kept_as_stored(
     stored, tmp_path, monkeypatch
 ):
     """Nothing is folded in a checkpoint kept as stored: the bar says so."""
-    from flashnorm_mlx import recipe
-    from flashnorm_mlx.source import read_source
+    from flashnorm_mlx.loading import recipe
+    from flashnorm_mlx.loading.source import read_source
 
     labels = []
     real = recipe.progress_bar

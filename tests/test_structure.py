@@ -109,3 +109,18 @@ def test_every_registered_architecture_has_its_model_file():
 def test_unknown_model_type_is_one_clear_error(model_type):
     with pytest.raises(models.UnsupportedModel, match="unsupported model_type"):
         models.architecture({"model_type": model_type})
+
+
+def test_the_design_map_names_every_module_and_folder_of_the_package_root():
+    """docs/design.md section 5 is where a newcomer finds the pipeline: each
+    module (`name.py`) and folder (`name/`) of the package root is named there."""
+    doc = (ROOT.parent / "docs" / "design.md").read_text()
+    section = doc[doc.index("## 5. Map of the package") :]
+    entries = [
+        f"{p.name}/" if p.is_dir() else p.name
+        for p in sorted(ROOT.iterdir())
+        if (p.is_dir() and (p / "__init__.py").exists())
+        or (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))
+    ]
+    missing = [e for e in entries if f"`{e}" not in section]
+    assert not missing, f"not on the map: {missing}"

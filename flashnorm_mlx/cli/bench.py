@@ -6,10 +6,11 @@ import os
 import tempfile
 from pathlib import Path
 
-from .. import distributed, quant
+from .. import quant
 from ..bench import run_bench, validate
 from ..errors import BenchError
 from ..loading import MODES, read_source
+from ..parallel import distributed
 from .common import (
     Parser,
     StageLog,

@@ -7,7 +7,6 @@ it reads one message per line and prints only replies, stats lines and notices.
 import argparse
 import sys
 
-from .. import distributed
 from ..chat import (
     ChatError,
     ChatSession,
@@ -16,6 +15,7 @@ from ..chat import (
     context_length,
 )
 from ..loading import MODES, build_model
+from ..parallel import distributed
 from .common import (
     Parser,
     UserError,

@@ -8,9 +8,10 @@ import threading
 import time
 from typing import Optional
 
-from .. import distributed, interrupt, quant
+from .. import interrupt, quant
 from ..errors import FlashNormError, UserError  # noqa: F401 (commands raise it)
 from ..loading import DTYPES, RUN_MODES, build_model, read_source
+from ..parallel import distributed
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

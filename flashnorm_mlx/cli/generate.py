@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from .. import distributed
+from ..parallel import distributed
 from .common import (
     Parser,
     add_model_args,

@@ -5,8 +5,7 @@ import json
 import sys
 
 from ..errors import LoadError
-from ..loading import read_source
-from ..loading import RUN_MODES
+from ..loading import RUN_MODES, read_source
 from ..perplexity import MIN_TIMED_TOKENS, load_text, perplexity
 from ..quant import gptq
 from ..verify import comparison

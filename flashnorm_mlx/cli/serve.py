@@ -6,6 +6,7 @@ import os
 import sys
 
 from ..loading import read_source
+from ..loading.source import default_model_path
 from ..serve import (
     API_KEY_ENV,
     ApiServer,
@@ -14,7 +15,6 @@ from ..serve import (
     bind_warning,
     run_until_signal,
 )
-from ..source import default_model_path
 from .common import (
     SAMPLER_FLAGS,
     Parser,

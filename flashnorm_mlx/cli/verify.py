@@ -5,14 +5,7 @@ import json
 
 from ..loading import read_source
 from ..verify import compare, comparison, prompt_tokens
-from .common import (
-    Parser,
-    StageLog,
-    UserError,
-    add_model_args,
-    model_kwargs,
-    run_main,
-)
+from .common import Parser, StageLog, UserError, add_model_args, model_kwargs, run_main
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

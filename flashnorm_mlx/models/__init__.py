@@ -8,8 +8,8 @@ mlx-lm's own class (README, "New architecture").
 import importlib
 from types import ModuleType
 
-from ..arch import Architecture
 from ..errors import UnsupportedModel
+from .arch import Architecture
 
 # config model_type -> module in flashnorm_mlx.models
 ARCHITECTURES = {

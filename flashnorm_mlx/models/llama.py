@@ -25,8 +25,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.llama import ModelArgs  # the config is stock's, field for field
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .. import kernels, sharding
-from ..arch import Architecture, NormPair
+from .. import kernels
+from ..parallel import sharding
+from .arch import Architecture, NormPair
 from .blocks import Block, FusedAttention, run_blocks
 
 ARCH = Architecture(

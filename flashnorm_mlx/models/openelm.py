@@ -27,8 +27,9 @@ from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.openelm import make_divisible
 
-from .. import kernels, sharding
-from ..arch import Architecture, NormPair
+from .. import kernels
+from ..parallel import sharding
+from .arch import Architecture, NormPair
 from .blocks import Block, FusedAttention, run_blocks
 from .qk_norm import QKNorm, QKNormGains
 

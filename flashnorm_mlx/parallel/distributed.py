@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .errors import JoinError, LoadError, PeerFailed
+from ..errors import JoinError, LoadError, PeerFailed
 
 TIMEOUT_ENV = "FLASHNORM_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120.0

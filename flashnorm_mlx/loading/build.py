@@ -1,10 +1,9 @@
 """Build stock, FlashNorm or nonorm models on one checkpoint's weights.
 
-The public way in: `read_source` (source.py) reads a MODEL once, `build_model`
-builds any variant on it, `load` does both. Weights, dtype and quantization
-are decided once by `quant.plan_weights`, shared with `convert` and nonorm;
-every variant but nonorm is built on the tensors `recipe.Recipe` makes, the
-ones `convert` writes.
+`build_model` builds any variant on a `Source` (source.py), `load` reads and
+builds. Weights, dtype and quantization are decided once by
+`quant.plan_weights`, shared with `convert` and nonorm; every variant but
+nonorm is built on the tensors `recipe.Recipe` makes, the ones `convert` writes.
 """
 
 from typing import List, Optional, Tuple
@@ -13,8 +12,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import decode, fold, models, nonorm, quant, sharding, stock_fused
-from .errors import LoadError
+from .. import decode, fold, models, quant
+from ..errors import LoadError
+from ..parallel import sharding
+from . import nonorm, stock_fused
 from .recipe import Recipe
 from .source import Source, read_source
 
@@ -25,8 +26,6 @@ from .source import Source, read_source
 MODES = ("stock", "stock_compiled", "stock_fused", "flashnorm", "nonorm")
 RUN_MODES = ("stock", "flashnorm")  # what a user runs (--mode), perplexity scores
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-
-__all__ = ["LoadError", "Source", "build_model", "load", "read_source", "weight_bytes"]
 
 
 def build_model(

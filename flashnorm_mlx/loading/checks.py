@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .errors import LoadError
+from ..errors import LoadError
 
 # --- GGUF --------------------------------------------------------------------
 

@@ -26,8 +26,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from . import fold, models, quant
-from .errors import LoadError
+from .. import fold, models, quant
+from ..errors import LoadError
 
 CALIBRATION_TOKENS = 32
 CALIBRATION_SEED = 1234

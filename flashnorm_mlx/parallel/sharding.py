@@ -26,7 +26,7 @@ from mlx.nn.layers.distributed import (
     ShardedToAllLinear,
 )
 
-from .errors import ShardError
+from ..errors import ShardError
 
 
 def runs(total: int, parts: int, unit: int = 1) -> List[Tuple[int, int]]:

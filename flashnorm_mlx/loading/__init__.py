@@ -1,0 +1,41 @@
+"""The load pipeline: MODEL -> read -> plan -> fold (or not) -> quantize ->
+instantiate -> shard, for every variant (docs/design.md section 5a).
+
+- `source`: MODEL (a folder, a hub id, a .gguf file, or the embedded default)
+  -> `Source`; `gguf`: a GGUF as a Hugging Face checkpoint; `checks`: every
+  file's structure checked before MLX reads it;
+- `recipe`: the one per-module transform (dequantize, fold, cast, quantize)
+  behind loading and `convert`, and whole checkpoints a layer at a time;
+- `build`: `build_model`, one variant on a Source (`MODES`), and `load`;
+- `nonorm` and `stock_fused`: the comparison variants bench builds.
+
+The pipeline's steps are the transforms of `fold` and `quant`; the models
+are `models`'; sharding is `parallel.sharding`'s.
+"""
+
+from ..errors import LoadError
+from .build import (
+    DTYPES,
+    MODES,
+    RUN_MODES,
+    bits_per_weight,
+    build_model,
+    load,
+    model_dtype,
+    weight_bytes,
+)
+from .source import Source, read_source
+
+__all__ = [
+    "DTYPES",
+    "LoadError",
+    "MODES",
+    "RUN_MODES",
+    "Source",
+    "bits_per_weight",
+    "build_model",
+    "load",
+    "model_dtype",
+    "read_source",
+    "weight_bytes",
+]
