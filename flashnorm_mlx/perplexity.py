@@ -155,7 +155,7 @@ def perplexity(
                 if ours
                 else "stored" if config.get("quantization") else "float"
             )
-            result.update(dtype=model_dtype(model), quantization=_quant_name(config))
+            result.update(dtype=model_dtype(model), quantization=_quantization(config))
             result[f"{mode}_method"] = method
             result[f"{mode}_bits_per_weight"] = bits_per_weight(model)
             stage(f"built {mode} ({method})")
@@ -229,10 +229,5 @@ def _gptq_flashnorm(source: Source, kw: dict, calibration, bar, stage, step):
     return build_model(converted, "flashnorm", dtype=dtype)
 
 
-def _quant_name(config: dict) -> Optional[str]:
-    q = config.get("quantization")
-    if not q:
-        return None
-    extra = {quant.bits_words(v) for v in q.values() if isinstance(v, dict)}
-    tail = f" ({', '.join(sorted(extra))} for some)" if extra else ""
-    return f"{quant.bits_words(q)}, group size {q['group_size']}{tail}"
+def _quantization(config: dict) -> Optional[str]:
+    return quant.describe(config) if config.get("quantization") else None

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import tiny
 
-from flashnorm_mlx.parallel import sharding
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.parallel import sharding
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -542,3 +542,20 @@ def test_each_rank_holds_whole_groups(tmp_path, n):
     np.testing.assert_array_equal(down, np.array(whole.mlp.down_proj.weight))
     widths = [l.mlp.down_proj.weight.shape[1] for l in ranks]
     assert max(widths) - min(widths) <= 1, widths  # as even as can be
+
+
+def test_shard_model_lets_ours_shard_themselves_and_splits_mlx_lms_by_layers(
+    tmp_path, monkeypatch
+):
+    """Our classes split themselves (`Model.shard`); mlx-lm's (stock, nonorm) go
+    through `shard_layers`, since mlx-lm's own shard needs head counts that divide."""
+    source = read_source(str(tiny.make_llama(tmp_path, "gqa_untied", tokenizer=False)))
+    calls = []
+    monkeypatch.setattr(sharding, "shard_layers", lambda *a: calls.append("layers"))
+    group = type("Group", (), {"size": lambda self: 2})()
+    ours, _ = build_model(source, "flashnorm", dtype=mx.float32, compile=False)
+    monkeypatch.setattr(type(ours), "shard", lambda self, g: calls.append("own"))
+    sharding.shard_model(ours, group)
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    sharding.shard_model(stock, group)
+    assert calls == ["own", "layers"], calls

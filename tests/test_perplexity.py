@@ -76,7 +76,7 @@ def test_cli_quantized_both_from_same_settings(model_dir, data_file, capsys):
     args = ["perplexity", str(model_dir), "--data", str(data_file), "--seq-len", "32"]
     assert main([*args, "--num-seqs", "2", "-q", "--q-group-size", "32", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["quantization"] == "4-bit, group size 32", r
+    assert r["quantization"] == "4-bit group 32", r
     assert np.isfinite(r["stock"]) and np.isfinite(r["flashnorm"]), r
 
 

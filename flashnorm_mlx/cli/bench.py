@@ -146,7 +146,7 @@ def _print_lines(result: dict, console) -> None:
     )
     first = next(iter(result["variants"].values()))
     q = first["quantization"]
-    qtxt = f"{quant.bits_words(q)} group {q['group_size']}" if q else "unquantized"
+    qtxt = quant.describe({"quantization": q}) if q else "unquantized"
     console.print(
         f"{same} (checksum {result['source']['checksum'][:12]}), "
         f"{first['dtype']}, {qtxt}; "

@@ -94,7 +94,7 @@ def main(argv=None):
     q = r["quantization"]
     how = "not quantized"
     if q:
-        how = f"{quant.bits_words(q)}, group size {q['group_size']}, " + (
+        how = f"{quant.describe({'quantization': q})}, " + (
             "the source's weights as stored, norm gains applied in FlashNorm's "
             "kernels"
             if r["as_stored"]

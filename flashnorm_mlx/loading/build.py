@@ -59,29 +59,12 @@ def build_model(
     )
     if plan.note and notes is not None:
         notes.append(plan.note)
+    fused = mode == "stock_fused"
     if mode == "nonorm":  # the norm-removed speed bound, for `bench`
         model, config = nonorm.build_nonorm(plan)  # calibrated whole, then split
-        if group is not None:
-            sharding.shard_model(model, group, source.name)
-            mx.eval(model.parameters())
-        return model, config
-    fused = mode == "stock_fused"
-    if compile is None:
-        compile = decode.default_on()
-    compiled = mode == "stock_compiled" or (mode == "flashnorm" and compile)
-    mode = "stock" if mode in ("stock_fused", "stock_compiled") else mode
-    # The tensors `convert` would write, computed lazily (recipe.py).
-    recipe = Recipe(source_weights, source.config, plan, stock=mode == "stock")
+    else:
+        model, config = _build(source, source_weights, plan, mode, compile)
     del source_weights, plan  # from here the model alone holds the (lazy) weights
-    weights, config = recipe.tensors(), recipe.config
-    norm_gains = recipe.as_stored and not fold.is_folded(config) and mode != "stock"
-    del recipe
-    try:
-        model = models.instantiate(config, weights, mode, norm_gains, compiled)
-    except (ValueError, KeyError) as e:  # weights or config that do not fit
-        # mlx-lm lists missing parameters on lines of their own: keep one line.
-        raise LoadError(f"{source.name}: {' '.join(str(e).split())}") from None
-    del weights
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
         sharding.shard_model(model, group, source.name)
         for layer in model.layers:  # each layer's full tensors freed once cut
@@ -90,6 +73,24 @@ def build_model(
         stock_fused.fuse_projections(model)
     mx.eval(model.parameters())
     return model, config
+
+
+def _build(source, weights, plan, mode, compile):
+    """Every mode but nonorm, on the tensors `convert` would write, computed
+    lazily (recipe.py)."""
+    if compile is None:
+        compile = decode.default_on()
+    compiled = mode == "stock_compiled" or (mode == "flashnorm" and compile)
+    mode = "stock" if mode in ("stock_fused", "stock_compiled") else mode
+    recipe = Recipe(weights, source.config, plan, stock=mode == "stock")
+    tensors, config = recipe.tensors(), recipe.config
+    norm_gains = recipe.as_stored and not fold.is_folded(config) and mode != "stock"
+    del recipe
+    try:
+        return models.instantiate(config, tensors, mode, norm_gains, compiled), config
+    except (ValueError, KeyError) as e:  # weights or config that do not fit
+        # mlx-lm lists missing parameters on lines of their own: keep one line.
+        raise LoadError(f"{source.name}: {' '.join(str(e).split())}") from None
 
 
 def _own_handles(source: Source) -> dict:

@@ -252,12 +252,16 @@ def shard_layers(layers: List[nn.Module], group) -> None:
         shard_mlp(ffn, group, f"layer {i}")
 
 
+# Where our model classes live (models/): those shard themselves.
+_OUR_MODELS = __package__.rpartition(".")[0] + ".models."
+
+
 def shard_model(model: nn.Module, group, name: str = "the model") -> None:
     """Split `model` over `group` in place: ours by its own `shard`, mlx-lm's
     (stock, nonorm) by `shard_layers`, as mlx-lm's own shard needs head counts
     that divide. ShardError (one line) where it cannot be split."""
     size = group.size()
-    ours = type(model).__module__.startswith(__package__ + ".")
+    ours = type(model).__module__.startswith(_OUR_MODELS)
     try:
         if ours and hasattr(model, "shard"):
             model.shard(group)
