@@ -977,7 +977,9 @@ def check_attention(fn, dtype, case, tol):
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_decode_attention_twin_vs_numpy(dtype, case):
-    check_attention(K.attention.decode_attention_ops, dtype, case, 2 * TOL[dtype])
+    # The twin is MLX's attention: on CUDA its float32 matmuls run in TF32.
+    tol = tiny.f32_tol(2 * TOL[dtype]) if dtype == mx.float32 else 2 * TOL[dtype]
+    check_attention(K.attention.decode_attention_ops, dtype, case, tol)
 
 
 @needs_backend
