@@ -559,3 +559,22 @@ def test_shard_model_lets_ours_shard_themselves_and_splits_mlx_lms_by_layers(
     stock, _ = build_model(source, "stock", dtype=mx.float32)
     sharding.shard_model(stock, group)
     assert calls == ["own", "layers"], calls
+
+
+def test_a_sharded_build_opens_its_own_handles_of_a_folders_weights(tmp_path):
+    """A rank cuts its shard from weights opened for its build alone, so the full
+    tensors it read are freed once cut; weights that are not what the folder's
+    files hold (or no folder) are the source's own."""
+    from flashnorm_mlx.loading import Source, build
+
+    path = tiny.make_llama(tmp_path, "gqa_untied", tokenizer=False)
+    source = read_source(str(path), need_tokenizer=False)
+    fresh = build._own_handles(source)
+    assert fresh.keys() == source.weights.keys()
+    assert all(fresh[k] is not v for k, v in source.weights.items())
+    assert all(mx.array_equal(fresh[k], v).item() for k, v in source.weights.items())
+    changed = {**source.weights, "extra.weight": mx.zeros((1,))}
+    other = Source(source.name, source.config, changed, folder=source.folder)
+    assert build._own_handles(other) is changed
+    unfiled = Source(source.name, source.config, source.weights)
+    assert build._own_handles(unfiled) is source.weights

@@ -17,7 +17,7 @@ from ..errors import LoadError
 from ..parallel import sharding
 from . import nonorm, stock_fused
 from .recipe import Recipe
-from .source import Source, read_source
+from .source import Source, folder_weights, read_source
 
 # Every variant, the reference first, in the order bench and chat's /compare
 # show them. "stock_compiled": stock given FlashNorm's compiled decode step
@@ -101,7 +101,7 @@ def _own_handles(source: Source) -> dict:
     if source.folder is None:
         return source.weights
     try:
-        fresh = read_source(str(source.folder), need_tokenizer=False).weights
+        fresh = folder_weights(source.folder)
     except LoadError:
         return source.weights
     same = fresh.keys() == source.weights.keys() and all(

@@ -140,6 +140,11 @@ def _read_folder(path: Path, name: str) -> Source:
         models.architecture(config)
     except ValueError as e:
         raise LoadError(f"{config_file}: {e}") from None
+    return Source(name, config, folder_weights(path), folder=path)
+
+
+def folder_weights(path: Path) -> dict:
+    """The folder's safetensors, opened lazily (each header checked first)."""
     files = sorted(glob.glob(str(path / "model*.safetensors")))
     if not files:
         raise LoadError(f"{path}: no model*.safetensors weight files")
@@ -150,8 +155,7 @@ def _read_folder(path: Path, name: str) -> Source:
             weights.update(mx.load(f))
         except Exception as e:
             raise LoadError(f"{f}: not a readable safetensors file ({e})") from None
-    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-    return Source(name, config, weights, folder=path)
+    return {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
 
 
 def _folder_tokenizer(path: Path, required: bool = False):
