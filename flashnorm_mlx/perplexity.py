@@ -25,7 +25,7 @@ from .loading import (
     model_dtype,
     recipe,
 )
-from .progress import progress_bar
+from .progress import counter, progress_bar
 from .quant import gptq
 from .texts import calibration_text, default_text  # noqa: F401 (public here too)
 
@@ -172,18 +172,14 @@ def perplexity(
 
 def _score(model, mode, data, batch_size, bar, step, result) -> np.ndarray:
     """Per-token NLL of `model` on the windows; perplexity and speed into result."""
-    task = bar.add_task(mode, total=int(data.shape[0]))
-    scored = [0]
-
-    def advance(n):
-        bar.advance(task, n)
-        scored[0] += n
-        step(f"scoring {mode}: {scored[0]}/{data.shape[0]} windows scored")
-
+    n = int(data.shape[0])
+    task = bar.add_task(mode, total=n)
+    line = f"scoring {mode}: {{done}}/{{total}} windows scored"
+    advance = counter(bar, task, n, step, line)
     step(f"warming up {mode}")
     # Both sides timed warm: the first forward pays MLX's one-time costs.
     mx.eval(token_nll(model, data[:1, : min(data.shape[1], WARMUP_TOKENS)]))
-    step(f"scoring {mode}: 0/{data.shape[0]} windows scored")
+    advance(0)
     start = time.perf_counter()
     nll = _model_nll(model, data, batch_size, advance)
     seconds = time.perf_counter() - start

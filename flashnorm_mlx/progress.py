@@ -4,6 +4,8 @@ On stderr, gone when done, off when not wanted (the CLI turns it off when
 stderr is not a terminal and prints a plain line per stage instead).
 """
 
+from typing import Callable
+
 from . import interrupt
 
 
@@ -41,3 +43,16 @@ def progress_bar(enabled: bool, label: str = "{task.description}"):
         disable=not enabled,
         transient=True,
     )
+
+
+def counter(bar, task, total: int, step: Callable[[str], None], line: str):
+    """advance(n): `task` of `bar` moved on by n, and `step` told `line` with
+    {done} and {total} filled in; advance(0) says where the work starts."""
+    done = [0]
+
+    def advance(n: int) -> None:
+        bar.advance(task, n)
+        done[0] += n
+        step(line.format(done=done[0], total=total))
+
+    return advance

@@ -144,3 +144,31 @@ def test_too_few_tokens_have_no_tokens_per_sec(model_dir, data_file, capsys):
     assert "tokens/sec" not in out and "too few to time" in out, out
     assert main([*args, "--seq-len", "64", "--num-seqs", "4"]) == 0
     assert "tokens/sec" in capsys.readouterr().out
+
+
+def test_step_lines_count_the_windows_of_calibration_and_scoring(model_dir, data_file):
+    """on_step hears where the work is: GPTQ's calibration windows, then each
+    side's scored windows, from 0 to all (the CLI prints these when piped)."""
+    from flashnorm_mlx.quant import gptq
+
+    steps = []
+    perplexity(
+        read_source(str(model_dir)),
+        text=data_file.read_text(),
+        seq_len=32,
+        num_seqs=3,
+        batch_size=2,
+        dtype=mx.float32,
+        quantize=(4, 32),
+        q_method="gptq",
+        calibration=gptq.Calibration(num_seqs=2, seq_len=16),
+        on_step=steps.append,
+    )
+    calibrating = [s for s in steps if s.startswith("calibrating GPTQ: ")]
+    assert calibrating[0] == "calibrating GPTQ: 0/2 windows", steps
+    assert calibrating[-1] == "calibrating GPTQ: 2/2 windows", steps
+    for mode in ("stock", "flashnorm"):
+        scored = [s for s in steps if s.startswith(f"scoring {mode}: ")]
+        assert scored == [
+            f"scoring {mode}: {n}/3 windows scored" for n in (0, 2, 3)
+        ], steps

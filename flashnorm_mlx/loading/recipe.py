@@ -29,7 +29,7 @@ import mlx.core as mx
 from .. import fold, quant
 from ..errors import LoadError
 from ..fold import Weights
-from ..progress import progress_bar
+from ..progress import counter, progress_bar
 from ..quant import gptq
 from .source import Source
 
@@ -253,15 +253,12 @@ def fold_checkpoint(
         with _bar(
             bar, progress, "[bold]calibrating GPTQ on[/] {task.description}"
         ) as b:
-            task = b.add_task("text windows", total=calibration.num_seqs)
-            done = [0]
-
-            def advance(n):
-                b.advance(task, n)
-                done[0] += n
-                step(f"calibrating GPTQ: {done[0]}/{calibration.num_seqs} windows")
-
-            step(f"calibrating GPTQ: 0/{calibration.num_seqs} windows")
+            n = calibration.num_seqs
+            task = b.add_task("text windows", total=n)
+            advance = counter(
+                b, task, n, step, "calibrating GPTQ: {done}/{total} windows"
+            )
+            advance(0)
             recipe.calibrate(source.tokenizer, calibration, advance)
             stage(
                 f"calibrated GPTQ on {calibration.num_seqs} windows of "
