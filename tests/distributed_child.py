@@ -22,8 +22,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from flashnorm_mlx.parallel import distributed
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.parallel import distributed
 
 TOKENS = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 DECODE = 16

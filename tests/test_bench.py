@@ -8,9 +8,8 @@ import tiny
 from mlx.utils import tree_flatten
 
 from flashnorm_mlx import bench, dispatch
-from flashnorm_mlx.loading import nonorm
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.loading import MODES, Source, build_model, read_source
+from flashnorm_mlx.loading import MODES, Source, build_model, nonorm, read_source
 
 P, G, N = 8, 4, 2
 SUMMARY_KEYS = (
