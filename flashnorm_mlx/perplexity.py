@@ -131,8 +131,9 @@ def perplexity(
     data = windows(tokens, seq_len, num_seqs)
     kw = dict(dtype=dtype, quantize=quantize, quantized_way=quantized_way)
     ours = quant.requantizes(source.weights, source.config, quantize, quantized_way)
-    if ours and q_method == "gptq" and "flashnorm" in modes:  # before any work
-        gptq.check_qspec(quant.plan_weights(source.weights, source.config, **kw).qspec)
+    if ours and q_method == "gptq" and "flashnorm" in modes:
+        # Settings GPTQ cannot write fail now, not after stock is scored.
+        quant.plan_weights(source.weights, source.config, **kw, q_method="gptq")
 
     result: Dict[str, object] = {
         "model": source.name,

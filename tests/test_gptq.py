@@ -193,3 +193,23 @@ def test_convert_gptq_without_a_tokenizer_is_one_clear_error(tmp_path):
     with pytest.raises(LoadError, match="--q-method rtn"):
         convert(src, tmp_path / "out", quantize=(4, 32), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_bits_gptq_cannot_write_fail_before_any_work(source, tmp_path):
+    """3-bit weights (mlx-lm's GPTQ packer writes 2, 4 and 8): one LoadError from
+    the weights plan, before perplexity builds stock and before convert writes
+    anything; round-to-nearest takes the same flags."""
+    from flashnorm_mlx.convert import convert
+    from flashnorm_mlx.loading import LoadError
+
+    stages = []
+    with pytest.raises(LoadError, match="not 3-bit"):
+        perplexity(
+            source, seq_len=16, num_seqs=1, quantize=(3, 32), on_stage=stages.append
+        )
+    assert stages == [], stages  # nothing was built, so nothing was scored
+    with pytest.raises(LoadError, match="not 3-bit"):
+        convert(source, tmp_path / "out", quantize=(3, 32), progress=False)
+    assert list(tmp_path.iterdir()) == [], "convert left files behind"
+    r = perplexity(source, seq_len=16, num_seqs=1, quantize=(3, 32), q_method="rtn")
+    assert r["flashnorm_method"] == "rtn", r

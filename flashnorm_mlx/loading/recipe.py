@@ -236,7 +236,7 @@ def fold_checkpoint(
     stage = on_stage or (lambda text: None)
     step = on_step or (lambda text: None)
     plan = quant.plan_weights(
-        weights, source.config, dtype, quantize, quantized_way, output=True
+        weights, source.config, dtype, quantize, quantized_way, True, q_method
     )
     if plan.as_stored and dtype is not None:
         raise LoadError(
@@ -249,7 +249,6 @@ def fold_checkpoint(
     if recipe.qspec:  # until calibration says otherwise: round-to-nearest
         recipe.config[fold.MARKER]["quantization_method"] = {"method": "rtn"}
     if q_method == "gptq" and recipe.qspec:
-        gptq.check_qspec(recipe.qspec)
         with _bar(
             bar, progress, "[bold]calibrating GPTQ on[/] {task.description}"
         ) as b:

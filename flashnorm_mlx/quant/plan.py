@@ -25,6 +25,7 @@ import mlx.core as mx
 from .. import fold
 from ..errors import LoadError
 from ..fold import Weights
+from . import gptq
 from .specs import dequantize_weights, is_quantized, source_qspec, uniform_qspec
 
 QUANTIZED_WAYS = ("stored", "dequantize", "requantize")
@@ -73,10 +74,20 @@ def plan_weights(
     quantize: Optional[Tuple[int, int]] = None,
     quantized_way: str = "stored",
     output: bool = False,
+    q_method: str = "rtn",
 ) -> WeightPlan:
     """The one decision (see the module docstring). quantized_way: how a quantized
     source is taken, one of QUANTIZED_WAYS. output=True: for a checkpoint to
-    write (`convert`), whose dtype defaults to the source's."""
+    write (`convert`), whose dtype defaults to the source's. q_method: how we
+    quantize, "rtn" or "gptq" (gptq.py); settings it cannot write are a
+    LoadError here, before any work."""
+    plan = _plan(weights, config, dtype, quantize, quantized_way, output)
+    if q_method == "gptq" and plan.qspec:
+        gptq.check_qspec(plan.qspec)
+    return plan
+
+
+def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan:
     if quantized_way not in QUANTIZED_WAYS:
         raise LoadError(
             f"unknown way {quantized_way!r} for a quantized source; choose from "
