@@ -315,7 +315,7 @@ def _summary(out: Path, weights: Weights, config: dict, files: List[str]) -> dic
         ),
         "compat": config[fold.MARKER].get("compat", False),
         "final_norm_folded": config[fold.MARKER].get("final_norm_folded", False),
-        "as_stored": fold.has_norm_gains(config),
+        "as_stored": quant.has_norm_gains(config),
         "quantization_method": (
             config[fold.MARKER].get("quantization_method", {}).get("method")
         ),

@@ -28,18 +28,6 @@ def is_folded(config: dict) -> bool:
     return bool(config.get(MARKER, {}).get("folded", False))
 
 
-def has_norm_gains(config: dict) -> bool:
-    """Unfolded weights whose norm gains FlashNorm applies in its kernels."""
-    return config.get(MARKER, {}).get("norm_gains") == "kernels"
-
-
-def mark_norm_gains(config: dict) -> dict:
-    """`config` marked as run unfolded, the gains in the kernels (a quantized
-    checkpoint as stored): what `convert` writes for one."""
-    marker = {"folded": False, "format": FORMAT_VERSION, "norm_gains": "kernels"}
-    return {**config, MARKER: marker}
-
-
 def norm_pairs(config: dict, weights: Weights) -> List[Tuple[str, List[str]]]:
     """(norm module, [linear modules it feeds]) for every foldable norm."""
     return models.architecture(config).norm_pairs(config, weights)

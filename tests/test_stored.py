@@ -20,6 +20,7 @@ from mlx_lm.utils import load_model
 
 from flashnorm_mlx import fold
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.quant import has_norm_gains
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 STEPS = 32
@@ -121,7 +122,7 @@ def test_float32_matches_stock_on_the_same_quantized_files(quantized, arch, quan
     stock, _ = load_model(path)
     source = read_source(str(path), need_tokenizer=False)
     flash, config = build_model(source, "flashnorm", dtype=mx.float32)
-    assert fold.has_norm_gains(config), config.get(fold.MARKER)
+    assert has_norm_gains(config), config.get(fold.MARKER)
     # Nothing requantized or cast: every quantized tensor is the file's own.
     params = dict(tree_flatten(flash.parameters()))
     packed = [k for k in source.weights if k.endswith(".scales")]
@@ -260,6 +261,6 @@ def test_quantize_as_mlx_lm_script_makes_a_stored_checkpoint(hf_dirs, tmp_path):
     assert source.config["quantization"]["bits"] == 4, source.config
     stock, _ = load_model(out)
     flash, config = build_model(source, "flashnorm", dtype=mx.float32)
-    assert fold.has_norm_gains(config)
+    assert has_norm_gains(config)
     (ls, lf), agree = _run([stock, flash], steps=4)
     assert _rel(lf, ls) < tiny.f32_tol() and agree == 4

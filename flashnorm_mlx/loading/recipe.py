@@ -63,7 +63,7 @@ class Recipe:
         if fold.is_folded(config):  # cast, quantized or dequantized, never folded
             self._refolded(plan, stock or compat, compat if output else None)
         elif self.as_stored:
-            self.config = config if stock else fold.mark_norm_gains(config)
+            self.config = config if stock else quant.mark_norm_gains(config)
             self._finish(self.src)
         elif stock:
             self.config = plan.config

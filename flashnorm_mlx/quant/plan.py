@@ -165,6 +165,18 @@ def stored_note(config: dict) -> str:
     return f"{short(q)} weights{some} as stored{STORED_GAINS}"
 
 
+def mark_norm_gains(config: dict) -> dict:
+    """`config` marked as run unfolded, the gains in the kernels (the stored
+    way, for FlashNorm): what `convert` writes for a quantized checkpoint."""
+    marker = {"folded": False, "format": fold.FORMAT_VERSION, "norm_gains": "kernels"}
+    return {**config, fold.MARKER: marker}
+
+
+def has_norm_gains(config: dict) -> bool:
+    """Unfolded weights whose norm gains FlashNorm applies in its kernels."""
+    return config.get(fold.MARKER, {}).get("norm_gains") == "kernels"
+
+
 def _plan_folded(weights, config, dtype, given_dtype, quantize, quantized_way, output):
     """The folded-source rule, for loading and `convert` alike: a checkpoint that
     `convert` folded is never folded again, and its quantized tensors are never
