@@ -62,8 +62,14 @@ def build_model(
     fused = mode == "stock_fused"
     if mode == "nonorm":  # the norm-removed speed bound, for `bench`
         model, config = nonorm.build_nonorm(plan)  # calibrated whole, then split
-    else:
-        model, config = _build(source, source_weights, plan, mode, compile)
+    else:  # on the tensors `convert` would write, computed lazily (recipe.py)
+        cls = "flashnorm" if mode == "flashnorm" else "stock"  # ours or mlx-lm's
+        recipe = Recipe(source_weights, source.config, plan, stock=cls == "stock")
+        if compile is None:
+            compile = decode.default_on()
+        compiled = mode == "stock_compiled" or (cls == "flashnorm" and compile)
+        model, config = _instantiate(source.name, recipe, cls, compiled)
+        del recipe
     del source_weights, plan  # from here the model alone holds the (lazy) weights
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
         sharding.shard_model(model, group, source.name)
@@ -75,22 +81,16 @@ def build_model(
     return model, config
 
 
-def _build(source, weights, plan, mode, compile):
-    """Every mode but nonorm, on the tensors `convert` would write, computed
-    lazily (recipe.py)."""
-    if compile is None:
-        compile = decode.default_on()
-    compiled = mode == "stock_compiled" or (mode == "flashnorm" and compile)
-    mode = "stock" if mode in ("stock_fused", "stock_compiled") else mode
-    recipe = Recipe(weights, source.config, plan, stock=mode == "stock")
+def _instantiate(name: str, recipe: Recipe, cls: str, compiled: bool):
+    """(model, config) of class `cls` ("stock" or "flashnorm") on the recipe's
+    tensors; weights that do not fit the config are one LoadError line."""
     tensors, config = recipe.tensors(), recipe.config
-    norm_gains = recipe.as_stored and not fold.is_folded(config) and mode != "stock"
-    del recipe
+    norm_gains = recipe.as_stored and not fold.is_folded(config) and cls != "stock"
     try:
-        return models.instantiate(config, tensors, mode, norm_gains, compiled), config
+        return models.instantiate(config, tensors, cls, norm_gains, compiled), config
     except (ValueError, KeyError) as e:  # weights or config that do not fit
         # mlx-lm lists missing parameters on lines of their own: keep one line.
-        raise LoadError(f"{source.name}: {' '.join(str(e).split())}") from None
+        raise LoadError(f"{name}: {' '.join(str(e).split())}") from None
 
 
 def _own_handles(source: Source) -> dict:
