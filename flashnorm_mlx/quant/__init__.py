@@ -1,7 +1,8 @@
 """Quantization: the one weights decision, quantization settings, fold-aware GPTQ.
 
 - `plan`: `plan_weights`, the one decision on weights, dtype and quantization
-  that loading, nonorm and `convert` share (stored, dequantize, requantize);
+  that loading, nonorm and `convert` share (stored, dequantize, requantize),
+  and the stored way's config marker;
 - `specs`: a checkpoint's quantization settings, dequantizing, uniform ones
   for -q, and applying them to a model;
 - `gptq`: fold-aware GPTQ (calibration, Hessians, one weight at a time).
