@@ -213,3 +213,25 @@ def test_bits_gptq_cannot_write_fail_before_any_work(source, tmp_path):
     assert list(tmp_path.iterdir()) == [], "convert left files behind"
     r = perplexity(source, seq_len=16, num_seqs=1, quantize=(3, 32), q_method="rtn")
     assert r["flashnorm_method"] == "rtn", r
+
+
+def test_a_linear_no_group_divides_stays_float_beside_gptq(tmp_path):
+    """down_proj reads 72 columns, which no 32-wide group divides: calibration
+    measures it like every linear, but it stays float, as round-to-nearest
+    leaves it (the reference), and the checkpoint builds."""
+    from flashnorm_mlx.loading.recipe import fold_checkpoint
+
+    cfg = {**tiny.llama_config("gqa_untied"), "intermediate_size": 72}
+    src = read_source(str(tiny.write_model(tmp_path, cfg, tiny.llama_weights(cfg))))
+    out = {
+        how: fold_checkpoint(
+            src, dict(src.weights), (4, 32), mx.float32, q_method=how, calibration=CALIB
+        )
+        for how in ("gptq", "rtn")
+    }
+    name = "model.layers.0.mlp.down_proj"
+    (gw, gc), (rw, _) = out["gptq"], out["rtn"]
+    assert f"{name}.scales" not in gw and gw[f"{name}.weight"].dtype == mx.float32
+    assert mx.array_equal(gw[f"{name}.weight"], rw[f"{name}.weight"]).item()
+    assert "model.layers.0.mlp.up_proj.scales" in gw  # the others are quantized
+    build_model(Source("gptq", gc, gw, src.tokenizer), "flashnorm", dtype=mx.float32)

@@ -150,7 +150,9 @@ class Recipe:
         if module in self.gains:
             part = fold.fold_gain(part, self.gains[module], module)
         q = (self.qspec or {}).get(module)
-        gptq_weight = part.pop(f"{module}.weight") if module in self.hessians else None
+        # Calibration measured every linear; GPTQ takes the ones quantized.
+        by_gptq = q and module in self.hessians
+        gptq_weight = part.pop(f"{module}.weight") if by_gptq else None
         part = fold.map_floats(part, lambda v: v.astype(self.out_dtype))
         if not q:
             return part
