@@ -1,19 +1,19 @@
-"""Decode and prompt tokens/sec of stock mlx-lm, FlashNorm and the norm-removed bound.
+"""Decode and prompt tokens/sec of mlx-lm, stock, FlashNorm and the norm-removed bound.
 
-Measured as docs/design.md section 4c says: every variant is built from one `Source`
-(same weights, dtype, quantization), runs the same random prompt (fixed seed)
-through mlx-lm's own `generate_step` for exactly G tokens (it never stops at
-end-of-sequence), gets one warm-up, then N trial rounds interleaved across the
-variants in a rotating order. `run_bench` returns every trial and a summary.
+Measured as docs/design.md section 4 says: every variant (loading/variants.py:
+a norm handling on an engine) is built from one `Source` (same weights, dtype,
+quantization), runs the same random prompt (fixed seed) through mlx-lm's own
+`generate_step` for exactly G tokens (it never stops at end-of-sequence), gets
+one warm-up, then N trial rounds interleaved across the variants in a rotating
+order. `run_bench` returns every trial and a summary.
 
-Timing follows mlx-lm's `stream_generate`: prompt time runs until the first
-token is known (prefill + one sample); decode time runs from the first token to
-the G-th, which is G - 1 decode steps (mlx-lm divides G by that same interval,
-so its decode numbers read G / (G - 1) higher).
+The four norm handlings run on the bench's one engine, so their ratios differ
+in the norms alone; `mlx-lm` (stock, eager) is what users run today. Three
+ratios answer three questions (section 4b): flashnorm vs mlx-lm, what switching
+buys; flashnorm vs stock, what FlashNorm buys; nonorm vs stock, the bound.
 """
 
 import hashlib
-import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -22,14 +22,24 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import decode, dispatch, kernels, models, quant
+from . import dispatch
+from . import engine as engines
+from . import kernels, models, quant
 from .errors import BenchError
-from .loading import MODES, Source, build_model, model_dtype, weight_bytes
+from .loading import Source, build_model, model_dtype, weight_bytes
 from .loading.nonorm import rms_norm_paths
+from .loading.variants import BY_NAME, NAMES, REFERENCE, comparison
 from .machine import device_info, versions
 from .models import model_classes
 from .parallel import distributed
-from .verify import comparison
+from .timing import (
+    HOST_NOTE,
+    first_steps,
+    round_ratios,
+    spread,
+    step_times,
+    time_generation,
+)
 
 DECODE_BYTES_NOTE = (
     "bytes of parameters one decode step reads: every linear (packed weights, "
@@ -68,114 +78,6 @@ def decode_bytes(model: nn.Module, config: dict) -> int:
 # --- one timed generation ----------------------------------------------------
 
 
-def time_generation(
-    model: nn.Module,
-    prompt: mx.array,
-    gen_tokens: int,
-    sampler=None,
-    prefill_step_size: int = 2048,
-) -> dict:
-    """Exactly `gen_tokens` tokens through mlx-lm's generate_step, timed."""
-    from mlx_lm.generate import generate_step, generation_stream, wired_limit
-
-    mx.synchronize()
-    mx.reset_peak_memory()
-    resident = mx.get_active_memory()  # every built variant's weights, and more
-    tokens: List[int] = []
-    logprobs = None
-    with wired_limit(model, [generation_stream]):
-        tic = time.perf_counter()
-        t_first = t_last = tic
-        for token, logprobs in generate_step(
-            prompt,
-            model,
-            max_tokens=gen_tokens,
-            sampler=sampler,
-            prefill_step_size=prefill_step_size,
-        ):
-            t_last = time.perf_counter()
-            if not tokens:
-                t_first = t_last
-            tokens.append(int(token))
-        # generate_step queues one step beyond the last token: let it finish untimed
-        # (on its own stream: under a launch its all-sums must not meet the next
-        # forward's in another order on each rank).
-        mx.synchronize(generation_stream)
-        mx.synchronize()
-    prompt_s, decode_s = t_first - tic, t_last - t_first
-    return {
-        "prompt_s": prompt_s,
-        "decode_s": decode_s,
-        "prompt_tps": prompt.size / prompt_s,
-        "decode_tps": (len(tokens) - 1) / decode_s if decode_s > 0 else float("nan"),
-        "generated_tokens": len(tokens),
-        "peak_memory_gb": mx.get_peak_memory() / 1e9,
-        # What the trial itself added: activations, KV cache, logits.
-        "trial_memory_gb": (mx.get_peak_memory() - resident) / 1e9,
-        "last_logprobs_finite": bool(mx.isfinite(logprobs).all().item()),
-        "tokens": tokens,
-    }
-
-
-HOST_NOTE = (
-    "host_build_ms: host time to build one decode step's graph (Python, or a "
-    "compiled step's replay) until the call returns; eval_ms: MLX encoding and "
-    "running it (mx.eval); medians over a synchronous pass after the timed "
-    "rounds; compile_ms: what the first steps of the warm-up spent beyond that "
-    "pass's median (the eager first step and the trace of a compiled variant)"
-)
-
-
-def step_times(model: nn.Module, prompt: mx.array, steps: int) -> dict:
-    """Host build and eval of `steps` greedy decode steps after `prompt`, each
-    evaluated before the next is built (section 4c: build and eval apart)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    logits = model(prompt[None], cache=cache)
-    token = mx.argmax(logits[:, -1:], axis=-1)
-    mx.eval(token)
-    build, run = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        logits = model(token, cache=cache)
-        t1 = time.perf_counter()
-        token = mx.argmax(logits[:, -1:], axis=-1)
-        mx.eval(token)
-        build.append(t1 - t0)
-        run.append(time.perf_counter() - t1)
-    return {
-        "host_build_ms": 1e3 * statistics.median(build),
-        "eval_ms": 1e3 * statistics.median(run),
-    }
-
-
-def warm_up(model: nn.Module, prompt: mx.array, gen_tokens: int, timing) -> dict:
-    """The untimed first generation, its first decode steps' host time apart:
-    where a compiled variant runs eagerly once and then traces."""
-    steps = []
-    cls = type(model)
-    own, real = "__call__" in cls.__dict__, cls.__call__
-
-    def timed(self, inputs, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = real(self, inputs, *args, **kwargs)
-        if inputs.shape[-1] == 1:  # a decode step, not a prefill chunk
-            steps.append(time.perf_counter() - t0)
-        return out
-
-    cls.__call__ = timed
-    try:
-        warm = time_generation(model, prompt, gen_tokens, **timing)
-    finally:
-        if own:
-            cls.__call__ = real
-        else:
-            del cls.__call__
-    warm["first_steps_s"] = steps[:3]
-    return warm
-
-
 DISPATCH_NOTE = (
     "dispatches_per_token: kernel-launching primitives in the graph of one "
     "decode step on this build (views such as reshape/transpose counted apart); "
@@ -206,73 +108,35 @@ def check_logits(model: nn.Module, tokens: List[int]) -> dict:
     return {"logits_finite": bool(finite.item()), "max_abs_logit": peak.item()}
 
 
-# --- statistics --------------------------------------------------------------
-
-
-def spread(values: Sequence[float]) -> dict:
-    """Median, min, max and quartiles (inclusive method) of trial values."""
-    vals = sorted(values)
-    q = (
-        statistics.quantiles(vals, n=4, method="inclusive")
-        if len(vals) > 1
-        else vals * 3
-    )
-    return {
-        "median": statistics.median(vals),
-        "min": vals[0],
-        "max": vals[-1],
-        "q1": q[0],
-        "q3": q[2],
-    }
-
-
-def _ratios(trials: List[dict], variant: str, base: str, key: str) -> dict:
-    by_round: Dict[int, Dict[str, float]] = {}
-    for t in trials:
-        by_round.setdefault(t["round"], {})[t["variant"]] = t[key]
-    per_round = [
-        r[variant] / r[base] for r in by_round.values() if variant in r and base in r
-    ]
-    med_v = statistics.median(r[variant] for r in by_round.values() if variant in r)
-    med_b = statistics.median(r[base] for r in by_round.values() if base in r)
-    return {
-        "median_of_ratios": statistics.median(per_round),
-        "ratio_of_medians": med_v / med_b,
-        "rounds_faster": sum(x > 1.0 for x in per_round),
-        "rounds": len(per_round),
-    }
-
-
-def _headroom(summary: dict) -> dict:
-    """Share of the stock -> nonorm decode speed-up that FlashNorm captures."""
+def _headroom(summary: dict, ratios: dict) -> dict:
+    """Share of the stock -> nonorm decode speed-up (same engine) that FlashNorm
+    captures; none where nonorm's lead over stock is within the rounds' spread,
+    since a share of noise would read as anything (even a negative share)."""
     need = ("stock", "flashnorm", "nonorm")
     if not all(v in summary for v in need):
         return {"share": None, "note": "needs all of stock, flashnorm and nonorm"}
     st, fn, nn_ = (summary[v]["decode_tps"]["median"] for v in need)
+    bound = ratios["nonorm_vs_stock"]["decode"]
     gap = nn_ - st
-    # The run-to-run spread: a gap inside it is no headroom, and a share of it
-    # would be a percentage of noise.
-    noise = max(
-        summary[v]["decode_tps"]["q3"] - summary[v]["decode_tps"]["q1"]
-        for v in ("stock", "nonorm")
-    )
-    measurable = gap > noise
+    measurable = gap > 0 and not bound["within_noise"]
     out = {
         "stock_tps": st,
         "flashnorm_tps": fn,
         "nonorm_tps": nn_,
         "headroom_tps": gap,
-        "noise_tps": noise,
-        "share": (fn - st) / gap if gap > 0 and measurable else None,
+        "bound_spread": [bound["min"], bound["max"]],
+        "share": (fn - st) / gap if measurable else None,
     }
-    pst, pfn, pnn = (summary[v]["prompt_tps"]["median"] for v in need)
-    out["prompt_share"] = (pfn - pst) / (pnn - pst) if pnn > pst else None
-    if gap <= 0:
-        out["note"] = "nonorm is not faster than stock here: no headroom to share"
+    if not measurable and not bound["within_noise"]:
+        out["note"] = (
+            f"nonorm is slower than stock here ({st:.1f} -> {nn_:.1f} tok/s): no "
+            "headroom to share"
+        )
     elif not measurable:
         out["note"] = (
             f"nonorm is within noise of stock here ({st:.1f} -> {nn_:.1f} tok/s, "
-            f"interquartile spread {noise:.1f}): no measurable headroom to share"
+            f"per-round ratios {bound['min']:.2f}-{bound['max']:.2f}): no "
+            "measurable headroom to share"
         )
     return out
 
@@ -280,11 +144,17 @@ def _headroom(summary: dict) -> dict:
 # --- the benchmark -----------------------------------------------------------
 
 
-def validate(variants: Sequence[str], prompt_tokens: int, gen_tokens: int, trials: int):
+def validate(
+    variants: Sequence[str],
+    prompt_tokens: int,
+    gen_tokens: int,
+    trials: int,
+    engine: Optional[str] = None,
+):
     for i, v in enumerate(variants):
-        if v not in MODES:
+        if v not in NAMES:
             raise BenchError(
-                f"--variants: unknown variant {v!r}; choose from {', '.join(MODES)}"
+                f"--variants: unknown variant {v!r}; choose from {', '.join(NAMES)}"
             )
         if v in variants[:i]:
             raise BenchError(f"--variants: {v} is named twice")
@@ -298,6 +168,11 @@ def validate(variants: Sequence[str], prompt_tokens: int, gen_tokens: int, trial
         raise BenchError(
             f"-g/--generation-tokens must be at least 2 (got {gen_tokens}): "
             "decode speed needs two tokens"
+        )
+    if engine is not None and engine not in engines.ENGINES:
+        raise BenchError(
+            f"--engine: unknown engine {engine!r}; choose from "
+            f"{', '.join(engines.ENGINES)}"
         )
 
 
@@ -323,25 +198,31 @@ class _Steps:
             self.progress("done", self.total, self.total)
 
 
-def _build_variants(source: Source, variants, built: dict, step):
+def _build_variants(source: Source, variants, engine: str, built: dict, step):
     """{variant: model}, {variant: what was built (class, bytes, launches, ...)}."""
     for v in variants:  # import the model modules now, so build_s times only the build
+        cls = "flashnorm" if BY_NAME[v].norms == "flashnorm" else "stock"
         try:
-            model_classes(source.config, "flashnorm" if v == "flashnorm" else "stock")
+            model_classes(source.config, cls)
         except ImportError as e:
             raise BenchError(f"no {v} model for {source.config['model_type']}: {e}")
     models, info = {}, {}
     for v in variants:
         step(f"building {v}")
+        row = BY_NAME[v]
         t0 = time.perf_counter()
-        model, config = build_model(source, v, **built)
+        model, config = build_model(
+            source, row.norms, engine=row.engine or engine, **built
+        )
         build_s = time.perf_counter() - t0
         cls = type(model)
         q = config.get("quantization")
         models[v] = model
         info[v] = {
+            "norms": row.norms,
+            "engine": engines.engine_of(model),
             "class": f"{cls.__module__}.{cls.__qualname__}",
-            "compiled": decode.is_compiled(model),
+            "compiled": engines.is_compiled(model),
             "build_s": build_s,
             # Re-hashed after each build: every variant saw these exact weights.
             "source_checksum": weights_checksum(source.weights),
@@ -406,13 +287,13 @@ def _notes(device: dict, summary: dict) -> List[str]:
             "are not the GPU's; in parentheses the same step with each mx.fast op "
             "and FlashNorm kernel as one launch, as on Metal and CUDA"
         )
-    compiled = [v for v, s in summary.items() if s["compiled"]]
-    notes.append(
-        "compiled decode step (one mx.compile'd function per shape; * in the "
-        "table): "
-        + (", ".join(compiled) if compiled else "none")
-        + "; every other variant builds each step's graph op by op"
-    )
+    if summary.get("mlx-lm", {}).get("engine") == summary.get("stock", {}).get(
+        "engine"
+    ):
+        notes.append(
+            "mlx-lm and stock are one variant on the eager engine: their ratio is "
+            "the run-to-run noise (pass --engine compiled to compare the engines)"
+        )
     notes += kernels.failures()  # a kernel that fell back to its twin here
     if any(
         not s["logits_finite"] or not s["all_trials_finite"] for s in summary.values()
@@ -425,7 +306,7 @@ def _notes(device: dict, summary: dict) -> List[str]:
 
 def run_bench(
     source: Source,
-    variants: Sequence[str] = MODES,
+    variants: Sequence[str] = NAMES,
     prompt_tokens: int = 256,
     gen_tokens: int = 128,
     trials: int = 5,
@@ -438,40 +319,37 @@ def run_bench(
     sampler=None,
     progress: Optional[Progress] = None,
     group: Optional[mx.distributed.Group] = None,
-    compile: Optional[bool] = None,
+    engine: Optional[str] = None,
 ) -> dict:
     """Build every variant from `source`, warm each up, time `trials` rounds.
 
     Returns {"settings", "device", "versions", "source", "variants" (per-variant
-    summary), "ratios" (to stock), "headroom", "trials" (every timed run)}.
+    summary), "ratios", "headroom", "trials" (every timed run)}.
     sampler: mlx-lm sampler (default greedy); generation never stops early.
     group: every variant tensor-parallel over it (each rank runs this, in step).
-    compile: FlashNorm's decode steps compiled (None: with a GPU backend,
-    `decode.default_on`; stock_compiled's always are).
+    engine: what runs every variant's decode steps but mlx-lm's (always eager);
+    None: `engine.default()`, compiled where a GPU runs the model.
     """
     variants = list(variants)
-    validate(variants, prompt_tokens, gen_tokens, trials)
+    validate(variants, prompt_tokens, gen_tokens, trials, engine)
+    engine = engines.resolve(engine)
     step = _Steps(progress, len(variants) * (3 + trials))
     t0 = time.perf_counter()
     checksum = weights_checksum(source.weights)
     checksum_s = time.perf_counter() - t0
     prompt = mx.array(prompt_ids(source.config, prompt_tokens, seed))
     built = dict(
-        dtype=dtype,
-        quantize=quantize,
-        quantized_way=quantized_way,
-        group=group,
-        compile=compile,
+        dtype=dtype, quantize=quantize, quantized_way=quantized_way, group=group
     )
-    models, info = _build_variants(source, variants, built, step)
+    models, info = _build_variants(source, variants, engine, built, step)
     distributed.barrier("building")  # a launch's ranks start timing together
     timing = dict(sampler=sampler, prefill_step_size=prefill_step_size)
     with distributed.watch("benchmarking"):  # each step kicks it
-        first_steps = {}
+        first = {}
         for v in variants:
             step(f"warm-up {v}")
-            warm = warm_up(models[v], prompt, gen_tokens, timing)
-            first_steps[v] = warm["first_steps_s"]
+            first[v] = first_steps(models[v], prompt)  # an eager step, then a trace
+            warm = time_generation(models[v], prompt, gen_tokens, **timing)
             info[v].update(check_logits(models[v], prompt.tolist() + warm["tokens"]))
         records = _timed_rounds(
             models, variants, prompt, gen_tokens, trials, timing, step
@@ -479,8 +357,8 @@ def run_bench(
         for v in variants:  # after the rounds, so it cannot disturb them
             step(f"host time {v}")
             info[v].update(step_times(models[v], prompt, min(gen_tokens, 32)))
-            extra = [t * 1e3 - info[v]["host_build_ms"] for t in first_steps[v]]
-            info[v]["compile_ms"] = sum(max(0.0, x) for x in extra)
+            settled = info[v]["host_build_ms"] + info[v]["eval_ms"]
+            info[v]["compile_ms"] = sum(max(0.0, t * 1e3 - settled) for t in first[v])
     step.finish()
     settings = {
         "variants": variants,
@@ -494,7 +372,7 @@ def run_bench(
         "dtype": str(dtype).replace("mlx.core.", "") if dtype else None,
         "quantize": list(quantize) if quantize else None,
         "quantized": quantized_way,
-        "compile": decode.default_on() if compile is None else compile,
+        "engine": engine,
     }
     src = {
         "name": source.name,
@@ -508,24 +386,54 @@ def run_bench(
     return _report(settings, src, info, records)
 
 
+# The ratios bench reports by name (section 4b): (key, variant, base).
+NAMED_RATIOS = (
+    ("flashnorm_vs_mlx_lm", "flashnorm", REFERENCE.name),  # what switching buys
+    ("flashnorm_vs_stock", "flashnorm", "stock"),  # what FlashNorm buys
+    ("nonorm_vs_stock", "nonorm", "stock"),  # the bound
+)
+
+
+def _ratio(records: List[dict], variant: str, base: str) -> dict:
+    return {
+        "decode": round_ratios(records, variant, base, "decode_tps"),
+        "prompt": round_ratios(records, variant, base, "prompt_tps"),
+    }
+
+
+def _ratios(variants: List[str], records: List[dict]) -> dict:
+    """The three named ratios, where both sides ran, and `by_variant`: each
+    variant over stock on the same engine (`x_stock`) and over mlx-lm
+    (`x_mlx_lm`)."""
+    out = {
+        key: _ratio(records, v, base)
+        for key, v, base in NAMED_RATIOS
+        if v in variants and base in variants
+    }
+    out["by_variant"] = {
+        v: {
+            name: _ratio(records, v, base)
+            for name, base in (("x_stock", "stock"), ("x_mlx_lm", REFERENCE.name))
+            if base in variants
+        }
+        for v in variants
+    }
+    return out
+
+
 def _report(settings: dict, src: dict, info: dict, records: List[dict]) -> dict:
     """run_bench's result from what was built (info) and timed (records)."""
     variants = settings["variants"]
     summary = {v: _summarize(info[v], records, v) for v in variants}
-    ratios = {}
-    if "stock" in variants:
-        for v in variants:
-            if v != "stock":
-                ratios[v] = {
-                    "decode": _ratios(records, v, "stock", "decode_tps"),
-                    "prompt": _ratios(records, v, "stock", "prompt_tps"),
-                }
+    ratios = _ratios(variants, records)
     device = device_info()
     notes = {
         "decode_tps": "(G - 1) / time from the first generated token to the G-th",
         "decode_bytes": DECODE_BYTES_NOTE,
         "dispatches": DISPATCH_NOTE,
         "host": HOST_NOTE,
+        "ratios": "median of per-round ratios, with their min and max; "
+        "within_noise: that spread includes 1.0",
     }
     return {
         "notes": _notes(device, summary),
@@ -537,7 +445,11 @@ def _report(settings: dict, src: dict, info: dict, records: List[dict]) -> dict:
         "comparison_note": src["comparison_note"],
         "variants": summary,
         "ratios": ratios,
-        "headroom": _headroom(summary),
+        "headroom": (
+            _headroom(summary, ratios)
+            if "nonorm_vs_stock" in ratios
+            else {"share": None, "note": "needs all of stock, flashnorm and nonorm"}
+        ),
         "kernel_failures": kernels.failures(),
         "trials": records,
     }

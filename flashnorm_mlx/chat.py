@@ -22,15 +22,6 @@ import mlx.core as mx
 
 from .errors import ChatError, ContextOverflow  # noqa: F401 (raised here)
 
-# Config keys that give a model's trained context length, in order of preference.
-_CONTEXT_KEYS = (
-    "max_position_embeddings",
-    "max_context_length",
-    "max_sequence_length",
-    "n_positions",
-    "seq_length",
-)
-
 
 @dataclass
 class TurnStats:
@@ -59,15 +50,6 @@ class TurnStats:
             f"prompt {self.prompt_tokens} tokens{cached}, {self.prompt_tps:.1f} tok/s"
             f" | peak {self.peak_memory_gb:.3f} GB{end}"
         )
-
-
-def context_length(config: dict) -> Optional[int]:
-    """The trained context length a config states, or None."""
-    for key in _CONTEXT_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def common_prefix(a: List[int], b: List[int]) -> int:
@@ -283,19 +265,3 @@ def _has_chat_template(tokenizer) -> bool:
     if flag is not None:
         return bool(flag)
     return getattr(tokenizer, "chat_template", None) is not None
-
-
-def compare_decode_speed(
-    models: Dict[str, object], prompt_ids: List[int], n_tokens: int, sampler=None
-) -> Dict[str, dict]:
-    """Regenerate `n_tokens` (end-of-sequence ignored) from `prompt_ids` on each
-    model, each after a short untimed warm-up, timed as `bench` times a trial:
-    {name: bench.time_generation(...)}. Same prompt, count and sampler for all."""
-    from .bench import time_generation
-
-    prompt = mx.array(prompt_ids)
-    out = {}
-    for name, model in models.items():
-        time_generation(model, prompt[-8:], 2, sampler)  # compile, first-call costs
-        out[name] = time_generation(model, prompt, n_tokens, sampler)
-    return out

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import decode, kernels
+from . import engine, kernels
 
 # Primitives that only describe memory another array owns: no kernel launch.
 VIEWS = frozenset(
@@ -93,9 +93,9 @@ def step_primitives(model: nn.Module, prompt_tokens: int = 4) -> Counter:
     """Primitive name -> count in the graph of one cached single-token step."""
     cache = make_prompt_cache(model)
     prompt = mx.arange(1, prompt_tokens + 1)[None]
-    # The model's own launch plan: a compiled step fuses what it can and adds
-    # its capacity mask (decode.py), but launches the same kernels.
-    with decode.eager(model):
+    # The model's own launch plan: a compiled step fuses what it can (engine.py),
+    # but launches the same kernels.
+    with engine.eager(model):
         mx.eval(model(prompt, cache=cache), [c.state for c in cache])
         logits = model(mx.array([[prompt_tokens + 1]]), cache=cache)
     dot = io.StringIO()

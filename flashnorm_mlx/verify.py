@@ -31,10 +31,10 @@ def compare(
     quantize=None,
     quantized_way: str = "stored",
     on_stage: Optional[Callable[[str], None]] = None,
-    compile: Optional[bool] = None,
+    engine: Optional[str] = None,
 ) -> dict:
-    """Prefill `tokens`, then `horizon` cached greedy decode steps, on both models
-    (FlashNorm's steps compiled as `loading.build_model`'s `compile` says).
+    """Prefill `tokens`, then `horizon` cached greedy decode steps, on both models,
+    both on `engine` (engine.py; None: its default).
 
     Stock picks the greedy tokens; FlashNorm is fed the same tokens (teacher
     forcing), so every logit row compares the same inputs. greedy_match counts
@@ -45,16 +45,18 @@ def compare(
     on_stage(text) is told when each stage (build, prefill, decode) is done.
     """
     stage = on_stage or (lambda text: None)
-    kw = dict(dtype=dtype, quantize=quantize, quantized_way=quantized_way)
+    kw = dict(
+        dtype=dtype, quantize=quantize, quantized_way=quantized_way, engine=engine
+    )
     models = {
         "stock": build_model(source, "stock", **kw)[0],
-        "flashnorm": build_model(source, "flashnorm", compile=compile, **kw)[0],
+        "flashnorm": build_model(source, "flashnorm", **kw)[0],
     }
     noisy = model_dtype(models["stock"]) != "float32" or quant.requantizes(
         source.weights, source.config, quantize, quantized_way
     )
     if noisy:  # the source's own function, as exactly as MLX computes it
-        ref_kw = dict(dtype=mx.float32, quantized_way="stored")
+        ref_kw = dict(dtype=mx.float32, quantized_way="stored", engine="eager")
         models["reference"] = build_model(source, "stock", **ref_kw)[0]
     stage(
         "built stock and FlashNorm on the same weights"
@@ -133,54 +135,4 @@ def _scores(ls: mx.array, lf: mx.array) -> dict:
         "kl_max": mx.max(kl).item(),
         "stock_finite": bool(mx.isfinite(ls).all()),
         "flashnorm_finite": bool(mx.isfinite(lf).all()),
-    }
-
-
-def comparison(source: Source, quantize=None, quantized_way: str = "stored") -> dict:
-    """Which weights stock and FlashNorm are compared on, and what that measures.
-
-    {"comparison": "float" | "stored" | "requantized" | "quantized",
-    "comparison_note": one sentence}. "float" and "stored" isolate FlashNorm:
-    both models run the very same weights. The other two quantize folded and
-    unfolded weights apart (a fold puts columns with different gains into one
-    group), so their differences include quantization.
-    """
-    src = quant.describe(source.config) if quant.is_quantized(source.weights) else None
-    if quantize:
-        how = f"{quantize[0]}-bit group {quantize[1]}"
-        return {
-            "comparison": "quantized",
-            "comparison_note": f"both models quantized ({how}, -q) from the same "
-            "float weights after folding: differences include quantization, not "
-            "only FlashNorm",
-        }
-    if src is None:
-        return {
-            "comparison": "float",
-            "comparison_note": "both models on the same float weights (the source "
-            "is not quantized): differences are FlashNorm's alone",
-        }
-    if quantized_way == "dequantize":
-        return {
-            "comparison": "float",
-            "comparison_note": f"the {src} source dequantized, both models on the "
-            "same float weights: differences are FlashNorm's alone",
-        }
-    if quantized_way == "requantize" and not fold.is_folded(source.config):
-        return {
-            "comparison": "requantized",
-            "comparison_note": f"both models requantized to the source's {src} "
-            "from the same float weights (FlashNorm's after folding): differences "
-            "include quantization, not only FlashNorm (the default, --as-stored, "
-            "compares on the same quantized weights)",
-        }
-    gains = (
-        "its norm gains folded by convert"
-        if fold.is_folded(source.config)
-        else "FlashNorm applies the norm gains in its kernels"
-    )
-    return {
-        "comparison": "stored",
-        "comparison_note": f"same quantized weights: both models run the {src} "
-        f"checkpoint as stored ({gains}): differences are FlashNorm's alone",
     }

@@ -9,7 +9,9 @@ from mlx.utils import tree_flatten
 
 from flashnorm_mlx import bench, dispatch
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.loading import MODES, Source, build_model, nonorm, read_source
+from flashnorm_mlx.loading import Source, build_model, nonorm, read_source
+from flashnorm_mlx.loading.variants import NAMES
+from flashnorm_mlx.timing import time_generation
 
 P, G, N = 8, 4, 2
 SUMMARY_KEYS = (
@@ -32,6 +34,8 @@ SUMMARY_KEYS = (
     "views_per_token",
     "dispatches_per_token_gpu_model",
     "compiled",
+    "engine",
+    "norms",
     "host_build_ms",
     "eval_ms",
     "compile_ms",
@@ -63,7 +67,7 @@ def source(model_dir):
 
 @pytest.fixture(scope="module")
 def result(source):
-    return bench.run_bench(source, MODES, P, G, N, compile=True)
+    return bench.run_bench(source, NAMES, P, G, N, engine="compiled")
 
 
 def _count_rms_norm_ops(model, tokens, monkeypatch) -> int:
@@ -85,7 +89,7 @@ def _count_rms_norm_ops(model, tokens, monkeypatch) -> int:
 
 def test_every_trial_and_summary(result):
     trials = result["trials"]
-    assert len(trials) == N * len(MODES), trials
+    assert len(trials) == N * len(NAMES), trials
     for t in trials:
         assert all(k in t for k in TRIAL_KEYS), t
         assert t["generated_tokens"] == G, t
@@ -93,7 +97,7 @@ def test_every_trial_and_summary(result):
     # Rounds interleave all variants, each round starting one variant later.
     for r in range(N):
         order = [t["variant"] for t in trials if t["round"] == r]
-        assert sorted(order) == sorted(MODES) and order[0] == MODES[r]
+        assert sorted(order) == sorted(NAMES) and order[0] == NAMES[r]
     for v, s in result["variants"].items():
         assert all(k in s for k in SUMMARY_KEYS), (v, sorted(s))
         for k in ("median", "min", "max", "q1", "q3"):
@@ -101,9 +105,21 @@ def test_every_trial_and_summary(result):
         assert s["decode_bytes_per_token"] <= s["weight_bytes"], s
     same = {(s["dtype"], str(s["quantization"])) for s in result["variants"].values()}
     assert len(same) == 1, same
-    for v in ("flashnorm", "nonorm"):
-        for k in ("median_of_ratios", "ratio_of_medians", "rounds"):
-            assert k in result["ratios"][v]["decode"], result["ratios"]
+    ratios = result["ratios"]
+    for key in ("flashnorm_vs_mlx_lm", "flashnorm_vs_stock", "nonorm_vs_stock"):
+        for k in ("median_of_ratios", "min", "max", "within_noise", "rounds"):
+            assert k in ratios[key]["decode"] and k in ratios[key]["prompt"], ratios
+        r = ratios[key]["decode"]
+        assert r["min"] <= r["median_of_ratios"] <= r["max"] and r["rounds"] == N, r
+    fn, st = (
+        result["variants"][v]["decode_tps"]["median"] for v in ("flashnorm", "stock")
+    )
+    assert (
+        abs(ratios["flashnorm_vs_stock"]["decode"]["ratio_of_medians"] - fn / st) < 1e-9
+    )
+    by = ratios["by_variant"]
+    assert by["flashnorm"]["x_stock"] == ratios["flashnorm_vs_stock"], by
+    assert by["flashnorm"]["x_mlx_lm"] == ratios["flashnorm_vs_mlx_lm"], by
     h = result["headroom"]
     assert {"stock_tps", "flashnorm_tps", "nonorm_tps", "share"} <= set(h), h
     assert result["device"]["name"] and result["device"]["backend"], result["device"]
@@ -111,38 +127,54 @@ def test_every_trial_and_summary(result):
 
 
 def test_host_time_per_step_and_which_variants_ran_compiled(result):
-    """Build and eval per decode step for every variant; flashnorm and
-    stock_compiled ran the compiled step (and spent time compiling it), the
-    others did not, and the notes say which."""
+    """Build and eval per decode step for every variant; with --engine compiled
+    the four norm handlings ran the compiled step, mlx-lm eager (its reference)."""
     variants = result["variants"]
     for v, s in variants.items():
         assert s["host_build_ms"] > 0 and s["eval_ms"] > 0, (v, s)
         assert s["compile_ms"] >= 0, (v, s)
-    compiled = {v for v, s in variants.items() if s["compiled"]}
-    assert compiled == {"flashnorm", "stock_compiled"}, compiled
-    for v in compiled:  # the eager first step and the trace cost host time
-        assert variants[v]["compile_ms"] > 0, (v, variants[v])
-    line = next(n for n in result["notes"] if n.startswith("compiled decode step"))
-    assert "flashnorm, stock_compiled" in line or "stock_compiled, flashnorm" in line
-    assert "stock_compiled" in result["ratios"], result["ratios"]
+    engines = {v: (s["engine"], s["compiled"]) for v, s in variants.items()}
+    assert engines == {
+        "mlx-lm": ("eager", False),
+        "stock": ("compiled", True),
+        "stock_fused": ("compiled", True),
+        "nonorm": ("compiled", True),
+        "flashnorm": ("compiled", True),
+    }, engines
+    assert result["settings"]["engine"] == "compiled", result["settings"]
 
 
-def test_no_compile_runs_flashnorm_uncompiled(source):
-    r = bench.run_bench(source, ["stock", "flashnorm"], P, G, 1, compile=False)
-    assert not r["variants"]["flashnorm"]["compiled"], r["variants"]["flashnorm"]
-    assert r["settings"]["compile"] is False
-    assert any(
-        n.endswith("none; every other variant builds each step's graph op by op")
-        for n in r["notes"]
-    ), r["notes"]
+def test_the_eager_engine_runs_every_variant_uncompiled(source):
+    r = bench.run_bench(
+        source, ["mlx-lm", "stock", "flashnorm"], P, G, 1, engine="eager"
+    )
+    assert not any(s["compiled"] for s in r["variants"].values()), r["variants"]
+    assert {s["engine"] for s in r["variants"].values()} == {"eager"}
+    assert r["settings"]["engine"] == "eager"
+    assert any("their ratio is the run-to-run noise" in n for n in r["notes"]), r[
+        "notes"
+    ]
+    assert "nonorm_vs_stock" not in r["ratios"] and r["headroom"]["share"] is None
 
 
-def _summary(stock, flashnorm, nonorm, spread):
-    """decode/prompt medians with an interquartile spread, as _summarize gives."""
-    row = lambda m: {"median": m, "q1": m - spread / 2, "q3": m + spread / 2}
+def _summary(stock, flashnorm, nonorm):
+    """decode medians as _summarize gives them."""
     return {
-        v: {"decode_tps": row(m), "prompt_tps": row(m)}
+        v: {"decode_tps": {"median": m}}
         for v, m in (("stock", stock), ("flashnorm", flashnorm), ("nonorm", nonorm))
+    }
+
+
+def _bound(per_round):
+    """ratios["nonorm_vs_stock"] from per-round decode ratios."""
+    return {
+        "nonorm_vs_stock": {
+            "decode": {
+                "min": min(per_round),
+                "max": max(per_round),
+                "within_noise": min(per_round) <= 1.0 <= max(per_round),
+            }
+        }
     }
 
 
@@ -156,14 +188,14 @@ def test_a_kernel_that_fell_back_is_in_the_notes_and_json(result, monkeypatch):
 
 
 def test_headroom_share_only_outside_the_noise():
-    """A share of a gap smaller than the run-to-run spread is a percentage of
-    noise (this CPU once printed 409%): none is given, and the note says why."""
-    h = bench._headroom(_summary(10.0, 11.0, 12.0, 0.5))
+    """A share of a gap the rounds' spread includes is a percentage of noise
+    (this CPU once printed -221%): none is given, and the note says why."""
+    h = bench._headroom(_summary(10.0, 11.0, 12.0), _bound([1.15, 1.2, 1.25]))
     assert h["share"] == 0.5 and "note" not in h, h
-    h = bench._headroom(_summary(10.60, 10.63, 10.61, 0.4))
+    h = bench._headroom(_summary(10.60, 10.0, 10.61), _bound([0.97, 1.0, 1.04]))
     assert h["share"] is None and "within noise" in h["note"], h
-    h = bench._headroom(_summary(10.0, 10.0, 9.0, 0.1))
-    assert h["share"] is None and "not faster" in h["note"], h
+    h = bench._headroom(_summary(10.0, 10.0, 9.0), _bound([0.85, 0.9, 0.95]))
+    assert h["share"] is None and "within noise" not in h["note"], h
 
 
 def test_launches_per_token_reported_and_flashnorm_fewest_on_a_gpu(result):
@@ -327,7 +359,7 @@ def test_exactly_g_tokens_even_when_eos_is_sampled(model_dir, source):
     eos = next(iter(load_tokenizer(model_dir).eos_token_ids))
     model, _ = build_model(source, "stock")
     prompt = mx.array(bench.prompt_ids(source.config, P, 0))
-    t = bench.time_generation(model, prompt, 7, sampler=lambda lp: mx.array([eos]))
+    t = time_generation(model, prompt, 7, sampler=lambda lp: mx.array([eos]))
     assert t["generated_tokens"] == 7 and t["tokens"] == [eos] * 7, t
 
 
@@ -353,22 +385,54 @@ def test_cli_end_to_end_json(model_dir, tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "decode tok/s" in out and "nonorm" in out and "device:" in out, out
-    assert "launches/tok" in out, out
+    assert "build ms" not in out, out  # --verbose's
     r = json.loads(path.read_text())
     assert [t["variant"] for t in r["trials"]] == ["stock", "nonorm", "nonorm", "stock"]
-    assert set(r["variants"]) == {"stock", "nonorm"} and "nonorm" in r["ratios"], r
+    assert (
+        set(r["variants"]) == {"stock", "nonorm"} and "nonorm_vs_stock" in r["ratios"]
+    )
     assert r["settings"]["prompt_tokens"] == P and r["settings"]["gen_tokens"] == G
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temp file left
 
 
-@pytest.mark.parametrize("flag", ["--compile", "--no-compile"])
-def test_cli_table_shows_host_time_and_compiled_rows(model_dir, capsys, flag):
+@pytest.mark.parametrize(
+    "flags, engine",
+    [
+        (["--engine", "compiled"], "compiled"),
+        (["--engine", "eager"], "eager"),
+        (["--compile"], "compiled"),  # the aliases, kept for one release
+        (["--no-compile"], "eager"),
+    ],
+)
+def test_cli_engine_and_verbose_table(model_dir, capsys, monkeypatch, flags, engine):
     argv = ["bench", str(model_dir), "-p", str(P), "-g", str(G), "-n", "1"]
-    assert main([*argv, "--variants", "stock,flashnorm", flag]) == 0
+    monkeypatch.setenv("COLUMNS", "100")
+    assert (
+        main([*argv, "--variants", "mlx-lm,stock,flashnorm", "--verbose", *flags]) == 0
+    )
     out = capsys.readouterr().out
-    assert "build ms" in out and "eval ms" in out, out
-    assert ("flashnorm*" in out) == (flag == "--compile"), out
-    assert "stock*" not in out, out
+    assert "build ms" in out and "eval ms" in out and "launches" in out, out
+    rows = {}  # the first table's rows: variant -> engine
+    for cells in (line.split() for line in out.splitlines()):
+        if cells[:1] in (["mlx-lm"], ["stock"], ["flashnorm"]) and len(cells) > 4:
+            rows.setdefault(cells[0], cells[1])
+    assert rows == {"mlx-lm": "eager", "stock": engine, "flashnorm": engine}, out
+
+
+def test_cli_default_table_fits_100_columns(result, monkeypatch):
+    """No cell of the default table is cut at COLUMNS=100 (rich marks a cut
+    cell with an ellipsis) and no line is wider."""
+    from rich.console import Console
+
+    from flashnorm_mlx.cli.bench import _table
+
+    console = Console(width=100, record=True, file=open("/dev/null", "w"))
+    console.print(_table(result))
+    text = console.export_text()
+    print(text)
+    assert "…" not in text and max(map(len, text.splitlines())) <= 100, text
+    for v in NAMES:
+        assert any(line.split()[:1] == [v] for line in text.splitlines()), (v, text)
 
 
 @pytest.mark.parametrize(
@@ -378,6 +442,8 @@ def test_cli_table_shows_host_time_and_compiled_rows(model_dir, capsys, flag):
         (["--variants", "stock,bogus"], "unknown variant 'bogus'"),
         (["-g", "1"], "at least 2"),
         (["--json", "/no/such/dir/x.json"], "no such folder"),
+        (["--engine", "jit"], "invalid choice: 'jit'"),
+        (["--variants", "stock_compiled"], "unknown variant 'stock_compiled'"),
     ],
 )
 def test_cli_bad_flags_one_line(model_dir, flags, message, capsys):

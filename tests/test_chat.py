@@ -300,15 +300,15 @@ def test_cli_model_without_chat_template(model_dir, tmp_path, capsys):
 
 COMPARE = re.compile(
     r"^decode tok/s, last reply regenerated \((\d+) tokens.*?(\d+)-token prompt.*: "
-    r"stock ([\d.]+) \| stock_compiled ([\d.]+) \(([\d.]+)x\) \| "
-    r"stock_fused ([\d.]+) \(([\d.]+)x\) \| flashnorm ([\d.]+) \(([\d.]+)x\) \| "
-    r"nonorm ([\d.]+) \(([\d.]+)x\)$",
+    r"mlx-lm ([\d.]+) \(([\d.]+)x\) \| stock ([\d.]+) \| "
+    r"stock_fused ([\d.]+) \(([\d.]+)x\) \| nonorm ([\d.]+) \(([\d.]+)x\) \| "
+    r"flashnorm ([\d.]+) \(([\d.]+)x\)$",
     re.M,
 )
 
 
 def test_compare_regenerates_the_last_reply_on_the_same_prompt(model_dir, loaded):
-    from flashnorm_mlx.chat import compare_decode_speed
+    from flashnorm_mlx.timing import compare_decode_speed
 
     model, tok = loaded
     session = ChatSession(model, tok, max_tokens=6)
@@ -334,7 +334,7 @@ def test_cli_compare_prints_five_speeds(model_dir, monkeypatch, capsys):
     assert "needs a reply" in out, out  # nothing to compare before the first reply
     found = COMPARE.findall(out)
     assert len(found) == 1, out
-    n, prompt_len, st, sc, sc_x, sf, sf_x, fn, fn_x, nn, nn_x = found[0]
+    n, prompt_len, ml, ml_x, st, sf, sf_x, nn, nn_x, fn, fn_x = found[0]
     stats = STATS.findall(out)
     assert int(n) == int(stats[0][0]) and int(prompt_len) == int(stats[0][1]), (
         found,
@@ -343,4 +343,4 @@ def test_cli_compare_prints_five_speeds(model_dir, monkeypatch, capsys):
     assert abs(float(fn) / float(st) / float(fn_x) - 1) < 0.05, found
     assert abs(float(nn) / float(st) / float(nn_x) - 1) < 0.05, found
     assert abs(float(sf) / float(st) / float(sf_x) - 1) < 0.05, found
-    assert abs(float(sc) / float(st) / float(sc_x) - 1) < 0.05, found
+    assert abs(float(ml) / float(st) / float(ml_x) - 1) < 0.05, found

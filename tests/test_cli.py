@@ -449,10 +449,10 @@ def test_top_level_help_names_every_architecture(capsys):
 
 def test_chat_help_names_every_compare_variant():
     from flashnorm_mlx.cli import chat
-    from flashnorm_mlx.loading import MODES
+    from flashnorm_mlx.loading.variants import NAMES
 
     page = " ".join(chat.HELP.split())
-    for variant in MODES:
+    for variant in NAMES:
         assert variant in page, (variant, chat.HELP)
 
 

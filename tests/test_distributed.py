@@ -553,7 +553,7 @@ def test_shard_model_lets_ours_shard_themselves_and_splits_mlx_lms_by_layers(
     calls = []
     monkeypatch.setattr(sharding, "shard_layers", lambda *a: calls.append("layers"))
     group = type("Group", (), {"size": lambda self: 2})()
-    ours, _ = build_model(source, "flashnorm", dtype=mx.float32, compile=False)
+    ours, _ = build_model(source, "flashnorm", dtype=mx.float32, engine="eager")
     monkeypatch.setattr(type(ours), "shard", lambda self, g: calls.append("own"))
     sharding.shard_model(ours, group)
     stock, _ = build_model(source, "stock", dtype=mx.float32)

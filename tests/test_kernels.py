@@ -1054,7 +1054,7 @@ def test_model_with_every_kernel_body_matches_twins(
     source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
     # Uncompiled: the host C++ bodies read their inputs into numpy, which a
     # trace cannot (test_decode.py checks the kernels inside a compiled step).
-    model, _ = build_model(source, "flashnorm", dtype=dtype, compile=False)
+    model, _ = build_model(source, "flashnorm", dtype=dtype, engine="eager")
     prompt = mx.array([[5, 17, 99, 3, 250, 42, 7]])
     logits = {}
     for env in ("1", "0"):

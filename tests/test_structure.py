@@ -124,3 +124,52 @@ def test_the_design_map_names_every_module_and_folder_of_the_package_root():
     ]
     missing = [e for e in entries if f"`{e}" not in section]
     assert not missing, f"not on the map: {missing}"
+
+
+# The commands, each a library module (or package) with its CLI in cli/: they sit
+# side by side above the library, and what they share lives below them
+# (engine, timing, loading.variants, models).
+COMMANDS = ("bench", "chat", "convert", "perplexity", "serve", "verify")
+
+
+def _command_of(module: str):
+    """The command `module` belongs to: flashnorm_mlx.<command>[.*] or
+    flashnorm_mlx.cli.<command>; None for the library below them."""
+    parts = module.split(".")[1:]
+    if parts[:1] == ["cli"]:
+        parts = parts[1:]
+    return parts[0] if parts and parts[0] in COMMANDS else None
+
+
+def test_the_commands_import_none_of_each_other():
+    crossed = [
+        f"{name} imports {dep}"
+        for name, deps in GRAPH.items()
+        for dep in deps
+        if _command_of(name)
+        and _command_of(dep)
+        and _command_of(dep) != _command_of(name)
+    ]
+    below = [
+        f"{name} (library) imports {dep}"
+        for name, deps in GRAPH.items()
+        if not _command_of(name) and not name.startswith("flashnorm_mlx.cli")
+        for dep in deps
+        if _command_of(dep)
+    ]
+    assert not crossed and not below, crossed + below
+
+
+def test_the_engine_owns_compilation():
+    """Models know no engine: blocks and model files import neither the engine
+    nor its step, and only engine.py calls mx.compile."""
+    models_import_engine = [
+        name
+        for name, deps in GRAPH.items()
+        if name.startswith("flashnorm_mlx.models") and "flashnorm_mlx.engine" in deps
+    ]
+    assert not models_import_engine, models_import_engine
+    compiling = sorted(
+        name for name, path in MODULES.items() if "mx.compile(" in path.read_text()
+    )
+    assert compiling == ["flashnorm_mlx.engine"], compiling

@@ -1,4 +1,5 @@
-"""`flashnorm-mlx bench [MODEL]`: stock vs FlashNorm vs the norm-removed bound."""
+"""`flashnorm-mlx bench [MODEL]`: mlx-lm, stock, FlashNorm and the norm-removed
+bound, the four norm handlings on one engine."""
 
 import argparse
 import json
@@ -9,7 +10,8 @@ from pathlib import Path
 from .. import quant
 from ..bench import run_bench, validate
 from ..errors import BenchError
-from ..loading import MODES, read_source
+from ..loading import read_source
+from ..loading.variants import NAMES
 from ..parallel import distributed
 from .common import (
     Parser,
@@ -24,9 +26,11 @@ from .common import (
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="flashnorm-mlx bench",
-        description="Prompt and decode tokens/sec of stock mlx-lm, FlashNorm and "
-        "the norm-removed upper bound, on the same weights, random prompt tokens "
-        "and generation loop (end-of-sequence ignored), trials interleaved.",
+        description="Prompt and decode tokens/sec of mlx-lm as users run it "
+        "(stock, eager), then stock, stock_fused, nonorm (the norm-removed upper "
+        "bound) and FlashNorm on one engine, so that they differ in the norms "
+        "alone: same weights, random prompt tokens and generation loop "
+        "(end-of-sequence ignored), trials interleaved.",
     )
     add_model_args(p, mode=False)
     p.add_argument(
@@ -42,8 +46,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--num-trials", type=int, default=5, help="timed rounds")
     p.add_argument(
         "--variants",
-        default=",".join(MODES),
-        help=f"comma-separated subset of {','.join(MODES)} (default: all)",
+        default=",".join(NAMES),
+        help=f"comma-separated subset of {','.join(NAMES)} (default: all)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="a second table: host build and eval ms per step, launches and "
+        "parameter MB per token, GB/s, load s, norm modules, logits check",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
     p.add_argument(
@@ -71,65 +81,124 @@ def write_json(path: str, result: dict) -> None:
         raise
 
 
-def _cell(s: dict, fmt: str = "{:.1f}") -> str:
-    return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}-{fmt.format(s['max'])})"
+def _cell(s: dict) -> str:
+    """A tok/s median and its rounds' spread as +-% of it."""
+    half = 100 * (s["max"] - s["min"]) / 2 / s["median"] if s["median"] else 0.0
+    return f"{s['median']:.1f} ±{half:.0f}%"
 
 
-def render(result: dict, console) -> None:
-    """The summary as a rich table plus a few lines under it."""
+def _ratio_cell(r) -> str:
+    """The median of per-round decode ratios; ~ where they fall on both sides of
+    1.0 (the spread is in the ratio lines and the JSON)."""
+    if r is None:
+        return "-"
+    d = r["decode"]
+    return f"{d['median_of_ratios']:.2f}" + ("~" if d["within_noise"] else " ")
+
+
+def render(result: dict, console, verbose: bool = False) -> None:
+    """The summary as a rich table (a second with --verbose), then the three
+    ratios and a few lines under it."""
     console.print(_table(result))
+    if verbose:
+        console.print(_details(result))
     _print_lines(result, console)
 
 
 def _table(result: dict):
+    """What every run shows, in 100 columns: tok/s, the two decode ratios and
+    the peak memory."""
+    from rich import box
     from rich.table import Table
 
     st = result["settings"]
     table = Table(
         title=f"{result['source']['name']}: prompt {st['prompt_tokens']}, "
-        f"generate {st['gen_tokens']}, {st['trials']} rounds: median (min-max)"
+        f"generate {st['gen_tokens']}, {st['trials']} rounds",
+        box=box.SIMPLE_HEAD,
     )
-    for col in (
-        "variant",
-        "prompt tok/s",
-        "decode tok/s",
-        "decode x stock",
-        "prompt x stock",
-    ):
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    cols = ("build ms", "eval ms", "launches/tok", "MB/tok", "peak GB", "GB/s")
-    cols += ("load s", "norms", "logits")
-    for col in cols:
-        table.add_column(col, justify="right")
+    for col in ("variant", "engine", "prompt tok/s", "decode tok/s"):
+        table.add_column(
+            col,
+            justify="left" if col in ("variant", "engine") else "right",
+            no_wrap=True,
+        )
+    for col in ("x mlx-lm", "x stock", "peak GB"):
+        table.add_column(col, justify="right", no_wrap=True)
+    by_variant = result["ratios"]["by_variant"]
     for v, s in result["variants"].items():
-        r = result["ratios"].get(v)
+        r = by_variant.get(v, {})
         ok = s["logits_finite"] and s["all_trials_finite"]
+        table.add_row(
+            v if ok else f"[red]{v}![/red]",  # NaN/inf: see the note below
+            s["engine"],
+            _cell(s["prompt_tps"]),
+            _cell(s["decode_tps"]),
+            _ratio_cell(r.get("x_mlx_lm")),
+            _ratio_cell(r.get("x_stock")),
+            f"{s['variant_peak_gb']:.3f}",
+        )
+    return table
+
+
+def _details(result: dict):
+    """--verbose: host time, launches and bytes per decode step, load."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="per decode step", box=box.SIMPLE_HEAD)
+    cols = ("variant", "build ms", "eval ms", "compile ms", "launches")
+    cols += ("MB/tok", "GB/s", "load s", "norms", "logits")
+    for col in cols:
+        left = col == "variant"
+        table.add_column(col, justify="left" if left else "right", no_wrap=left)
+    for v, s in result["variants"].items():
         launches = str(s["dispatches_per_token"])
         if s["dispatches_per_token_gpu_model"] != s["dispatches_per_token"]:
             launches += f" ({s['dispatches_per_token_gpu_model']})"  # see the note
+        ok = s["logits_finite"] and s["all_trials_finite"]
         table.add_row(
-            v + ("*" if s["compiled"] else ""),  # the compiled-step note says why
-            _cell(s["prompt_tps"]),
-            _cell(s["decode_tps"]),
-            f"{r['decode']['median_of_ratios']:.3f}" if r else "1.000",
-            f"{r['prompt']['median_of_ratios']:.3f}" if r else "1.000",
+            v,
             f"{s['host_build_ms']:.2f}",
             f"{s['eval_ms']:.2f}",
+            f"{s['compile_ms']:.0f}",
             launches,
             f"{s['decode_bytes_per_token'] / 1e6:.1f}",
-            f"{s['variant_peak_gb']:.3f}",
             f"{s['effective_gbps']:.2f}",
             f"{s['build_s']:.1f}",
             str(s["rms_norm_modules"]),
-            "finite" if ok else "[red]NaN/inf[/red]",  # see the note below
+            "finite" if ok else "[red]NaN/inf[/red]",
         )
     return table
+
+
+# The three ratios apart (docs/design.md section 4b): key, what it answers.
+RATIO_LINES = (
+    ("flashnorm_vs_mlx_lm", "flashnorm vs mlx-lm (what switching buys)"),
+    ("flashnorm_vs_stock", "flashnorm vs stock, same engine (what FlashNorm buys)"),
+    ("nonorm_vs_stock", "nonorm vs stock, same engine (the bound)"),
+)
+
+
+def ratio_line(r: dict) -> str:
+    """ "1.08x decode (1.05-1.10), prompt 1.01x", or "within noise" where the
+    per-round decode ratios fall on both sides of 1.0."""
+    d, p = r["decode"], r["prompt"]
+    verdict = "within noise, " if d["within_noise"] else ""
+    return (
+        f"{verdict}{d['median_of_ratios']:.2f}x decode ({d['min']:.2f}-"
+        f"{d['max']:.2f} over {d['rounds']} rounds), prompt {p['median_of_ratios']:.2f}x"
+    )
 
 
 def _print_lines(result: dict, console) -> None:
     from rich.markup import escape
 
     st = result["settings"]
+    ratios = result["ratios"]
+    for key, words in RATIO_LINES:
+        if key in ratios:
+            console.print(f"{words}: {ratio_line(ratios[key])}")
     h = result["headroom"]
     if h.get("share") is not None:
         console.print(
@@ -149,13 +218,11 @@ def _print_lines(result: dict, console) -> None:
     qtxt = quant.describe({"quantization": q}) if q else "unquantized"
     console.print(
         f"{same} (checksum {result['source']['checksum'][:12]}), "
-        f"{first['dtype']}, {qtxt}; "
-        f"x stock = median of per-round ratios; MB/tok = parameter bytes one "
-        f"decode step reads (embedding table counted only when tied); peak GB = "
-        f"the variant's parameters plus the most its trials added; GB/s = "
-        f"decode tok/s x MB/tok; build ms / eval ms = host time to build one "
-        f"decode step's graph / MLX encoding and running it (medians of a "
-        f"synchronous pass after the rounds)"
+        f"{first['dtype']}, {qtxt}, engine {st['engine']}; tok/s = median ±half "
+        f"the rounds' range; x = median of per-round decode ratios, ~ where they "
+        f"fall on both sides of 1.0 (within noise); peak GB = the variant's "
+        f"parameters plus the most its trials added; --verbose for host time, "
+        f"launches and bytes"
     )
     console.print(
         f"comparison ({result['comparison']}): {escape(result['comparison_note'])}"
@@ -180,7 +247,13 @@ def main(argv=None):
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     # Flags checked before the (slow) read: flashnorm-mlx bench: error:, exit 2.
     try:
-        validate(variants, args.prompt_tokens, args.generation_tokens, args.num_trials)
+        validate(
+            variants,
+            args.prompt_tokens,
+            args.generation_tokens,
+            args.num_trials,
+            args.engine,
+        )
     except BenchError as e:
         parser.error(str(e))
     if args.json and not Path(args.json).expanduser().parent.is_dir():
@@ -221,9 +294,9 @@ def main(argv=None):
     if args.json and distributed.is_main_rank():  # one writer per launch
         write_json(args.json, result)
     out = Console()
-    if not out.is_terminal:  # piped or redirected: don't wrap the table at 80
-        out = Console(width=160)
-    render(result, out)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(width=100)  # piped or redirected: the table's own width
+    render(result, out, args.verbose)
     if args.json:
         print(f"wrote {args.json}")
     return 0

@@ -7,15 +7,17 @@ it reads one message per line and prints only replies, stats lines and notices.
 import argparse
 import sys
 
+from .. import engine as engines
 from ..chat import (
     ChatError,
     ChatSession,
     ContextOverflow,
-    compare_decode_speed,
-    context_length,
 )
-from ..loading import MODES, build_model
+from ..loading import build_model
+from ..loading.variants import BY_NAME, NAMES
+from ..models import context_length
 from ..parallel import distributed
+from ..timing import compare_decode_speed
 from .common import (
     Parser,
     UserError,
@@ -34,7 +36,7 @@ HELP = """\
         {variants}: decode tok/s side by side
 /quit   leave (also /exit, or Ctrl-D)
 Ctrl-C stops a reply; the partial reply stays in the conversation.""".format(
-    variants=", ".join(MODES)
+    variants=", ".join(NAMES)
 )
 
 
@@ -145,33 +147,41 @@ def turn_notices(stats, requested_max_tokens: int, limit) -> list:
 
 
 class Comparer:
-    """/compare: the chat's model plus the other modes (loading.MODES) built on the
-    same source and settings (once, on first use), timed on the last reply's
+    """/compare: bench's rows (loading/variants.py), mlx-lm then the four norm
+    handlings on the chat's engine, built on the same source and settings (once,
+    on first use; the chat's own model is its row), timed on the last reply's
     prompt."""
 
     def __init__(self, source, mode: str, model, kwargs: dict, sampler=None):
-        self.source, self.kwargs, self.sampler = source, kwargs, sampler
+        self.source, self.sampler = source, sampler
+        self.engine = engines.resolve(kwargs.get("engine"))
+        self.kwargs = {k: v for k, v in kwargs.items() if k != "engine"}
         self.models = {mode: model}
 
     def __call__(self, session: ChatSession) -> str:
         n = len(session.last_reply_ids)
         if n < 2:
             return "(/compare needs a reply of 2 or more tokens first)"
-        for v in MODES:
+        for v in NAMES:
             if v not in self.models:
-                self.models[v], _ = build_model(self.source, v, **self.kwargs)
-        models = {v: self.models[v] for v in MODES}
+                row = BY_NAME[v]
+                engine = row.engine or self.engine
+                self.models[v], _ = build_model(
+                    self.source, row.norms, engine=engine, **self.kwargs
+                )
+        models = {v: self.models[v] for v in NAMES}
         r = compare_decode_speed(models, session.last_prompt_ids, n, self.sampler)
-        base = r["stock"]["decode_tps"]
+        stock = r["stock"]["decode_tps"]
         cells = [
             f"{v} {r[v]['decode_tps']:.1f}"
-            + (f" ({r[v]['decode_tps'] / base:.2f}x)" if v != "stock" else "")
-            for v in MODES
+            + (f" ({r[v]['decode_tps'] / stock:.2f}x)" if v != "stock" else "")
+            for v in NAMES
         ]
         return (
             f"decode tok/s, last reply regenerated ({n} tokens, end-of-sequence "
             f"ignored, same {len(session.last_prompt_ids)}-token prompt and "
-            f"weights): " + " | ".join(cells)
+            f"weights; mlx-lm eager, the rest on the {self.engine} engine, x stock "
+            f"on it): " + " | ".join(cells)
         )
 
 

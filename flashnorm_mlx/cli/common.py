@@ -120,10 +120,10 @@ QUANTIZED_FLAGS = {
 
 
 def add_model_args(
-    parser: argparse.ArgumentParser, mode: bool = True, compile: bool = True
+    parser: argparse.ArgumentParser, mode: bool = True, engine: bool = True
 ) -> None:
-    """MODEL, --tokenizer, --mode, --dtype, the quantization flags and
-    --[no-]compile (not for commands that run no decode step)."""
+    """MODEL, --tokenizer, --mode, --dtype, the quantization flags and --engine
+    (not for commands that run no decode step)."""
     parser.add_argument(
         "model",
         nargs="?",
@@ -188,17 +188,45 @@ def add_model_args(
             flag, dest="quantized_way", action="store_const", const=way, help=text
         )
     parser.set_defaults(quantized_way="stored")
-    if compile:
-        parser.add_argument(
-            "--compile",
-            action=argparse.BooleanOptionalAction,
-            default=None,
-            help="run FlashNorm's decode step as one mx.compile'd function per "
-            "shape (same tokens, less host time per step) or, with --no-compile, "
-            "built op by op (default: compiled where Metal or CUDA runs the "
-            "model, where the host sets the pace; not on the CPU, where the "
-            "matmuls do and a first run would spend seconds compiling kernels)",
-        )
+    if engine:
+        add_engine_arg(parser)
+
+
+def add_engine_arg(parser: argparse.ArgumentParser, default_text: str = "") -> None:
+    """--engine, and --compile/--no-compile as its aliases for one release."""
+    from ..engine import ENGINES
+
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=None,
+        help="what runs the decode steps, the same for every --mode: eager (each "
+        "step's graph built op by op, as mlx-lm runs it) or compiled (one "
+        "mx.compile'd step per shape, a length-aware attention: same tokens, "
+        "less host time per step) "
+        + (
+            default_text
+            or "(default: compiled where Metal or CUDA runs the model, where the "
+            "host sets the pace; eager on the CPU, where the matmuls do and a "
+            "first run would spend seconds compiling kernels)"
+        ),
+    )
+    parser.add_argument(
+        "--compile",
+        dest="engine",
+        action="store_const",
+        const="compiled",
+        help="the same as --engine compiled (an alias kept for one release; the "
+        "default is --engine's)",
+    )
+    parser.add_argument(
+        "--no-compile",
+        dest="engine",
+        action="store_const",
+        const="eager",
+        help="the same as --engine eager (an alias kept for one release; the "
+        "default is --engine's)",
+    )
 
 
 # mlx-lm's sampler flags (mlx_lm.generate; make_sampler's arguments), default
@@ -282,7 +310,7 @@ def model_kwargs(args) -> dict:
         quantize=(args.q_bits, args.q_group_size) if args.quantize else None,
         quantized_way=args.quantized_way,
         **({"group": launch.group} if launch else {}),
-        **({"compile": args.compile} if hasattr(args, "compile") else {}),
+        **({"engine": args.engine} if hasattr(args, "engine") else {}),
     )
 
 

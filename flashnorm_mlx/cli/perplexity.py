@@ -6,9 +6,9 @@ import sys
 
 from ..errors import LoadError
 from ..loading import RUN_MODES, read_source
+from ..loading.variants import comparison
 from ..perplexity import MIN_TIMED_TOKENS, load_text, perplexity
 from ..quant import gptq
-from ..verify import comparison
 from .common import (
     Parser,
     StageLog,
@@ -29,7 +29,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "its own settings with --requantize; -q quantizes with "
         "--q-bits/--q-group-size (both from the same float weights).",
     )
-    add_model_args(p, mode=False, compile=False)  # scores whole windows
+    add_model_args(p, mode=False, engine=False)  # scores whole windows
     p.add_argument(
         "--data",
         default=None,

@@ -4,7 +4,8 @@ import argparse
 import json
 
 from ..loading import read_source
-from ..verify import compare, comparison, prompt_tokens
+from ..loading.variants import comparison
+from ..verify import compare, prompt_tokens
 from .common import Parser, StageLog, UserError, add_model_args, model_kwargs, run_main
 
 

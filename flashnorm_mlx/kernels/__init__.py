@@ -6,7 +6,9 @@ One module per op, the kernel body beside its plain-MLX twin:
   `residual_norm` (the last one, fused with the final RMSNorm);
 - `glu`: `deferred_glu`, silu(s * gate) * up;
 - `attention`: `decode_attention`, one query per head over the first n cache
-  positions, n from an array (the compiled decode step's attention);
+  positions, n from an array (the compiled decode step's attention), and
+  `scaled_dot_product_attention`, mlx-lm's call that sends that step's cache
+  to it;
 - `epilogue`: `qkv_epilogue`, q', k', v' from the fused qkv matmul output;
 - `render`: the kernel dialect and its Metal and CUDA preludes;
 - `_common`: backend choice, the picker, lazy kernel objects, the prescale.
@@ -39,7 +41,7 @@ from ._common import (
     picking,
     tracing,
 )
-from .attention import decode_attention
+from .attention import decode_attention, scaled_dot_product_attention
 from .block_residual import residual, residual_norm
 from .epilogue import Epilogue, qkv_epilogue, rope_inv_freq
 from .glu import deferred_glu
@@ -57,5 +59,6 @@ __all__ = [
     "residual",
     "residual_norm",
     "rope_inv_freq",
+    "scaled_dot_product_attention",
     "tracing",
 ]

@@ -1,16 +1,23 @@
 """`decode_attention`: one query per head over the first n positions of a KV buffer.
 
-The compiled decode step (decode.py) attends over the cache's whole fixed
+The compiled engine's decode step (engine.py) attends over the cache's whole fixed
 capacity C and must hide the positions past the write offset. As a mask that
 costs a launch or more per layer, and on CUDA an array mask leaves MLX's
 single-query attention kernel for a slower path (docs/design.md section 3e).
 This kernel reads n = offset + 1 from an array instead: positions past it are
 never read, and no mask exists.
+
+`scaled_dot_product_attention` is the one attention call of every model the
+engine runs, ours and mlx-lm's classes alike (the engine hands it to mlx-lm's
+model modules): mlx-lm's own for every cache, `decode_attention` for the
+compiled step's fixed-capacity one. So on one engine every variant attends with
+the same kernel (docs/design.md section 4b).
 """
 
 import functools
 
 import mlx.core as mx
+from mlx_lm.models import base
 
 from . import _common
 
@@ -20,7 +27,8 @@ NT = 256  # threads per (batch, query head); the head dim must not exceed it
 # scores key c0 + t (its whole dot product), the group's max and sum update an
 # online softmax, then G = NT / D groups of D threads sum p * v, thread (g, d)
 # owning output dim d of keys g, g + G, ... of the chunk; the G partial outputs
-# add up at the end. Scale 1: 1/sqrt(h) already rode in q.
+# add up at the end. The query is scaled as it is read, in float32, as MLX's own
+# single-query attention does (FlashNorm's q' already carries 1/sqrt(h): scale 1).
 DECODE_ATTENTION_BODY = """\
   const int lane = FN_LANE;
   const int bh = FN_GROUP;  // b * HQ + query head
@@ -36,7 +44,7 @@ DECODE_ATTENTION_BODY = """\
   FN_SHARED float p[RP];
   FN_SHARED float red[RP];
   if (lane < D) {
-    qs[lane] = static_cast<float>(q[bh * D + lane]);
+    qs[lane] = static_cast<float>(q[bh * D + lane]) * scale[0];
   }
   float m = -3.0e38f;  // running max, sum and this thread's partial output
   float z = 0.0f;
@@ -96,19 +104,28 @@ DECODE_ATTENTION_BODY = """\
 
 
 def decode_attention_ops(
-    q: mx.array, k: mx.array, v: mx.array, offset: mx.array
+    q: mx.array, k: mx.array, v: mx.array, offset: mx.array, scale: float = 1.0
 ) -> mx.array:
-    """softmax(q k^T) v over positions 0..offset of k and v (B, Hkv, C, h), scale
-    1, for q (B, Hq, 1, h): MLX's attention with the rest masked out."""
+    """softmax(scale q k^T) v over positions 0..offset of k and v (B, Hkv, C, h),
+    for q (B, Hq, 1, h): MLX's attention with the rest masked out."""
     mask = (mx.arange(k.shape[2]) <= offset).reshape(1, 1, 1, -1)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _scale_array(scale: float) -> mx.array:
+    # One small constant per scale, not a new array per layer and step.
+    return mx.array([scale], dtype=mx.float32)
 
 
 @functools.lru_cache(maxsize=512)
 def _attention_plan(q_shape, kv_heads, dtype, make_kernel, backend):
     B, Hq, _, D = q_shape
     kernel = make_kernel(
-        "decode_attention", DECODE_ATTENTION_BODY, ["q", "k", "v", "offset"], ["out"]
+        "decode_attention",
+        DECODE_ATTENTION_BODY,
+        ["q", "k", "v", "offset", "scale"],
+        ["out"],
     )
     launch = dict(
         template=[
@@ -128,19 +145,33 @@ def _attention_plan(q_shape, kv_heads, dtype, make_kernel, backend):
 
 
 def decode_attention_kernel(
-    q: mx.array, k: mx.array, v: mx.array, offset: mx.array
+    q: mx.array, k: mx.array, v: mx.array, offset: mx.array, scale: float = 1.0
 ) -> mx.array:
     kernel, launch = _attention_plan(
         q.shape, k.shape[1], q.dtype, _common.make_kernel, _common.gpu_backend()
     )
-    return kernel(inputs=[q, k, v, offset], **launch)[0]
+    return kernel(inputs=[q, k, v, offset, _scale_array(scale)], **launch)[0]
 
 
 def decode_attention(
-    q: mx.array, k: mx.array, v: mx.array, offset: mx.array
+    q: mx.array, k: mx.array, v: mx.array, offset: mx.array, scale: float = 1.0
 ) -> mx.array:
     if q.shape[2] != 1 or q.shape[3] > NT or k.dtype != q.dtype:
-        return decode_attention_ops(q, k, v, offset)
+        return decode_attention_ops(q, k, v, offset, scale)
     return _common.pick(
         "decode_attention", decode_attention_kernel, decode_attention_ops
-    )(q, k, v, offset)
+    )(q, k, v, offset, scale)
+
+
+def scaled_dot_product_attention(
+    queries, keys, values, cache, scale: float, mask, sinks=None
+):
+    """mlx-lm's `scaled_dot_product_attention` (its signature), except over a
+    cache that holds whole fixed-capacity buffers and its write position as an
+    array (`fixed_capacity`, the compiled engine's step cache): that one is read
+    by `decode_attention`, which needs no mask."""
+    if getattr(cache, "fixed_capacity", False) and sinks is None:
+        return decode_attention(queries, keys, values, cache.offset, scale)
+    return base.scaled_dot_product_attention(
+        queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
+    )

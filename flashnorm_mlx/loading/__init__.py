@@ -6,7 +6,8 @@ instantiate -> shard, for every variant (docs/design.md section 5a).
   file's structure checked before MLX reads it;
 - `recipe`: the one per-module transform (dequantize, fold, cast, quantize)
   behind loading and `convert`, and whole checkpoints a layer at a time;
-- `build`: `build_model`, one variant on a Source (`MODES`), and `load`;
+- `build`: `build_model`, one norm handling on a Source, and `load`;
+- `variants`: the rows a run compares, norm handling x engine, one table;
 - `nonorm` and `stock_fused`: the comparison variants bench builds.
 
 The pipeline's steps are the transforms of `fold` and `quant`; the models
@@ -14,24 +15,18 @@ are `models`'; sharding is `parallel.sharding`'s.
 """
 
 from ..errors import LoadError
-from .build import (
-    DTYPES,
-    MODES,
-    RUN_MODES,
-    bits_per_weight,
-    build_model,
-    load,
-    model_dtype,
-    weight_bytes,
-)
+from .build import DTYPES, bits_per_weight, build_model, load, model_dtype, weight_bytes
 from .source import Source, read_source
+from .variants import NORMS, RUN_MODES, VARIANTS, Variant
 
 __all__ = [
     "DTYPES",
     "LoadError",
-    "MODES",
+    "NORMS",
     "RUN_MODES",
     "Source",
+    "VARIANTS",
+    "Variant",
     "bits_per_weight",
     "build_model",
     "load",

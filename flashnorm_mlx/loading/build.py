@@ -12,19 +12,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .. import decode, fold, models, quant
+from .. import engine as engines
+from .. import fold, models, quant
 from ..errors import LoadError
 from ..parallel import sharding
 from . import nonorm, stock_fused
 from .recipe import Recipe
 from .source import Source, folder_weights, read_source
+from .variants import NORMS
 
-# Every variant, the reference first, in the order bench and chat's /compare
-# show them. "stock_compiled": stock given FlashNorm's compiled decode step
-# (decode.py); "stock_fused": stock with q|k|v and gate|up stacked
-# (stock_fused.py); "nonorm": the norm-removed speed bound (nonorm.py).
-MODES = ("stock", "stock_compiled", "stock_fused", "flashnorm", "nonorm")
-RUN_MODES = ("stock", "flashnorm")  # what a user runs (--mode), perplexity scores
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
@@ -36,9 +32,10 @@ def build_model(
     quantized_way: str = "stored",
     notes: Optional[List[str]] = None,
     group: Optional[mx.distributed.Group] = None,
-    compile: Optional[bool] = None,
+    engine: Optional[str] = None,
 ) -> Tuple[nn.Module, dict]:
-    """Build the `mode` model on `source`'s weights; returns (model, its config).
+    """Build the `mode` model (a key of variants.NORMS: how it handles the norms)
+    on `source`'s weights; returns (model, its config).
 
     quantize=(bits, group_size): quantize a float source after folding;
     quantized_way: how a quantized source is taken, "stored" (FlashNorm applies
@@ -47,12 +44,16 @@ def build_model(
     the obvious reading of the flags would suggest. `group`: split the model
     over it (sharding.shard_model) before its weights are evaluated, layer
     by layer, so a rank holds its own shard and one layer's full tensors at a
-    time (ShardError where it cannot be split). `compile`: FlashNorm's decode
-    steps run compiled (decode.py; None: where `decode.default_on()`, a GPU
-    backend); "stock_compiled" always does, stock, stock_fused and nonorm never.
+    time (ShardError where it cannot be split). `engine`: what runs its decode
+    steps, "eager" or "compiled" (engine.py; None: `engine.default()`), the
+    same for every mode.
     """
-    if mode not in MODES:
-        raise LoadError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode not in NORMS:
+        raise LoadError(f"unknown mode {mode!r}; choose from {', '.join(NORMS)}")
+    try:
+        engine = engines.resolve(engine)
+    except ValueError as e:
+        raise LoadError(str(e)) from None
     source_weights = source.weights if group is None else _own_handles(source)
     plan = quant.plan_weights(
         source_weights, source.config, dtype, quantize, quantized_way
@@ -65,10 +66,7 @@ def build_model(
     else:  # on the tensors `convert` would write, computed lazily (recipe.py)
         cls = "flashnorm" if mode == "flashnorm" else "stock"  # ours or mlx-lm's
         recipe = Recipe(source_weights, source.config, plan, stock=cls == "stock")
-        if compile is None:
-            compile = decode.default_on()
-        compiled = mode == "stock_compiled" or (cls == "flashnorm" and compile)
-        model, config = _instantiate(source.name, recipe, cls, compiled)
+        model, config = _instantiate(source.name, recipe, cls)
         del recipe
     del source_weights, plan  # from here the model alone holds the (lazy) weights
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
@@ -78,16 +76,16 @@ def build_model(
     if fused:  # each rank's own rows, after sharding
         stock_fused.fuse_projections(model)
     mx.eval(model.parameters())
-    return model, config
+    return engines.run_on(model, engine), config
 
 
-def _instantiate(name: str, recipe: Recipe, cls: str, compiled: bool):
+def _instantiate(name: str, recipe: Recipe, cls: str):
     """(model, config) of class `cls` ("stock" or "flashnorm") on the recipe's
     tensors; weights that do not fit the config are one LoadError line."""
     tensors, config = recipe.tensors(), recipe.config
     norm_gains = recipe.as_stored and not fold.is_folded(config) and cls != "stock"
     try:
-        return models.instantiate(config, tensors, cls, norm_gains, compiled), config
+        return models.instantiate(config, tensors, cls, norm_gains), config
     except (ValueError, KeyError) as e:  # weights or config that do not fit
         # mlx-lm lists missing parameters on lines of their own: keep one line.
         raise LoadError(f"{name}: {' '.join(str(e).split())}") from None
@@ -118,7 +116,7 @@ def load(
     quantize: Optional[Tuple[int, int]] = None,
     quantized_way: str = "stored",
     tokenizer: Optional[str] = None,
-    compile: Optional[bool] = None,
+    engine: Optional[str] = None,
 ):
     """(model, tokenizer) for MODEL: FlashNorm-folded at load unless already folded
     (or, for a quantized checkpoint, as stored with the gains in the kernels)."""
@@ -129,7 +127,7 @@ def load(
         dtype=dtype,
         quantize=quantize,
         quantized_way=quantized_way,
-        compile=compile,
+        engine=engine,
     )
     return m, source.tokenizer
 

@@ -7,6 +7,7 @@ mlx-lm's own class (README, "New architecture").
 
 import importlib
 from types import ModuleType
+from typing import Optional
 
 from ..errors import UnsupportedModel
 from .arch import Architecture
@@ -31,14 +32,34 @@ def model_module(config: dict) -> ModuleType:
     return importlib.import_module(f"{__name__}.{ARCHITECTURES[mt]}")
 
 
+# Config keys that give a model's trained context length, in order of preference.
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_context_length",
+    "max_sequence_length",
+    "n_positions",
+    "seq_length",
+)
+
+
+def context_length(config: dict) -> Optional[int]:
+    """The trained context length a config states, or None."""
+    for key in _CONTEXT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def architecture(config: dict) -> Architecture:
     return model_module(config).ARCH
 
 
-def model_classes(config: dict, mode: str):
-    """(Model, ModelArgs): mlx-lm's own classes for "stock", ours otherwise."""
+def model_classes(config: dict, cls: str):
+    """(Model, ModelArgs): mlx-lm's own classes for "stock", ours ("flashnorm")
+    otherwise."""
     module = model_module(config)
-    if mode == "stock":
+    if cls == "stock":
         from mlx_lm.utils import _get_classes
 
         return _get_classes(config)
@@ -63,23 +84,12 @@ def quantize_like(model, weights: dict) -> None:
     )
 
 
-def instantiate(
-    config: dict,
-    weights: dict,
-    mode: str,
-    norm_gains: bool = False,
-    compiled: bool = False,
-):
-    """The `mode` class built on `weights` (its `sanitize` applied); quantized
-    modules made where the weights have scales. norm_gains: ours on
-    unfolded weights, the norm gains applied in the kernels. compiled: decode
-    steps run compiled (decode.py). ValueError on weights that do not fit the
-    config."""
-    from ..decode import compiled_class
-
-    model_cls, args_cls = model_classes(config, mode)
-    if compiled:
-        model_cls = compiled_class(model_cls)
+def instantiate(config: dict, weights: dict, cls: str, norm_gains: bool = False):
+    """The `cls` class ("stock" or "flashnorm") built on `weights` (its
+    `sanitize` applied); quantized modules made where the weights have scales.
+    norm_gains: ours on unfolded weights, the norm gains applied in the
+    kernels. ValueError on weights that do not fit the config."""
+    model_cls, args_cls = model_classes(config, cls)
     args = args_cls.from_dict(config)
     model = model_cls(args, norm_gains=True) if norm_gains else model_cls(args)
     if hasattr(model, "sanitize"):

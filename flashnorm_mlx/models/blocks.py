@@ -18,15 +18,12 @@ Where the gains live (a model's `norm_gains`):
 Both are stock's function: (x * g) @ W^T * s = RMSNorm(x) @ W^T.
 """
 
-import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import scaled_dot_product_attention
 
 from .. import kernels
-from ..decode import CompiledOnce, StepCache
 
 
 class Gain(nn.Module):
@@ -60,16 +57,9 @@ class Block(nn.Module):
         name = self.NORMS[i]
         return self[name].weight if name in self else None
 
-    # Set on the layers of a model built with a compiled decode step (decode.py):
-    # single-token steps its whole-step function cannot serve (rotating, batched
-    # or quantized caches) compile this block's cache-free parts instead.
-    compile_parts = False
-
     def __call__(self, x, ms, xs, mask, cache, out_gain, final: bool):
         """(x, ms, xs) of the next block, or with `final` the final RMSNorm of
         this block's output. out_gain: the next norm's gain (None: folded)."""
-        if self.compile_parts and cache is not None and x.shape[1] == 1:
-            return self._compiled_call(x, ms, xs, mask, cache, out_gain, final)
         a = self[self.ATTENTION](xs, ms, mask, cache)
         return self.close(x, a, out_gain, final)
 
@@ -81,43 +71,14 @@ class Block(nn.Module):
             return kernels.residual_norm(h, y, ms_y, self.eps, out_gain)
         return kernels.residual(h, y, ms_y, self.eps, out_gain)
 
-    def _compiled_call(self, x, ms, xs, mask, cache, out_gain, final):
-        # The cache update and attention stay outside: only they see the cache.
-        parts = self.__dict__.get("_parts")
-        if parts is None:
-            parts = self.__dict__["_parts"] = {
-                "heads": CompiledOnce(self[self.ATTENTION].heads)
-            }
-        offset = cache.offset
-        if isinstance(offset, int):  # an int would be a new constant every step
-            offset = mx.array([offset], dtype=mx.int32)
-        q, k, v = parts["heads"](xs, ms, offset)
-        o = attend_cached(q, k, v, mask, cache)
-        close = parts.get(final)
-        if close is None:
-            close = parts[final] = CompiledOnce(self._closer(final))
-        return close(x, o) if out_gain is None else close(x, o, out_gain)
-
-    def _closer(self, final: bool):
-        """The out projection and `close`, as one function of (x, o[, gain]):
-        traced apart with and without a gain (its own input signature)."""
-        block = weakref.ref(self)  # the block owns its parts: no reference cycle
-
-        def run(x, o, gain=None):
-            b = block()
-            return b.close(x, b[b.ATTENTION].project_out(o), gain, final)
-
-        return run
-
 
 def attend_cached(q, k, v, mask, cache):
-    """KV cache update, then attention with scale 1 (1/sqrt(h) rode in q').
+    """KV cache update, then attention with scale 1 (1/sqrt(h) rode in q'), the
+    call mlx-lm's classes make on the compiled engine too (`kernels.scaled_dot_product_attention`).
     q (B, Hq, L, h), k and v (B, Hkv, L, h) -> (B, Hq, L, h)."""
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
-    if isinstance(cache, StepCache):  # the compiled step's whole-capacity buffers
-        return kernels.decode_attention(q, k, v, cache.offset)
-    return scaled_dot_product_attention(q, k, v, cache=cache, scale=1.0, mask=mask)
+    return kernels.scaled_dot_product_attention(q, k, v, cache, 1.0, mask)
 
 
 class FusedAttention(nn.Module):

@@ -43,7 +43,7 @@ class Service:
 
     def start(self) -> None:
         """Build the model on the generation thread; its errors raise here."""
-        from ..chat import context_length
+        from ..models import context_length
 
         w = self.worker
         w.thread.start()

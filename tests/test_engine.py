@@ -1,9 +1,11 @@
-"""The compiled decode step (flashnorm_mlx/decode.py).
+"""The engines (flashnorm_mlx/engine.py): every variant on the compiled step.
 
-References: the same model uncompiled (greedy tokens identical over 128 steps,
-every tiny architecture and the embedded SmolLM2), stock mlx-lm's own class
-(`stock_compiled` within 1e-5 of stock in float32, greedy identical), and a
-chat of three turns on one prompt cache, compiled and not.
+References: the same model on the eager engine (greedy tokens identical over
+128 steps, every tiny architecture and the embedded SmolLM2), mlx-lm as users
+run it (stock, stock_fused, nonorm's class and FlashNorm on the compiled engine:
+stock within 1e-5 of it in float32, greedy identical), a chat of three turns on
+one prompt cache, and, under a faked GPU backend, the traced step itself: one
+`decode_attention` per layer and no other attention, whatever the class.
 """
 
 import mlx.core as mx
@@ -12,12 +14,13 @@ import tiny
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from flashnorm_mlx import decode
+from flashnorm_mlx import engine
 from flashnorm_mlx import kernels as K
 from flashnorm_mlx.chat import ChatSession
-from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.loading import NORMS, build_model, read_source
 from flashnorm_mlx.models.blocks import Block
 
+ENGINE = {True: "compiled", False: "eager"}
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 CONFIGS = (
     [("llama", c, tiny.make_llama) for c in tiny.LLAMA_CONFIGS]
@@ -51,27 +54,21 @@ def compiled_ran(model) -> bool:
 
 
 def both(source, dtype=mx.float32):
-    on, _ = build_model(source, "flashnorm", dtype=dtype, compile=True)
-    off, _ = build_model(source, "flashnorm", dtype=dtype, compile=False)
-    assert decode.is_compiled(on) and not decode.is_compiled(off)
+    on, _ = build_model(source, "flashnorm", dtype=dtype, engine="compiled")
+    off, _ = build_model(source, "flashnorm", dtype=dtype, engine="eager")
+    assert engine.is_compiled(on) and not engine.is_compiled(off)
     return on, off
 
 
 @pytest.mark.parametrize("backend", [None, "metal", "cuda"])
 def test_compiled_by_default_where_a_gpu_runs_the_model(tmp_path, monkeypatch, backend):
-    """Not told, FlashNorm compiles its step where Metal or CUDA runs it (the
-    host sets the pace there), not on the CPU; stock_compiled always, stock never."""
+    """Not told, every norm handling compiles its step where Metal or CUDA runs
+    it (the host sets the pace there), and none does on the CPU."""
     source = read_source(str(tiny.make_llama(tmp_path, tokenizer=False)))
     monkeypatch.setattr(K, "gpu_backend", lambda: backend)
-    compiled = {
-        mode: decode.is_compiled(build_model(source, mode)[0])
-        for mode in ("flashnorm", "stock", "stock_compiled")
-    }
-    assert compiled == {
-        "flashnorm": backend is not None,
-        "stock": False,
-        "stock_compiled": True,
-    }, compiled
+    compiled = {mode: engine.engine_of(build_model(source, mode)[0]) for mode in NORMS}
+    want = "compiled" if backend else "eager"
+    assert compiled == {mode: want for mode in NORMS}, compiled
 
 
 @EVERY_CONFIG
@@ -114,7 +111,7 @@ def test_batched_decode_compiles_block_parts_and_stays_exact(tmp_path):
     prompts = [PROMPT, PROMPT[:5], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
     got = {}
     for compile in (True, False):
-        model, tok = load(str(path), dtype=mx.float32, compile=compile)
+        model, tok = load(str(path), dtype=mx.float32, engine=ENGINE[compile])
         r = batch_generate(model, tok, prompts, max_tokens=24, return_token_ids=True)
         got[compile] = r.token_ids
         parts = [l.__dict__.get("_parts") for l in model.layers]
@@ -133,22 +130,26 @@ def _teacher_forced(model, prompt, tokens):
 
 
 @EVERY_CONFIG
-def test_stock_compiled_is_stock(tmp_path, make, cfg):
-    """mlx-lm's own class given the compiled step: stock's logits (float32, 1e-5
-    relative) and greedy tokens over 32 cached steps."""
+def test_every_variant_on_the_compiled_engine_is_mlx_lm(tmp_path, make, cfg):
+    """stock, stock_fused and FlashNorm on the compiled engine: mlx-lm's eager
+    greedy tokens over 32 cached steps; stock within 1e-5 (float32, relative) of
+    mlx-lm's logits, and mlx-lm's own class ran the whole compiled step."""
     source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
-    compiled, _ = build_model(source, "stock_compiled", dtype=mx.float32)
-    assert decode.is_compiled(compiled) and not decode.is_compiled(stock)
-    tokens = greedy(stock, PROMPT, 32)
-    a = _teacher_forced(stock, PROMPT, tokens[:-1])
-    b = _teacher_forced(compiled, PROMPT, tokens[:-1])
-    rel = (mx.abs(a - b).max() / mx.abs(a).max()).item()
-    print(f"{cfg}: stock_compiled vs stock rel {rel:.2e}")
-    assert rel < 1e-5, rel
-    assert mx.argmax(b, axis=-1).tolist() == tokens
-    if cfg != "mistral_sliding":  # rotating caches: no whole step for mlx-lm's
-        assert compiled._decode_step.run.seen, cfg
+    mlx_lm, _ = build_model(source, "stock", dtype=mx.float32, engine="eager")
+    tokens = greedy(mlx_lm, PROMPT, 32)
+    want = _teacher_forced(mlx_lm, PROMPT, tokens[:-1])
+    for mode in ("stock", "stock_fused", "flashnorm"):
+        model, _ = build_model(source, mode, dtype=mx.float32, engine="compiled")
+        assert engine.is_compiled(model), mode
+        got = _teacher_forced(model, PROMPT, tokens[:-1])
+        rel = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+        print(f"{cfg} {mode}: compiled vs mlx-lm rel {rel:.2e}")
+        assert mx.argmax(got, axis=-1).tolist() == tokens, (mode, cfg)
+        assert greedy(model, PROMPT, 32) == tokens, (mode, cfg)
+        if mode == "stock":
+            assert rel < 1e-5, rel
+        if cfg != "mistral_sliding":  # rotating caches: no whole step
+            assert model._decode_step.run.seen, (mode, cfg)
 
 
 def test_chat_of_three_turns_same_replies_compiled_and_not(tmp_path):
@@ -158,7 +159,7 @@ def test_chat_of_three_turns_same_replies_compiled_and_not(tmp_path):
     path = tiny.make_llama(tmp_path, "gqa_untied")
     replies = {}
     for compile in (True, False):
-        model, tok = load(str(path), dtype=mx.float32, compile=compile)
+        model, tok = load(str(path), dtype=mx.float32, engine=ENGINE[compile])
         session = ChatSession(model, tok, max_tokens=12)
         got = []
         for text in ("Hello there", "And then?", "Say it again"):
@@ -217,7 +218,7 @@ def test_kernels_survive_compilation(fake_kernels, tmp_path, make, cfg, capsys):
     """Each shape's first step checks every kernel variant eagerly; the trace that
     follows calls the kernels, never a twin in their place, and says nothing."""
     source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32, compile=True)
+    model, _ = build_model(source, "flashnorm", dtype=mx.float32, engine="compiled")
     greedy(model, PROMPT, 6)
     traced = {op for op, tracing in fake_kernels["kernel"] if tracing}
     twins_traced = {op for op, tracing in fake_kernels["twin"] if tracing}
@@ -251,7 +252,7 @@ def test_a_dropped_compiled_model_frees_at_once(tmp_path, cfg):
     import weakref
 
     source = read_source(str(tiny.make_llama(tmp_path, cfg, tokenizer=False)))
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32, compile=True)
+    model, _ = build_model(source, "flashnorm", dtype=mx.float32, engine="compiled")
     greedy(model, PROMPT, 4)
     assert compiled_ran(model)
     ref = weakref.ref(model)
@@ -261,3 +262,59 @@ def test_a_dropped_compiled_model_frees_at_once(tmp_path, cfg):
         assert ref() is None
     finally:
         gc.enable()
+
+
+def _attention_without_sdpa(q, k, v, offset, scale=1.0):
+    """decode_attention's math in plain ops, no MLX attention: so every
+    scaled_dot_product_attention a traced step calls is the model's own."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+    s = (q.astype(mx.float32) * scale) @ k.astype(mx.float32).swapaxes(-1, -2)
+    s = mx.where(mx.arange(k.shape[2]) <= offset, s, -mx.inf)
+    return (mx.softmax(s, axis=-1) @ v.astype(mx.float32)).astype(q.dtype)
+
+
+@pytest.mark.parametrize("mode", NORMS)
+@pytest.mark.parametrize(
+    "make,cfg",
+    [
+        (tiny.make_llama, "gqa_untied"),
+        (tiny.make_qwen, "qwen3_untied"),
+        (tiny.make_openelm, "shared"),
+    ],
+    ids=["llama", "qwen3", "openelm"],
+)
+def test_every_variant_traces_one_decode_attention_per_layer(
+    fake_kernels, monkeypatch, tmp_path, make, cfg, mode
+):
+    """On the compiled engine the four norm handlings differ in the norms alone:
+    each traced step calls `decode_attention` once per layer and no MLX
+    attention, masked or not (mlx-lm's classes included), and keeps mlx-lm's
+    greedy tokens."""
+    attn, sdpa = [], []
+    real_sdpa = mx.fast.scaled_dot_product_attention
+
+    def kernel(*a):
+        attn.append(K._common._TRACING)
+        return _attention_without_sdpa(*a)
+
+    def recorded_sdpa(*a, mask=None, **k):
+        sdpa.append((K._common._TRACING, mask is not None))
+        return real_sdpa(*a, mask=mask, **k)
+
+    monkeypatch.setattr(K.attention, "decode_attention_kernel", kernel)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded_sdpa)
+    source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
+    reference, _ = build_model(source, "stock", dtype=mx.float32, engine="eager")
+    want = greedy(reference, PROMPT, 5)
+    model, _ = build_model(source, mode, dtype=mx.float32, engine="compiled")
+    attn.clear(), sdpa.clear()
+    got = greedy(model, PROMPT, 5)  # prefill, an eager first step, then one trace
+    layers = len(model.layers)
+    traced_sdpa = [masked for tracing, masked in sdpa if tracing]
+    print(f"{mode}: {attn.count(True)} traced decode_attention, sdpa {traced_sdpa}")
+    assert attn.count(True) == layers, (mode, attn, layers)
+    assert traced_sdpa == [], f"{mode}: MLX attention in the trace {traced_sdpa}"
+    assert model._decode_step.run.seen, mode
+    if mode != "nonorm":  # the bound is not stock's function
+        assert got == want, (mode, got, want)

@@ -1,0 +1,86 @@
+"""The variants a run compares, one table: how the norms are handled (the model
+built) x the engine that runs its decode steps (engine.py).
+
+Two variants on one engine differ only in their norms (docs/design.md section
+4b), so every norm handling runs on either engine; `mlx-lm` is stock on the
+eager engine, mlx-lm as its users run it today, the reference row of bench and
+chat's /compare.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .. import fold, quant
+from .source import Source
+
+# How a model handles its norms -> what is built (build.build_model).
+NORMS = {
+    "stock": "mlx-lm's own model class on the weights",
+    "stock_fused": "stock with q|k|v and gate|up each one matmul (stock_fused.py)",
+    "nonorm": "stock with every RMSNorm removed: the speed bound (nonorm.py)",
+    "flashnorm": "ours: gains folded or in the kernels, 1/RMS deferred",
+}
+RUN_MODES = ("stock", "flashnorm")  # what a user runs (--mode), perplexity scores
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # its row in bench and /compare
+    norms: str  # a key of NORMS
+    engine: Optional[str] = None  # None: the run's engine (bench's --engine)
+
+
+REFERENCE = Variant("mlx-lm", "stock", "eager")
+VARIANTS: Tuple[Variant, ...] = (REFERENCE,) + tuple(Variant(n, n) for n in NORMS)
+BY_NAME = {v.name: v for v in VARIANTS}
+NAMES = tuple(BY_NAME)  # bench and /compare rows, the reference first
+
+
+def comparison(source: Source, quantize=None, quantized_way: str = "stored") -> dict:
+    """Which weights stock and FlashNorm are compared on, and what that measures.
+
+    {"comparison": "float" | "stored" | "requantized" | "quantized",
+    "comparison_note": one sentence}. "float" and "stored" isolate FlashNorm:
+    both models run the very same weights. The other two quantize folded and
+    unfolded weights apart (a fold puts columns with different gains into one
+    group), so their differences include quantization.
+    """
+    src = quant.describe(source.config) if quant.is_quantized(source.weights) else None
+    if quantize:
+        how = f"{quantize[0]}-bit group {quantize[1]}"
+        return {
+            "comparison": "quantized",
+            "comparison_note": f"both models quantized ({how}, -q) from the same "
+            "float weights after folding: differences include quantization, not "
+            "only FlashNorm",
+        }
+    if src is None:
+        return {
+            "comparison": "float",
+            "comparison_note": "both models on the same float weights (the source "
+            "is not quantized): differences are FlashNorm's alone",
+        }
+    if quantized_way == "dequantize":
+        return {
+            "comparison": "float",
+            "comparison_note": f"the {src} source dequantized, both models on the "
+            "same float weights: differences are FlashNorm's alone",
+        }
+    if quantized_way == "requantize" and not fold.is_folded(source.config):
+        return {
+            "comparison": "requantized",
+            "comparison_note": f"both models requantized to the source's {src} "
+            "from the same float weights (FlashNorm's after folding): differences "
+            "include quantization, not only FlashNorm (the default, --as-stored, "
+            "compares on the same quantized weights)",
+        }
+    gains = (
+        "its norm gains folded by convert"
+        if fold.is_folded(source.config)
+        else "FlashNorm applies the norm gains in its kernels"
+    )
+    return {
+        "comparison": "stored",
+        "comparison_note": f"same quantized weights: both models run the {src} "
+        f"checkpoint as stored ({gains}): differences are FlashNorm's alone",
+    }
