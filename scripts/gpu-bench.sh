@@ -3,8 +3,9 @@
 # ../shared/device/README.md says (run from the project root, after
 # `bash .devkit/device-setup.sh && source ~/kit/env.sh`). Random-weight checkpoints
 # at real shapes (decode speed depends on shapes, not values), then
-# `bench -p 128 -g 128 -n 7` (stock, stock_compiled, stock_fused, flashnorm,
-# nonorm; flashnorm and stock_compiled with the compiled decode step) in each
+# `bench -p 128 -g 128 -n 7 --engine compiled --verbose` (mlx-lm as users run
+# it, then stock, stock_fused, nonorm and flashnorm on the one compiled engine,
+# so flashnorm_vs_stock is what FlashNorm alone buys) in each
 # model's dtype and on a 4-bit group 64 copy quantized by mlx-lm itself, which
 # every variant runs as stored: the same 4-bit weights for stock and FlashNorm.
 # A 4-bit model's first prefill spends minutes in MLX's JIT of its quantized
@@ -22,6 +23,6 @@ for m in $models; do
   python3 scripts/quantize-as-mlx-lm.py "$out/models/$m" "$out/models/$m-4bit" 4 64
   for q in "" -4bit; do
     PYTHONPATH=. python3 -m flashnorm_mlx bench "$out/models/$m$q" -p 128 -g 128 -n 7 \
-      --json "$out/$m$q.json" | tee -a "$out/tables.txt"
+      --engine compiled --verbose --json "$out/$m$q.json" | tee -a "$out/tables.txt"
   done
 done

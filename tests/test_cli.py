@@ -25,6 +25,37 @@ def test_generate_end_to_end(model_dir, mode, capsys):
     assert "Prompt:" in out and "Peak memory:" in out, out
 
 
+@pytest.mark.parametrize("mode", ["flashnorm", "stock"])
+def test_generate_runs_every_mode_on_the_engine_asked(
+    model_dir, mode, capsys, monkeypatch
+):
+    """--engine (and its aliases --compile/--no-compile) picks how decode steps
+    run for either --mode, and the greedy text is the same on both engines."""
+    from flashnorm_mlx import engine
+    from flashnorm_mlx.cli import common
+
+    built, real = [], common.build_model
+
+    def recording(*a, **k):
+        model, config = real(*a, **k)
+        built.append(engine.engine_of(model))
+        return model, config
+
+    monkeypatch.setattr(common, "build_model", recording)
+    texts = {}
+    for flags, want in (
+        (["--engine", "compiled"], "compiled"),
+        (["--engine", "eager"], "eager"),
+        (["--compile"], "compiled"),
+        (["--no-compile"], "eager"),
+    ):
+        argv = ["generate", str(model_dir), "-p", "hello", "-m", "12", "--mode", mode]
+        assert main([*argv, "--dtype", "float32", *flags]) == 0
+        texts[flags[-1]] = capsys.readouterr().out.split("==========")[0]
+        assert built[-1] == want, (flags, built)
+    assert len(set(texts.values())) == 1, texts
+
+
 def test_verify_json_end_to_end(model_dir, capsys):
     rc = main(["verify", str(model_dir), "--json", "--dtype", "float32", "-g", "8"])
     r = json.loads(capsys.readouterr().out)

@@ -953,10 +953,10 @@ def attention_case(dtype, case):
     return q, keys, values, mx.array([off], dtype=mx.int32)
 
 
-def attention_reference(q, keys, values, offset):
-    """numpy float64: softmax over positions 0..offset, query head i reading
-    KV head i // (Hq / Hkv)."""
-    q, keys, values = np64(q), np64(keys), np64(values)
+def attention_reference(q, keys, values, offset, scale=1.0):
+    """numpy float64: softmax over positions 0..offset of scale q k^T, query
+    head i reading KV head i // (Hq / Hkv)."""
+    q, keys, values = np64(q) * scale, np64(keys), np64(values)
     n, group = int(offset[0].item()) + 1, q.shape[1] // keys.shape[1]
     kv = np.repeat(np.arange(keys.shape[1]), group)
     s = np.einsum("bhd,bhnd->bhn", q[:, :, 0], keys[:, kv, :n])
@@ -965,8 +965,8 @@ def attention_reference(q, keys, values, offset):
     return np.einsum("bhn,bhnd->bhd", p, values[:, kv, :n])[:, :, None]
 
 
-def check_attention(fn, dtype, case, tol):
-    args = attention_case(dtype, case)
+def check_attention(fn, dtype, case, tol, scale=None):
+    args = attention_case(dtype, case) + ((scale,) if scale is not None else ())
     out = fn(*args)
     ref = attention_reference(*args)
     err = np.abs(np64(out) - ref).max() / np.abs(ref).max()
@@ -994,6 +994,18 @@ def test_decode_attention_kernel_vs_numpy(dtype, case):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_decode_attention_body_on_host_vs_numpy(host_backend, dtype, case):
     check_attention(K.attention.decode_attention_kernel, dtype, case, 2 * TOL[dtype])
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_decode_attention_scales_the_query_as_mlx_lm_classes_ask(host_backend, dtype):
+    """mlx-lm's classes on the compiled engine pass their 1/sqrt(h) (ours pass 1):
+    kernel body and twin both take it, against numpy."""
+    case = "gqa4-d24-mid"
+    check_attention(K.attention.decode_attention_ops, dtype, case, 2 * TOL[dtype], 0.3)
+    check_attention(
+        K.attention.decode_attention_kernel, dtype, case, 2 * TOL[dtype], 0.3
+    )
 
 
 def test_decode_attention_takes_the_twin_where_the_kernel_does_not_apply(
