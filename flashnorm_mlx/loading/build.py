@@ -6,7 +6,7 @@ builds. Weights, dtype and quantization are decided once by
 nonorm is built on the tensors `recipe.Recipe` makes, the ones `convert` writes.
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -54,38 +54,74 @@ def build_model(
         engine = engines.resolve(engine)
     except ValueError as e:
         raise LoadError(str(e)) from None
-    source_weights = source.weights if group is None else _own_handles(source)
+    # A folder's weights opened again for this build: what it evaluates is freed
+    # once in the model, where the caller's Source would keep every source tensor.
+    source_weights = _own_handles(source)
     plan = quant.plan_weights(
         source_weights, source.config, dtype, quantize, quantized_way
     )
     if plan.note and notes is not None:
         notes.append(plan.note)
     fused = mode == "stock_fused"
+    as_is: Set[str] = set()  # source tensors the model takes unchanged
     if mode == "nonorm":  # the norm-removed speed bound, for `bench`
         model, config = nonorm.build_nonorm(plan)  # calibrated whole, then split
     else:  # on the tensors `convert` would write, computed lazily (recipe.py)
         cls = "flashnorm" if mode == "flashnorm" else "stock"  # ours or mlx-lm's
         recipe = Recipe(source_weights, source.config, plan, stock=cls == "stock")
-        model, config = _instantiate(source.name, recipe, cls)
+        model, config, as_is = _instantiate(source.name, recipe, cls)
         del recipe
     del source_weights, plan  # from here the model alone holds the (lazy) weights
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
         sharding.shard_model(model, group, source.name)
-        for layer in model.layers:  # each layer's full tensors freed once cut
-            mx.eval(layer.parameters())
+    share = bool(as_is) and group is None and not fused
+    arch = models.architecture(config) if share else None
+    # Layer by layer, so one layer's source and output tensors coexist at a
+    # time (a sharded rank's full tensors freed once cut), not the model's.
+    for i, layer in enumerate(getattr(model, "layers", [])):
+        mx.eval(layer.parameters())
+        if share:
+            _share_rows(layer, arch.layer.format(i=i), arch, source.weights, as_is)
     if fused:  # each rank's own rows, after sharding
         stock_fused.fuse_projections(model)
     mx.eval(model.parameters())
     return engines.run_on(model, engine), config
 
 
+def _share_rows(layer, prefix: str, arch, weights: dict, as_is: Set[str]) -> None:
+    """Point `weights`' tensors that `layer` stacked unchanged (q|k|v and
+    gate|up of a quantized source as stored) at the stacked tensor's rows: the
+    same values, held once, where the Source (GGUF, read whole) would keep a
+    second copy of them for as long as it lives."""
+    params = dict(tree_flatten(layer.parameters()))
+    for pair in arch.pairs:
+        for suffix in ("weight", "scales", "biases"):
+            keys = [f"{prefix}.{part}.{suffix}" for part in pair.parts]
+            whole = params.get(f"{pair.fused}.{suffix}")
+            if len(keys) < 2 or whole is None or not as_is.issuperset(keys):
+                continue
+            parts = [weights[k] for k in keys]
+            if sum(p.shape[0] for p in parts) != whole.shape[0] or any(
+                (p.dtype, p.shape[1:]) != (whole.dtype, whole.shape[1:]) for p in parts
+            ):
+                continue
+            start = 0
+            for k, p in zip(keys, parts):
+                weights[k] = whole[start : start + p.shape[0]]  # a view once evaluated
+                start += p.shape[0]
+            mx.eval([weights[k] for k in keys])
+
+
 def _instantiate(name: str, recipe: Recipe, cls: str):
-    """(model, config) of class `cls` ("stock" or "flashnorm") on the recipe's
-    tensors; weights that do not fit the config are one LoadError line."""
+    """(model, config, keys of the source tensors it takes unchanged) of class
+    `cls` ("stock" or "flashnorm") on the recipe's tensors; weights that do not
+    fit the config are one LoadError line."""
     tensors, config = recipe.tensors(), recipe.config
+    as_is = {k for k, v in tensors.items() if recipe.src.get(k) is v}
     norm_gains = recipe.as_stored and not fold.is_folded(config) and cls != "stock"
     try:
-        return models.instantiate(config, tensors, cls, norm_gains), config
+        model = models.instantiate(config, tensors, cls, norm_gains)
+        return model, config, as_is
     except (ValueError, KeyError) as e:  # weights or config that do not fit
         # mlx-lm lists missing parameters on lines of their own: keep one line.
         raise LoadError(f"{name}: {' '.join(str(e).split())}") from None
@@ -93,9 +129,10 @@ def _instantiate(name: str, recipe: Recipe, cls: str):
 
 def _own_handles(source: Source) -> dict:
     """The weights of a folder source opened again, lazily, for one build alone:
-    the full tensors a rank reads to cut its shard are then freed once cut,
-    where `source`'s own (shared) handles would keep them. Anything else (GGUF,
-    which mx.load reads whole; weights not as the files hold them): `source`'s."""
+    the tensors it reads (to fold, stack or cut a shard from) are then freed
+    once used, where `source`'s own (shared) handles would keep them. Anything
+    else (GGUF, which mx.load reads whole; weights not as the files hold them):
+    `source`'s."""
     if source.folder is None:
         return source.weights
     try:

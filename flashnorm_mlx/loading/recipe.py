@@ -108,9 +108,11 @@ class Recipe:
         }
 
     def _out(self, v: mx.array) -> mx.array:
-        """A float tensor in the output dtype (as stored in a file: unchanged)."""
+        """A float tensor in the output dtype (as stored in a file: unchanged).
+        One already in it is returned itself (build_model tells the tensors a
+        model takes unchanged by identity)."""
         if self._cast and mx.issubdtype(v.dtype, mx.floating):
-            return v.astype(self.out_dtype)
+            return v if v.dtype == self.out_dtype else v.astype(self.out_dtype)
         return v
 
     def calibrate(self, tokenizer, calibration: "gptq.Calibration", advance=None):
@@ -141,7 +143,12 @@ class Recipe:
         """Output tensors of one module for a range of its rows (all ops are
         row-wise): the one transform loading and `convert` both run."""
         keys = [f"{module}.{s}" for s in ("weight", "scales", "biases")]
-        part = {k: self.src[k][rows] for k in keys if k in self.src}
+        whole = rows == slice(None)  # the source's own tensors, not slices of them
+        part = {
+            k: self.src[k] if whole else self.src[k][rows]
+            for k in keys
+            if k in self.src
+        }
         if self.as_stored:
             return {k: self._out(v) for k, v in part.items()}
         if f"{module}.scales" in part:

@@ -27,7 +27,11 @@ DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass
 class Source:
-    """Weights (Hugging Face names) and config of one checkpoint, read once."""
+    """Weights (Hugging Face names) and config of one checkpoint, read once.
+
+    A build may replace a weight by a view of the same values in the model it
+    built (build._share_rows: a source read whole must not hold a second copy of
+    what FlashNorm stacked); names, dtypes, shapes and values never change."""
 
     name: str
     config: dict
