@@ -9,7 +9,7 @@ order. `run_bench` returns every trial and a summary.
 
 The four norm handlings run on the bench's one engine, so their ratios differ
 in the norms alone; `mlx-lm` (stock, eager) is what users run today. Three
-ratios answer three questions (section 4b): flashnorm vs mlx-lm, what switching
+ratios answer three questions (section 4c): flashnorm vs mlx-lm, what switching
 buys; flashnorm vs stock, what FlashNorm buys; nonorm vs stock, the bound.
 """
 
@@ -386,7 +386,7 @@ def run_bench(
     return _report(settings, src, info, records)
 
 
-# The ratios bench reports by name (section 4b): (key, variant, base).
+# The ratios bench reports by name (section 4c): (key, variant, base).
 NAMED_RATIOS = (
     ("flashnorm_vs_mlx_lm", "flashnorm", REFERENCE.name),  # what switching buys
     ("flashnorm_vs_stock", "flashnorm", "stock"),  # what FlashNorm buys

@@ -10,7 +10,7 @@
 
 Compiling and a length-aware attention are engine choices, not FlashNorm: any
 model could use them. So the compiled engine gives every class the same step
-(docs/design.md section 4b), ours and mlx-lm's alike:
+(docs/design.md section 4c), ours and mlx-lm's alike:
 - the cache is the layer's own `KVCache` buffer (B, H, C, h), used at its full
   capacity C: the step writes the new key and value at the offset, given as an
   array (`mx.slice_update`, `StepCache`), and attention reads positions
@@ -88,8 +88,8 @@ def is_compiled(model) -> bool:
 
 
 def _attention_reads_step_cache(module) -> None:
-    """Hand an mlx-lm model module `kernels.scaled_dot_product_attention`: the same function as its
-    own `scaled_dot_product_attention` for every cache but `StepCache`, which
+    """Hand an mlx-lm model module `kernels.scaled_dot_product_attention`: the
+    same function as its own for every cache but `StepCache`, which
     only this engine makes."""
     if getattr(module, "scaled_dot_product_attention", None) not in (
         None,
@@ -104,7 +104,8 @@ def _attention_reads_step_cache(module) -> None:
 class StepCache:
     """One layer's KVCache as the traced step sees it: the whole fixed-capacity
     buffers and the write position as an array. What lies past it is never read:
-    `kernels.scaled_dot_product_attention` sends a `fixed_capacity` cache to `decode_attention`.
+    `kernels.scaled_dot_product_attention` sends a `fixed_capacity` cache to
+    `decode_attention`.
     """
 
     fixed_capacity = True

@@ -75,30 +75,6 @@ HOST_NOTE = (
 )
 
 
-def step_times(model: nn.Module, prompt: mx.array, steps: int) -> dict:
-    """Host build and eval of `steps` greedy decode steps after `prompt`, each
-    evaluated before the next is built (section 4c: build and eval apart)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    logits = model(prompt[None], cache=cache)
-    token = mx.argmax(logits[:, -1:], axis=-1)
-    mx.eval(token)
-    build, run = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        logits = model(token, cache=cache)
-        t1 = time.perf_counter()
-        token = mx.argmax(logits[:, -1:], axis=-1)
-        mx.eval(token)
-        build.append(t1 - t0)
-        run.append(time.perf_counter() - t1)
-    return {
-        "host_build_ms": 1e3 * statistics.median(build),
-        "eval_ms": 1e3 * statistics.median(run),
-    }
-
-
 def _steps(model: nn.Module, prompt: mx.array, steps: int):
     """(build, eval) seconds of `steps` greedy decode steps after `prompt`, each
     evaluated before the next is built."""

@@ -1,5 +1,5 @@
 """FlashNorm costs no memory: its peak is stock's on the same weights (within
-3%), while loading and over a whole `generate` (docs/design.md section 4c).
+3%), while loading and over a whole `generate` (docs/design.md section 4e).
 Where it was not: a folded or stacked tensor lived beside its source; now a
 build reads its own handles, evaluates layer by layer, and a source read whole
 shares the stacked rows (loading/build.py). Reference: stock mlx-lm's class on

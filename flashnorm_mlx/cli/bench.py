@@ -172,7 +172,7 @@ def _details(result: dict):
     return table
 
 
-# The three ratios apart (docs/design.md section 4b): key, what it answers.
+# The three ratios apart (docs/design.md section 4c): key, what it answers.
 RATIO_LINES = (
     ("flashnorm_vs_mlx_lm", "flashnorm vs mlx-lm (what switching buys)"),
     ("flashnorm_vs_stock", "flashnorm vs stock, same engine (what FlashNorm buys)"),
@@ -185,9 +185,10 @@ def ratio_line(r: dict) -> str:
     per-round decode ratios fall on both sides of 1.0."""
     d, p = r["decode"], r["prompt"]
     verdict = "within noise, " if d["within_noise"] else ""
+    spread = f"{d['min']:.2f}-{d['max']:.2f} over {d['rounds']} rounds"
     return (
-        f"{verdict}{d['median_of_ratios']:.2f}x decode ({d['min']:.2f}-"
-        f"{d['max']:.2f} over {d['rounds']} rounds), prompt {p['median_of_ratios']:.2f}x"
+        f"{verdict}{d['median_of_ratios']:.2f}x decode ({spread}), "
+        f"prompt {p['median_of_ratios']:.2f}x"
     )
 
 

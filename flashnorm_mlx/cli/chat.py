@@ -256,6 +256,7 @@ def main(argv=None):
         [
             ("model", source.name),
             ("mode", args.mode),
+            ("engine", engines.engine_of(model)),
             ("context", f"{limit} tokens" if limit else "unlimited"),
             ("max tokens", args.max_tokens),
             ("system", args.system_prompt or "(template default)"),

@@ -11,7 +11,7 @@ never read, and no mask exists.
 engine runs, ours and mlx-lm's classes alike (the engine hands it to mlx-lm's
 model modules): mlx-lm's own for every cache, `decode_attention` for the
 compiled step's fixed-capacity one. So on one engine every variant attends with
-the same kernel (docs/design.md section 4b).
+the same kernel (docs/design.md section 4c).
 """
 
 import functools

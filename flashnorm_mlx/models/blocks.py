@@ -73,8 +73,9 @@ class Block(nn.Module):
 
 
 def attend_cached(q, k, v, mask, cache):
-    """KV cache update, then attention with scale 1 (1/sqrt(h) rode in q'), the
-    call mlx-lm's classes make on the compiled engine too (`kernels.scaled_dot_product_attention`).
+    """KV cache update, then attention with scale 1 (1/sqrt(h) rode in q'): the
+    call mlx-lm's classes make on the compiled engine too
+    (`kernels.scaled_dot_product_attention`).
     q (B, Hq, L, h), k and v (B, Hkv, L, h) -> (B, Hq, L, h)."""
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
