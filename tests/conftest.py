@@ -16,7 +16,12 @@ if "FLASHNORM_TEST_TMP" not in os.environ:
 # The suite in parts, each well under 10 minutes even where the whole suite is
 # slower (a CUDA build): `pytest -m kernels`, `-m models`, `-m tools`.
 PARTS = {
-    "kernels": {"test_kernels.py", "test_dispatch.py", "test_nvrtc.py"},
+    "kernels": {
+        "test_kernels.py",
+        "test_dispatch.py",
+        "test_nvrtc.py",
+        "test_metal_host.py",
+    },
     "models": {
         "test_llama.py",
         "test_openelm.py",

@@ -7,7 +7,8 @@ Three kinds of evidence, against independent references:
 - kernel bodies vs twins everywhere a C++ compiler exists: the CUDA rendering's
   body, with a host prelude instead of the CUDA one, compiled with g++ and run with
   one OS thread per GPU thread (barriers and shared memory included), called
-  through the real `<op>_kernel` wrappers (inputs, template ints, grid).
+  through the real `<op>_kernel` wrappers (inputs, template ints, grid); the
+  Metal rendering's whole generated source likewise in tests/test_metal_host.py.
 """
 
 import ctypes
