@@ -10,17 +10,25 @@ answer. Generation is mlx-lm's `stream_generate` on the shared prompt cache.
 Ctrl-C (KeyboardInterrupt) during `send` stops the reply and keeps the session:
 the partial reply stays in the history and the cache keeps exactly the tokens
 known to be fed (a reply interrupted before its first token is dropped with
-its user message). A conversation that outgrows the context drops its oldest
+its user message). Python raises KeyboardInterrupt only once an mx.eval
+returns, so the prompt is prefilled in chunks timed to PREFILL_CHUNK_S each
+(a 300-token message is ~20 s of prefill on a 2-core CPU): a Ctrl-C acts
+within one chunk. A conversation that outgrows the context drops its oldest
 turns (the system prompt stays); a message that cannot fit even alone is
 refused with `ContextOverflow`.
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
 from .errors import ChatError, ContextOverflow  # noqa: F401 (raised here)
+from .parallel import distributed
+
+PREFILL_CHUNK_S = 0.5  # seconds a prefill chunk aims at: Ctrl-C waits for one
+PREFILL_FIRST_CHUNK = 4  # tokens, before any chunk was timed (~0.3 s on a 2-core CPU)
 
 
 @dataclass
@@ -40,9 +48,21 @@ class TurnStats:
     finish_reason: str  # "stop", "length" or "interrupted"
     dropped_messages: int = 0  # oldest messages dropped to fit the context
     max_tokens: int = 0  # the reply budget after capping to the context
+    # Prompt tokens fed before a Ctrl-C cut the prefill (None: all of them).
+    prefilled_tokens: Optional[int] = None
 
     def line(self) -> str:
-        """One human-readable stats line."""
+        """One human-readable stats line; no rates for a turn interrupted
+        before its reply, which was dropped."""
+        if self.finish_reason == "interrupted" and not self.reply_ids:
+            done = self.prompt_tokens
+            if self.prefilled_tokens is not None:
+                done = self.prefilled_tokens
+            return (
+                f"interrupted before the reply ({done} of {self.prompt_tokens} "
+                f"prompt tokens read): the message was dropped | peak "
+                f"{self.peak_memory_gb:.3f} GB"
+            )
         cached = f" (+{self.cached_tokens} cached)" if self.cached_tokens else ""
         end = " | interrupted" if self.finish_reason == "interrupted" else ""
         return (
@@ -184,8 +204,10 @@ class ChatSession:
         text: str,
         on_text: Optional[Callable[[str], None]] = None,
         max_tokens: Optional[int] = None,
+        on_prefill: Optional[Callable[[int, int], None]] = None,
     ) -> TurnStats:
-        """Add a user message, stream the reply through on_text, return its stats."""
+        """Add a user message, stream the reply through on_text, return its stats.
+        on_prefill(done, total) comes before each prefill chunk."""
         max_tokens = max_tokens or self.max_tokens
         messages = self.messages + [{"role": "user", "content": text}]
         ids, messages, dropped = self._fit(messages, max_tokens)
@@ -201,7 +223,14 @@ class ChatSession:
         new_ids = ids[keep:]
 
         mx.reset_peak_memory()
-        reply_ids, last, interrupted = self._stream(new_ids, max_tokens, on_text)
+        # All but the last token here, in chunks; mlx-lm's stream_generate
+        # feeds the last one and samples from its logits.
+        progress, prefill_s, reply_ids, last = [0], 0.0, [], None
+        try:
+            prefill_s = self._prefill(new_ids[:-1], on_prefill, progress)
+            last, interrupted = self._stream(new_ids, max_tokens, on_text, reply_ids)
+        except KeyboardInterrupt:  # in the prefill: the turn is dropped below
+            interrupted = True
         fed = self.cache_ids + new_ids + reply_ids if reply_ids else self.cache_ids
         self._sync_cache(fed)
         eos = set(self.tokenizer.eos_token_ids)
@@ -209,6 +238,10 @@ class ChatSession:
         if reply_ids:  # an interrupt before the first token leaves no trace
             self.messages = messages + [{"role": "assistant", "content": reply}]
             self.last_prompt_ids, self.last_reply_ids = list(ids), list(reply_ids)
+        prompt_tps = 0.0
+        if last is not None and last.prompt_tps > 0:  # mlx-lm timed the last token
+            prompt_s = prefill_s + last.prompt_tokens / last.prompt_tps
+            prompt_tps = len(new_ids) / prompt_s
         return TurnStats(
             reply=reply,
             reply_ids=reply_ids,
@@ -217,7 +250,7 @@ class ChatSession:
             trimmed_tokens=trimmed,
             context_tokens=len(self.cache_ids),
             generation_tokens=len(reply_ids),
-            prompt_tps=last.prompt_tps if last else 0.0,
+            prompt_tps=prompt_tps,
             generation_tps=last.generation_tps if last else 0.0,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             finish_reason=(
@@ -225,21 +258,54 @@ class ChatSession:
             ),
             dropped_messages=dropped,
             max_tokens=max_tokens,
+            prefilled_tokens=None if last is not None else progress[0],
         )
 
-    def _stream(self, new_ids, max_tokens, on_text):
-        """(reply ids, last response, interrupted): mlx-lm's stream_generate on
-        the cache; Ctrl-C stops the reply and keeps what was generated."""
+    def _prefill(self, ids: List[int], on_prefill, progress: List[int]) -> float:
+        """Feed `ids` to the cache in chunks of about PREFILL_CHUNK_S each (at
+        most prefill_step_size tokens; powers of two, so a compiled engine
+        traces few shapes); progress[0]: tokens fed so far. Returns seconds."""
+        from mlx_lm.generate import generation_stream
+
+        start, launch = time.perf_counter(), distributed.current()
+        step = min(PREFILL_FIRST_CHUNK, self.prefill_step_size)
+        while progress[0] < len(ids):
+            if on_prefill is not None:
+                on_prefill(progress[0], len(ids) + 1)
+            chunk = ids[progress[0] : progress[0] + step]
+            t = time.perf_counter()
+            with mx.stream(generation_stream):
+                self.model(mx.array(chunk)[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+            progress[0] += len(chunk)
+            # The rate just measured sets the next chunk, at most twice this one.
+            fit = len(chunk) * PREFILL_CHUNK_S / max(time.perf_counter() - t, 1e-6)
+            fit = 1 << (max(int(fit), 1).bit_length() - 1)
+            step = max(1, min(2 * step, fit, self.prefill_step_size))
+            if launch is not None:  # ranks feed the same chunks: the slowest's
+                step = mx.distributed.all_min(mx.array(step), group=launch.group)
+                step = int(step.item())
+        return time.perf_counter() - start
+
+    def _stream(self, new_ids, max_tokens, on_text, reply_ids):
+        """(last response, interrupted), the reply's ids appended to reply_ids:
+        mlx-lm's stream_generate on the cache, which holds all of new_ids but
+        the last; Ctrl-C stops the reply and keeps what was generated."""
         from mlx_lm import stream_generate
 
-        reply_ids, last, interrupted = [], None, False
+        processors = self.logits_processors
+        if processors and len(new_ids) > 1:
+            # They see the whole prompt of the turn, as when mlx-lm prefills.
+            prefix = mx.array(new_ids[:-1])
+            processors = [_after(prefix, p) for p in processors]
+        last, interrupted = None, False
         responses = stream_generate(
             self.model,
             self.tokenizer,
-            mx.array(new_ids),
+            mx.array(new_ids[-1:]),
             max_tokens=max_tokens,
             sampler=self.sampler,
-            logits_processors=self.logits_processors,
+            logits_processors=processors,
             prompt_cache=self.cache,
             prefill_step_size=self.prefill_step_size,
         )
@@ -253,7 +319,12 @@ class ChatSession:
             interrupted = True
         finally:
             responses.close()
-        return reply_ids, last, interrupted
+        return last, interrupted
+
+
+def _after(prefix, processor):
+    """`processor` with `prefix` before the tokens it is given."""
+    return lambda tokens, logits: processor(mx.concatenate([prefix, tokens]), logits)
 
 
 def _offset(c) -> int:

@@ -1,4 +1,12 @@
-"""Ctrl-C in a long command (perplexity, convert): one line, exit 130, at once.
+"""Ctrl-C: one line, exit 130, whenever it comes.
+
+From a command's first line (`at_start`), a Ctrl-C that lands while a module is
+being imported (MLX and mlx-lm: seconds) ends the process at once with one
+line; elsewhere it raises KeyboardInterrupt, as Python's own handler does, and
+the command stops cleanly (cli/flags.py `run_main` prints the line).
+
+In a long command (perplexity, convert), `guard` acts at once even inside a
+long mx.eval.
 
 MLX evaluates lazily and Python raises KeyboardInterrupt only between
 bytecodes, so a Ctrl-C waits for the mx.eval in progress: one forward pass of
@@ -18,12 +26,93 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Iterator, List
+from typing import Callable, Iterator, List, Optional
 
 _commit = threading.RLock()  # held by the main thread while it writes for good
 _pending = threading.Event()  # a Ctrl-C the watcher is acting on
 _cleanups: List[Callable[[], None]] = []
 _stoppers: List[Callable[[], None]] = []  # live progress bars to take down
+_prefix = ["flashnorm-mlx"]  # what `at_start`'s line names
+# One Ctrl-C may reach both the watcher and KeyboardInterrupt (see `guard`):
+# the first to print its line wins.
+_said = [False]
+_said_lock = threading.Lock()
+
+
+def at_start(prefix: str = "flashnorm-mlx") -> Callable[[], None]:
+    """Install the SIGINT handler described above (main thread only; elsewhere
+    nothing changes); its line reads `<prefix>: interrupted (Ctrl-C)`. Returns
+    a function that puts back the handler it replaced."""
+    _prefix[0] = prefix
+    reset()
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # as Python leaves it
+        return lambda: None  # (nohup, a shell's background job)
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    if previous is _on_sigint:  # already ours (e.g. `python -m` then main())
+        return lambda: None
+    return lambda: signal.signal(signal.SIGINT, previous)
+
+
+def _on_sigint(signum, frame) -> None:
+    if not _importing(frame):
+        raise KeyboardInterrupt  # as Python's default handler: the command stops
+    # A half-imported module can only fail later, and nothing is being written.
+    exit_now()
+
+
+def exit_now(prefix: Optional[str] = None) -> None:
+    """Ctrl-C's line (`interrupted(prefix)`) and the end of the process, status
+    130, at once: no cleanup of Python's, which would wait for (or, under a
+    thread still running MLX, abort on) work that no longer matters."""
+    try:
+        sys.stdout.flush()  # what the command printed before (chat's replies)
+    except Exception:  # noqa: BLE001 (a write the signal cut: the line still comes)
+        pass
+    say(interrupted(prefix), raw=True)
+    os._exit(130)
+
+
+def interrupted(prefix: Optional[str] = None) -> str:
+    """`<prefix>: interrupted (Ctrl-C)` (default prefix: at_start's), after a
+    newline on a terminal, where ^C was echoed."""
+    lead = "\n" if os.isatty(2) else ""
+    return f"{lead}{prefix or _prefix[0]}: interrupted (Ctrl-C)"
+
+
+def reset() -> None:
+    """A new command in this process (a test's): its Ctrl-C gets its own line."""
+    _said[0] = False
+
+
+def say(line: str, raw: bool = False) -> bool:
+    """Print Ctrl-C's one line on stderr, unless it was printed already; raw:
+    straight to the file descriptor (a signal handler may have cut a write to
+    sys.stderr). Whether it printed."""
+    with _said_lock:
+        if _said[0]:
+            return False
+        _said[0] = True
+    if raw:
+        os.write(2, f"{line}\n".encode())
+    else:
+        sys.stderr.write(f"{line}\n")
+        sys.stderr.flush()
+    return True
+
+
+def _importing(frame) -> bool:
+    """Whether the main thread is executing an import (any module's top level,
+    or the import machinery itself) in `frame` or a caller."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_find_and_load" and code.co_filename.startswith(
+            "<frozen importlib"
+        ):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextlib.contextmanager
@@ -37,8 +126,16 @@ def guard(describe: Callable[[], str], prefix: str) -> Iterator[None]:
         return
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    previous = signal.signal(signal.SIGINT, lambda *_: None)  # the watcher acts
+    # The wakeup fd is set before the handler and put back after it: a Ctrl-C
+    # in between raises KeyboardInterrupt or reaches the watcher, never neither.
     previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: None)  # the watcher acts
+    except BaseException:  # KeyboardInterrupt: the watcher never started
+        signal.set_wakeup_fd(previous_fd)
+        os.close(write_fd)
+        os.close(read_fd)
+        raise
     watcher = threading.Thread(
         target=_watch, args=(read_fd, describe, prefix), daemon=True
     )
@@ -46,8 +143,8 @@ def guard(describe: Callable[[], str], prefix: str) -> Iterator[None]:
     try:
         yield
     finally:
-        signal.set_wakeup_fd(previous_fd)
         signal.signal(signal.SIGINT, previous)
+        signal.set_wakeup_fd(previous_fd)
         os.close(write_fd)  # the watcher reads end-of-file and returns
         watcher.join()
         os.close(read_fd)
@@ -71,8 +168,7 @@ def _watch(read_fd: int, describe: Callable[[], str], prefix: str) -> None:
     except Exception:  # noqa: BLE001 (the line must come out)
         what = ""
     line = f"{prefix} interrupted (Ctrl-C){f' while {what}' if what else ''}"
-    sys.stderr.write(f"{line}; nothing was written\n")
-    sys.stderr.flush()
+    say(f"{line}; nothing was written")
     os._exit(130)
 
 

@@ -185,6 +185,63 @@ def test_ctrl_c_keeps_session_consistent(loaded, at):
     assert t2.reply_ids == ref, (t2.reply_ids, ref)
 
 
+class Calls:
+    """The model, recording the length of each input; with `stop_at`, Ctrl-C
+    lands on that prefill chunk (input longer than one token) once it ran."""
+
+    def __init__(self, model, stop_at=None):
+        self.model, self.stop_at, self.lengths = model, stop_at, []
+
+    def __getattr__(self, name):  # make_cache, layers, ... for mlx-lm
+        return getattr(self.model, name)
+
+    def __call__(self, inputs, cache=None, **kw):
+        out = self.model(inputs, cache=cache, **kw)
+        self.lengths.append(inputs.shape[1])
+        chunks = sum(n > 1 for n in self.lengths)
+        if inputs.shape[1] > 1 and chunks == self.stop_at:
+            self.stop_at = None
+            raise KeyboardInterrupt
+        return out
+
+
+def test_ctrl_c_in_the_prefill_drops_the_turn_and_trims_the_cache(loaded):
+    model, tok = loaded
+    calls = Calls(model)
+    s = ChatSession(calls, tok, SYSTEM, max_tokens=6, prefill_step_size=4)
+    s.send(LONG)
+    before, cached_before = list(s.messages), list(s.cache_ids)
+    calls.stop_at, calls.lengths = 3, []
+    t = s.send(LONG + " And more.")
+    assert t.finish_reason == "interrupted" and t.reply_ids == [], t
+    assert t.prefilled_tokens == 8 < t.prompt_tokens, t  # two chunks of 4 fed
+    assert s.messages == before, s.messages  # the message is dropped
+    assert s.cache_ids == cached_before[: t.cached_tokens], len(s.cache_ids)
+    assert s.cache_offset == len(s.cache_ids), (s.cache_offset, len(s.cache_ids))
+    line = t.line()
+    assert "tok/s" not in line and f"8 of {t.prompt_tokens} prompt tokens" in line
+    t2 = s.send("Finish.")
+    ref, _ = reference(model, tok, s.messages[:-1], 6)
+    assert t2.reply_ids == ref, (t2.reply_ids, ref)
+
+
+def test_the_prefill_runs_in_growing_chunks_up_to_the_step_size(loaded):
+    """Chunks timed to PREFILL_CHUNK_S (a Ctrl-C waits for one): on a tiny
+    model each is fast, so they double, in powers of two, up to the cap."""
+    model, tok = loaded
+    calls = Calls(model)
+    s = ChatSession(calls, tok, SYSTEM, max_tokens=1, prefill_step_size=16)
+    t = s.send(LONG)
+    chunks, step = [], 4  # all but the last prompt token; mlx-lm feeds that one
+    while sum(chunks) < t.prompt_tokens - 1:
+        chunks.append(min(step, t.prompt_tokens - 1 - sum(chunks)))
+        step = min(2 * step, 16)
+    assert len(chunks) > 4, chunks
+    n = len(chunks)
+    assert calls.lengths[:n] == chunks and set(calls.lengths[n:]) == {1}, calls.lengths
+    assert t.prompt_tps > 0, t
+
+
 def test_context_overflow_refuses_or_drops_turns(loaded):
     model, tok = loaded
     limit = 90

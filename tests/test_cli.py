@@ -163,6 +163,7 @@ EMPTY_PROMPT = {
 def _refusal(argv, capsys, monkeypatch):
     # The model must never be read: a refusal comes from the flags alone.
     import flashnorm_mlx.cli.common as common
+    import flashnorm_mlx.loading as loading
     import flashnorm_mlx.loading.source as source
 
     def no_read(*a, **k):
@@ -170,9 +171,8 @@ def _refusal(argv, capsys, monkeypatch):
 
     monkeypatch.setattr(source, "read_source", no_read)
     monkeypatch.setattr(common, "read_source", no_read)  # chat and generate read here
-    for mod in ("verify", "bench", "perplexity"):
-        m = __import__(f"flashnorm_mlx.cli.{mod}", fromlist=["x"])
-        monkeypatch.setattr(m, "read_source", no_read)
+    # The other commands import it from loading once their flags are checked.
+    monkeypatch.setattr(loading, "read_source", no_read)
     try:
         rc = main(argv)
     except SystemExit as e:  # argparse's exit for bad flag values
@@ -456,6 +456,66 @@ def test_flag_errors_name_the_command_and_exit_2(what, capsys, monkeypatch):
     assert rc == 2, (what, rc, err)
     assert len(err) == 1 and err[0].startswith(f"flashnorm-mlx {argv[0]}: error:")
     assert says in err[0], (what, err)
+
+
+# --- a bad flag is refused before MLX and mlx-lm load (seconds) ----------------
+
+BAD_FLAGS = [
+    ["generate", "--temp", "abc"],
+    ["chat", "--top-p", "2"],
+    ["bench", "-n", "x"],
+    ["convert"],  # -o/--output is required
+    ["verify", "-g", "0"],
+    ["perplexity", "--data", "/no/such.txt"],
+    ["serve", "--port", "abc"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD_FLAGS, ids=" ".join)
+def test_a_bad_flag_is_refused_without_importing_mlx(argv):
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "flashnorm_mlx", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    timed = [l for l in r.stderr.splitlines() if l.startswith("import time:")]
+    imported = [l.rsplit("|", 1)[-1].strip() for l in timed]
+    heavy = [m for m in imported if m.split(".")[0] in ("mlx", "mlx_lm")]
+    lines = [l for l in r.stderr.splitlines() if l not in timed]
+    assert r.returncode == 2, (r.returncode, lines)
+    assert len(lines) == 1 and lines[0].startswith(f"flashnorm-mlx {argv[0]}: error:")
+    assert "flashnorm_mlx.cli.flags" in imported and not heavy, heavy
+
+
+def test_the_flags_offer_the_librarys_names():
+    """cli/flags.py copies the names its flags offer from modules that import
+    MLX: each copy is the library's own."""
+    import dataclasses
+
+    from flashnorm_mlx import engine, loading, quant
+    from flashnorm_mlx.cli import flags, serve
+    from flashnorm_mlx.loading import variants
+    from flashnorm_mlx.quant import gptq
+    from flashnorm_mlx.serve import API_KEY_ENV, Settings
+
+    assert flags.DTYPE_NAMES == tuple(loading.DTYPES)
+    assert flags.RUN_MODES == loading.RUN_MODES
+    assert flags.ENGINES == engine.ENGINES
+    assert flags.VARIANT_NAMES == variants.NAMES
+    assert (flags.Q_METHODS, flags.DEFAULT_Q_METHOD) == (
+        gptq.METHODS,
+        gptq.DEFAULT_METHOD,
+    )
+    calibration = gptq.Calibration()
+    assert (flags.CALIB_SEQS, flags.CALIB_LEN) == (
+        calibration.num_seqs,
+        calibration.seq_len,
+    )
+    assert flags.API_KEY_ENV == API_KEY_ENV
+    assert tuple(flags.QUANTIZED_FLAGS) == quant.QUANTIZED_WAYS
+    held = {f.name for f in dataclasses.fields(Settings)}
+    assert serve.SETTINGS_SAMPLER == tuple(d for d in flags.SAMPLER_FLAGS if d in held)
 
 
 def test_no_command_is_usage_on_stderr_and_exit_2(capsys):

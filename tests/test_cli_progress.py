@@ -1,10 +1,18 @@
-"""Long commands: Ctrl-C stops them at once, and a log shows where they are."""
+"""Ctrl-C: one line and exit 130 whenever it comes, and a log of where a long
+command is.
+
+The tests signal on a mark the process prints (a stage line, a notice, the
+import of a module), never after a fixed sleep alone, so that a loaded machine
+only makes them slower."""
 
 import io
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -12,35 +20,85 @@ import tiny
 
 from flashnorm_mlx.cli import common
 
-
-def _start(*args):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "flashnorm_mlx", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+COMMANDS = ("generate", "chat", "bench", "convert", "verify", "perplexity", "serve")
+IMPORT_TIME = re.compile(r"^import time:")
 
 
-def _interrupt(proc, after_s: float):
-    """SIGINT `after_s` into the run (still working then): (rc, stderr lines,
-    seconds from the signal to the exit)."""
-    time.sleep(after_s)
-    if proc.poll() is not None:  # e.g. on a GPU: nothing left to interrupt
-        assert proc.returncode == 0, proc.communicate()
-        pytest.skip("the run ended before the signal: this machine is too fast")
-    proc.send_signal(signal.SIGINT)
-    sent = time.perf_counter()
-    try:
-        _, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    return proc.returncode, err.strip().splitlines(), time.perf_counter() - sent
+class Run:
+    """`python [-X importtime] -m flashnorm_mlx ARGS`, its stdout and stderr read
+    line by line as they come (timestamped), so a test can wait for a mark."""
+
+    def __init__(self, *args, importtime=False, stdin=subprocess.DEVNULL):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        flags = ["-X", "importtime"] if importtime else []
+        self.start = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, *flags, "-m", "flashnorm_mlx", *args],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.lines = queue.Queue()  # (time, "out" | "err", line); line None at EOF
+        self.out, self.err = [], []
+        for name, pipe in (("out", self.proc.stdout), ("err", self.proc.stderr)):
+            threading.Thread(target=self._pump, args=(name, pipe), daemon=True).start()
+        self.open = 2
+
+    def _pump(self, name, pipe):
+        for line in pipe:
+            self.lines.put((time.perf_counter(), name, line.rstrip("\n")))
+        self.lines.put((time.perf_counter(), name, None))
+
+    def next_line(self, timeout):
+        """(time, stream, line) of the next line, or None once both streams end."""
+        while self.open:
+            t, name, line = self.lines.get(timeout=timeout)
+            if line is None:
+                self.open -= 1
+                continue
+            (self.out if name == "out" else self.err).append(line)
+            return t, name, line
+        return None
+
+    def wait_for(self, stream, pattern, timeout=600):
+        """The time the first line of `stream` matching `pattern` came; None if
+        the process ended first. A failure after `timeout` seconds."""
+        deadline = time.perf_counter() + timeout
+        while True:
+            try:
+                got = self.next_line(max(deadline - time.perf_counter(), 0.01))
+            except queue.Empty:
+                self.proc.kill()
+                pytest.fail(
+                    f"no {pattern!r} in {timeout} s: {self.out} {self.stderr()}"
+                )
+            if got is None:
+                return None
+            t, name, line = got
+            if name == stream and re.search(pattern, line):
+                return t
+
+    def interrupt(self, timeout=60):
+        """SIGINT now: (exit status, stderr lines without -X importtime's, seconds
+        from the signal to the exit)."""
+        self.proc.send_signal(signal.SIGINT)
+        sent = time.perf_counter()
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.proc.kill()
+        seconds = time.perf_counter() - sent
+        while self.next_line(timeout=10) is not None:
+            pass
+        return self.proc.returncode, self.stderr(), seconds
+
+    def stderr(self):
+        return [l for l in self.err if l.strip() and not IMPORT_TIME.match(l)]
 
 
-def _one_interrupt_line(command, rc, lines, seconds):
+def _one_interrupt_line(command, rc, lines, seconds=0.0):
     assert rc == 130, (rc, lines)
     assert seconds < 5, (seconds, lines)
     assert not any("Traceback" in l for l in lines), lines
@@ -48,22 +106,84 @@ def _one_interrupt_line(command, rc, lines, seconds):
     stopped = [l for l in lines if "interrupted" in l]
     assert len(stopped) == 1 and lines[-1] == stopped[0], lines
     assert stopped[0].startswith(f"flashnorm-mlx {command}: interrupted"), lines
-    assert all(l.startswith(f"flashnorm-mlx {command}: ") for l in lines), lines
+    assert all(l.startswith("flashnorm-mlx") for l in lines), lines
+
+
+def _too_fast(run):
+    assert run.proc.wait() == 0, run.stderr()
+    pytest.skip("the run ended before its mark: this machine is too fast")
+
+
+# The import of flashnorm_mlx.cli comes right after the handler is installed
+# (__main__.py): a signal from then on is the command's to take.
+STARTED = r"\|\s+flashnorm_mlx\.cli$"
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.3])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_ctrl_c_while_starting_is_one_line_and_130(command, after_s, tmp_path):
+    """SIGINT as early as it can be taken, or 0.3 s after the start: most land
+    while MLX imports (seconds), and whatever phase one lands in, the answer is
+    one line, exit 130, no traceback, nothing written."""
+    extra = {"convert": ["-o", str(tmp_path / "out")], "serve": ["--port", "0"]}
+    run = Run(command, *extra.get(command, []), importtime=True)
+    if run.wait_for("err", STARTED, timeout=120) is None:
+        pytest.fail(f"no import of flashnorm_mlx.cli: {run.stderr()}")
+    time.sleep(max(0.0, run.start + after_s - time.perf_counter()))
+    rc, lines, seconds = run.interrupt()
+    _one_interrupt_line(command, rc, lines, seconds)
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
 
 
 def test_ctrl_c_stops_perplexity_at_once():
-    # The embedded model: one batch of 4 windows is minutes of mx.eval here.
-    proc = _start("perplexity")
-    rc, lines, seconds = _interrupt(proc, 4)
-    _one_interrupt_line("perplexity", rc, lines, seconds)
+    # The embedded model: one batch of 4 windows is minutes of mx.eval here, and
+    # says it is still at it every 10 s. (Not earlier: MLX's first CPU kernel
+    # runs system("g++ --version"), which ignores SIGINT for its ~25 ms.)
+    run = Run("perplexity")
+    if run.wait_for("err", r"^flashnorm-mlx perplexity: scoring .*still at it") is None:
+        _too_fast(run)
+    _one_interrupt_line("perplexity", *run.interrupt())
 
 
 def test_ctrl_c_stops_a_requantizing_convert_and_leaves_nothing(tmp_path):
     out = tmp_path / "made" / "out"  # its parent is created, and must go too
-    proc = _start("convert", "-o", str(out), "--requantize")
-    rc, lines, seconds = _interrupt(proc, 4)
-    _one_interrupt_line("convert", rc, lines, seconds)
+    run = Run("convert", "-o", str(out), "--requantize")
+    # GPTQ calibration (minutes on a CPU) says it is still at it every 10 s.
+    mark = r"^flashnorm-mlx convert: calibrating GPTQ: .*still at it"
+    if run.wait_for("err", mark) is None:
+        _too_fast(run)
+    _one_interrupt_line("convert", *run.interrupt())
     assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+
+
+def test_ctrl_c_in_a_chat_prefill_drops_the_message_within_1_s():
+    """A 300-token message on the embedded model is ~20 s of prefill on a
+    2-core CPU: Ctrl-C stops it within one chunk, the message is dropped (no
+    rates on its line), and the chat goes on."""
+    words = "the quick brown fox jumps over the lazy dog again".split()
+    message = " ".join(words[i % len(words)] for i in range(280))
+    run = Run("chat", "-m", "4", stdin=subprocess.PIPE)
+    run.proc.stdin.write(message + "\n")
+    run.proc.stdin.flush()
+    # Said after 2 s of prefill: a 300-token one lasts ~20 s on a 2-core CPU.
+    mark = r"^flashnorm-mlx chat: reading the message"
+    if run.wait_for("err", mark, timeout=120) is None:
+        _too_fast(run)
+    # Said before a chunk, whose graph Python then builds: land in its mx.eval.
+    time.sleep(0.3)
+    run.proc.send_signal(signal.SIGINT)
+    sent = time.perf_counter()
+    stopped = run.wait_for("out", r"^interrupted before the reply", timeout=120)
+    assert stopped is not None, (run.out, run.stderr())
+    assert stopped - sent < 1.0, (stopped - sent, run.out)
+    assert "tok/s" not in run.out[-1] and "message was dropped" in run.out[-1]
+    run.proc.stdin.write("Hi\n")  # the chat goes on: a reply and its stats
+    run.proc.stdin.close()
+    assert run.proc.wait(timeout=300) == 0, run.stderr()
+    while run.next_line(timeout=10) is not None:
+        pass
+    assert re.match(r"^\d+ tokens, [\d.]+ tok/s \| prompt \d+ tokens", run.out[-1])
+    assert not any("Traceback" in l for l in run.err), run.err
 
 
 # --- a log of a long command: stages, and a line every ~10 s within one -------

@@ -4,6 +4,8 @@ import importlib
 import os
 import sys
 
+from .. import interrupt
+
 # command -> (module in flashnorm_mlx.cli, one-line help)
 COMMANDS = {
     "chat": ("chat", "chat with a model in the terminal"),
@@ -30,15 +32,23 @@ def _usage() -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # First: Ctrl-C while MLX imports (seconds) is one line and exit 130.
+    name = argv[0] if argv and argv[0] in COMMANDS else ""
+    restore = interrupt.at_start(f"flashnorm-mlx {name}".strip())
     try:
         return _main(argv)
+    except KeyboardInterrupt:  # around a command's own handling (run_main)
+        interrupt.say(interrupt.interrupted())
+        return 130
     except BrokenPipeError:  # the reader went away (`... --help | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    finally:
+        restore()  # a caller in this process (a test) gets its own handler back
 
 
-def _main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def _main(argv) -> int:
     if not argv:  # argparse's convention: usage on stderr, exit status 2
         print(_usage(), file=sys.stderr)
         return 2
@@ -58,11 +68,8 @@ def _main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    try:  # MLX and the model code: seconds to import
-        module = importlib.import_module(f"flashnorm_mlx.cli.{COMMANDS[name][0]}")
-    except KeyboardInterrupt:
-        print(f"flashnorm-mlx {name}: interrupted (Ctrl-C)", file=sys.stderr)
-        return 130
+    # Light: a command imports MLX once its flags are checked (cli/flags.py).
+    module = importlib.import_module(f"flashnorm_mlx.cli.{COMMANDS[name][0]}")
     sys.argv = [f"flashnorm-mlx {name}", *argv[1:]]
     return module.main(argv[1:]) or 0
 

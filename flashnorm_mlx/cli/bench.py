@@ -7,20 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .. import quant
-from ..bench import run_bench, validate
-from ..errors import BenchError
-from ..loading import read_source
-from ..loading.variants import NAMES
-from ..parallel import distributed
-from .common import (
-    Parser,
-    StageLog,
-    add_model_args,
-    join_launch,
-    model_kwargs,
-    run_main,
-)
+from .flags import VARIANT_NAMES, Parser, add_model_args, run_main
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -46,8 +33,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--num-trials", type=int, default=5, help="timed rounds")
     p.add_argument(
         "--variants",
-        default=",".join(NAMES),
-        help=f"comma-separated subset of {','.join(NAMES)} (default: all)",
+        default=",".join(VARIANT_NAMES),
+        help=f"comma-separated subset of {','.join(VARIANT_NAMES)} (default: all)",
     )
     p.add_argument(
         "--verbose",
@@ -195,6 +182,8 @@ def ratio_line(r: dict) -> str:
 def _print_lines(result: dict, console) -> None:
     from rich.markup import escape
 
+    from .. import quant
+
     st = result["settings"]
     ratios = result["ratios"]
     for key, words in RATIO_LINES:
@@ -245,6 +234,13 @@ def main(argv=None):
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
+    # MLX and mlx-lm (seconds) once argparse is content: bench's own checks need them.
+    from ..bench import run_bench, validate
+    from ..errors import BenchError
+    from ..loading import read_source
+    from ..parallel import distributed
+    from .common import StageLog, join_launch, model_kwargs
+
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     # Flags checked before the (slow) read: flashnorm-mlx bench: error:, exit 2.
     try:
@@ -270,6 +266,9 @@ def main(argv=None):
         TimeElapsedColumn(),
         console=err,
         transient=True,
+        # Elsewhere StageLog's lines say where it is; a stopped bar would add a
+        # blank line (before Ctrl-C's, too).
+        disable=not err.is_terminal,
     ) as bar:
         task = bar.add_task("reading", total=None)
 

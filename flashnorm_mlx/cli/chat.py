@@ -6,26 +6,15 @@ it reads one message per line and prints only replies, stats lines and notices.
 
 import argparse
 import sys
+import time
 
-from .. import engine as engines
-from ..chat import (
-    ChatError,
-    ChatSession,
-    ContextOverflow,
-)
-from ..loading import build_model
-from ..loading.variants import BY_NAME, NAMES
-from ..models import context_length
-from ..parallel import distributed
-from ..timing import compare_decode_speed
-from .common import (
+from ..errors import ChatError, ContextOverflow
+from .flags import (
+    VARIANT_NAMES,
     Parser,
     UserError,
     add_model_args,
     add_sampling_args,
-    load_for_sampling,
-    make_sampler,
-    model_kwargs,
     run_main,
 )
 
@@ -35,9 +24,8 @@ HELP = """\
 /compare  regenerate the last reply on the same weights and prompt with
         {variants}: decode tok/s side by side
 /quit   leave (also /exit, or Ctrl-D)
-Ctrl-C stops a reply; the partial reply stays in the conversation.""".format(
-    variants=", ".join(NAMES)
-)
+Ctrl-C drops a message still being read, or stops a reply; the partial reply
+        stays in the conversation.""".format(variants=", ".join(VARIANT_NAMES))
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -59,11 +47,33 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+# A prefill still running after this long says so, once (and that Ctrl-C stops it).
+PREFILL_NOTICE_S = 2.0
+
+
 class PlainUI:
     """Piped stdin: no prompts, no styling; replies, stats lines and notices."""
 
+    def __init__(self):
+        self.prefill_start, self.prefill_told = 0.0, False
+
     def header(self, rows):
         pass
+
+    def prefilling(self, done: int, total: int):
+        """Before each prefill chunk: a long prefill gets one line."""
+        now = time.perf_counter()
+        if done == 0:
+            self.prefill_start, self.prefill_told = now, False
+        elif not self.prefill_told and now - self.prefill_start >= PREFILL_NOTICE_S:
+            self.prefill_told = True
+            self.prefill_notice(
+                f"reading the message ({done}/{total} prompt tokens; Ctrl-C drops it)"
+            )
+
+    def prefill_notice(self, message: str):
+        # On stderr, like the other commands' stage lines: stdout is the chat.
+        print(f"flashnorm-mlx chat: {message}", file=sys.stderr, flush=True)
 
     def read(self):
         line = sys.stdin.readline()
@@ -94,6 +104,7 @@ class RichUI(PlainUI):
     def __init__(self):
         from rich.console import Console
 
+        super().__init__()
         self.console = Console(highlight=False)
 
     def header(self, rows):
@@ -127,6 +138,9 @@ class RichUI(PlainUI):
     def notice(self, message: str):
         self.console.print(message, style="yellow", markup=False)
 
+    def prefill_notice(self, message: str):
+        self.console.print(f"({message})", style="dim", markup=False)
+
     def help(self):
         self.console.print(HELP, style="dim", markup=False)
 
@@ -153,12 +167,18 @@ class Comparer:
     prompt."""
 
     def __init__(self, source, mode: str, model, kwargs: dict, sampler=None):
+        from .. import engine as engines
+
         self.source, self.sampler = source, sampler
         self.engine = engines.resolve(kwargs.get("engine"))
         self.kwargs = {k: v for k, v in kwargs.items() if k != "engine"}
         self.models = {mode: model}
 
-    def __call__(self, session: ChatSession) -> str:
+    def __call__(self, session) -> str:
+        from ..loading import build_model
+        from ..loading.variants import BY_NAME, NAMES
+        from ..timing import compare_decode_speed
+
         n = len(session.last_reply_ids)
         if n < 2:
             return "(/compare needs a reply of 2 or more tokens first)"
@@ -185,9 +205,14 @@ class Comparer:
         )
 
 
-def run_chat(session: ChatSession, ui, max_tokens: int, compare=None) -> int:
-    """The read-reply loop; returns the exit status. compare(session) -> the
-    line /compare prints (None: /compare is not offered)."""
+def run_chat(session, ui, max_tokens: int, compare=None) -> int:
+    """The read-reply loop over a ChatSession; returns the exit status.
+    compare(session) -> the line /compare prints (None: /compare is not offered)."""
+    from ..parallel import distributed
+
+    prefilling = ui.prefilling  # its notice on stderr: rank 0's alone
+    if not distributed.is_main_rank():
+        prefilling = lambda done, total: None  # noqa: E731
     while True:
         try:
             line = ui.read()
@@ -219,7 +244,11 @@ def run_chat(session: ChatSession, ui, max_tokens: int, compare=None) -> int:
             continue
         try:
             with distributed.watch("generating a reply"):  # no-op in one process
-                stats = session.send(line, on_text=distributed.kicking(ui.text))
+                stats = session.send(
+                    line,
+                    on_text=distributed.kicking(ui.text),
+                    on_prefill=distributed.kicking(prefilling),
+                )
         except ContextOverflow as e:
             ui.notice(str(e))
             continue
@@ -238,6 +267,12 @@ def run_chat(session: ChatSession, ui, max_tokens: int, compare=None) -> int:
 def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
+    # MLX and mlx-lm (seconds) once the flags are good.
+    from .. import engine as engines
+    from ..chat import ChatSession
+    from ..models import context_length
+    from .common import load_for_sampling, make_sampler, model_kwargs
+
     source, tokenizer, model, config = load_for_sampling(args)
     limit = args.max_context or context_length(config)
     try:

@@ -3,15 +3,13 @@
 import argparse
 import sys
 
-from .. import quant
-from ..convert import convert
-from ..quant import gptq
-from .common import (
+from .flags import (
+    CALIB_LEN,
+    CALIB_SEQS,
+    DEFAULT_Q_METHOD,
+    Q_METHODS,
     Parser,
-    StageLog,
     add_model_args,
-    interruptible,
-    model_kwargs,
     run_main,
 )
 
@@ -50,21 +48,21 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     q = p.add_argument_group("quantization method (with -q, or a quantized source)")
     q.add_argument(
         "--q-method",
-        choices=gptq.METHODS,
-        default=gptq.DEFAULT_METHOD,
+        choices=Q_METHODS,
+        default=DEFAULT_Q_METHOD,
         help="gptq: fold-aware GPTQ calibrated on offline text (FlashNorm 4-bit at "
         "stock's quality; needs a tokenizer); rtn: round-to-nearest",
     )
     q.add_argument(
         "--calib-seqs",
         type=int,
-        default=gptq.Calibration.num_seqs,
+        default=CALIB_SEQS,
         help="GPTQ calibration windows",
     )
     q.add_argument(
         "--calib-len",
         type=int,
-        default=gptq.Calibration.seq_len,
+        default=CALIB_LEN,
         help="tokens per calibration window",
     )
     return p
@@ -76,6 +74,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not args.output.strip():
         parser.error("-o/--output is empty")
+    # MLX and mlx-lm (seconds) once the flags are good.
+    from .. import quant
+    from ..convert import convert
+    from ..quant import gptq
+    from .common import StageLog, interruptible, model_kwargs
+
     with StageLog("convert") as log, interruptible(log):
         log.step(f"reading {args.model or 'the embedded model'}")
         r = convert(

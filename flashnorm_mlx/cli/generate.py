@@ -3,15 +3,7 @@
 import argparse
 import sys
 
-from ..parallel import distributed
-from .common import (
-    Parser,
-    add_model_args,
-    add_sampling_args,
-    load_for_sampling,
-    make_sampler,
-    run_main,
-)
+from .flags import Parser, add_model_args, add_sampling_args, run_main
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -48,8 +40,6 @@ def build_prompt(tokenizer, prompt: str, system_prompt=None, raw: bool = False) 
 
 @run_main
 def main(argv=None):
-    from mlx_lm import stream_generate
-
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     prompt = (
@@ -57,6 +47,12 @@ def main(argv=None):
     )
     if not prompt.strip():  # the model would answer an empty message
         parser.error("-p/--prompt is empty (-p TEXT, or -p - to read stdin)")
+    # MLX and mlx-lm (seconds) once the flags are good.
+    from mlx_lm import stream_generate
+
+    from ..parallel import distributed
+    from .common import load_for_sampling, make_sampler
+
     _, tokenizer, model, _ = load_for_sampling(args)
 
     ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)

@@ -3,19 +3,15 @@
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..errors import LoadError
-from ..loading import RUN_MODES, read_source
-from ..loading.variants import comparison
-from ..perplexity import MIN_TIMED_TOKENS, load_text, perplexity
-from ..quant import gptq
-from .common import (
+from .flags import (
+    DEFAULT_Q_METHOD,
+    Q_METHODS,
+    RUN_MODES,
     Parser,
-    StageLog,
     add_model_args,
-    interruptible,
-    model_kwargs,
-    need_tokenizer,
     run_main,
 )
 
@@ -47,8 +43,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--q-method",
-        choices=gptq.METHODS,
-        default=gptq.DEFAULT_METHOD,
+        choices=Q_METHODS,
+        default=DEFAULT_Q_METHOD,
         help="how FlashNorm is quantized (stock: mlx-lm's round-to-nearest): gptq, "
         "fold-aware and calibrated on text never scored, or rtn",
     )
@@ -60,6 +56,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
+    if args.data is not None and not Path(args.data).expanduser().is_file():
+        parser.error(f"--data: no such data file: {args.data}")  # before MLX loads
+    # MLX and mlx-lm (seconds) once the flags are good.
+    from ..loading import read_source
+    from ..loading.variants import comparison
+    from ..perplexity import load_text, perplexity
+    from .common import StageLog, interruptible, model_kwargs, need_tokenizer
+
     try:
         text = load_text(args.data)
     except LoadError as e:  # a flag's file: flashnorm-mlx perplexity: error:
@@ -94,6 +98,8 @@ def main(argv=None):
 def _print_table(r: dict) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from ..perplexity import MIN_TIMED_TOKENS
 
     quant = r["quantization"] or "not quantized"
     t = Table(title=f"Perplexity: {r['model']} ({r['dtype']}, {quant})")

@@ -1,30 +1,22 @@
 """`flashnorm-mlx serve [MODEL]`: an OpenAI-compatible HTTP server (serve/)."""
 
 import argparse
-import dataclasses
 import os
 import sys
 
-from ..loading import read_source
-from ..loading.source import default_model_path
-from ..serve import (
+from .. import interrupt
+from .flags import (
     API_KEY_ENV,
-    ApiServer,
-    Service,
-    Settings,
-    bind_warning,
-    run_until_signal,
-)
-from .common import (
-    SAMPLER_FLAGS,
     Parser,
     UserError,
     add_model_args,
     add_sampling_args,
-    build,
-    need_tokenizer,
     run_main,
 )
+
+# mlx-lm's sampler flags (flags.SAMPLER_FLAGS) that serve's Settings holds a
+# default for, as request defaults (tests/test_cli.py checks it against Settings).
+SETTINGS_SAMPLER = ("top_p", "top_k", "min_p", "min_tokens_to_keep")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -82,8 +74,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def _sampler_defaults() -> tuple:
     """mlx-lm's sampler flags that the server's Settings has a default for."""
-    held = {f.name for f in dataclasses.fields(Settings)}
-    return tuple(dest for dest in SAMPLER_FLAGS if dest in held)
+    return SETTINGS_SAMPLER
 
 
 @run_main
@@ -98,6 +89,12 @@ def main(argv=None):
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():
         parser.error(f"the API key (--api-key or ${API_KEY_ENV}) must not be empty")
+    # MLX and mlx-lm (seconds) once the flags are good.
+    from ..loading import read_source
+    from ..loading.source import default_model_path
+    from ..serve import ApiServer, Service, Settings, bind_warning, run_until_signal
+    from .common import build, need_tokenizer
+
     # Bind first: a port in use is one line before a long model load.
     try:
         server = ApiServer(args.host, args.port)
@@ -127,14 +124,19 @@ def main(argv=None):
         )
         model_id = args.model or default_model_path().stem
         server.attach(Service(load, model_id, args.mode, settings))
+        print(
+            f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
+            f"{server.url}/v1{' (API key required)' if api_key else ''} (Ctrl-C stops)",
+            file=sys.stderr,
+            flush=True,
+        )
+    except KeyboardInterrupt:
+        # The generation thread may still be building on MLX: a normal exit
+        # under it aborts ("terminate called without an active exception").
+        server.server_close()
+        interrupt.exit_now("flashnorm-mlx serve")
     except BaseException:
         server.server_close()
         raise
-    print(
-        f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
-        f"{server.url}/v1{' (API key required)' if api_key else ''} (Ctrl-C stops)",
-        file=sys.stderr,
-        flush=True,
-    )
     run_until_signal(server)
     return 0

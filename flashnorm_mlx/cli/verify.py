@@ -3,10 +3,7 @@
 import argparse
 import json
 
-from ..loading import read_source
-from ..loading.variants import comparison
-from ..verify import compare, prompt_tokens
-from .common import Parser, StageLog, UserError, add_model_args, model_kwargs, run_main
+from .flags import Parser, UserError, add_model_args, run_main
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -32,6 +29,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.prompt is not None and not args.prompt.strip():
         parser.error("-p/--prompt is empty (leave -p out for the fixed sentence)")
+    # MLX and mlx-lm (seconds) once the flags are good.
+    from ..loading import read_source
+    from ..loading.variants import comparison
+    from ..verify import compare, prompt_tokens
+    from .common import StageLog, model_kwargs
+
     source = read_source(args.model, tokenizer=args.tokenizer)
     tokens = prompt_tokens(source, args.prompt)
     if not tokens:

@@ -1,0 +1,315 @@
+"""The commands' flags and exit handling: all a command needs until its flags
+are checked, so none of it imports MLX or mlx-lm (seconds to import): a bad flag
+is one line and exit 2 at once. common.py holds the rest, which imports them.
+"""
+
+import argparse
+import functools
+import math
+import sys
+
+from .. import interrupt
+from ..errors import FlashNormError, UserError  # noqa: F401 (commands raise it)
+
+# The names the flags offer, copied from the library modules that define them,
+# which import MLX (tests/test_cli.py checks each against its source).
+DTYPE_NAMES = ("float16", "bfloat16", "float32")  # loading.DTYPES
+RUN_MODES = ("stock", "flashnorm")  # loading.RUN_MODES
+ENGINES = ("eager", "compiled")  # engine.ENGINES
+# loading.variants.NAMES: bench's and /compare's rows, the reference first
+VARIANT_NAMES = ("mlx-lm", "stock", "stock_fused", "nonorm", "flashnorm")
+Q_METHODS = ("gptq", "rtn")  # quant.gptq.METHODS
+DEFAULT_Q_METHOD = "gptq"  # quant.gptq.DEFAULT_METHOD
+CALIB_SEQS, CALIB_LEN = 16, 128  # quant.gptq.Calibration's num_seqs, seq_len
+API_KEY_ENV = "FLASHNORM_MLX_API_KEY"  # serve.API_KEY_ENV
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in --help, unless its help text already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.required:  # e.g. convert's -o: there is no default to show
+            return text + " (required)"
+        if action.nargs == 0:  # an on/off flag
+            return text + (" (default: on)" if action.default else " (default: off)")
+        if action.default is None:
+            return text + " (default: none)"
+        return text + " (default: %(default)s)"
+
+
+# Values no command can run with, by flag destination: (ok, what is needed).
+# bench's own (-p, -g, -n, --variants) are `bench.validate`'s, which library
+# callers get too.
+VALUE_RULES = {
+    "temp": (lambda v: math.isfinite(v) and v >= 0, "a number >= 0 (0: greedy)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "max_tokens": (lambda v: v >= 1, "at least 1"),
+    "seed": (lambda v: v is None or 0 <= v < 2**32, "from 0 to 2**32-1"),
+    "horizon": (lambda v: v >= 1, "at least 1"),
+    "prefill_step_size": (lambda v: v >= 1, "at least 1"),
+    "seq_len": (lambda v: v >= 2, "at least 2"),
+    "num_seqs": (lambda v: v >= 0, "at least 0 (0: all of the text)"),
+    "batch_size": (lambda v: v >= 1, "at least 1"),
+    "max_context": (lambda v: v is None or v >= 2, "at least 2"),
+    "calib_seqs": (lambda v: v >= 1, "at least 1"),
+    "calib_len": (lambda v: v >= 2, "at least 2"),
+    "top_k": (lambda v: v >= 0, "at least 0 (0: off)"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
+    "min_tokens_to_keep": (lambda v: v >= 1, "at least 1"),
+    "xtc_probability": (lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
+    "xtc_threshold": (lambda v: 0 <= v <= 0.5, "in [0, 0.5]"),
+}
+Q_DEFAULTS = {"q_bits": 4, "q_group_size": 64}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with every default in --help, errors on one line, and the
+    values no command can run with (VALUE_RULES) refused before any work."""
+
+    def __init__(self, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(**kw)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        args = super().parse_args(args, namespace)
+        if hasattr(args, "model_flag"):  # MODEL, or --model as mlx-lm spells it
+            if args.model is not None and args.model_flag is not None:
+                self.error(
+                    f"MODEL given twice ({args.model!r} and --model "
+                    f"{args.model_flag!r}): give one"
+                )
+            if args.model_flag is not None:
+                args.model = args.model_flag
+            del args.model_flag
+        flags = {
+            a.dest: "/".join(a.option_strings)
+            for a in self._actions
+            if a.option_strings
+        }
+        for dest, (ok, need) in VALUE_RULES.items():
+            value = getattr(args, dest, None)
+            if dest in flags and value is not None and not ok(value):
+                self.error(f"{flags[dest]} must be {need}, not {value}")
+        if hasattr(args, "quantize"):
+            given = [flags[d] for d in Q_DEFAULTS if getattr(args, d) is not None]
+            if given and not args.quantize:
+                self.error(f"{'/'.join(given)} only apply with -q/--quantize")
+            for dest, default in Q_DEFAULTS.items():
+                if getattr(args, dest) is None:
+                    setattr(args, dest, default)
+        return args
+
+
+# How a quantized source runs (quant.QUANTIZED_WAYS), one line of help each.
+QUANTIZED_FLAGS = {
+    "stored": (
+        "--as-stored",
+        "quantized source: run its quantized weights as stored, stock's exact "
+        "function and bytes per token; FlashNorm applies the norm gains in its "
+        "kernels, since folding them into quantized weights would mean "
+        "quantizing again (default; a short 'note:' line on stderr says so)",
+    ),
+    "dequantize": (
+        "--dequantize",
+        "quantized source: dequantize, fold and run in float: the same function, "
+        "2-4x the bytes per token (default: off)",
+    ),
+    "requantize": (
+        "--requantize",
+        "quantized source: dequantize, fold in float32, quantize again with the "
+        "source's bits and group size (stock alike): a slightly different function "
+        "(default: off)",
+    ),
+}
+
+
+def add_model_args(
+    parser: argparse.ArgumentParser, mode: bool = True, engine: bool = True
+) -> None:
+    """MODEL, --tokenizer, --mode, --dtype, the quantization flags and --engine
+    (not for commands that run no decode step)."""
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="model folder, Hugging Face repo id or .gguf file "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--model",
+        dest="model_flag",
+        metavar="MODEL",
+        default=None,
+        help="MODEL as a flag, as mlx-lm's commands take it (MODEL or --model, "
+        "not both; default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder or repo id, for checkpoints that ship none (OpenELM) "
+        "(default: the model's own)",
+    )
+    if mode:
+        parser.add_argument(
+            "--mode",
+            choices=RUN_MODES,
+            default="flashnorm",
+            help="flashnorm (ours, default) or stock (mlx-lm's own model class "
+            "on the same weights)",
+        )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPE_NAMES),
+        default=None,
+        help="compute dtype (default: float32 on MLX's CPU backend, whose float16 "
+        "kernels are slow; the checkpoint's own dtype on Metal and CUDA)",
+    )
+    parser.add_argument(
+        "-q",
+        "--quantize",
+        action="store_true",
+        help="quantize a float model after folding (a quantized one is "
+        "dequantized first)",
+    )
+    # None: not given, so -q's defaults apply and their use without -q shows.
+    parser.add_argument(
+        "--q-bits",
+        type=int,
+        default=None,
+        choices=(2, 3, 4, 5, 6, 8),
+        help="bits per weight with -q (default: 4)",
+    )
+    parser.add_argument(
+        "--q-group-size",
+        type=int,
+        default=None,
+        choices=(32, 64, 128),
+        help="weights per quantization group with -q (default: 64)",
+    )
+    group = parser.add_mutually_exclusive_group()
+    for way, (flag, text) in QUANTIZED_FLAGS.items():
+        group.add_argument(
+            flag, dest="quantized_way", action="store_const", const=way, help=text
+        )
+    parser.set_defaults(quantized_way="stored")
+    if engine:
+        add_engine_arg(parser)
+
+
+def add_engine_arg(parser: argparse.ArgumentParser, default_text: str = "") -> None:
+    """--engine, and --compile/--no-compile as its aliases for one release."""
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=None,
+        help="what runs the decode steps, the same for every --mode: eager (each "
+        "step's graph built op by op, as mlx-lm runs it) or compiled (one "
+        "mx.compile'd step per shape, a length-aware attention: same tokens, "
+        "less host time per step) "
+        + (
+            default_text
+            or "(default: compiled where Metal or CUDA runs the model, where the "
+            "host sets the pace; eager on the CPU, where the matmuls do and a "
+            "first run would spend seconds compiling kernels)"
+        ),
+    )
+    parser.add_argument(
+        "--compile",
+        dest="engine",
+        action="store_const",
+        const="compiled",
+        help="the same as --engine compiled (an alias kept for one release; the "
+        "default is --engine's)",
+    )
+    parser.add_argument(
+        "--no-compile",
+        dest="engine",
+        action="store_const",
+        const="eager",
+        help="the same as --engine eager (an alias kept for one release; the "
+        "default is --engine's)",
+    )
+
+
+# mlx-lm's sampler flags (mlx_lm.generate; make_sampler's arguments), default
+# off: flag destination -> (type, default, help).
+SAMPLER_FLAGS = {
+    "top_p": (float, 1.0, "nucleus sampling threshold (1: off)"),
+    "top_k": (int, 0, "sample from the k most likely tokens only (0: off)"),
+    "min_p": (
+        float,
+        0.0,
+        "drop tokens less likely than min-p times the most likely one (0: off)",
+    ),
+    "min_tokens_to_keep": (int, 1, "tokens that --min-p never drops"),
+    "xtc_probability": (
+        float,
+        0.0,
+        "XTC sampling: chance per token of excluding the top choices (0: off)",
+    ),
+    "xtc_threshold": (
+        float,
+        0.1,
+        "XTC sampling: tokens at least this likely count as top choices",
+    ),
+}
+
+
+def add_sampling_args(
+    parser: argparse.ArgumentParser, max_tokens: int, sampler=tuple(SAMPLER_FLAGS)
+) -> None:
+    """-m/--max-tokens, --temp, the `sampler` flags of SAMPLER_FLAGS, --seed,
+    as mlx-lm names them."""
+    parser.add_argument(
+        "-m", "--max-tokens", type=int, default=max_tokens, help="most tokens per reply"
+    )
+    parser.add_argument(
+        "--temp", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    for dest in sampler:
+        kind, default, text = SAMPLER_FLAGS[dest]
+        flag = "--" + dest.replace("_", "-")
+        parser.add_argument(flag, type=kind, default=default, help=text)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="random seed for sampling (default: none, a different draw each run)",
+    )
+
+
+def run_main(fn):
+    """Turn user errors into one line on stderr and exit status 1, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(argv=None):
+        interrupt.reset()
+        try:
+            return fn(argv)
+        except FlashNormError as e:
+            from ..parallel import distributed  # imported by then: the error's
+
+            distributed.report_error(e)  # a launch: one line, not one per rank
+            return 1
+        except RuntimeError as e:  # a collective failed: a peer exited
+            distributed = sys.modules.get("flashnorm_mlx.parallel.distributed")
+            if distributed is None or not distributed.is_collective_error(e):
+                raise
+            rank, why = distributed.rank_prefix(), distributed.lost_peer_message(e)
+            print(f"flashnorm-mlx: error: {rank}{why}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            interrupt.hand_over()  # a guard's watcher is printing its line
+            command = fn.__module__.rsplit(".", 1)[-1]
+            interrupt.say(interrupt.interrupted(f"flashnorm-mlx {command}"))
+            return 130
+        except SystemExit as e:  # argparse: --help (0) or a bad flag (2), printed
+            return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+
+    return wrapper
