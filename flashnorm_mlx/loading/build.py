@@ -18,6 +18,7 @@ from ..errors import LoadError
 from ..parallel import sharding
 from . import nonorm, stock_fused
 from .recipe import Recipe
+from .shapes import config_name, mismatch, shapes_of
 from .source import Source, folder_weights, read_source
 from .variants import NORMS
 
@@ -57,20 +58,28 @@ def build_model(
     # A folder's weights opened again for this build: what it evaluates is freed
     # once in the model, where the caller's Source would keep every source tensor.
     source_weights = _own_handles(source)
-    plan = quant.plan_weights(
-        source_weights, source.config, dtype, quantize, quantized_way
-    )
+    shapes = shapes_of(source_weights)
+    try:
+        plan = quant.plan_weights(
+            source_weights, source.config, dtype, quantize, quantized_way
+        )
+        as_is: Set[str] = set()  # source tensors the model takes unchanged
+        if mode == "nonorm":  # the norm-removed speed bound, for `bench`
+            model, config = nonorm.build_nonorm(plan)  # calibrated whole, then split
+        else:  # on the tensors `convert` would write, computed lazily (recipe.py)
+            cls = "flashnorm" if mode == "flashnorm" else "stock"  # ours or mlx-lm's
+            recipe = Recipe(source_weights, source.config, plan, stock=cls == "stock")
+            model, config, as_is = _instantiate(source.name, recipe, cls)
+            del recipe
+    except (LoadError, ValueError, KeyError, IndexError):
+        # Weights that do not fit the config: named as the checkpoint names them.
+        why = mismatch(shapes, source.config, config_name(source))
+        if why:
+            raise LoadError(f"{source.name}: {why}") from None
+        raise
     if plan.note and notes is not None:
         notes.append(plan.note)
     fused = mode == "stock_fused"
-    as_is: Set[str] = set()  # source tensors the model takes unchanged
-    if mode == "nonorm":  # the norm-removed speed bound, for `bench`
-        model, config = nonorm.build_nonorm(plan)  # calibrated whole, then split
-    else:  # on the tensors `convert` would write, computed lazily (recipe.py)
-        cls = "flashnorm" if mode == "flashnorm" else "stock"  # ours or mlx-lm's
-        recipe = Recipe(source_weights, source.config, plan, stock=cls == "stock")
-        model, config, as_is = _instantiate(source.name, recipe, cls)
-        del recipe
     del source_weights, plan  # from here the model alone holds the (lazy) weights
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
         sharding.shard_model(model, group, source.name)

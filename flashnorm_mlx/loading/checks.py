@@ -307,24 +307,22 @@ def check_config(config, where: str, arg_classes) -> None:
         }
     missing = sorted(k for k in required if k not in config)
     if missing:
-        raise LoadError(f"{where}: config has no {missing[0]!r}")
+        raise LoadError(f"{where}: {missing[0]} is missing (the model needs it)")
     for key, hint in hints.items():
         if key in config:
             problem = _value_problem(key, config[key], hint)
             if problem:
-                raise LoadError(
-                    f"{where}: config {key!r} is {_show(config[key])}: {problem}"
-                )
+                raise LoadError(f"{where}: {key} is {_show(config[key])}: {problem}")
     problem = _relations(config)
     if problem:
-        raise LoadError(f"{where}: config {problem}")
+        raise LoadError(f"{where}: {problem}")
     _check_quantization(config.get("quantization"), where)
     marker = config.get("flashnorm")  # fold.MARKER, written by `convert`
     if marker is not None and not (
         isinstance(marker, dict)
         and all(isinstance(marker.get(k, False), bool) for k in _MARKER_FLAGS)
     ):
-        raise LoadError(f"{where}: config 'flashnorm' is {_show(marker)}")
+        raise LoadError(f"{where}: flashnorm is {_show(marker)}")
 
 
 _MARKER_FLAGS = ("folded", "compat", "final_norm_folded")
@@ -426,15 +424,17 @@ def _scaling_problem(key: str, value: dict) -> Optional[str]:
 def _relations(config: dict) -> Optional[str]:
     """Head counts that divide, per-layer lists of the right length."""
     heads = config.get("num_attention_heads")
+    hidden = config.get("hidden_size")
+    if _is_int(heads) and _is_int(hidden) and not config.get("head_dim"):
+        if hidden % heads:
+            return (
+                f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
+            )
     kv = config.get("num_key_value_heads") or heads
     if _is_int(heads) and _is_int(kv) and heads % kv:
         return (
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
         )
-    hidden = config.get("hidden_size")
-    if _is_int(heads) and _is_int(hidden) and not config.get("head_dim"):
-        if hidden % heads:
-            return f"hidden_size {hidden} does not split into {heads} heads"
     layers = config.get("num_hidden_layers", config.get("num_transformer_layers"))
     for key in ("layer_types", *_LAYER_LISTS):
         v = config.get(key)
@@ -454,17 +454,17 @@ def _check_quantization(q, where: str) -> None:
     if q is None:
         return
     if not isinstance(q, dict):
-        raise LoadError(f"{where}: config 'quantization' is not an object")
+        raise LoadError(f"{where}: quantization is not an object")
     for name, block in [("quantization", q)] + [
         (f"quantization[{k!r}]", v) for k, v in q.items() if isinstance(v, dict)
     ]:
         bits, group = block.get("bits"), block.get("group_size")
         if bits not in _Q_BITS or not _is_int(bits):
-            raise LoadError(f"{where}: config {name} bits {_show(bits)} (need 2-8)")
+            raise LoadError(f"{where}: {name} bits {_show(bits)} (need 2-8)")
         if group not in _Q_GROUPS or not _is_int(group):
             raise LoadError(
-                f"{where}: config {name} group_size {_show(group)} (need 32, 64 or 128)"
+                f"{where}: {name} group_size {_show(group)} (need 32, 64 or 128)"
             )
     for k, v in q.items():
         if k not in ("bits", "group_size", "mode") and not isinstance(v, (dict, bool)):
-            raise LoadError(f"{where}: config quantization[{k!r}] is {_show(v)}")
+            raise LoadError(f"{where}: quantization[{k!r}] is {_show(v)}")

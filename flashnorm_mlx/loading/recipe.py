@@ -31,6 +31,7 @@ from ..errors import LoadError
 from ..fold import Weights
 from ..progress import counter, progress_bar
 from ..quant import gptq
+from .shapes import config_name, mismatch, shapes_of
 from .source import Source
 
 # Weights with more elements are computed in row chunks (16 MB of float32 each).
@@ -244,6 +245,11 @@ def fold_checkpoint(
     """
     stage = on_stage or (lambda text: None)
     step = on_step or (lambda text: None)
+    # Before any work: weights that do not fit the config would fold into a
+    # checkpoint nothing can load (builds ask only once they fail, build.py).
+    why = mismatch(shapes_of(weights), source.config, config_name(source))
+    if why:
+        raise LoadError(f"{source.name}: {why}")
     plan = quant.plan_weights(
         weights, source.config, dtype, quantize, quantized_way, True, q_method
     )

@@ -108,8 +108,6 @@ def read_source(
         src = Source(name, config, weights, tok)
     else:
         src = _read_folder(path, name)
-        if need_tokenizer and tokenizer is None:
-            src.tokenizer = _folder_tokenizer(path)
     try:
         models.architecture(src.config)
     except ValueError as e:
@@ -121,6 +119,10 @@ def read_source(
         models.model_classes(src.config, m)[1] for m in ("stock", "flashnorm")
     ]
     check_config(src.config, str(where), arg_classes)
+    # The tokenizer after the config's check: transformers validates config.json
+    # too, and would report its own, longer words for the same problem.
+    if path.is_dir() and need_tokenizer and tokenizer is None:
+        src.tokenizer = _folder_tokenizer(path)
     if tokenizer is not None and need_tokenizer:
         src.tokenizer = _folder_tokenizer(resolve(tokenizer), required=True)
     return src
