@@ -1,0 +1,192 @@
+"""What the commands say to a user: config and shape errors in the checkpoint's
+own words, the note on a quantized source, each command's --help."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+
+from flashnorm_mlx.cli import main
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny Llama with its tokenizer (transformers reads config.json for it)."""
+    return tiny.make_llama(tmp_path_factory.mktemp("m"), "gqa_untied")
+
+
+def _variant(base, tmp_path, config=None, drop=(), weights=None):
+    """A copy of `base` with config.json changed (`config`: key -> value, None
+    removes the key) or its weights replaced."""
+    out = tmp_path / "variant"
+    shutil.copytree(base, out)
+    cfg = json.loads((base / "config.json").read_text())
+    for key, value in (config or {}).items():
+        if value is None:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+    (out / "config.json").write_text(json.dumps(cfg))
+    if weights is not None:
+        mx.save_safetensors(
+            str(out / "model.safetensors"),
+            {k: mx.array(v) for k, v in weights.items()},
+        )
+    return out
+
+
+def _one_error(argv, capsys):
+    """(exit status, the one stderr line): no traceback escapes main()."""
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    err = [e for e in err if not e.startswith(f"flashnorm-mlx {argv[0]}: ")]
+    assert rc == 1, (argv, rc, err)
+    assert len(err) == 1 and err[0].startswith("flashnorm-mlx: error: "), err
+    return err[0]
+
+
+# --- config errors name the config's fields ----------------------------------
+
+CONFIG_ERRORS = {
+    "heads do not divide hidden_size": (
+        {"num_attention_heads": 5},
+        "config.json: hidden_size 64 is not a multiple of num_attention_heads 5",
+    ),
+    "kv heads do not divide heads": (
+        {"num_key_value_heads": 3},
+        "config.json: num_attention_heads 4 is not a multiple of num_key_value_heads 3",
+    ),
+    "head_dim 0": ({"head_dim": 0}, "config.json: head_dim is 0: expected an integer"),
+    "head_dim a string": ({"head_dim": "x"}, 'config.json: head_dim is "x"'),
+    "vocab_size 0": ({"vocab_size": 0}, "config.json: vocab_size is 0"),
+    "num_hidden_layers 0": (
+        {"num_hidden_layers": 0},
+        "config.json: num_hidden_layers is 0",
+    ),
+    **{
+        f"no {key}": ({key: None}, f"config.json: {key} is missing")
+        for key in (
+            "hidden_size",
+            "num_attention_heads",
+            "num_hidden_layers",
+            "vocab_size",
+            "intermediate_size",
+        )
+    },
+}
+
+
+@pytest.mark.parametrize("what", list(CONFIG_ERRORS))
+@pytest.mark.parametrize("command", ["generate", "convert"])
+def test_a_config_error_names_the_configs_fields(
+    what, command, llama_dir, tmp_path, capsys
+):
+    """Not transformers' `could not load the tokenizer (Class validation error
+    ...)`: the field and its value, as config.json spells them."""
+    change, says = CONFIG_ERRORS[what]
+    model = _variant(llama_dir, tmp_path, change)
+    argv = {
+        "generate": ["generate", str(model), "-p", "hi", "-m", "1"],
+        "convert": ["convert", str(model), "-o", str(tmp_path / "out")],
+    }[command]
+    line = _one_error(argv, capsys)
+    assert says in line and "tokenizer" not in line, (what, line)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_error_through_the_entry_point(llama_dir, tmp_path):
+    model = _variant(llama_dir, tmp_path, {"num_attention_heads": 5})
+    r = subprocess.run(
+        [sys.executable, "-m", "flashnorm_mlx", "chat", str(model)],
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert len(err) == 1, err
+    assert err[0].endswith(
+        "config.json: hidden_size 64 is not a multiple of num_attention_heads 5"
+    ), err
+
+
+# --- shape errors name the checkpoint's tensor and both shapes ---------------
+
+
+def _reshaped(cfg, name, shape):
+    weights = tiny.llama_weights(cfg)
+    assert name in weights and weights[name].shape != shape
+    weights[name] = np.zeros(shape, np.float32)
+    return weights
+
+
+SHAPE_CASES = {  # tensor -> the shape written in its place
+    "model.layers.0.mlp.gate_proj.weight": (80, 64),  # stacked as gate|up by ours
+    "model.layers.1.self_attn.k_proj.weight": (16, 64),  # stacked as q|k|v
+    "model.layers.0.post_attention_layernorm.weight": (32,),  # folded into gate|up
+    "model.embed_tokens.weight": (200, 64),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPE_CASES))
+@pytest.mark.parametrize("mode", ["flashnorm", "stock", "convert"])
+def test_a_shape_error_names_the_checkpoints_tensor(
+    name, mode, llama_dir, tmp_path, capsys
+):
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    shape = SHAPE_CASES[name]
+    model = _variant(llama_dir, tmp_path, weights=_reshaped(cfg, name, shape))
+    want = list(tiny.llama_weights(cfg)[name].shape)
+    if mode == "convert":
+        argv = ["convert", str(model), "-o", str(tmp_path / "out")]
+        argv += ["-q", "--q-method", "rtn"]
+    else:
+        argv = ["generate", str(model), "-p", "hi", "-m", "1", "--mode", mode]
+    line = _one_error(argv, capsys)
+    says = f"tensor {name} has shape {list(shape)}, but config.json makes it {want}"
+    assert line.endswith(says), (line, says)
+    assert "gate_up_proj" not in line and "qkv_proj" not in line, line
+    assert not (tmp_path / "out").exists()  # convert wrote nothing
+
+
+@pytest.mark.parametrize("layers,says", [(3, "no tensor"), (1, "has no place")])
+def test_a_layer_count_that_does_not_fit_the_weights(
+    layers, says, llama_dir, tmp_path, capsys
+):
+    """Two layers of weights, a config of 3 (a KeyError inside the fold before)
+    or of 1: the first tensor missing or left over, by its name."""
+    model = _variant(llama_dir, tmp_path, {"num_hidden_layers": layers})
+    for mode in ("flashnorm", "stock"):
+        argv = ["generate", str(model), "-p", "hi", "-m", "1", "--mode", mode]
+        line = _one_error(argv, capsys)
+        assert says in line and "model.layers." in line, (mode, line)
+        assert "config.json" in line, line
+
+
+def test_a_quantized_tensor_is_compared_unpacked(llama_dir, tmp_path, capsys):
+    """A 4-bit checkpoint whose one weight has other rows: its shape unpacked."""
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    name = "model.layers.0.self_attn.o_proj.weight"
+    weights = _reshaped(cfg, name, (48, 64))
+    packed = {}
+    for k, v in weights.items():
+        if v.ndim == 2:
+            w, s, b = mx.quantize(mx.array(v), group_size=32, bits=4)
+            m = k[: -len(".weight")]
+            packed.update({k: w, f"{m}.scales": s, f"{m}.biases": b})
+        else:
+            packed[k] = v
+    model = _variant(llama_dir, tmp_path, weights=packed)
+    cfg["quantization"] = {"group_size": 32, "bits": 4}
+    (model / "config.json").write_text(json.dumps(cfg))
+    line = _one_error(["generate", str(model), "-p", "hi", "-m", "1"], capsys)
+    assert line.endswith(
+        f"tensor {name} has shape [48, 64] (4-bit, unpacked), but config.json "
+        "makes it [64, 64]"
+    ), line
