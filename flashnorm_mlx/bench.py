@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 
 from . import dispatch
 from . import engine as engines
-from . import kernels, models, quant
+from . import estimate, kernels, models, quant
 from .errors import BenchError
 from .loading import Source, build_model, model_dtype, weight_bytes
 from .loading.nonorm import rms_norm_paths
@@ -320,6 +320,7 @@ def run_bench(
     progress: Optional[Progress] = None,
     group: Optional[mx.distributed.Group] = None,
     engine: Optional[str] = None,
+    on_slow: estimate.Say = None,
 ) -> dict:
     """Build every variant from `source`, warm each up, time `trials` rounds.
 
@@ -329,6 +330,8 @@ def run_bench(
     group: every variant tensor-parallel over it (each rank runs this, in step).
     engine: what runs every variant's decode steps but mlx-lm's (always eager);
     None: `engine.default()`, compiled where a GPU runs the model.
+    on_slow(line): told once, after the first warm-up, where the generations
+    left would take more than `estimate.threshold()`.
     """
     variants = list(variants)
     validate(variants, prompt_tokens, gen_tokens, trials, engine)
@@ -349,7 +352,13 @@ def run_bench(
         for v in variants:
             step(f"warm-up {v}")
             first[v] = first_steps(models[v], prompt)  # an eager step, then a trace
+            t1 = time.perf_counter()
             warm = time_generation(models[v], prompt, gen_tokens, **timing)
+            if v == variants[0]:  # what is left: the warm-ups, then every round
+                left = len(variants) - 1 + trials * len(variants)
+                piece = f"a generation of {prompt_tokens}+{gen_tokens} tokens"
+                seconds = time.perf_counter() - t1
+                estimate.tell(on_slow, estimate.projection(piece, seconds, left))
             info[v].update(check_logits(models[v], prompt.tolist() + warm["tokens"]))
         records = _timed_rounds(
             models, variants, prompt, gen_tokens, trials, timing, step

@@ -122,6 +122,7 @@ def convert(
     calibration: gptq.Calibration = gptq.Calibration(),
     on_stage: Optional[Callable[[str], None]] = None,
     on_step: Optional[Callable[[str], None]] = None,
+    on_slow: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """Fold (and quantize) `source` into the checkpoint folder `out_dir`.
 
@@ -135,7 +136,8 @@ def convert(
         windows of offline text; needs a tokenizer) or "rtn" (round-to-nearest);
         recorded in config.json's "flashnorm" block.
     on_stage(text) / on_step(text): told as each stage ends / where the work is
-        (`recipe.fold_checkpoint`; writing too).
+        (`recipe.fold_checkpoint`; writing too). on_slow(line): GPTQ on the
+        CPU says once how long it will take (`recipe.fold_checkpoint`).
     Refuses an existing out_dir unless force and it is a checkpoint folder
     (`check_output`); a failure leaves neither out_dir, the temporary folder
     nor a created parent behind. Returns a summary dict.
@@ -176,6 +178,7 @@ def convert(
                 chunk_elements=chunk_elements,
                 on_stage=on_stage,
                 on_step=on_step,
+                on_slow=on_slow,
             )
             del weights
             (on_step or (lambda text: None))(f"writing {shown}")

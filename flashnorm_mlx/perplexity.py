@@ -15,7 +15,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import quant
+from . import estimate, quant
 from .loading import (
     RUN_MODES,
     LoadError,
@@ -99,6 +99,7 @@ def perplexity(
     calibration: gptq.Calibration = gptq.Calibration(),
     on_stage: Optional[Callable[[str], None]] = None,
     on_step: Optional[Callable[[str], None]] = None,
+    on_slow: estimate.Say = None,
 ) -> dict:
     """Perplexity per mode on `tokens` (or `text`, default: `default_text()`).
 
@@ -114,7 +115,9 @@ def perplexity(
     gptq.py); each side reports its method and bits per weight, and the result
     a 95% confidence interval of the relative difference (over windows).
     on_stage(text) is told when a model is built and scored (and GPTQ's
-    stages); on_step(text) where the work is, before each step (a batch).
+    stages); on_step(text) where the work is, before each step (a batch);
+    on_slow(line) once, after the first batch (or GPTQ's first piece), where
+    what is left would take more than `estimate.threshold()`.
     """
     stage = on_stage or (lambda text: None)
     step = on_step or (lambda text: None)
@@ -142,12 +145,19 @@ def perplexity(
         "tokens_scored": int(data.shape[0] * (seq_len - 1)),
     }
     nll: Dict[str, np.ndarray] = {}
+    batches = -(-int(data.shape[0]) // batch_size) * len(modes)
+    piece = f"a batch of {min(batch_size, data.shape[0])} windows of {seq_len} tokens"
+
+    def first_batch(seconds: float) -> None:  # every batch left, every mode's
+        line = estimate.projection(piece, seconds, batches - 1)
+        estimate.tell(on_slow, line)
+
     with progress_bar(progress, "[bold]{task.description}[/] windows") as bar:
         for mode in modes:
             step(f"building {mode}")
             if mode == "flashnorm" and q_method == "gptq" and ours:
                 model, config = _gptq_flashnorm(
-                    source, kw, calibration, bar, stage, step
+                    source, kw, calibration, bar, stage, step, on_slow
                 )
             else:
                 model, config = build_model(source, mode, **kw)
@@ -160,7 +170,8 @@ def perplexity(
             result[f"{mode}_method"] = method
             result[f"{mode}_bits_per_weight"] = bits_per_weight(model)
             stage(f"built {mode} ({method})")
-            nll[mode] = _score(model, mode, data, batch_size, bar, step, result)
+            first = first_batch if mode == modes[0] else None
+            nll[mode] = _score(model, mode, data, batch_size, bar, step, result, first)
             stage(f"{mode}: {data.shape[0]}/{data.shape[0]} windows scored")
             del model
     if len(nll) == 2:
@@ -171,8 +182,9 @@ def perplexity(
     return result
 
 
-def _score(model, mode, data, batch_size, bar, step, result) -> np.ndarray:
-    """Per-token NLL of `model` on the windows; perplexity and speed into result."""
+def _score(model, mode, data, batch_size, bar, step, result, first=None):
+    """Per-token NLL of `model` on the windows (np.ndarray); perplexity and
+    speed into result; first(seconds): told the first batch's time."""
     n = int(data.shape[0])
     task = bar.add_task(mode, total=n)
     line = f"scoring {mode}: {{done}}/{{total}} windows scored"
@@ -182,7 +194,15 @@ def _score(model, mode, data, batch_size, bar, step, result) -> np.ndarray:
     mx.eval(token_nll(model, data[:1, : min(data.shape[1], WARMUP_TOKENS)]))
     advance(0)
     start = time.perf_counter()
-    nll = _model_nll(model, data, batch_size, advance)
+
+    def advanced(k: int) -> None:
+        nonlocal first
+        advance(k)
+        if first is not None:
+            first, told = None, first
+            told(time.perf_counter() - start)
+
+    nll = _model_nll(model, data, batch_size, advanced)
     seconds = time.perf_counter() - start
     mean = float(nll.mean())
     result[mode] = math.exp(mean)
@@ -205,7 +225,7 @@ def _ratio_ci(diff: np.ndarray) -> Optional[List[float]]:
     return [math.exp(mid - 1.96 * se) - 1, math.exp(mid + 1.96 * se) - 1]
 
 
-def _gptq_flashnorm(source: Source, kw: dict, calibration, bar, stage, step):
+def _gptq_flashnorm(source: Source, kw, calibration, bar, stage, step, on_slow):
     """FlashNorm quantized by GPTQ on its folded weights: the checkpoint `convert`
     would write (loading/recipe.py, the one way GPTQ runs), from the same float weights
     and with the same settings stock's RTN gets, in the compute dtype."""
@@ -221,6 +241,7 @@ def _gptq_flashnorm(source: Source, kw: dict, calibration, bar, stage, step):
         bar=bar,
         on_stage=stage,
         on_step=step,
+        on_slow=on_slow,
     )
     converted = Source(source.name, config, weights, source.tokenizer)
     return build_model(converted, "flashnorm", dtype=dtype)

@@ -1,7 +1,9 @@
 """What the commands say to a user: config and shape errors in the checkpoint's
 own words, the note on a quantized source, each command's --help."""
 
+import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -190,3 +192,120 @@ def test_a_quantized_tensor_is_compared_unpacked(llama_dir, tmp_path, capsys):
         f"tensor {name} has shape [48, 64] (4-bit, unpacked), but config.json "
         "makes it [64, 64]"
     ), line
+
+
+# --- what will be slow is said before it is (estimate.py) --------------------
+
+SLOW = re.compile(
+    r"about (?:\d+ (?:s|min)|[\d.]+ h)"  # the time left, rounded for a person
+    r" more at this pace \((?P<piece>.+) took [\d.]+ s; (?P<left>[\d.]+) more "
+    r"like it to go\)"
+)
+
+
+def _slow_lines(text: str, prefix: str):
+    return [
+        (line, SLOW.search(line))
+        for line in text.splitlines()
+        if "more at this pace" in line and line.startswith(prefix)
+    ]
+
+
+@pytest.fixture(params=["0", "1e9"], ids=["threshold 0", "threshold high"])
+def threshold(request, monkeypatch):
+    """estimate.SLOW_S lowered to 0 (every estimate said) or raised out of reach."""
+    from flashnorm_mlx import estimate
+
+    monkeypatch.setenv(estimate.SLOW_ENV, request.param)
+    return float(request.param)
+
+
+def _check(lines, threshold, piece, left):
+    if threshold > 0:
+        assert lines == [], lines
+        return
+    assert len(lines) == 1, lines
+    line, m = lines[0]
+    assert m is not None, line
+    assert m["piece"] == piece and float(m["left"]) == left, line
+
+
+def test_bench_says_how_long_after_its_first_generation(llama_dir, threshold, capsys):
+    argv = ["bench", str(llama_dir), "-p", "8", "-g", "4", "-n", "2"]
+    assert main([*argv, "--variants", "stock,flashnorm"]) == 0
+    err = capsys.readouterr().err
+    # One warm-up left, then 2 rounds of 2 variants.
+    lines = _slow_lines(err, "flashnorm-mlx bench: about ")
+    _check(lines, threshold, "a generation of 8+4 tokens", 5)
+
+
+def test_perplexity_says_how_long_after_its_first_batch(llama_dir, threshold, capsys):
+    argv = ["perplexity", str(llama_dir), "--seq-len", "16", "--num-seqs", "6"]
+    assert main([*argv, "-b", "4"]) == 0
+    err = capsys.readouterr().err
+    # 6 windows in batches of 4: 2 batches per side, 3 left after the first.
+    lines = _slow_lines(err, "flashnorm-mlx perplexity: about ")
+    _check(lines, threshold, "a batch of 4 windows of 16 tokens", 3)
+
+
+def test_compare_says_how_long_after_its_first_variant(
+    llama_dir, threshold, monkeypatch, capsys
+):
+    from flashnorm_mlx.loading.variants import NAMES
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n/compare\n/quit\n"))
+    assert main(["chat", str(llama_dir), "-m", "4"]) == 0
+    out = capsys.readouterr().out
+    lines = _slow_lines(out, "/compare: about ")
+    _check(lines, threshold, f"{NAMES[0]}'s turn", len(NAMES) - 1)
+    assert "decode tok/s, last reply regenerated" in out  # and then it ran
+
+
+needs_cpu = pytest.mark.skipif(
+    mx.default_device() != mx.cpu, reason="GPTQ's estimate is the CPU's alone"
+)
+
+
+@needs_cpu
+def test_gptq_on_the_cpu_names_rtn_after_its_first_calibration_batch(
+    llama_dir, threshold, tmp_path, capsys
+):
+    argv = ["convert", str(llama_dir), "-q", "--q-group-size", "32"]
+    assert main([*argv, "-o", str(tmp_path / "gptq"), "--calib-seqs", "8"]) == 0
+    err = capsys.readouterr().err
+    lines = _slow_lines(err, "flashnorm-mlx convert: GPTQ on the CPU: about ")
+    # Calibration runs 4 windows a batch: 1 batch left of 2.
+    _check(lines, threshold, "the first 4 calibration windows", 1)
+    if lines:
+        assert lines[0][0].endswith(
+            "--q-method rtn is the fast choice "
+            "(round-to-nearest: seconds, less exact)"
+        )
+    argv = [*argv, "-o", str(tmp_path / "rtn"), "--q-method", "rtn"]
+    assert main(argv) == 0
+    assert "more at this pace" not in capsys.readouterr().err  # RTN: no estimate
+
+
+@needs_cpu
+def test_gptq_says_it_after_the_first_layer_group_where_calibration_is_one_batch(
+    llama_dir, monkeypatch
+):
+    from flashnorm_mlx import estimate
+    from flashnorm_mlx.loading import read_source, recipe
+    from flashnorm_mlx.quant import gptq
+
+    monkeypatch.setenv(estimate.SLOW_ENV, "0")
+    said = []
+    source = read_source(str(llama_dir))
+    recipe.fold_checkpoint(
+        source,
+        dict(source.weights),
+        quantize=(4, 32),
+        calibration=gptq.Calibration(num_seqs=4, seq_len=32),
+        on_slow=said.append,
+    )
+    assert len(said) == 1, said
+    m = SLOW.search(said[0])
+    # 2 layers, then the embeddings and head: 2 groups left after the first.
+    assert said[0].startswith("GPTQ on the CPU: about ") and m, said
+    assert m["piece"] == "layer group 1" and float(m["left"]) == 2, said

@@ -274,6 +274,14 @@ def main(argv=None):
 
         log, previous = StageLog("bench"), []
 
+        def say(line):  # above the live bar, where there is one
+            err.print(
+                f"flashnorm-mlx bench: {line}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+
         def progress(desc, done, total):
             bar.update(task, description=desc, completed=done, total=total)
             if previous:  # a step is reported once the next one starts
@@ -289,6 +297,7 @@ def main(argv=None):
             seed=args.seed,
             prefill_step_size=args.prefill_step_size,
             progress=progress,
+            on_slow=say if distributed.is_main_rank() else None,
             **model_kwargs(args),
         )
     if args.json and distributed.is_main_rank():  # one writer per launch

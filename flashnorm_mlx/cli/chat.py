@@ -164,17 +164,19 @@ class Comparer:
     """/compare: bench's rows (loading/variants.py), mlx-lm then the four norm
     handlings on the chat's engine, built on the same source and settings (once,
     on first use; the chat's own model is its row), timed on the last reply's
-    prompt."""
+    prompt. say(line): where the variants left would take over a minute, once
+    per /compare, after the first one (estimate.py)."""
 
-    def __init__(self, source, mode: str, model, kwargs: dict, sampler=None):
+    def __init__(self, source, mode: str, model, kwargs: dict, sampler=None, say=None):
         from .. import engine as engines
 
-        self.source, self.sampler = source, sampler
+        self.source, self.sampler, self.say = source, sampler, say
         self.engine = engines.resolve(kwargs.get("engine"))
         self.kwargs = {k: v for k, v in kwargs.items() if k != "engine"}
         self.models = {mode: model}
 
     def __call__(self, session) -> str:
+        from .. import estimate
         from ..loading import build_model
         from ..loading.variants import BY_NAME, NAMES
         from ..timing import compare_decode_speed
@@ -182,15 +184,21 @@ class Comparer:
         n = len(session.last_reply_ids)
         if n < 2:
             return "(/compare needs a reply of 2 or more tokens first)"
-        for v in NAMES:
+        r = {}
+        for i, v in enumerate(NAMES):  # each built (once) and timed in turn
+            start = time.perf_counter()
             if v not in self.models:
                 row = BY_NAME[v]
                 engine = row.engine or self.engine
                 self.models[v], _ = build_model(
                     self.source, row.norms, engine=engine, **self.kwargs
                 )
-        models = {v: self.models[v] for v in NAMES}
-        r = compare_decode_speed(models, session.last_prompt_ids, n, self.sampler)
+            prompt = session.last_prompt_ids
+            r.update(compare_decode_speed({v: self.models[v]}, prompt, n, self.sampler))
+            if i == 0:
+                piece, seconds = f"{v}'s turn", time.perf_counter() - start
+                line = estimate.projection(piece, seconds, len(NAMES) - 1, "/compare")
+                estimate.tell(self.say, line)
         stock = r["stock"]["decode_tps"]
         cells = [
             f"{v} {r[v]['decode_tps']:.1f}"
@@ -298,5 +306,5 @@ def main(argv=None):
         ]
     )
     sampler = session.sampler
-    compare = Comparer(source, args.mode, model, model_kwargs(args), sampler)
+    compare = Comparer(source, args.mode, model, model_kwargs(args), sampler, ui.notice)
     return run_chat(session, ui, args.max_tokens, compare)

@@ -161,6 +161,16 @@ class StageLog:
             self._ticker.join()
 
 
+def say_slow(command: str):
+    """A library job's on_slow (estimate.py): its line on stderr beside the
+    stage lines (above a live bar, which rich keeps below), rank 0's alone."""
+
+    def say(line: str) -> None:
+        print(f"flashnorm-mlx {command}: {line}", file=sys.stderr, flush=True)
+
+    return say if distributed.is_main_rank() else None
+
+
 def interruptible(log: StageLog):
     """Ctrl-C inside: one line saying what `log` was doing, exit 130, at once
     (`interrupt.guard`), even inside a long mx.eval."""

@@ -78,7 +78,7 @@ def main(argv=None):
     from .. import quant
     from ..convert import convert
     from ..quant import gptq
-    from .common import StageLog, interruptible, model_kwargs
+    from .common import StageLog, interruptible, model_kwargs, say_slow
 
     with StageLog("convert") as log, interruptible(log):
         log.step(f"reading {args.model or 'the embedded model'}")
@@ -93,6 +93,7 @@ def main(argv=None):
             calibration=gptq.Calibration(args.calib_seqs, args.calib_len),
             on_stage=log,
             on_step=log.step,
+            on_slow=say_slow("convert"),
             **model_kwargs(args),
         )
     q = r["quantization"]

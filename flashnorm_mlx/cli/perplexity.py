@@ -62,7 +62,13 @@ def main(argv=None):
     from ..loading import read_source
     from ..loading.variants import comparison
     from ..perplexity import load_text, perplexity
-    from .common import StageLog, interruptible, model_kwargs, need_tokenizer
+    from .common import (
+        StageLog,
+        interruptible,
+        model_kwargs,
+        need_tokenizer,
+        say_slow,
+    )
 
     try:
         text = load_text(args.data)
@@ -83,6 +89,7 @@ def main(argv=None):
             progress=sys.stderr.isatty(),
             on_stage=log,
             on_step=log.step,
+            on_slow=say_slow("perplexity"),
             q_method=args.q_method,
             **model_kwargs(args),
         )

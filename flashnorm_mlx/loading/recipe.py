@@ -22,11 +22,12 @@ one copy of the model.
 import contextlib
 import copy
 import re
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .. import fold, quant
+from .. import estimate, fold, quant
 from ..errors import LoadError
 from ..fold import Weights
 from ..progress import counter, progress_bar
@@ -232,6 +233,7 @@ def fold_checkpoint(
     chunk_elements: int = CHUNK_ELEMENTS,
     on_stage: Optional[Callable[[str], None]] = None,
     on_step: Optional[Callable[[str], None]] = None,
+    on_slow: estimate.Say = None,
 ) -> Tuple[Weights, dict]:
     """(weights, config) of the checkpoint for `source`'s `weights`, a dict this
     call empties as it goes (pass a copy to keep yours).
@@ -242,6 +244,9 @@ def fold_checkpoint(
     `progress`). on_layer(i, n): called after layer group i of n.
     on_stage(text): told as each stage ends (calibration, all layer groups);
     on_step(text): where the work is within a stage, before each of its steps.
+    on_slow(line): told once, GPTQ on the CPU alone, after the first
+    calibration batch or layer group, where what is left would take more
+    than `estimate.threshold()`, naming --q-method rtn as the fast choice.
     """
     stage = on_stage or (lambda text: None)
     step = on_step or (lambda text: None)
@@ -263,6 +268,9 @@ def fold_checkpoint(
     del plan  # the recipe releases source tensors as modules are done
     if recipe.qspec:  # until calibration says otherwise: round-to-nearest
         recipe.config[fold.MARKER]["quantization_method"] = {"method": "rtn"}
+    slow = None  # GPTQ's column loop is minutes where RTN is seconds on the CPU
+    if q_method == "gptq" and recipe.qspec and mx.default_device() == mx.cpu:
+        slow = _Slow(on_slow)
     if q_method == "gptq" and recipe.qspec:
         with _bar(
             bar, progress, "[bold]calibrating GPTQ on[/] {task.description}"
@@ -273,6 +281,8 @@ def fold_checkpoint(
                 b, task, n, step, "calibrating GPTQ: {done}/{total} windows"
             )
             advance(0)
+            if slow:
+                advance = slow.watch(advance, n, "calibration windows")
             recipe.calibrate(source.tokenizer, calibration, advance)
             stage(
                 f"calibrated GPTQ on {calibration.num_seqs} windows of "
@@ -282,6 +292,8 @@ def fold_checkpoint(
     # Nothing is folded in a quantized checkpoint kept as stored: it is copied.
     verb = "copying" if recipe.as_stored else "folding"
     with _bar(bar, progress, f"[bold]{verb}[/] {{task.description}}") as b:
+        if slow:
+            on_layer = slow.layers(on_layer)
         done = _compute(recipe, b, on_layer, chunk_elements, step)
     groups = len(layer_groups(recipe.order))
     if recipe.as_stored:
@@ -289,6 +301,45 @@ def fold_checkpoint(
     else:
         stage(f"folded{' and quantized' if recipe.qspec else ''} {groups} layer groups")
     return done, recipe.config
+
+
+class _Slow:
+    """GPTQ's one estimate: after the first calibration batch, else after the
+    first layer group, what is left of its stage at that pace."""
+
+    WHAT = "GPTQ on the CPU"
+    HINT = "--q-method rtn is the fast choice (round-to-nearest: seconds, less exact)"
+
+    def __init__(self, say: estimate.Say):
+        self.say, self.told = say, False
+
+    def _tell(self, piece: str, seconds: float, left: float) -> None:
+        line = estimate.projection(piece, seconds, left, self.WHAT, self.HINT)
+        self.told = self.told or estimate.tell(self.say, line)
+
+    def watch(self, advance: Callable[[int], None], total: int, what: str):
+        start, done = time.perf_counter(), [0]
+
+        def watched(n: int) -> None:
+            advance(n)
+            done[0] += n
+            if done[0] == n and n and not self.told:  # the first batch
+                piece = f"the first {n} {what}"
+                left = (total - n) / n
+                self._tell(piece, time.perf_counter() - start, left)
+
+        return watched
+
+    def layers(self, on_layer):
+        start = time.perf_counter()
+
+        def watched(i: int, n: int) -> None:
+            if i == 0 and not self.told:
+                self._tell("layer group 1", time.perf_counter() - start, n - 1)
+            if on_layer is not None:
+                on_layer(i, n)
+
+        return watched
 
 
 @contextlib.contextmanager
