@@ -417,19 +417,34 @@ def test_top_k_1_samples_the_greedy_tokens(model_dir, capsys):
     assert capsys.readouterr().out.split("=" * 10)[0] == greedy
 
 
-# --- the note on a quantized source: one short line --------------------------
+# --- the note on a quantized source: only where it changes what one gets ------
 
 
 @pytest.mark.parametrize("mode", ["flashnorm", "stock"])
-def test_a_quantized_source_gets_one_short_note(quantized_dir, model_dir, mode, capsys):
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        ([], None),  # as stored: the file's own function and bytes, nothing to say
+        (["--dequantize"], "run in float32 (--dequantize): the file's results, about"),
+        (["--requantize"], "rounded again (--requantize): results close to the file"),
+        (["-q", "--q-group-size", "32"], "rounded again to 4-bit (-q): results differ"),
+    ],
+)
+def test_a_quantized_source_gets_a_note_only_where_it_changes_things(
+    quantized_dir, model_dir, mode, flags, says, capsys
+):
     args = ["generate", str(quantized_dir), "--tokenizer", str(model_dir)]
-    args += ["-p", "hi", "-m", "1", "--mode", mode]
+    args += ["-p", "hi", "-m", "1", "--mode", mode, "--dtype", "float32", *flags]
     assert main(args) == 0
     notes = [l for l in capsys.readouterr().err.splitlines() if "note:" in l]
-    assert len(notes) == 1 and len(notes[0]) <= 100, notes
-    assert "4-bit g32 weights as stored" in notes[0], notes
-    # The gains ride in FlashNorm's kernels; stock applies its own as always.
-    assert ("norm gains in the kernels" in notes[0]) == (mode == "flashnorm"), notes
+    if says is None:
+        assert notes == [], notes
+        return
+    assert len(notes) == 1 and len(notes[0]) <= 160, notes
+    assert notes[0].startswith("flashnorm-mlx: note: the model's 4-bit weights"), notes
+    assert says in notes[0], notes
+    if flags == ["--dequantize"]:  # 4-bit, float32 scales and biases a 32-group
+        assert "about 5x the memory" in notes[0], notes  # 32 / (4 + 64/32) bits
 
 
 # --- one error convention: a flag's error names the command, exit 2 ----------

@@ -473,17 +473,20 @@ def _assert_config_describes_tensors(out: Path, float_weights: dict):
 
 
 def test_a_folded_4bit_checkpoint_says_how_it_runs(llama_dir, tmp_path, capsys):
-    """A checkpoint folded and quantized by convert runs as stored by default and
-    says so; --dequantize runs it in float (the stored function, exactly);
+    """A checkpoint folded and quantized by convert runs as stored by default,
+    which needs no note; --dequantize runs it in float (the stored function,
+    exactly) and says so;
     --requantize and -q would quantize it twice and are refused."""
     out = tmp_path / "q4"
     convert(str(llama_dir), out, quantize=(4, 32), progress=False, q_method="rtn")
     capsys.readouterr()
     gen = ["generate", str(out), "-p", "hi", "-m", "2", "--temp", "0"]
     assert main(gen) == 0
-    assert "run as stored" in capsys.readouterr().err
+    assert "note:" not in capsys.readouterr().err  # the file's own: nothing to say
     assert main([*gen, "--dequantize"]) == 0
-    assert "note: folded quantized checkpoint: dequantized" in capsys.readouterr().err
+    assert "run in float32 (--dequantize): the file's results" in (
+        capsys.readouterr().err
+    )
     for flag in ("--requantize", "-q"):
         assert main([*gen, flag]) == 1
         assert "quantize twice" in _one_line(capsys)

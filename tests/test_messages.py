@@ -309,3 +309,44 @@ def test_gptq_says_it_after_the_first_layer_group_where_calibration_is_one_batch
     # 2 layers, then the embeddings and head: 2 groups left after the first.
     assert said[0].startswith("GPTQ on the CPU: about ") and m, said
     assert m["piece"] == "layer group 1" and float(m["left"]) == 2, said
+
+
+# --- each command's --help: what it does, the long explanations in convert's ---
+
+
+def _help_page(command, capsys):
+    assert main([command, "--help"]) == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse's wrapping undone
+
+
+def _words(text):
+    return " ".join(text.split())
+
+
+def test_each_help_says_what_its_command_does_and_points_to_convert(capsys):
+    from flashnorm_mlx.cli import COMMANDS
+    from flashnorm_mlx.cli.flags import QUANTIZED_FLAGS, QUANTIZED_POINTER
+
+    descriptions = {}
+    for command, (module, _) in COMMANDS.items():
+        parser = __import__(
+            f"flashnorm_mlx.cli.{module}", fromlist=["x"]
+        ).setup_arg_parser()
+        page = _help_page(command, capsys)
+        descriptions[command] = _words(parser.description or "")
+        assert len(descriptions[command]) >= 40, (command, parser.description)
+        assert descriptions[command] in page, command
+        long_texts = [_words(text) for _, text in QUANTIZED_FLAGS.values()]
+        if command == "convert":  # the one place they are explained in full
+            assert all(t in page for t in long_texts), page
+            continue
+        assert not any(t in page for t in long_texts), (command, page)
+        assert _words(QUANTIZED_POINTER) in page, (command, page)
+        assert len(page) < 8000, (command, len(page))
+    assert len(set(descriptions.values())) == len(descriptions), descriptions
+
+
+def test_the_default_way_for_a_quantized_source_shows_as_the_default(capsys):
+    page = _help_page("generate", capsys)
+    assert "file holds them (default)" in page, page
+    assert "more memory (default: off)" in page, page  # not 'on': one of three ways

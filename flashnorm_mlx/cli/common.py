@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Optional
 
-from .. import interrupt, quant
+from .. import interrupt
 from ..errors import UserError
 from ..loading import DTYPES, build_model, read_source
 from ..parallel import distributed
@@ -52,13 +52,12 @@ def model_kwargs(args) -> dict:
 
 
 def build(source, mode: str, args):
-    """`build_model` with the command's flags; a note on how the weights were
-    taken (e.g. a folded 4-bit checkpoint run in float) goes to stderr."""
+    """`build_model` with the command's flags; where a quantized source is not
+    run as its file holds it (in float, or rounded again), one note on stderr
+    says what the user gets instead (quant/plan.py)."""
     notes = []
     model, config = build_model(source, mode, notes=notes, **model_kwargs(args))
     for note in notes if distributed.is_main_rank() else []:  # once per launch
-        if mode != "flashnorm":  # stock applies its norm gains as always
-            note = note.replace(quant.STORED_GAINS, "")
         print(f"flashnorm-mlx: note: {note}", file=sys.stderr)
     return model, config
 

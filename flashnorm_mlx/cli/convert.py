@@ -26,7 +26,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "and bytes); --requantize folds it and quantizes again with its own "
         "settings, --dequantize writes it folded in float.",
     )
-    add_model_args(p, mode=False, engine=False)
+    add_model_args(p, mode=False, engine=False, explain_quantized=True)
     p.add_argument(
         "-o",
         "--output",

@@ -33,8 +33,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             return text
         if action.required:  # e.g. convert's -o: there is no default to show
             return text + " (required)"
-        if action.nargs == 0:  # an on/off flag
-            return text + (" (default: on)" if action.default else " (default: off)")
+        if action.nargs == 0:  # an on/off flag; one of several ways: on if the default
+            on = action.default
+            if type(action) is argparse._StoreConstAction:
+                on = action.default == action.const
+            return text + (" (default: on)" if on else " (default: off)")
         if action.default is None:
             return text + " (default: none)"
         return text + " (default: %(default)s)"
@@ -106,14 +109,15 @@ class Parser(argparse.ArgumentParser):
         return args
 
 
-# How a quantized source runs (quant.QUANTIZED_WAYS), one line of help each.
+# How a quantized source runs (quant.QUANTIZED_WAYS): convert's help explains
+# each way; the other commands say it in a few words and point there.
 QUANTIZED_FLAGS = {
     "stored": (
         "--as-stored",
         "quantized source: run its quantized weights as stored, stock's exact "
         "function and bytes per token; FlashNorm applies the norm gains in its "
         "kernels, since folding them into quantized weights would mean "
-        "quantizing again (default; a short 'note:' line on stderr says so)",
+        "quantizing again (default)",
     ),
     "dequantize": (
         "--dequantize",
@@ -129,11 +133,27 @@ QUANTIZED_FLAGS = {
 }
 
 
+QUANTIZED_SHORT = {
+    "stored": "run its quantized weights as the file holds them (default)",
+    "dequantize": "run them in float: the same results, more memory",
+    "requantize": "fold, then round them again alike: close results, not identical",
+}
+QUANTIZED_POINTER = (
+    "how a quantized checkpoint runs; `flashnorm-mlx convert --help` and the "
+    "README explain each way"
+)
+
+
 def add_model_args(
-    parser: argparse.ArgumentParser, mode: bool = True, engine: bool = True
+    parser: argparse.ArgumentParser,
+    mode: bool = True,
+    engine: bool = True,
+    explain_quantized: bool = False,
 ) -> None:
     """MODEL, --tokenizer, --mode, --dtype, the quantization flags and --engine
-    (not for commands that run no decode step)."""
+    (not for commands that run no decode step). explain_quantized: the long
+    help of each way a quantized source runs (convert's); otherwise a few words
+    each and a pointer to it."""
     parser.add_argument(
         "model",
         nargs="?",
@@ -192,8 +212,12 @@ def add_model_args(
         choices=(32, 64, 128),
         help="weights per quantization group with -q (default: 64)",
     )
-    group = parser.add_mutually_exclusive_group()
+    section = parser.add_argument_group(
+        "quantized source", None if explain_quantized else QUANTIZED_POINTER
+    )
+    group = section.add_mutually_exclusive_group()
     for way, (flag, text) in QUANTIZED_FLAGS.items():
+        text = text if explain_quantized else QUANTIZED_SHORT[way]
         group.add_argument(
             flag, dest="quantized_way", action="store_const", const=way, help=text
         )

@@ -20,10 +20,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="flashnorm-mlx perplexity",
         description="Perplexity of stock mlx-lm and FlashNorm on the same text and "
-        "weights. A quantized source runs as stored (both models on the very same "
-        "quantized weights), or in float with --dequantize, or requantized with "
-        "its own settings with --requantize; -q quantizes with "
-        "--q-bits/--q-group-size (both from the same float weights).",
+        "weights, with a 95% interval of their difference; -q quantizes both from "
+        "the same float weights.",
     )
     add_model_args(p, mode=False, engine=False)  # scores whole windows
     p.add_argument(

@@ -10,7 +10,6 @@
 
 from .plan import (
     QUANTIZED_WAYS,
-    STORED_GAINS,
     WeightPlan,
     compute_dtype,
     describe,
@@ -33,7 +32,6 @@ from .specs import (
 
 __all__ = [
     "QUANTIZED_WAYS",
-    "STORED_GAINS",
     "WeightPlan",
     "compute_dtype",
     "dequantize_weights",

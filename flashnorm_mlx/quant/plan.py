@@ -103,14 +103,14 @@ def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan
         qspec = uniform_qspec(weights, *quantize) if quantize else None
         return WeightPlan(weights, config, dtype, qspec)
     if quantize is None and quantized_way == "stored":
-        return WeightPlan(
-            weights, config, dtype, as_stored=True, note=stored_note(config)
-        )
+        # The file's own function and bytes, as the user asked: nothing to say.
+        return WeightPlan(weights, config, dtype, as_stored=True)
     qspec = source_qspec(weights, config) if quantized_way == "requantize" else None
+    note = _changed_note(weights, config, dtype, quantize, quantized_way)
     weights, config = dequantize_weights(weights, config, mx.float32)
     if quantize:
         qspec = uniform_qspec(weights, *quantize)
-    return WeightPlan(weights, config, dtype, qspec)
+    return WeightPlan(weights, config, dtype, qspec, note=note)
 
 
 def requantizes(
@@ -148,21 +148,48 @@ def describe(config: dict) -> str:
     )
 
 
-# The part of stored_note that is FlashNorm's alone (stock applies its gains).
-STORED_GAINS = "; norm gains in the kernels"
-
-
-def stored_note(config: dict) -> str:
-    """One short line: '4-bit g32 weights as stored; norm gains in the kernels'
-    (the why, and the other ways, are in --as-stored's help and the README)."""
+def _weights_words(config: dict) -> str:
+    """'4-bit weights', '4-bit weights (some 8-bit)': the source's, in words."""
     q = config.get("quantization") or {}
+    others = {bits_words(v) for v in q.values() if isinstance(v, dict)}
+    others -= {bits_words(q)}
+    some = f" (some {', '.join(sorted(others))})" if others else ""
+    return f"{bits_words(q)} weights{some}"
 
-    def short(spec):
-        return f"{bits_words(spec)} g{spec.get('group_size')}"
 
-    others = sorted({short(v) for v in q.values() if isinstance(v, dict)} - {short(q)})
-    some = f" (some {', '.join(others)})" if others else ""
-    return f"{short(q)} weights{some} as stored{STORED_GAINS}"
+def _changed_note(weights, config, dtype, quantize, quantized_way) -> str:
+    """The one line where a quantized source is not run as the file holds it:
+    what the user gets instead, in plain words (docs/design.md section 1)."""
+    words = _weights_words(config)
+    if quantize:
+        return (
+            f"the model's {words} are dequantized and rounded again to "
+            f"{quantize[0]}-bit (-q): results differ from the file's"
+        )
+    if quantized_way == "requantize":
+        return (
+            f"the model's {words} are dequantized and rounded again "
+            "(--requantize): results close to the file's, not identical"
+        )
+    return _float_note(weights, config, dtype)
+
+
+def _float_note(weights, config, dtype) -> str:
+    """--dequantize: the file's results in float, at a memory cost."""
+    q = config.get("quantization") or {}
+    name = str(dtype).replace("mlx.core.", "")
+    # Stored bits per weight: the bits, plus a scale (and an affine bias) a group.
+    extra = (
+        8
+        * source_dtype(weights).size
+        * (2 if q.get("mode", "affine") == "affine" else 1)
+    )
+    stored = q.get("bits", 4) + extra / q.get("group_size", 64)
+    times = 8 * dtype.size / stored
+    return (
+        f"the model's {_weights_words(config)} run in {name} (--dequantize): the "
+        f"file's results, about {times:.0f}x the memory for the weights"
+    )
 
 
 def mark_norm_gains(config: dict) -> dict:
@@ -194,11 +221,10 @@ def _plan_folded(weights, config, dtype, given_dtype, quantize, quantized_way, o
             )
         if quantized_way == "dequantize":
             # Exact: the stored quantized function, run in float.
+            note = _float_note(weights, config, dtype)
             weights, config = dequantize_weights(weights, config, mx.float32)
-            note = "folded quantized checkpoint: dequantized to run in float (exact)"
             return WeightPlan(weights, config, dtype, note=note)
-        note = "folded quantized checkpoint: run as stored (nothing is requantized)"
-        return WeightPlan(weights, config, dtype, as_stored=True, note=note)
+        return WeightPlan(weights, config, dtype, as_stored=True)
     if output and quantize is None and given_dtype is None:
         raise LoadError(
             "source is already folded (config.json has 'flashnorm'); "
