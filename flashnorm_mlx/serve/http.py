@@ -19,6 +19,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from .routes import extra_routes, public_paths
 from .scheduler import Job, log
 from .schema import RequestError, chat_logprobs, text_logprobs
 from .service import Service
@@ -90,6 +91,52 @@ class Handler(BaseHTTPRequestHandler):
 
     do_PUT = do_DELETE = do_PATCH = do_POST
 
+    def do_OPTIONS(self):
+        """A CORS preflight: no key needed (browsers send none), no body."""
+        self.send_response(204)
+        self._cors_headers()
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's own refusals (an unknown method, a bad request
+        line) in OpenAI's JSON body, not its HTML page (docs/design.md, serve)."""
+        self.close_connection = True
+        err = RequestError(
+            f"{message or self.responses.get(code, ('error',))[0]}"
+            + (f" ({self.command} {getattr(self, 'path', '')})" if self.command else ""),
+            status=code,
+            code="method_not_allowed" if code == 501 else "bad_request",
+        )
+        if self.command == "HEAD":  # HTTP allows no body: the headers only
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self._cors_headers()
+            self.send_header("Content-Length", "0")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            return
+        self._send_json(code, err.body())
+
+    def _cors_headers(self) -> None:
+        """mlx_lm.server's CORS headers, for an Origin in --allowed-origins
+        ("*": any). Authorization is named: a "*" there does not cover it."""
+        allowed = self.server.allowed_origins
+        headers = getattr(self, "headers", None)  # None: a bad request line
+        origin = headers.get("Origin") if headers else None
+        if "*" in allowed:
+            self.send_header("Access-Control-Allow-Origin", "*")
+        elif origin in allowed:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+        else:
+            return
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header(
+            "Access-Control-Allow-Headers", "Authorization, Content-Type, *"
+        )
+
     @property
     def service(self) -> Service:
         return self.server.service
@@ -105,6 +152,7 @@ class Handler(BaseHTTPRequestHandler):
                 f"/v1/models/{self.service.model_id}": ("GET", self._model),
                 "/v1/chat/completions": ("POST", lambda: self._complete("chat")),
                 "/v1/completions": ("POST", lambda: self._complete("text")),
+                **extra_routes(self),  # tokenizer endpoints, the chat page
             }
             if path not in routes:
                 raise RequestError(
@@ -135,9 +183,10 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _check_key(self, path: str) -> None:
-        """With an API key, every route but /health needs it (401 otherwise)."""
+        """With an API key, every route but /health and the page's files needs
+        it (401 otherwise)."""
         key = self.service.settings.api_key
-        if key and path != "/health":
+        if key and path not in public_paths():
             if not key_matches(self.headers.get("Authorization"), key):
                 self.close_connection = True  # a body, if any, is left unread
                 raise RequestError(
@@ -150,11 +199,21 @@ class Handler(BaseHTTPRequestHandler):
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        self._cors_headers()
         if status == 401:
             self.send_header("WWW-Authenticate", "Bearer")
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             self.send_header("Connection", "close")
+        self.end_headers()
+        self._sent = True
+        self.wfile.write(data)
+
+    def _send_bytes(self, status: int, content_type: str, data: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-cache")
         self.end_headers()
         self._sent = True
         self.wfile.write(data)
@@ -338,6 +397,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self._cors_headers()
         self.send_header("Connection", "close")
         self.end_headers()
         self._sent = True
@@ -375,10 +435,11 @@ class ApiServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # the listen backlog (socketserver's 5 resets bursts)
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, allowed_origins=("*",)):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), Handler)
         self.service: Optional[Service] = None
+        self.allowed_origins = tuple(allowed_origins)  # CORS; "*": any
 
     @property
     def url(self) -> str:

@@ -43,6 +43,8 @@ class Service:
 
     def start(self) -> None:
         """Build the model on the generation thread; its errors raise here."""
+        from ..engine import engine_of
+        from ..machine import device_info
         from ..models import context_length
 
         w = self.worker
@@ -52,6 +54,8 @@ class Service:
             w.thread.join()
             raise w.build_error
         self.tokenizer = w.tokenizer
+        # What the chat page's header names (routes.props).
+        self.engine, self.device = engine_of(w.model), device_info()["name"]
         self.vocab_size = len(self.tokenizer.get_vocab())
         if self.settings.max_context is None:
             self.settings.max_context = context_length(w.config)
