@@ -105,7 +105,9 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         err = RequestError(
             f"{message or self.responses.get(code, ('error',))[0]}"
-            + (f" ({self.command} {getattr(self, 'path', '')})" if self.command else ""),
+            + (
+                f" ({self.command} {getattr(self, 'path', '')})" if self.command else ""
+            ),
             status=code,
             code="method_not_allowed" if code == 501 else "bad_request",
         )
