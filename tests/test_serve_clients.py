@@ -224,3 +224,15 @@ def test_lm_eval_needs_no_tokenizer_of_its_own(server, tokenizer, tmp_path):
     print(json.dumps({"remote": remote, "local": local}))
     assert len(remote) == len(QUESTIONS) and remote == local
     shutil.rmtree(folder)
+
+
+# --- tools on a model whose template has none ------------------------------------
+
+
+def test_tools_on_a_model_without_tool_template_are_400(server):
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": tools}
+    status, r = server.request("POST", "/v1/chat/completions", body)
+    print(r)
+    assert status == 400 and r["error"]["param"] == "tools", r
+    assert "does not use tools" in r["error"]["message"], r

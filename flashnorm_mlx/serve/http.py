@@ -5,8 +5,6 @@ request on its own thread, then hands Jobs to the generation worker
 (scheduler.py) and streams or collects what it sends back.
 """
 
-import hmac
-import ipaddress
 import json
 import select
 import signal
@@ -19,41 +17,14 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from .auth import key_matches
 from .routes import extra_routes, public_paths
 from .scheduler import Job, log
 from .schema import RequestError, chat_logprobs, text_logprobs
 from .service import Service
+from .tools import tool_calls_for
 
 MAX_BODY_BYTES = 16 << 20
-API_KEY_ENV = "FLASHNORM_MLX_API_KEY"
-
-
-def bind_warning(host: str, api_key: Optional[str] = None) -> Optional[str]:
-    """A warning line when `host` is reachable from other machines and no API
-    key guards it, else None."""
-    if host == "localhost" or api_key:
-        return None
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return None
-    except ValueError:  # a host name: assume it is reachable
-        pass
-    return (
-        f"warning: serving on {host}, reachable from other machines, with no "
-        f"authentication; set an API key with {API_KEY_ENV}=KEY (kept out of ps) "
-        "or --api-key KEY (the default, --host 127.0.0.1, is this machine only)"
-    )
-
-
-def key_matches(header: Optional[str], api_key: str) -> bool:
-    """Whether an Authorization header is `Bearer <api_key>`, compared in
-    constant time (hmac.compare_digest); anything malformed is False."""
-    if not header:
-        return False
-    scheme, _, given = header.strip().partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
-        return False
-    return hmac.compare_digest(given.strip().encode(), api_key.encode())
 
 
 # --- HTTP ----------------------------------------------------------------------
@@ -276,6 +247,8 @@ class Handler(BaseHTTPRequestHandler):
     def _complete(self, kind: str):
         body = self._read_json()
         jobs = self.service.parse(kind, body)
+        # tools.py: a chat reply's tool calls cut out of its text (None: no tools).
+        self._tools = tool_calls_for(self.service, kind, body, jobs[0].stream)
         self.service.track(+1)
         try:
             for job in jobs:
@@ -331,7 +304,15 @@ class Handler(BaseHTTPRequestHandler):
                 "logprobs": self._logprobs(job, r["logprobs"]),
             }
             if job.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": r["text"]}
+                text, calls = r["text"], None
+                if self._tools:
+                    text, calls = self._tools.feed(text, final=True)
+                    choice["finish_reason"] = self._tools.finish_reason(
+                        r["finish_reason"]
+                    )
+                choice["message"] = {"role": "assistant", "content": text}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
             else:
                 choice["text"] = r["text"]
             choices.append(choice)
@@ -373,12 +354,20 @@ class Handler(BaseHTTPRequestHandler):
         }
 
     def _chunk(
-        self, job: Job, text: Optional[str], finish=None, role=False, logprobs=None
+        self,
+        job,
+        text: Optional[str],
+        finish=None,
+        role=False,
+        logprobs=None,
+        calls=None,
     ) -> dict:
         if job.kind == "chat":
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = calls
             choice = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
@@ -410,12 +399,21 @@ class Handler(BaseHTTPRequestHandler):
                 lp = self._logprobs(
                     job, entries if job.top_logprobs is not None else None
                 )
-                self._event(self._chunk(job, piece, logprobs=lp))
+                calls = None
+                if self._tools:
+                    piece, calls = self._tools.feed(piece)
+                self._event(self._chunk(job, piece, logprobs=lp, calls=calls))
             elif what == "error":
                 self._event(value.body())
                 break
             else:  # done
-                last = self._chunk(job, None, finish=value["finish_reason"])
+                finish = value["finish_reason"]
+                if self._tools:  # what the reply's end completes
+                    rest, calls = self._tools.feed("", final=True)
+                    if rest or calls:
+                        self._event(self._chunk(job, rest, calls=calls))
+                    finish = self._tools.finish_reason(finish)
+                last = self._chunk(job, None, finish=finish)
                 last.update(usage=value["usage"], timings=value["timings"])
                 self._event(last)
                 if job.include_usage:

@@ -8,6 +8,7 @@ from typing import Callable, List
 
 from .scheduler import Job, Worker
 from .schema import RequestError, Settings, read_messages, read_options, read_prompts
+from .tools import read_tools, with_tool_history
 
 
 class Service:
@@ -87,10 +88,14 @@ class Service:
                     "this model has no chat template; use /v1/completions",
                     param="messages",
                 )
+            tools = read_tools(body, self.tokenizer)  # 400 where the model cannot
+            extra = {"tools": tools} if tools else {}
+            if tools:
+                messages = with_tool_history(messages, body)
             with self.tokenizer_lock:
                 try:
                     ids = self.tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=True
+                        messages, add_generation_prompt=True, **extra
                     )
                 except Exception as e:  # the template's own refusals (jinja)
                     raise RequestError(
