@@ -236,3 +236,11 @@ def test_tools_on_a_model_without_tool_template_are_400(server):
     print(r)
     assert status == 400 and r["error"]["param"] == "tools", r
     assert "does not use tools" in r["error"]["message"], r
+
+
+def test_empty_allowed_origins_is_one_line(capsys):
+    from flashnorm_mlx.cli import main
+
+    rc = main(["serve", "--allowed-origins", " , ", "--port", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--allowed-origins" in err[0], (rc, err)

@@ -72,7 +72,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_error(self, code, message=None, explain=None):
         """The standard library's own refusals (an unknown method, a bad request
-        line) in OpenAI's JSON body, not its HTML page (docs/design.md, serve)."""
+        line) in OpenAI's JSON body, not its HTML page (docs/design.md section 5e)."""
         self.close_connection = True
         err = RequestError(
             f"{message or self.responses.get(code, ('error',))[0]}"

@@ -1,7 +1,7 @@
 """serve's routes beside the OpenAI ones: vLLM's tokenizer endpoints, which
 lm-evaluation-harness's RemoteTokenizer reads (so it needs no tokenizer of
 its own), and the browser chat page with the small JSON it shows in its
-header (docs/design.md, serve).
+header (docs/design.md section 5e).
 
 Each route is a function of the request's Handler (http.py), which reads the
 body, checks the API key and sends OpenAI's error body for a RequestError.

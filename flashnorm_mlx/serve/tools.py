@@ -1,4 +1,4 @@
-"""Tool calling for serve's chat route (docs/design.md, serve), with mlx-lm's
+"""Tool calling for serve's chat route (docs/design.md section 5e), with mlx-lm's
 own pieces: the tokenizer's tool parser (mlx_lm.tool_parsers, chosen by
 mlx-lm from the chat template), its TextStateMachine to cut tool-call text
 out of the reply as it streams, and mlx_lm.server's ToolCallFormatter for
