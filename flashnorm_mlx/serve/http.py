@@ -257,6 +257,9 @@ class Handler(BaseHTTPRequestHandler):
                 self._stream(jobs[0])
             else:
                 self._answer(jobs)
+        except (_ClientGone, OSError):  # a Stop in the page, a client that left
+            log(f"{kind} {jobs[0].id[:8]}: cancelled: the client left")
+            raise
         finally:
             for job in jobs:  # a no-op when finished; stops those whose client left
                 job.cancelled.set()
