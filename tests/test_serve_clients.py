@@ -108,6 +108,31 @@ def test_head_is_refused_with_json_headers_and_no_body(server):
     assert body == b"", body
 
 
+def _send_raw(server, data: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    return answer
+
+
+def test_malformed_requests_get_the_json_error(server):
+    # More headers than the standard library reads: its 431, with headers.
+    many = b"".join(b"X-%d: 1\r\n" % i for i in range(120))
+    answer = _send_raw(server, b"GET /v1/models HTTP/1.1\r\n" + many + b"\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    print(answer)
+    assert head.split()[1] == b"431" and b"application/json" in head, head
+    assert json.loads(body)["error"]["code"] == "bad_request", body
+    # No version at all is HTTP/0.9, whose answers have no headers: the body alone.
+    answer = _send_raw(server, b"NOT A REQUEST LINE AT ALL\r\n\r\n")
+    print(answer)
+    assert json.loads(answer)["error"]["code"] == "bad_request", answer
+
+
 # --- vLLM's tokenizer endpoints --------------------------------------------------
 
 TEXTS = ["Hello world", "  The capital of France is Paris.\n", "naïve café ☕"]

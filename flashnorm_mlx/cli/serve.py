@@ -23,7 +23,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="flashnorm-mlx serve",
         description="Serve a model over an OpenAI-compatible HTTP API: "
-        "/v1/chat/completions, /v1/completions, /v1/models, /health.",
+        "/v1/chat/completions, /v1/completions, /v1/models, /health, vLLM's "
+        "/tokenize and /detokenize; and a chat page in the browser at /.",
     )
     add_model_args(p)
     p.add_argument(
@@ -135,7 +136,8 @@ def main(argv=None):
         server.attach(Service(load, model_id, args.mode, settings))
         print(
             f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
-            f"{server.url}/v1{' (API key required)' if api_key else ''} (Ctrl-C stops)",
+            f"{server.url}/v1{' (API key required)' if api_key else ''}, chat page "
+            f"{server.url}/ (Ctrl-C stops)",
             file=sys.stderr,
             flush=True,
         )
