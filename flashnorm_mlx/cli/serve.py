@@ -23,7 +23,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="flashnorm-mlx serve",
         description="Serve a model over an OpenAI-compatible HTTP API: "
-        "/v1/chat/completions, /v1/completions, /v1/models, /health.",
+        "/v1/chat/completions, /v1/completions, /v1/models, /health, vLLM's "
+        "/tokenize and /detokenize; and a chat page in the browser at /.",
     )
     add_model_args(p)
     p.add_argument(
@@ -69,6 +70,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         f"(default: ${API_KEY_ENV} if set, else no key; the variable keeps the "
         "key out of ps)",
     )
+    p.add_argument(
+        "--allowed-origins",
+        type=lambda x: [o.strip() for o in x.split(",") if o.strip()],
+        default=["*"],
+        help="web page origins allowed to call the API from a browser (CORS), "
+        "comma-separated, e.g. http://localhost:3000 (default: *, any; as mlx_lm.server)",
+    )
     return p
 
 
@@ -86,6 +94,8 @@ def main(argv=None):
     for flag in ("prefill_step_size", "prompt_cache_size", "decode_concurrency"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if not args.allowed_origins:
+        parser.error("--allowed-origins needs at least one origin (or *)")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():
         parser.error(f"the API key (--api-key or ${API_KEY_ENV}) must not be empty")
@@ -97,7 +107,7 @@ def main(argv=None):
 
     # Bind first: a port in use is one line before a long model load.
     try:
-        server = ApiServer(args.host, args.port)
+        server = ApiServer(args.host, args.port, args.allowed_origins)
     except (OSError, OverflowError) as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     warning = bind_warning(args.host, api_key)
@@ -126,7 +136,8 @@ def main(argv=None):
         server.attach(Service(load, model_id, args.mode, settings))
         print(
             f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
-            f"{server.url}/v1{' (API key required)' if api_key else ''} (Ctrl-C stops)",
+            f"{server.url}/v1{' (API key required)' if api_key else ''}, chat page "
+            f"{server.url}/ (Ctrl-C stops)",
             file=sys.stderr,
             flush=True,
         )

@@ -5,8 +5,6 @@ request on its own thread, then hands Jobs to the generation worker
 (scheduler.py) and streams or collects what it sends back.
 """
 
-import hmac
-import ipaddress
 import json
 import select
 import signal
@@ -19,40 +17,14 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from .auth import key_matches
+from .routes import extra_routes, public_paths
 from .scheduler import Job, log
 from .schema import RequestError, chat_logprobs, text_logprobs
 from .service import Service
+from .tools import tool_calls_for
 
 MAX_BODY_BYTES = 16 << 20
-API_KEY_ENV = "FLASHNORM_MLX_API_KEY"
-
-
-def bind_warning(host: str, api_key: Optional[str] = None) -> Optional[str]:
-    """A warning line when `host` is reachable from other machines and no API
-    key guards it, else None."""
-    if host == "localhost" or api_key:
-        return None
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return None
-    except ValueError:  # a host name: assume it is reachable
-        pass
-    return (
-        f"warning: serving on {host}, reachable from other machines, with no "
-        f"authentication; set an API key with {API_KEY_ENV}=KEY (kept out of ps) "
-        "or --api-key KEY (the default, --host 127.0.0.1, is this machine only)"
-    )
-
-
-def key_matches(header: Optional[str], api_key: str) -> bool:
-    """Whether an Authorization header is `Bearer <api_key>`, compared in
-    constant time (hmac.compare_digest); anything malformed is False."""
-    if not header:
-        return False
-    scheme, _, given = header.strip().partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
-        return False
-    return hmac.compare_digest(given.strip().encode(), api_key.encode())
 
 
 # --- HTTP ----------------------------------------------------------------------
@@ -90,6 +62,54 @@ class Handler(BaseHTTPRequestHandler):
 
     do_PUT = do_DELETE = do_PATCH = do_POST
 
+    def do_OPTIONS(self):
+        """A CORS preflight: no key needed (browsers send none), no body."""
+        self.send_response(204)
+        self._cors_headers()
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's own refusals (an unknown method, a bad request
+        line) in OpenAI's JSON body, not its HTML page (docs/design.md section 5e)."""
+        self.close_connection = True
+        err = RequestError(
+            f"{message or self.responses.get(code, ('error',))[0]}"
+            + (
+                f" ({self.command} {getattr(self, 'path', '')})" if self.command else ""
+            ),
+            status=code,
+            code="method_not_allowed" if code == 501 else "bad_request",
+        )
+        if self.command == "HEAD":  # HTTP allows no body: the headers only
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self._cors_headers()
+            self.send_header("Content-Length", "0")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            return
+        self._send_json(code, err.body())
+
+    def _cors_headers(self) -> None:
+        """mlx_lm.server's CORS headers, for an Origin in --allowed-origins
+        ("*": any). Authorization is named: a "*" there does not cover it."""
+        allowed = self.server.allowed_origins
+        headers = getattr(self, "headers", None)  # None: a bad request line
+        origin = headers.get("Origin") if headers else None
+        if "*" in allowed:
+            self.send_header("Access-Control-Allow-Origin", "*")
+        elif origin in allowed:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+        else:
+            return
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header(
+            "Access-Control-Allow-Headers", "Authorization, Content-Type, *"
+        )
+
     @property
     def service(self) -> Service:
         return self.server.service
@@ -105,6 +125,7 @@ class Handler(BaseHTTPRequestHandler):
                 f"/v1/models/{self.service.model_id}": ("GET", self._model),
                 "/v1/chat/completions": ("POST", lambda: self._complete("chat")),
                 "/v1/completions": ("POST", lambda: self._complete("text")),
+                **extra_routes(self),  # tokenizer endpoints, the chat page
             }
             if path not in routes:
                 raise RequestError(
@@ -135,9 +156,10 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _check_key(self, path: str) -> None:
-        """With an API key, every route but /health needs it (401 otherwise)."""
+        """With an API key, every route but /health and the page's files needs
+        it (401 otherwise)."""
         key = self.service.settings.api_key
-        if key and path != "/health":
+        if key and path not in public_paths():
             if not key_matches(self.headers.get("Authorization"), key):
                 self.close_connection = True  # a body, if any, is left unread
                 raise RequestError(
@@ -150,11 +172,21 @@ class Handler(BaseHTTPRequestHandler):
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        self._cors_headers()
         if status == 401:
             self.send_header("WWW-Authenticate", "Bearer")
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
             self.send_header("Connection", "close")
+        self.end_headers()
+        self._sent = True
+        self.wfile.write(data)
+
+    def _send_bytes(self, status: int, content_type: str, data: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-cache")
         self.end_headers()
         self._sent = True
         self.wfile.write(data)
@@ -215,6 +247,8 @@ class Handler(BaseHTTPRequestHandler):
     def _complete(self, kind: str):
         body = self._read_json()
         jobs = self.service.parse(kind, body)
+        # tools.py: a chat reply's tool calls cut out of its text (None: no tools).
+        self._tools = tool_calls_for(self.service, kind, body, jobs[0].stream)
         self.service.track(+1)
         try:
             for job in jobs:
@@ -223,6 +257,9 @@ class Handler(BaseHTTPRequestHandler):
                 self._stream(jobs[0])
             else:
                 self._answer(jobs)
+        except (_ClientGone, OSError):  # a Stop in the page, a client that left
+            log(f"{kind} {jobs[0].id[:8]}: cancelled: the client left")
+            raise
         finally:
             for job in jobs:  # a no-op when finished; stops those whose client left
                 job.cancelled.set()
@@ -270,7 +307,15 @@ class Handler(BaseHTTPRequestHandler):
                 "logprobs": self._logprobs(job, r["logprobs"]),
             }
             if job.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": r["text"]}
+                text, calls = r["text"], None
+                if self._tools:
+                    text, calls = self._tools.feed(text, final=True)
+                    choice["finish_reason"] = self._tools.finish_reason(
+                        r["finish_reason"]
+                    )
+                choice["message"] = {"role": "assistant", "content": text}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
             else:
                 choice["text"] = r["text"]
             choices.append(choice)
@@ -312,12 +357,20 @@ class Handler(BaseHTTPRequestHandler):
         }
 
     def _chunk(
-        self, job: Job, text: Optional[str], finish=None, role=False, logprobs=None
+        self,
+        job,
+        text: Optional[str],
+        finish=None,
+        role=False,
+        logprobs=None,
+        calls=None,
     ) -> dict:
         if job.kind == "chat":
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = calls
             choice = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
@@ -338,6 +391,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self._cors_headers()
         self.send_header("Connection", "close")
         self.end_headers()
         self._sent = True
@@ -348,12 +402,21 @@ class Handler(BaseHTTPRequestHandler):
                 lp = self._logprobs(
                     job, entries if job.top_logprobs is not None else None
                 )
-                self._event(self._chunk(job, piece, logprobs=lp))
+                calls = None
+                if self._tools:
+                    piece, calls = self._tools.feed(piece)
+                self._event(self._chunk(job, piece, logprobs=lp, calls=calls))
             elif what == "error":
                 self._event(value.body())
                 break
             else:  # done
-                last = self._chunk(job, None, finish=value["finish_reason"])
+                finish = value["finish_reason"]
+                if self._tools:  # what the reply's end completes
+                    rest, calls = self._tools.feed("", final=True)
+                    if rest or calls:
+                        self._event(self._chunk(job, rest, calls=calls))
+                    finish = self._tools.finish_reason(finish)
+                last = self._chunk(job, None, finish=finish)
                 last.update(usage=value["usage"], timings=value["timings"])
                 self._event(last)
                 if job.include_usage:
@@ -375,10 +438,11 @@ class ApiServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # the listen backlog (socketserver's 5 resets bursts)
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, allowed_origins=("*",)):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), Handler)
         self.service: Optional[Service] = None
+        self.allowed_origins = tuple(allowed_origins)  # CORS; "*": any
 
     @property
     def url(self) -> str:

@@ -8,6 +8,7 @@ from typing import Callable, List
 
 from .scheduler import Job, Worker
 from .schema import RequestError, Settings, read_messages, read_options, read_prompts
+from .tools import read_tools, with_tool_history
 
 
 class Service:
@@ -43,6 +44,8 @@ class Service:
 
     def start(self) -> None:
         """Build the model on the generation thread; its errors raise here."""
+        from ..engine import engine_of
+        from ..machine import device_info
         from ..models import context_length
 
         w = self.worker
@@ -52,6 +55,8 @@ class Service:
             w.thread.join()
             raise w.build_error
         self.tokenizer = w.tokenizer
+        # What the chat page's header names (routes.props).
+        self.engine, self.device = engine_of(w.model), device_info()["name"]
         self.vocab_size = len(self.tokenizer.get_vocab())
         if self.settings.max_context is None:
             self.settings.max_context = context_length(w.config)
@@ -83,10 +88,14 @@ class Service:
                     "this model has no chat template; use /v1/completions",
                     param="messages",
                 )
+            tools = read_tools(body, self.tokenizer)  # 400 where the model cannot
+            extra = {"tools": tools} if tools else {}
+            if tools:
+                messages = with_tool_history(messages, body)
             with self.tokenizer_lock:
                 try:
                     ids = self.tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=True
+                        messages, add_generation_prompt=True, **extra
                     )
                 except Exception as e:  # the template's own refusals (jinja)
                     raise RequestError(

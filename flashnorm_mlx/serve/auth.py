@@ -1,0 +1,36 @@
+"""serve's access rules: the API key (compared in constant time) and the
+warning for a server other machines can reach without one."""
+
+import hmac
+import ipaddress
+from typing import Optional
+
+API_KEY_ENV = "FLASHNORM_MLX_API_KEY"
+
+
+def bind_warning(host: str, api_key: Optional[str] = None) -> Optional[str]:
+    """A warning line when `host` is reachable from other machines and no API
+    key guards it, else None."""
+    if host == "localhost" or api_key:
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: assume it is reachable
+        pass
+    return (
+        f"warning: serving on {host}, reachable from other machines, with no "
+        f"authentication; set an API key with {API_KEY_ENV}=KEY (kept out of ps) "
+        "or --api-key KEY (the default, --host 127.0.0.1, is this machine only)"
+    )
+
+
+def key_matches(header: Optional[str], api_key: str) -> bool:
+    """Whether an Authorization header is `Bearer <api_key>`, compared in
+    constant time (hmac.compare_digest); anything malformed is False."""
+    if not header:
+        return False
+    scheme, _, given = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return False
+    return hmac.compare_digest(given.strip().encode(), api_key.encode())

@@ -1,0 +1,163 @@
+"""Tool calling for serve's chat route (docs/design.md section 5e), with mlx-lm's
+own pieces: the tokenizer's tool parser (mlx_lm.tool_parsers, chosen by
+mlx-lm from the chat template), its TextStateMachine to cut tool-call text
+out of the reply as it streams, and mlx_lm.server's ToolCallFormatter for
+OpenAI's `tool_calls` shape.
+
+A request's `tools` are rendered by the chat template; a model whose template
+does not use them refuses the request (400) rather than ignore them.
+"""
+
+import json
+from typing import List, Optional, Tuple
+
+from .schema import RequestError
+
+
+def template_uses_tools(tokenizer) -> bool:
+    """Whether the chat template reads a `tools` variable at all."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates
+        template = " ".join(str(t) for t in template.values())
+    return isinstance(template, str) and "tools" in template
+
+
+def read_tools(body: dict, tokenizer) -> Optional[List[dict]]:
+    """The request's `tools` (OpenAI's function list), checked; None when it
+    has none or `tool_choice` is "none". A RequestError (400) where the model
+    cannot use them."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(
+            '\'tool_choice\' must be "auto" or "none": the model decides '
+            "(a required or named tool is not enforced)",
+            param="tool_choice",
+            code="unsupported_parameter",
+        )
+    if tools is None or tools == [] or choice == "none":
+        return None
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict)
+        and t.get("type") == "function"
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in tools
+    ):
+        raise RequestError(
+            '\'tools\' must be a list of {"type": "function", "function": '
+            '{"name", "description", "parameters"}} objects',
+            param="tools",
+            code="invalid_type",
+        )
+    if not template_uses_tools(tokenizer):
+        raise RequestError(
+            "this model's chat template does not use tools, so it cannot call "
+            "them; leave 'tools' out",
+            param="tools",
+            code="tools_not_supported",
+        )
+    if not getattr(tokenizer, "has_tool_calling", False):
+        raise RequestError(
+            "this model's chat template renders tools, but mlx-lm has no parser "
+            "for its tool-call format, so calls could not be returned; leave "
+            "'tools' out",
+            param="tools",
+            code="tools_not_supported",
+        )
+    return tools
+
+
+def with_tool_history(messages: List[dict], body: dict) -> List[dict]:
+    """read_messages' {role, content} messages with the earlier turns' tool
+    parts put back for the template: an assistant's `tool_calls` (arguments
+    as objects, as mlx_lm.server hands them over) and a tool's `tool_call_id`
+    and `name`."""
+    out = []
+    for m, raw in zip(messages, body["messages"]):
+        m = dict(m)
+        calls = raw.get("tool_calls")
+        if raw.get("role") == "assistant" and isinstance(calls, list):
+            m["tool_calls"] = [_call_for_template(c, i) for i, c in enumerate(calls)]
+        for key in ("tool_call_id", "name"):
+            if raw.get("role") == "tool" and isinstance(raw.get(key), str):
+                m[key] = raw[key]
+        out.append(m)
+    return out
+
+
+def _call_for_template(call, i: int) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError(
+            "an assistant message's tool_calls must each have a function name",
+            param="messages",
+            code="invalid_value",
+        )
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise RequestError(
+                f"tool_calls[{i}].function.arguments is not JSON",
+                param="messages",
+                code="invalid_value",
+            ) from None
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+class ToolCalls:
+    """One reply's text split into content and OpenAI `tool_calls`, piece by
+    piece: text between the parser's start and end markers is held back and
+    parsed when its end marker (or the reply's end) arrives."""
+
+    def __init__(self, tokenizer, tools: List[dict], streaming: bool):
+        from mlx_lm.generate import TextStateMachine
+        from mlx_lm.server import ToolCallFormatter
+
+        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        self.sm = TextStateMachine(
+            {"normal": [(start, "tool")], "tool": [(end, "normal")]}
+        )
+        self.split, self.flush = TextStateMachine.split, TextStateMachine.flush
+        self.state = self.sm.make_state("normal")
+        self.format = ToolCallFormatter(tokenizer.tool_parser, tools, streaming)
+        self.where, self.held = "normal", ""
+        self.called = False  # any call parsed: finish_reason "tool_calls"
+
+    def feed(self, text: str, final: bool = False) -> Tuple[str, List[dict]]:
+        """(content, tool calls) that `text` completes; `final` at the reply's
+        end, which flushes what is held (an unclosed call is parsed as is)."""
+        self.state, segments = self.split(self.state, text)
+        if final:
+            self.state, rest, where = self.flush(self.state)
+            segments.append((where, rest))
+        content, done = "", []
+        for where, piece in segments:
+            if where == "tool":
+                self.held += piece
+            else:
+                if self.where == "tool":
+                    done.append(self.held)
+                    self.held = ""
+                content += piece
+            self.where = where
+        if final and self.where == "tool" and self.held.strip():
+            done.append(self.held)
+            self.held = ""
+        calls = self.format(done)
+        self.called = self.called or bool(calls)
+        return content, calls
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if reason == "stop" and self.called else reason
+
+
+def tool_calls_for(service, kind: str, body: dict, streaming: bool):
+    """A ToolCalls for a chat request with tools (checked already by
+    Service.parse), else None."""
+    if kind != "chat":
+        return None
+    tools = read_tools(body, service.tokenizer)
+    return ToolCalls(service.tokenizer, tools, streaming) if tools else None

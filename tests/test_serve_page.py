@@ -1,0 +1,227 @@
+"""serve's chat page (GET /, #39) in a real browser: Debian's headless
+Chromium driven by Playwright. On the embedded SmolLM2: a typed message
+streams back the API's own greedy reply (the reference: the same messages
+through /v1/chat/completions), with its tok/s line; Stop ends a long reply
+early and the server logs the cancel; a reload finds the conversation; code
+blocks get a copy button; nothing is loaded from another host. On a tiny
+model with an API key: the key is asked for once, a wrong one, a bad setting
+(a 400) and a stopped server each show one visible line. The finished reply's
+screenshot, at a fixed size, is written to docs/serve-chat.png (README)."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import tiny
+from serve_process import Server
+
+from flashnorm_mlx.serve import API_KEY_ENV
+
+CHROMIUM = "/usr/bin/chromium"
+if not os.path.exists(CHROMIUM):
+    pytest.skip(
+        "no Chromium at /usr/bin/chromium (apt-get install chromium)",
+        allow_module_level=True,
+    )
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="Playwright is not installed (pip install playwright)"
+)
+
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SIZE = {"width": 1000, "height": 640}
+SHOT = Path(__file__).resolve().parent.parent / "docs" / "serve-chat.png"
+REPLY_MS = 180_000  # a reply on a busy 2-core CPU: an upper bound, not a wait
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def open_page(browser, url):
+    """(context, page, every URL the page requested)."""
+    ctx = browser.new_context(viewport=SIZE)
+    ctx.grant_permissions(["clipboard-read", "clipboard-write"], origin=url)
+    page = ctx.new_page()
+    urls = []
+    page.on("request", lambda r: urls.append(r.url))
+    page.goto(url + "/")
+    return ctx, page, urls
+
+
+def stored(page) -> list:
+    return json.loads(page.evaluate("localStorage.getItem('flashnorm-mlx-chat')"))[
+        "messages"
+    ]
+
+
+def wait_for_line(server, words, timeout=60):
+    """Until the server's stderr has a line with `words` (a mark, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(words in line for line in server.lines):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"no {words!r} in the server log:\n{server.log()}")
+
+
+# --- the embedded model ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.kill()
+
+
+def test_page_streams_the_greedy_reply_and_keeps_it(browser, server):
+    ctx, page, urls = open_page(browser, server.url)
+    about = page.locator("#about")
+    sync_api.expect(about).to_contain_text("flashnorm", timeout=30_000)
+    print(about.inner_text())
+    assert "SmolLM2" in about.inner_text() and "engine" in about.inner_text()
+    page.click("#settings summary")
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "12")
+    # Shift+Enter is a new line, not a send.
+    page.click("#input")
+    page.keyboard.type("first line")
+    page.keyboard.press("Shift+Enter")
+    assert page.input_value("#input") == "first line\n"
+    assert page.locator(".msg.user").count() == 0
+    page.fill("#input", QUESTION)
+    page.keyboard.press("Enter")
+    stats = page.locator(".stats").first
+    sync_api.expect(stats).to_contain_text("tok/s decode", timeout=REPLY_MS)
+    print(stats.inner_text())
+    reply = stored(page)[-1]["content"]
+    status, api = server.request(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": QUESTION}],
+            "temperature": 0,
+            "max_tokens": 12,
+        },
+    )
+    assert status == 200, api
+    want = api["choices"][0]["message"]["content"]
+    assert reply == want and "Paris" in reply, (reply, want)
+    assert page.locator(".msg.assistant").inner_text().strip() == want.strip()
+    assert f"{api['usage']['completion_tokens']} tokens" in stats.inner_text()
+    SHOT.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(SHOT))
+    # A reload finds the conversation, and its speed line.
+    page.reload()
+    sync_api.expect(page.locator(".msg.assistant")).to_have_text(want.strip())
+    sync_api.expect(page.locator(".msg.user")).to_have_text(QUESTION)
+    sync_api.expect(page.locator(".stats").first).to_contain_text("tok/s decode")
+    others = [u for u in urls if not u.startswith(server.url + "/")]
+    assert not others, others  # nothing from another host
+    ctx.close()
+
+
+def test_stop_ends_a_long_reply_and_the_server_cancels(browser, server):
+    ctx, page, _ = open_page(browser, server.url)
+    sync_api.expect(page.locator("#about")).to_contain_text("flashnorm")
+    page.click("#new-chat")
+    page.click("#settings summary")
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "400")
+    page.fill("#input", "Write a long story about a dragon and a knight.")
+    page.keyboard.press("Enter")
+    page.wait_for_function(
+        "document.querySelector('.msg.assistant')?.textContent.length > 0",
+        timeout=REPLY_MS,
+    )
+    page.click("#stop")
+    stats = page.locator(".stats").first
+    sync_api.expect(stats).to_contain_text("stopped after")
+    wait_for_line(server, "cancelled: the client left")
+    print(stats.inner_text(), [x for x in server.lines if "cancelled" in x])
+    n = int(stats.inner_text().split("stopped after ")[1].split()[0])
+    assert 1 <= n < 400, n
+    assert page.locator("#send").is_visible() and not page.locator("#stop").is_visible()
+    ctx.close()
+
+
+def test_code_blocks_have_a_copy_button(browser, server):
+    ctx, page, _ = open_page(browser, server.url)
+    chat = {
+        "messages": [
+            {"role": "user", "content": "code?"},
+            {"role": "assistant", "content": "Here:\n```python\nprint(1)\n```\ndone"},
+        ],
+        "settings": {},
+    }
+    page.evaluate(
+        f"localStorage.setItem('flashnorm-mlx-chat', {json.dumps(json.dumps(chat))})"
+    )
+    page.reload()
+    code = page.locator(".msg.assistant pre code")
+    sync_api.expect(code).to_have_text("print(1)\n")
+    page.click(".msg.assistant pre button.copy")
+    sync_api.expect(page.locator("button.copy")).to_have_text("Copied")
+    assert page.evaluate("navigator.clipboard.readText()") == "print(1)\n"
+    ctx.close()
+
+
+# --- a tiny model behind an API key ------------------------------------------------
+
+KEY = "page-test-key"
+
+
+def test_key_prompt_bad_setting_and_stopped_server(browser, tmp_path):
+    model = tiny.make_llama(tmp_path / "tiny", "gqa_untied")
+    s = Server(str(model), env={API_KEY_ENV: KEY}, api_key=KEY)
+    try:
+        ctx, page, _ = open_page(browser, s.url)
+        error = page.locator("#error")
+        sync_api.expect(page.locator("#key-form")).to_be_visible()
+        sync_api.expect(error).to_have_text("this server needs an API key")
+        page.fill("#key", "wrong")
+        page.click("#key-form button")
+        sync_api.expect(error).to_have_text("wrong API key: enter it again")
+        page.fill("#key", KEY)
+        page.click("#key-form button")
+        sync_api.expect(page.locator("#about")).to_contain_text("flashnorm")
+        sync_api.expect(page.locator("#key-form")).to_be_hidden()
+        sync_api.expect(error).to_be_hidden()
+        # The key is asked for once: a reload connects with it.
+        page.reload()
+        sync_api.expect(page.locator("#about")).to_contain_text("flashnorm")
+        sync_api.expect(page.locator("#key-form")).to_be_hidden()
+        # A bad setting: the server's 400, one line; the message back in the box.
+        page.click("#settings summary")
+        page.fill("#temperature", "5")
+        page.fill("#input", "hello")
+        page.keyboard.press("Enter")
+        sync_api.expect(error).to_contain_text("'temperature' must be")
+        assert page.input_value("#input") == "hello"
+        assert page.locator(".msg").count() == 0
+        # The server stopped: one line, not a blank page.
+        page.fill("#temperature", "0")
+        assert s.stop(signal.SIGTERM) == 0
+        page.click("#send")
+        sync_api.expect(error).to_have_text(
+            "cannot reach the server: is flashnorm-mlx serve still running?"
+        )
+        ctx.close()
+    finally:
+        s.kill()

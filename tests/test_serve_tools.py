@@ -1,0 +1,261 @@
+"""Tool calls through `flashnorm-mlx serve` (#37 part 4): a tiny Qwen model
+whose tokenizer has a Qwen-style tool-aware template (mlx-lm picks its
+json_tools parser from it), and whose reply is forced, token by token,
+through logit_bias plus a strong repetition penalty: each scripted token gets
+a smaller bias than the one before, and once sampled the penalty sinks it, so
+greedy decoding walks the script and then ends on <|im_end|>. The reference
+is the script itself: what it says in text and in the tool call."""
+
+import json
+
+import pytest
+import tiny
+from serve_process import Server
+
+from flashnorm_mlx.serve.schema import RequestError
+from flashnorm_mlx.serve.tools import ToolCalls, read_tools
+
+# The reply, one added token each: words, then a json_tools call split over
+# three tokens, so that a stream sees the call arrive in pieces.
+SCRIPT = [
+    "Let me look. ",
+    "<tool_call>",
+    '\n{"name": "get_weather", ',
+    '"arguments": {"city": "Paris"}}\n',
+    "</tool_call>",
+]
+EOS = "<|im_end|>"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+# Qwen2.5's template, cut down: tools in the system turn, earlier tool calls
+# in <tool_call> tags, tool results as their own turn.
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
+    "Answer a call as JSON in tool-call tags.<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant"
+    "{%- for tool_call in m.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}"
+    "{%- endif %}\n<tool_call>\n"
+    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
+    "\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}\n"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tool_tokenizer(path):
+    """tiny.py's byte-level tokenizer with SCRIPT's tokens and TEMPLATE; the
+    scripted tokens' ids, in order, then the EOS id."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tiny.write_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in SCRIPT])
+    tok.save(str(path / "tokenizer.json"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    ids = [tok.token_to_id(t) for t in SCRIPT + [EOS]]
+    assert max(ids) < tiny.VOCAB, ids
+    return ids
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tiny.make_qwen(tmp_path_factory.mktemp("tools"), "qwen3_untied")
+    return path, write_tool_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = Server(str(model_dir[0]))
+    yield s
+    s.kill()
+
+
+def forced(ids) -> dict:
+    """Request fields that make greedy decoding walk `ids`, then stop."""
+    return {
+        "temperature": 0,
+        "max_tokens": 12,
+        "logit_bias": {str(t): 100 - 10 * i for i, t in enumerate(ids)},
+        "repetition_penalty": 1000,
+        "repetition_context_size": len(ids),
+    }
+
+
+def check_call(call):
+    assert call["type"] == "function" and call["id"], call
+    assert call["function"]["name"] == "get_weather", call
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}, call
+
+
+def test_tool_call_is_parsed_into_tool_calls(server, model_dir):
+    body = {"messages": ASK, "tools": TOOLS, **forced(model_dir[1])}
+    status, r = server.request("POST", "/v1/chat/completions", body)
+    print(json.dumps(r, indent=1))
+    assert status == 200, r
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    message = choice["message"]
+    assert message["content"] == SCRIPT[0], message  # no tag text left in it
+    (call,) = message["tool_calls"]
+    check_call(call)
+    assert r["usage"]["completion_tokens"] == len(SCRIPT) + 1, r["usage"]
+    # The OpenAI SDK reads it as tool calls too.
+    f = forced(model_dir[1])
+    sdk = server.client().chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=f["max_tokens"],
+        logit_bias=f["logit_bias"],
+        extra_body={k: f[k] for k in ("repetition_penalty", "repetition_context_size")},
+    )
+    check_call(sdk.choices[0].message.tool_calls[0].model_dump())
+    # The template rendered the tools: the same request without them is shorter.
+    status, plain = server.request(
+        "POST", "/v1/chat/completions", {"messages": ASK, "max_tokens": 1}
+    )
+    assert status == 200 and (
+        plain["usage"]["prompt_tokens"] + 100 < r["usage"]["prompt_tokens"]
+    ), (plain["usage"], r["usage"])
+
+
+def test_tool_call_streams_as_tool_calls_deltas(server, model_dir):
+    import http.client
+
+    body = {"messages": ASK, "tools": TOOLS, "stream": True, **forced(model_dir[1])}
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body))
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    events = [
+        line.decode().strip()[len("data: ") :]
+        for line in resp
+        if line.startswith(b"data: ")
+    ]
+    conn.close()
+    print("\n".join(events))
+    assert events[-1] == "[DONE]", events
+    deltas = [json.loads(e)["choices"] for e in events[:-1]]
+    deltas = [c[0] for c in deltas if c]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    calls = [tc for d in deltas for tc in d["delta"].get("tool_calls") or []]
+    assert content == SCRIPT[0], content
+    assert len(calls) == 1 and calls[0]["index"] == 0, calls
+    check_call(calls[0])
+    assert deltas[-1]["finish_reason"] == "tool_calls", deltas[-1]
+
+
+def test_a_conversation_with_earlier_tool_calls_renders(server):
+    messages = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    body = {"messages": messages, "tools": TOOLS, "max_tokens": 2}
+    status, r = server.request("POST", "/v1/chat/completions", body)
+    assert status == 200, r
+    bad = dict(messages[1], tool_calls=[{"function": {"arguments": "{"}}])
+    status, r = server.request(
+        "POST", "/v1/chat/completions", {**body, "messages": [ASK[0], bad]}
+    )
+    assert status == 400 and r["error"]["param"] == "messages", r
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": "get_weather"}, "tools"),
+    ],
+)
+def test_bad_tool_fields_are_400(server, extra, param):
+    body = {"messages": ASK, "tools": TOOLS, "max_tokens": 1, **extra}
+    status, r = server.request("POST", "/v1/chat/completions", body)
+    assert status == 400 and r["error"]["param"] == param, r
+
+
+# --- the pieces, in-process: no server ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(model_dir[0])
+
+
+def test_calls_split_anywhere_in_the_text_are_found(tokenizer):
+    """The reply's text cut at every point into two pieces: the same content
+    and call each time (a marker may arrive split over pieces)."""
+    text = "".join(SCRIPT) + " done"
+    for cut in range(len(text) + 1):
+        tc = ToolCalls(tokenizer, TOOLS, streaming=True)
+        a, calls_a = tc.feed(text[:cut])
+        b, calls_b = tc.feed(text[cut:], final=True)
+        assert a + b == SCRIPT[0] + " done", (cut, a, b)
+        (call,) = calls_a + calls_b
+        check_call(call)
+        assert tc.finish_reason("stop") == "tool_calls"
+        assert tc.finish_reason("length") == "length"
+
+
+def test_an_unclosed_call_at_the_end_is_still_parsed(tokenizer):
+    tc = ToolCalls(tokenizer, TOOLS, streaming=False)
+    content, calls = tc.feed("".join(SCRIPT[:4]), final=True)
+    assert content == SCRIPT[0] and len(calls) == 1, (content, calls)
+    check_call(calls[0])
+
+
+class _NoTools:
+    chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    has_tool_calling = False
+
+
+class _ToolsNoParser(_NoTools):
+    chat_template = "{{ tools | tojson }}{% for m in messages %}{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    "tok, words",
+    [(_NoTools, "does not use tools"), (_ToolsNoParser, "no parser")],
+)
+def test_models_that_cannot_call_tools_refuse_them(tok, words):
+    with pytest.raises(RequestError) as e:
+        read_tools({"tools": TOOLS}, tok())
+    assert words in e.value.message and e.value.status == 400, e.value.message
+    assert read_tools({"tools": TOOLS, "tool_choice": "none"}, tok()) is None
+    assert read_tools({}, tok()) is None
