@@ -1,0 +1,37 @@
+"""The speculative decoding and KV cache flags (cli/flags.py's
+`add_draft_args`, `add_kv_cache_args`) made into `stream_generate`'s
+arguments for generate (docs/design.md section 3f). Imports MLX."""
+
+from ..decoding import DraftTally, KVOptions, check_kv_options, load_draft, make_cache
+from .common import build
+
+
+def draft_model(args, tokenizer, name: str):
+    """The --draft-model, built like the model (same --mode, dtype, quantization
+    and engine flags), or None."""
+    if not getattr(args, "draft_model", None):
+        return None
+    return load_draft(
+        args.draft_model, args.mode, tokenizer, name, lambda s, m: build(s, m, args)
+    )
+
+
+def generation_kwargs(args, model, draft, config: dict, name: str) -> dict:
+    """stream_generate's keyword arguments for the flags: a prompt cache made
+    here (the draft's layers after the model's, as mlx-lm lays them out) and
+    mlx-lm's KV quantization settings."""
+    kv = KVOptions.from_args(args)
+    check_kv_options(kv, config, name)
+    cache = make_cache(model, kv.max_kv_size)
+    kwargs = dict(prompt_cache=cache, **kv.quantize_kwargs())
+    if draft is not None:
+        cache += make_cache(draft)
+        kwargs.update(draft_model=draft, num_draft_tokens=args.num_draft_tokens)
+    return kwargs
+
+
+def draft_tally(args, max_tokens: int):
+    """A DraftTally where a draft runs, else None."""
+    if not getattr(args, "draft_model", None):
+        return None
+    return DraftTally(args.num_draft_tokens, max_tokens)
