@@ -135,6 +135,12 @@ class DraftTally:
                 i, made = i + 1, made + 1
         return accepted, proposed, steps
 
+    def short(self) -> str:
+        """For chat's stats line."""
+        accepted, proposed, steps = self.counts()
+        per_step = accepted / steps if steps else 0.0
+        return f"draft {accepted}/{proposed} accepted, {per_step:.2f} per step"
+
     def line(self) -> str:
         accepted, proposed, steps = self.counts()
         rate = 100 * accepted / proposed if proposed else 0.0

@@ -241,3 +241,59 @@ def test_a_group_size_the_head_dim_refuses_is_one_line(pairs, capsys):
     assert main([*argv, "--kv-group-size", "128"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--kv-group-size 128 does not divide" in err[0], err
+
+
+# --- chat: the same options over a kept cache -----------------------------------
+
+
+def _chat(monkeypatch, capsys, model, *flags, turns=("hello", "and more", "again")):
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(t + "\n" for t in turns)))
+    rc = main(["chat", str(model), "-m", "24", "--dtype", "float32", *flags])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    lines = out.out.splitlines()
+    stats = [l for l in lines if " tok/s | prompt " in l]
+    assert len(stats) == len(turns), out.out
+    return [l for l in lines if l not in stats], stats
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_chat_with_a_draft_keeps_the_replies(pairs, engine, monkeypatch, capsys):
+    """Three turns on one kept cache (the draft's layers in it too): the
+    replies of a chat without the draft, and a draft count per reply."""
+    target, draft = pairs["llama"]
+    flags = ["--engine", engine]
+    alone, stats = _chat(monkeypatch, capsys, target, *flags)
+    assert not any("draft" in s for s in stats), stats
+    drafted, stats = _chat(
+        monkeypatch, capsys, target, *flags, "--draft-model", str(draft)
+    )
+    assert drafted == alone, (alone, drafted)
+    assert all(" | draft " in s and " accepted, " in s for s in stats), stats
+
+
+@pytest.mark.parametrize("case", list(KV_CASES))
+def test_chat_kv_options_flashnorm_matches_stock(pairs, case, monkeypatch, capsys):
+    """Three turns of 24 tokens cross --max-kv-size 32 and the quantization
+    start at 16: FlashNorm's replies are stock's with the same options."""
+    from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
+
+    from flashnorm_mlx.chat import ChatSession
+
+    sessions, init = [], ChatSession.__post_init__
+    monkeypatch.setattr(
+        ChatSession, "__post_init__", lambda s: (sessions.append(s), init(s))[1]
+    )
+    target, _ = pairs["qwen3"]
+    replies = {
+        mode: _chat(monkeypatch, capsys, target, *KV_CASES[case], "--mode", mode)[0]
+        for mode in ("flashnorm", "stock")
+    }
+    assert replies["flashnorm"] == replies["stock"], replies
+    want = RotatingKVCache if case == "rotating" else QuantizedKVCache
+    for s in sessions:
+        assert all(type(c) is want for c in s.cache), [type(c) for c in s.cache]
+        assert s.cache_offset > 32, s.cache_offset
