@@ -297,3 +297,53 @@ def test_chat_kv_options_flashnorm_matches_stock(pairs, case, monkeypatch, capsy
     for s in sessions:
         assert all(type(c) is want for c in s.cache), [type(c) for c in s.cache]
         assert s.cache_offset > 32, s.cache_offset
+
+
+# --- bench --draft-model ----------------------------------------------------------
+
+
+def test_bench_with_a_draft_reports_both_ways(pairs, tmp_path, capsys):
+    """The model alone against with the draft: same tokens, both speeds, an
+    acceptance rate below 1 for another random model, exactly 1 for itself."""
+    target, draft = pairs["llama"]
+    base = [
+        "bench",
+        str(target),
+        "-p",
+        "8",
+        "-g",
+        "16",
+        "-n",
+        "1",
+        "--dtype",
+        "float32",
+    ]
+    for d, rate in ((draft, None), (target, 1.0)):
+        out = tmp_path / "draft.json"
+        assert main([*base, "--draft-model", str(d), "--json", str(out)]) == 0
+        text = capsys.readouterr().out
+        r = json.loads(out.read_text())
+        assert r["same_tokens"] is True, r
+        assert "same tokens with and without the draft: yes" in text, text
+        assert r["alone_decode_tps"]["median"] > 0 < r["draft_decode_tps"]["median"]
+        assert 0 <= r["accepted"] <= r["proposed"] > 0, r
+        if rate is None:
+            assert r["acceptance_rate"] < 1, r
+        else:
+            assert r["acceptance_rate"] == rate, r
+        assert f"draft tokens accepted: {r['accepted']}/{r['proposed']}" in text
+
+
+def test_bench_refuses_a_draft_with_another_vocabulary(pairs, tmp_path, capsys):
+    target, _ = pairs["llama"]
+    cfg = {**tiny.llama_config("gqa_untied"), "vocab_size": 320}
+    other = tiny.write_model(tmp_path / "other", cfg, tiny.llama_weights(cfg, 2))
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["added_tokens"].append(
+        {**tok["added_tokens"][-1], "id": 259, "content": "<|extra|>"}
+    )
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    argv = ["bench", str(target), "-g", "4", "-n", "1", "--draft-model", str(other)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another vocabulary" in err[0], err
