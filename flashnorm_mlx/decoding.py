@@ -76,11 +76,19 @@ def head_dims(config: dict) -> List[int]:
     return [int(config["hidden_size"]) // heads] if isinstance(heads, int) else []
 
 
-def check_kv_options(kv: KVOptions, config: dict, name: str) -> None:
+def check_kv_options(kv: KVOptions, model, config: dict, name: str) -> None:
     """One line for quantized KV settings the model cannot take: quantization
-    groups run along the head dimension, which the group size must divide."""
+    groups run along the head dimension, which the group size must divide, and
+    mlx-lm quantizes no rotating cache (sliding-window layers)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
     if kv.kv_bits is None:
         return
+    if any(isinstance(c, RotatingKVCache) for c in make_cache(model)):
+        raise UserError(
+            f"--kv-bits: {name} has sliding-window layers, whose rotating KV "
+            "caches mlx-lm cannot quantize"
+        )
     for h in head_dims(config):
         if h % kv.kv_group_size:
             raise UserError(
@@ -149,6 +157,15 @@ class DraftTally:
             f"Draft: {accepted}/{proposed} draft tokens accepted ({rate:.1f}%), "
             f"{per_step:.2f} per step of {self.num_draft_tokens} drafted"
         )
+
+
+def after_prefix(prefix, processor):
+    """A logits processor that sees `prefix` (an mx.array of the tokens a kept
+    cache already holds) before the tokens it is given, as when mlx-lm
+    prefills the whole prompt."""
+    import mlx.core as mx
+
+    return lambda tokens, logits: processor(mx.concatenate([prefix, tokens]), logits)
 
 
 def load_draft(path: str, mode: str, tokenizer, name: str, build):

@@ -101,6 +101,7 @@ BAD_VALUES = [
     (["generate", "--max-kv-size", "4"], "--max-kv-size"),
     (["generate", "--num-draft-tokens", "0"], "--num-draft-tokens"),
     (["chat", "--draft-model", "d", "--max-kv-size", "64"], "do not go together"),
+    (["serve", "--kv-bits", "4", "--max-kv-size", "64"], "do not go together"),
 ]
 
 
@@ -347,3 +348,13 @@ def test_bench_refuses_a_draft_with_another_vocabulary(pairs, tmp_path, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "another vocabulary" in err[0], err
+
+
+def test_kv_bits_on_sliding_window_layers_is_one_line(tmp_path, capsys):
+    """mlx-lm cannot quantize a rotating cache (RotatingKVCache.to_quantized):
+    refused before generating, not a traceback at --quantized-kv-start."""
+    model = tiny.make_llama(tmp_path / "m", "mistral_sliding")
+    argv = ["generate", str(model), "-p", "hi", "-m", "4", "--kv-bits", "4"]
+    assert main([*argv, "--kv-group-size", "32"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sliding-window layers" in err[0], err

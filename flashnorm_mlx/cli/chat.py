@@ -281,7 +281,7 @@ def main(argv=None):
 
     source, tokenizer, model, config = load_for_sampling(args)
     kv = KVOptions.from_args(args)
-    check_kv_options(kv, config, source.name)
+    check_kv_options(kv, model, config, source.name)
     draft = draft_model(args, tokenizer, source.name)
     limit = args.max_context or context_length(config)
     try:

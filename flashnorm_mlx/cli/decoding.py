@@ -24,7 +24,7 @@ def generation_kwargs(args, model, draft, config: dict, name: str) -> dict:
     here (the draft's layers after the model's, as mlx-lm lays them out) and
     mlx-lm's KV quantization settings."""
     kv = KVOptions.from_args(args)
-    check_kv_options(kv, config, name)
+    check_kv_options(kv, model, config, name)
     cache = make_cache(model, kv.max_kv_size)
     kwargs = dict(prompt_cache=cache, **kv.quantize_kwargs())
     if draft is not None:
@@ -55,8 +55,8 @@ def serve_decoding(args):
     return decoding, functools.partial(SequentialWorker, decoding=decoding)
 
 
-def serve_with_draft(decoding, args, tokenizer, config: dict, name: str) -> None:
+def serve_with_draft(decoding, args, model, tokenizer, config, name: str) -> None:
     """serve, on the generation thread after the model's build: check the KV
     options against it and build the draft like it."""
-    check_kv_options(decoding.kv, config, name)
+    check_kv_options(decoding.kv, model, config, name)
     decoding.draft_model = draft_model(args, tokenizer, name)

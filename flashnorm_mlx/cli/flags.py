@@ -114,6 +114,12 @@ class Parser(argparse.ArgumentParser):
                 "--draft-model and --max-kv-size do not go together: speculative "
                 "decoding rewinds the KV cache, which a rotating cache cannot"
             )
+        if getattr(args, "kv_bits", None) and getattr(args, "max_kv_size", None):
+            # mlx-lm quantizes plain caches only (RotatingKVCache.to_quantized).
+            self.error(
+                "--kv-bits and --max-kv-size do not go together: mlx-lm cannot "
+                "quantize a rotating KV cache"
+            )
         return args
 
 

@@ -113,7 +113,7 @@ def main(argv=None):
         source = read_source(args.model, tokenizer=args.tokenizer)
         tokenizer = need_tokenizer(source.tokenizer, source.name)
         model, config = build(source, args.mode, args)
-        serve_with_draft(decoding, args, tokenizer, config, source.name)
+        serve_with_draft(decoding, args, model, tokenizer, config, source.name)
         return model, tokenizer, config
 
     decoding, worker = serve_decoding(args)

@@ -13,7 +13,7 @@ streaming, the prompt cache pool) stays as it is.
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from ..decoding import DraftTally, KVOptions, make_cache
+from ..decoding import DraftTally, KVOptions, after_prefix, make_cache
 from .scheduler import Worker, log
 
 
@@ -100,8 +100,6 @@ class SequentialGenerator:
         import mlx.core as mx
         from mlx_lm.generate import generate_step, speculative_generate_step
 
-        from ..chat import _after
-
         d = self.decoding
         if cache is None:
             cache = make_cache(self.model, d.kv.max_kv_size)
@@ -109,7 +107,7 @@ class SequentialGenerator:
                 cache += make_cache(d.draft_model)
         if processors and fed:  # they see the whole prompt, cached part too
             prefix = mx.array(fed)
-            processors = [_after(prefix, p) for p in processors]
+            processors = [after_prefix(prefix, p) for p in processors]
         kwargs = dict(
             max_tokens=max_tokens,
             sampler=sampler,
