@@ -358,3 +358,26 @@ def test_kv_bits_on_sliding_window_layers_is_one_line(tmp_path, capsys):
     assert main([*argv, "--kv-group-size", "32"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "sliding-window layers" in err[0], err
+
+
+def test_the_embedded_model_drafts_for_its_float32_copy(tmp_path, capsys):
+    """SmolLM2: its float32 copy (convert --dequantize) as the model, the
+    embedded 4-bit as its draft: the greedy text of the copy alone, and a
+    count with most drafts accepted (a 4-bit copy mostly agrees)."""
+    from flashnorm_mlx.loading.source import default_model_path
+
+    target = tmp_path / "f32"
+    assert (
+        main(["convert", "--dequantize", "--dtype", "float32", "-o", str(target)]) == 0
+    )
+    capsys.readouterr()
+    prompt = "What is the capital of France?"
+    alone, _ = _generate(capsys, target, prompt=prompt, tokens=24)
+    draft = str(default_model_path())
+    drafted, stats = _generate(
+        capsys, target, "--draft-model", draft, prompt=prompt, tokens=24
+    )
+    assert drafted == alone, (alone, drafted)
+    line = next(l for l in stats.splitlines() if l.startswith("Draft:"))
+    accepted, proposed = map(int, line.split()[1].split("/"))
+    assert proposed > 0 and accepted >= proposed // 2, line
