@@ -267,13 +267,16 @@ def test_chat_with_a_draft_keeps_the_replies(pairs, engine, monkeypatch, capsys)
     replies of a chat without the draft, and a draft count per reply."""
     target, draft = pairs["llama"]
     flags = ["--engine", engine]
-    alone, stats = _chat(monkeypatch, capsys, target, *flags)
-    assert not any("draft" in s for s in stats), stats
+    alone, plain = _chat(monkeypatch, capsys, target, *flags)
+    assert not any("draft" in s for s in plain), plain
     drafted, stats = _chat(
         monkeypatch, capsys, target, *flags, "--draft-model", str(draft)
     )
     assert drafted == alone, (alone, drafted)
     assert all(" | draft " in s and " accepted, " in s for s in stats), stats
+    # The draft's layers hold what the model's hold: each turn reuses as much.
+    prompts = [s.split(" | ")[1].split(",")[0] for s in stats]
+    assert prompts == [s.split(" | ")[1].split(",")[0] for s in plain], (stats, plain)
 
 
 @pytest.mark.parametrize("case", list(KV_CASES))
@@ -381,3 +384,28 @@ def test_the_embedded_model_drafts_for_its_float32_copy(tmp_path, capsys):
     line = next(l for l in stats.splitlines() if l.startswith("Draft:"))
     accepted, proposed = map(int, line.split()[1].split("/"))
     assert proposed > 0 and accepted >= proposed // 2, line
+
+
+def test_the_flag_copies_are_the_librarys():
+    """cli/flags.py's numbers (it imports no MLX) are decoding.py's and mlx-lm's."""
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+
+    from flashnorm_mlx import decoding
+    from flashnorm_mlx.cli import flags
+
+    assert flags.KV_KEEP == decoding.KV_KEEP
+    assert flags.DEFAULT_QUANTIZED_KV_START == DEFAULT_QUANTIZED_KV_START
+    kv = decoding.KVOptions()
+    assert (kv.kv_group_size, kv.quantized_kv_start) == (64, DEFAULT_QUANTIZED_KV_START)
+
+
+def test_a_draft_under_a_multi_rank_launch_is_refused(pairs, monkeypatch, capsys):
+    from flashnorm_mlx.cli import decoding
+    from flashnorm_mlx.parallel import distributed
+
+    target, draft = pairs["llama"]
+    monkeypatch.setattr(distributed, "current", lambda: object())
+    args = decoding.KVOptions()  # any object: the refusal comes first
+    args.draft_model = str(draft)
+    with pytest.raises(decoding.UserError, match="mlx.launch"):
+        decoding.draft_model(args, None, str(target))

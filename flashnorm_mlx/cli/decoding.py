@@ -6,6 +6,8 @@ import functools
 import sys
 
 from ..decoding import DraftTally, KVOptions, check_kv_options, load_draft, make_cache
+from ..errors import UserError
+from ..parallel import distributed
 from .common import build
 
 
@@ -14,6 +16,8 @@ def draft_model(args, tokenizer, name: str):
     and engine flags), or None."""
     if not getattr(args, "draft_model", None):
         return None
+    if distributed.current() is not None:  # untried sharded; mlx_lm.server refuses it
+        raise UserError("--draft-model: not under mlx.launch with several ranks")
     return load_draft(
         args.draft_model, args.mode, tokenizer, name, lambda s, m: build(s, m, args)
     )
