@@ -261,12 +261,18 @@ def _chat(monkeypatch, capsys, model, *flags, turns=("hello", "and more", "again
     return [l for l in lines if l not in stats], stats
 
 
+@pytest.mark.parametrize("kv", ["plain", "quantized"])
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
-def test_chat_with_a_draft_keeps_the_replies(pairs, engine, monkeypatch, capsys):
-    """Three turns on one kept cache (the draft's layers in it too): the
-    replies of a chat without the draft, and a draft count per reply."""
+def test_chat_with_a_draft_keeps_the_replies(pairs, engine, kv, monkeypatch, capsys):
+    """Three turns on one kept cache (the draft's layers in it too), its KV
+    cache quantized from token 16 on (within the first prompt) or not: the
+    replies of a chat without the draft, and a draft count per reply. (A start
+    crossed while generating is crossed later with a draft, whose steps
+    advance k + 1 tokens: docs/design.md section 3f.)"""
     target, draft = pairs["llama"]
     flags = ["--engine", engine]
+    if kv == "quantized":
+        flags += ["--kv-bits", "8", "--quantized-kv-start", "16"]
     alone, plain = _chat(monkeypatch, capsys, target, *flags)
     assert not any("draft" in s for s in plain), plain
     drafted, stats = _chat(
