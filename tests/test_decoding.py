@@ -415,3 +415,24 @@ def test_a_draft_under_a_multi_rank_launch_is_refused(pairs, monkeypatch, capsys
     args.draft_model = str(draft)
     with pytest.raises(decoding.UserError, match="mlx.launch"):
         decoding.draft_model(args, None, str(target))
+
+
+@pytest.mark.parametrize("mode", ["stock", "flashnorm"])
+def test_the_draft_is_built_in_the_mode_asked(pairs, mode, capsys, monkeypatch):
+    """Model and draft both in --mode (stock: mlx-lm's class), through the one
+    loader; stock's greedy text is its own with the draft too."""
+    from flashnorm_mlx.cli import common
+
+    built, real = [], common.build_model
+
+    def recording(source, m, **k):
+        built.append((source.name, m))
+        return real(source, m, **k)
+
+    monkeypatch.setattr(common, "build_model", recording)
+    target, draft = pairs["qwen3"]
+    alone, _ = _generate(capsys, target, "--mode", mode, tokens=24)
+    flags = ["--mode", mode, "--draft-model", str(draft)]
+    drafted, _ = _generate(capsys, target, *flags, tokens=24)
+    assert drafted == alone, (alone, drafted)
+    assert built[-2:] == [(str(target), mode), (str(draft), mode)], built
