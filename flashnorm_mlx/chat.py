@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
+from .decoding import DraftTally, KVOptions, make_cache
 from .errors import ChatError, ContextOverflow  # noqa: F401 (raised here)
 from .parallel import distributed
 
@@ -50,6 +51,7 @@ class TurnStats:
     max_tokens: int = 0  # the reply budget after capping to the context
     # Prompt tokens fed before a Ctrl-C cut the prefill (None: all of them).
     prefilled_tokens: Optional[int] = None
+    draft: Optional[str] = None  # with a draft model: its accepted tokens
 
     def line(self) -> str:
         """One human-readable stats line; no rates for a turn interrupted
@@ -65,10 +67,11 @@ class TurnStats:
             )
         cached = f" (+{self.cached_tokens} cached)" if self.cached_tokens else ""
         end = " | interrupted" if self.finish_reason == "interrupted" else ""
+        draft = f" | {self.draft}" if self.draft else ""
         return (
             f"{self.generation_tokens} tokens, {self.generation_tps:.1f} tok/s | "
             f"prompt {self.prompt_tokens} tokens{cached}, {self.prompt_tps:.1f} tok/s"
-            f" | peak {self.peak_memory_gb:.3f} GB{end}"
+            f"{draft} | peak {self.peak_memory_gb:.3f} GB{end}"
         )
 
 
@@ -96,6 +99,12 @@ class ChatSession:
     logits_processors: Optional[list] = None
     max_context: Optional[int] = None  # tokens; None: unlimited
     prefill_step_size: int = 2048
+    # Speculative decoding and KV cache options (docs/design.md section 3f): the
+    # draft's cache layers follow the model's in `cache`, as mlx-lm lays them out.
+    draft_model: Optional[object] = None
+    num_draft_tokens: int = 3
+    kv: KVOptions = field(default_factory=KVOptions)
+    tally: Optional[DraftTally] = field(default=None, init=False)  # last reply's
     messages: List[dict] = field(default_factory=list, init=False)
     cache: list = field(default_factory=list, init=False)
     cache_ids: List[int] = field(default_factory=list, init=False)
@@ -119,15 +128,19 @@ class ChatSession:
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and empty the cache."""
-        from mlx_lm.models.cache import make_prompt_cache
-
         self.messages = (
             [{"role": "system", "content": self.system_prompt}]
             if self.system_prompt
             else []
         )
-        self.cache = make_prompt_cache(self.model)
+        self.cache = self._new_cache()
         self.cache_ids = []
+
+    def _new_cache(self) -> list:
+        cache = make_cache(self.model, self.kv.max_kv_size)
+        if self.draft_model is not None:
+            cache += make_cache(self.draft_model)
+        return cache
 
     def render(self, messages: Optional[List[dict]] = None) -> List[int]:
         """Token ids of a conversation through the chat template, ready for a reply."""
@@ -164,13 +177,13 @@ class ChatSession:
 
     def _reuse_cache(self, ids: List[int]) -> int:
         """Trim the cache to its common prefix with ids (one token left to feed)."""
-        from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+        from mlx_lm.models.cache import trim_prompt_cache
 
         keep = min(common_prefix(self.cache_ids, ids), len(ids) - 1)
         excess = len(self.cache_ids) - keep
         if excess and trim_prompt_cache(self.cache, excess) != excess:
             # Not trimmable (e.g. a rotating cache past its window): start over.
-            self.cache, keep = make_prompt_cache(self.model), 0
+            self.cache, keep = self._new_cache(), 0
         self.cache_ids = self.cache_ids[:keep]
         return keep
 
@@ -180,15 +193,13 @@ class ChatSession:
         After an interrupt some layers may have taken a token others have not;
         trim all to the shortest, never past what is known to have been fed.
         """
-        from mlx_lm.models.cache import make_prompt_cache
-
         offsets = [_offset(c) for c in self.cache]
         keep = min([len(fed), *offsets])
         for c, off in zip(self.cache, offsets):
             if off > keep and (
                 not c.is_trimmable() or c.trim(off - keep) != off - keep
             ):
-                self.cache, keep = make_prompt_cache(self.model), 0
+                self.cache, keep = self._new_cache(), 0
                 break
         self.cache_ids = list(fed[:keep])
 
@@ -259,13 +270,14 @@ class ChatSession:
             dropped_messages=dropped,
             max_tokens=max_tokens,
             prefilled_tokens=None if last is not None else progress[0],
+            draft=self.tally.short() if self.draft_model and reply_ids else None,
         )
 
     def _prefill(self, ids: List[int], on_prefill, progress: List[int]) -> float:
         """Feed `ids` to the cache in chunks of about PREFILL_CHUNK_S each (at
         most prefill_step_size tokens; powers of two, so a compiled engine
         traces few shapes); progress[0]: tokens fed so far. Returns seconds."""
-        from mlx_lm.generate import generation_stream
+        from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 
         start, launch = time.perf_counter(), distributed.current()
         step = min(PREFILL_FIRST_CHUNK, self.prefill_step_size)
@@ -275,7 +287,11 @@ class ChatSession:
             chunk = ids[progress[0] : progress[0] + step]
             t = time.perf_counter()
             with mx.stream(generation_stream):
-                self.model(mx.array(chunk)[None], cache=self.cache)
+                n = len(self.model.layers)
+                self.model(mx.array(chunk)[None], cache=self.cache[:n])
+                if self.draft_model is not None:
+                    self.draft_model(mx.array(chunk)[None], cache=self.cache[n:])
+                maybe_quantize_kv_cache(self.cache, **self.kv.quantize_kwargs())
                 mx.eval([c.state for c in self.cache])
             progress[0] += len(chunk)
             # The rate just measured sets the next chunk, at most twice this one.
@@ -299,6 +315,12 @@ class ChatSession:
             prefix = mx.array(new_ids[:-1])
             processors = [_after(prefix, p) for p in processors]
         last, interrupted = None, False
+        kwargs = self.kv.quantize_kwargs()
+        if self.draft_model is not None:
+            kwargs.update(
+                draft_model=self.draft_model, num_draft_tokens=self.num_draft_tokens
+            )
+            self.tally = DraftTally(self.num_draft_tokens, max_tokens)
         responses = stream_generate(
             self.model,
             self.tokenizer,
@@ -308,11 +330,14 @@ class ChatSession:
             logits_processors=processors,
             prompt_cache=self.cache,
             prefill_step_size=self.prefill_step_size,
+            **kwargs,
         )
         try:
             for last in responses:
                 # Every token stream_generate yields has been fed to the cache.
                 reply_ids.append(last.token)
+                if self.draft_model is not None:
+                    self.tally.add(last.from_draft)
                 if on_text and last.text:
                     on_text(last.text)
         except KeyboardInterrupt:

@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .flags import VARIANT_NAMES, Parser, add_model_args, run_main
+from .flags import VARIANT_NAMES, Parser, add_draft_args, add_model_args, run_main
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -52,6 +52,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json", metavar="PATH", default=None, help="write every trial here"
     )
+    add_draft_args(p)  # with a draft: FlashNorm alone against it with the draft
     return p
 
 
@@ -241,6 +242,8 @@ def main(argv=None):
     from ..parallel import distributed
     from .common import StageLog, join_launch, model_kwargs
 
+    if args.draft_model:  # bench_draft.py: the model alone against with the draft
+        return _draft_main(parser, args)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     # Flags checked before the (slow) read: flashnorm-mlx bench: error:, exit 2.
     try:
@@ -306,6 +309,39 @@ def main(argv=None):
     if not out.is_terminal and "COLUMNS" not in os.environ:
         out = Console(width=100)  # piped or redirected: the table's own width
     render(result, out, args.verbose)
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _draft_main(parser, args) -> int:
+    """bench --draft-model: FlashNorm alone, then with the draft (bench_draft.py)."""
+    from ..bench_draft import check, lines, run_draft_bench
+    from ..loading import read_source
+    from .common import StageLog, model_kwargs
+
+    wrong = check(args.num_trials, args.generation_tokens, args.prompt_tokens)
+    if wrong:
+        parser.error(wrong)
+    if args.json and not Path(args.json).expanduser().parent.is_dir():
+        parser.error(f"--json: no such folder: {Path(args.json).expanduser().parent}")
+    source = read_source(args.model, need_tokenizer=False)
+    log = StageLog("bench")
+    result = run_draft_bench(
+        source,
+        args.draft_model,
+        args.prompt_tokens,
+        args.generation_tokens,
+        args.num_trials,
+        num_draft_tokens=args.num_draft_tokens,
+        seed=args.seed,
+        prefill_step_size=args.prefill_step_size,
+        progress=log.step,
+        **model_kwargs(args),
+    )
+    if args.json:
+        write_json(args.json, result)
+    print("\n".join(lines(result)))
     if args.json:
         print(f"wrote {args.json}")
     return 0

@@ -13,6 +13,8 @@ from .flags import (
     VARIANT_NAMES,
     Parser,
     UserError,
+    add_draft_args,
+    add_kv_cache_args,
     add_model_args,
     add_sampling_args,
     run_main,
@@ -44,6 +46,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="context length in tokens (default: the model's, from its config); "
         "the oldest turns are dropped to fit a reply of --max-tokens",
     )
+    add_draft_args(p)
+    add_kv_cache_args(p)
     return p
 
 
@@ -278,10 +282,15 @@ def main(argv=None):
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import engine as engines
     from ..chat import ChatSession
+    from ..decoding import KVOptions, check_kv_options
     from ..models import context_length
     from .common import load_for_sampling, make_sampler, model_kwargs
+    from .decoding import draft_model
 
     source, tokenizer, model, config = load_for_sampling(args)
+    kv = KVOptions.from_args(args)
+    check_kv_options(kv, model, config, source.name)
+    draft = draft_model(args, tokenizer, source.name)
     limit = args.max_context or context_length(config)
     try:
         session = ChatSession(
@@ -291,6 +300,9 @@ def main(argv=None):
             max_tokens=args.max_tokens,
             sampler=make_sampler(args, tokenizer),
             max_context=limit,
+            draft_model=draft,
+            num_draft_tokens=args.num_draft_tokens,
+            kv=kv,
         )
     except ChatError as e:
         raise UserError(f"{source.name}: {e}") from None
@@ -303,6 +315,11 @@ def main(argv=None):
             ("context", f"{limit} tokens" if limit else "unlimited"),
             ("max tokens", args.max_tokens),
             ("system", args.system_prompt or "(template default)"),
+            *(
+                [("draft", f"{args.draft_model} ({args.num_draft_tokens} tokens)")]
+                if draft
+                else []
+            ),
         ]
     )
     sampler = session.sampler

@@ -64,6 +64,10 @@ VALUE_RULES = {
     "min_tokens_to_keep": (lambda v: v >= 1, "at least 1"),
     "xtc_probability": (lambda v: 0 <= v <= 1, "in [0, 1] (0: off)"),
     "xtc_threshold": (lambda v: 0 <= v <= 0.5, "in [0, 0.5]"),
+    "num_draft_tokens": (lambda v: v >= 1, "at least 1"),
+    # A rotating cache keeps the first KV_KEEP tokens: its window must hold more.
+    "max_kv_size": (lambda v: v is None or v > KV_KEEP, "more than 4 (tokens kept)"),
+    "quantized_kv_start": (lambda v: v >= 0, "at least 0"),
 }
 Q_DEFAULTS = {"q_bits": 4, "q_group_size": 64}
 
@@ -106,6 +110,19 @@ class Parser(argparse.ArgumentParser):
             for dest, default in Q_DEFAULTS.items():
                 if getattr(args, dest) is None:
                     setattr(args, dest, default)
+        if getattr(args, "draft_model", None) and getattr(args, "max_kv_size", None):
+            # docs/design.md section 3f: a draft rewinds the cache after each
+            # step, which a rotating cache past its window cannot.
+            self.error(
+                "--draft-model and --max-kv-size do not go together: speculative "
+                "decoding rewinds the KV cache, which a rotating cache cannot"
+            )
+        if getattr(args, "kv_bits", None) and getattr(args, "max_kv_size", None):
+            # mlx-lm quantizes plain caches only (RotatingKVCache.to_quantized).
+            self.error(
+                "--kv-bits and --max-kv-size do not go together: mlx-lm cannot "
+                "quantize a rotating KV cache"
+            )
         return args
 
 
@@ -305,6 +322,65 @@ def add_sampling_args(
         type=int,
         default=None,
         help="random seed for sampling (default: none, a different draw each run)",
+    )
+
+
+# mlx-lm's speculative decoding and KV cache flags (mlx_lm.generate), with its
+# defaults; docs/design.md section 3f.
+DEFAULT_NUM_DRAFT_TOKENS = 3  # mlx_lm.generate's --num-draft-tokens
+DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate.DEFAULT_QUANTIZED_KV_START
+KV_KEEP = 4  # first tokens a rotating cache keeps (mlx-lm's make_prompt_cache)
+KV_BITS = (1, 2, 3, 4, 5, 6, 8)  # what mx.quantize takes (tests/test_decoding.py)
+KV_GROUP_SIZES = (32, 64, 128)  # likewise
+
+
+def add_draft_args(parser: argparse.ArgumentParser) -> None:
+    """--draft-model and --num-draft-tokens, as mlx-lm names them."""
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="a model to be used for speculative decoding: any checkpoint with "
+        "the model's tokenizer, built in the same --mode; greedy text is the "
+        "same with or without it",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULT_NUM_DRAFT_TOKENS,
+        help="number of tokens to draft when using speculative decoding",
+    )
+
+
+def add_kv_cache_args(parser: argparse.ArgumentParser) -> None:
+    """--max-kv-size, --kv-bits, --kv-group-size, --quantized-kv-start, as
+    mlx-lm names them."""
+    parser.add_argument(
+        "--max-kv-size",
+        type=int,
+        default=None,
+        help="set the maximum key-value cache size: a rotating cache that keeps "
+        f"the first {KV_KEEP} tokens and the latest ones (default: unlimited)",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=KV_BITS,
+        default=None,
+        help="number of bits for KV cache quantization (default: no quantization)",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=KV_GROUP_SIZES,
+        default=64,
+        help="group size for KV cache quantization; must divide the head dim",
+    )
+    parser.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=DEFAULT_QUANTIZED_KV_START,
+        help="when --kv-bits is set, start quantizing the KV cache from this "
+        "step onwards",
     )
 
 

@@ -3,7 +3,14 @@
 import argparse
 import sys
 
-from .flags import Parser, add_model_args, add_sampling_args, run_main
+from .flags import (
+    Parser,
+    add_draft_args,
+    add_kv_cache_args,
+    add_model_args,
+    add_sampling_args,
+    run_main,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -24,6 +31,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="feed the prompt as raw text",
     )
+    add_draft_args(p)
+    add_kv_cache_args(p)
     return p
 
 
@@ -52,22 +61,30 @@ def main(argv=None):
 
     from ..parallel import distributed
     from .common import load_for_sampling, make_sampler
+    from .decoding import draft_model, draft_tally, generation_kwargs
 
-    _, tokenizer, model, _ = load_for_sampling(args)
+    source, tokenizer, model, config = load_for_sampling(args)
+    draft = draft_model(args, tokenizer, source.name)
+    kwargs = generation_kwargs(args, model, draft, config, source.name)
+    tally = draft_tally(args, args.max_tokens)
 
     ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
     sampler = make_sampler(args, tokenizer)
     last = None
     responses = stream_generate(
-        model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler
+        model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler, **kwargs
     )
     for last in distributed.watched(responses, "generating"):
         print(last.text, end="", flush=True)
+        if tally is not None:
+            tally.add(last.from_draft)
     print()
     print("=" * 10)
     print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
     print(
         f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec"
     )
+    if tally is not None:
+        print(tally.line())
     print(f"Peak memory: {last.peak_memory:.3f} GB")
     return 0

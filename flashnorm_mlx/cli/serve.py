@@ -9,6 +9,8 @@ from .flags import (
     API_KEY_ENV,
     Parser,
     UserError,
+    add_draft_args,
+    add_kv_cache_args,
     add_model_args,
     add_sampling_args,
     run_main,
@@ -77,6 +79,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="web page origins allowed to call the API from a browser (CORS), "
         "comma-separated, e.g. http://localhost:3000 (default: *, any; as mlx_lm.server)",
     )
+    add_draft_args(p)
+    add_kv_cache_args(p)
     return p
 
 
@@ -104,6 +108,7 @@ def main(argv=None):
     from ..loading.source import default_model_path
     from ..serve import ApiServer, Service, Settings, bind_warning, run_until_signal
     from .common import build, need_tokenizer
+    from .decoding import serve_decoding, serve_with_draft
 
     # Bind first: a port in use is one line before a long model load.
     try:
@@ -118,7 +123,10 @@ def main(argv=None):
         source = read_source(args.model, tokenizer=args.tokenizer)
         tokenizer = need_tokenizer(source.tokenizer, source.name)
         model, config = build(source, args.mode, args)
+        serve_with_draft(decoding, args, model, tokenizer, config, source.name)
         return model, tokenizer, config
+
+    decoding, worker = serve_decoding(args)
 
     try:
         settings = Settings(
@@ -133,7 +141,7 @@ def main(argv=None):
             api_key=api_key,
         )
         model_id = args.model or default_model_path().stem
-        server.attach(Service(load, model_id, args.mode, settings))
+        server.attach(Service(load, model_id, args.mode, settings, worker))
         print(
             f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
             f"{server.url}/v1{' (API key required)' if api_key else ''}, chat page "

@@ -19,7 +19,14 @@ class Service:
     read with mx.load, constants a model caches) cannot be evaluated there.
     """
 
-    def __init__(self, build: Callable, model_id: str, mode: str, settings: Settings):
+    def __init__(
+        self,
+        build: Callable,
+        model_id: str,
+        mode: str,
+        settings: Settings,
+        worker: Callable = Worker,
+    ):
         self.tokenizer = None  # set by start()
         self.model_id, self.mode, self.settings = model_id, mode, settings
         self.started = int(time.time())
@@ -28,7 +35,9 @@ class Service:
         self.tokenizer_lock = threading.Lock()
         self._seeds = random.Random(settings.seed)
         self._seeds_lock = threading.Lock()
-        self.worker = Worker(build, settings, self.tokenizer_lock)
+        # Worker: mlx-lm's BatchGenerator; sequential.SequentialWorker with a
+        # draft or KV cache options (docs/design.md section 3f).
+        self.worker = worker(build, settings, self.tokenizer_lock)
         self.in_flight = 0  # completion requests being answered
         self.idle = threading.Condition()
 

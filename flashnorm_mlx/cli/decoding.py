@@ -1,0 +1,66 @@
+"""The speculative decoding and KV cache flags (cli/flags.py's
+`add_draft_args`, `add_kv_cache_args`) made into what generate, chat and serve
+run with (docs/design.md section 3f). Imports MLX."""
+
+import functools
+import sys
+
+from ..decoding import DraftTally, KVOptions, check_kv_options, load_draft, make_cache
+from ..errors import UserError
+from ..parallel import distributed
+from .common import build
+
+
+def draft_model(args, tokenizer, name: str):
+    """The --draft-model, built like the model (same --mode, dtype, quantization
+    and engine flags), or None."""
+    if not getattr(args, "draft_model", None):
+        return None
+    if distributed.current() is not None:  # untried sharded; mlx_lm.server refuses it
+        raise UserError("--draft-model: not under mlx.launch with several ranks")
+    return load_draft(
+        args.draft_model, args.mode, tokenizer, name, lambda s, m: build(s, m, args)
+    )
+
+
+def generation_kwargs(args, model, draft, config: dict, name: str) -> dict:
+    """stream_generate's keyword arguments for the flags: a prompt cache made
+    here (the draft's layers after the model's, as mlx-lm lays them out) and
+    mlx-lm's KV quantization settings."""
+    kv = KVOptions.from_args(args)
+    check_kv_options(kv, model, config, name)
+    cache = make_cache(model, kv.max_kv_size)
+    kwargs = dict(prompt_cache=cache, **kv.quantize_kwargs())
+    if draft is not None:
+        cache += make_cache(draft)
+        kwargs.update(draft_model=draft, num_draft_tokens=args.num_draft_tokens)
+    return kwargs
+
+
+def draft_tally(args, max_tokens: int):
+    """A DraftTally where a draft runs, else None."""
+    if not getattr(args, "draft_model", None):
+        return None
+    return DraftTally(args.num_draft_tokens, max_tokens)
+
+
+def serve_decoding(args):
+    """serve: (Decoding, the worker class for Service): mlx-lm's BatchGenerator
+    where no draft or KV option is given, else one request at a time, said once."""
+    from ..serve.scheduler import Worker
+    from ..serve.sequential import Decoding, SequentialWorker
+
+    decoding = Decoding(
+        KVOptions.from_args(args), args.draft_model, args.num_draft_tokens
+    )
+    if not decoding.sequential:
+        return decoding, Worker
+    print(f"flashnorm-mlx serve: {decoding.why()}", file=sys.stderr, flush=True)
+    return decoding, functools.partial(SequentialWorker, decoding=decoding)
+
+
+def serve_with_draft(decoding, args, model, tokenizer, config, name: str) -> None:
+    """serve, on the generation thread after the model's build: check the KV
+    options against it and build the draft like it."""
+    check_kv_options(decoding.kv, model, config, name)
+    decoding.draft_model = draft_model(args, tokenizer, name)
