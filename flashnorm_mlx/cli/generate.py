@@ -3,7 +3,15 @@
 import argparse
 import sys
 
-from .flags import Parser, add_model_args, add_sampling_args, run_main
+from .flags import (
+    Parser,
+    add_adapter_args,
+    add_model_args,
+    add_prompt_cache_args,
+    add_sampling_args,
+    add_template_args,
+    run_main,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -24,18 +32,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="feed the prompt as raw text",
     )
+    add_adapter_args(p)
+    add_template_args(p)
+    add_prompt_cache_args(p)
     return p
-
-
-def build_prompt(tokenizer, prompt: str, system_prompt=None, raw: bool = False) -> list:
-    """Token ids for a user prompt, through the chat template when the model has one."""
-    if not raw and getattr(tokenizer, "chat_template", None):
-        messages = (
-            [{"role": "system", "content": system_prompt}] if system_prompt else []
-        )
-        messages.append({"role": "user", "content": prompt})
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    return list(tokenizer.encode(prompt))
 
 
 @run_main
@@ -50,16 +50,42 @@ def main(argv=None):
     # MLX and mlx-lm (seconds) once the flags are good.
     from mlx_lm import stream_generate
 
+    from .. import prompt_cache
     from ..parallel import distributed
+    from ..prompts import prompt_ids, set_template
     from .common import load_for_sampling, make_sampler
 
+    cache = None
+    if args.prompt_cache_file is not None:  # a bad file: one line before the build
+        cache, meta = prompt_cache.read(
+            args.prompt_cache_file, args.model, args.mode, args.adapter_path
+        )
     _, tokenizer, model, _ = load_for_sampling(args)
-
-    ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
+    if cache is not None:
+        prompt_cache.fit(args.prompt_cache_file, cache, meta, model)
+    set_template(
+        tokenizer,
+        use_default=args.use_default_chat_template,
+        extra_eos=args.extra_eos_token,
+    )
+    ids = prompt_ids(
+        tokenizer,
+        prompt,
+        args.system_prompt,
+        args.ignore_chat_template,
+        args.prefill_response,
+        args.chat_template_config,
+        cached=cache is not None,
+    )
     sampler = make_sampler(args, tokenizer)
     last = None
     responses = stream_generate(
-        model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler
+        model,
+        tokenizer,
+        ids,
+        max_tokens=args.max_tokens,
+        sampler=sampler,
+        prompt_cache=cache,
     )
     for last in distributed.watched(responses, "generating"):
         print(last.text, end="", flush=True)
