@@ -212,3 +212,34 @@ def test_adapter_of_another_model_is_one_line(llama, tmp_path, capsys):
     argv = ["generate", str(llama), "-m", "2", "--adapter-path", str(adapter)]
     line = _one_line_refusal(argv, capsys)
     assert "another model" in line or "do not fit" in line, line
+
+
+def test_chat_adapter_reply_is_mlx_lm_s(llama, tmp_path, capsys, monkeypatch):
+    import io
+    import sys
+
+    from mlx_lm import generate
+
+    adapter = make_adapter(llama, tmp_path / "a")
+    ref, tokenizer = _reference(llama, adapter)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True
+    )
+    want = generate(ref, tokenizer, ids, max_tokens=10)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    argv = ["chat", str(llama), "-m", "10", "--dtype", "float32"]
+    assert main([*argv, "--adapter-path", str(adapter)]) == 0
+    out = capsys.readouterr().out
+    print(f"chat {out!r}\nmlx-lm {want!r}")
+    assert out.startswith(want + "\n10 tokens,")
+
+
+def test_bench_takes_the_adapter(llama, tmp_path, capsys):
+    """bench builds its rows on the adapted source: a bad folder is refused
+    there, and a good one runs."""
+    argv = ["bench", str(llama), "-p", "8", "-g", "4", "-n", "1"]
+    argv += ["--variants", "stock,flashnorm", "--dtype", "float32"]
+    line = _one_line_refusal([*argv, "--adapter-path", str(tmp_path / "no")], capsys)
+    assert "no such adapter folder" in line, line
+    adapter = make_adapter(llama, tmp_path / "a")
+    assert main([*argv, "--adapter-path", str(adapter)]) == 0
