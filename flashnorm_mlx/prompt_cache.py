@@ -151,6 +151,18 @@ def fit(path, cache: list, meta: dict, model: nn.Module) -> Optional[List[int]]:
             f"{path} holds {len(cache)} layer caches ({', '.join(sorted(set(kinds)))})"
             f"; this model has {len(fresh)} ({type(fresh[0]).__name__})"
         )
+    probe = make_prompt_cache(model)  # one token: this model's K/V shapes
+    mx.eval(model(mx.array([[0]]), cache=probe))
+    for c, p in zip(cache, probe):
+        for part in ("keys", "values"):
+            a, b = getattr(c, part, None), getattr(p, part, None)
+            if isinstance(a, mx.array) and isinstance(b, mx.array):
+                if (a.shape[1], a.shape[-1]) != (b.shape[1], b.shape[-1]):
+                    raise LoadError(
+                        f"{path} holds {part} of {a.shape[1]} heads x "
+                        f"{a.shape[-1]}; this model's are {b.shape[1]} x "
+                        f"{b.shape[-1]} (another model, or a sharded one)"
+                    )
     dtype, keys = model_dtype(model), getattr(cache[0], "keys", None)
     if isinstance(keys, mx.array) and str(keys.dtype).split(".")[-1] != dtype:
         held = str(keys.dtype).split(".")[-1]

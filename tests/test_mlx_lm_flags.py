@@ -120,7 +120,12 @@ VALUES = {
 
 
 @pytest.mark.parametrize("command, module, flag", CASES)
-def test_flag_takes_a_value_as_mlx_lm_does(command, module, flag):
+def test_flag_takes_a_value_as_mlx_lm_does(
+    command, module, flag, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # the adapter folder and cache file exist
+    (tmp_path / "a").mkdir()
+    (tmp_path / "f").write_bytes(b"")
     argv, want = VALUES[flag]
     extra = ["-o", "out"] if command == "convert" else []
     if command == "cache-prompt":
@@ -139,3 +144,18 @@ def test_bad_template_json_is_one_line_and_exit_2(flag, value, capsys):
     assert main([command, flag, value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and flag in err[0], err
+
+
+@pytest.mark.parametrize(
+    "flag, words",
+    [
+        ("--adapter-path", "no such adapter folder"),
+        ("--prompt-cache-file", "no such file"),
+    ],
+)
+def test_missing_path_is_one_line_and_exit_2(flag, words, tmp_path, capsys):
+    from flashnorm_mlx.cli import main
+
+    assert main(["generate", flag, str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err

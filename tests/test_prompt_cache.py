@@ -223,3 +223,17 @@ def test_chat_refuses_an_mlx_lm_file_it_cannot_seed(
     argv = ["chat", str(llama), "--mode", "stock", "--prompt-cache-file", str(f)]
     line = _one_line_refusal(capsys, argv)
     assert "no token ids" in line, line
+
+
+def test_a_model_replaced_at_the_same_path_is_one_line(tmp_path, capsys):
+    """The name alone cannot tell: the file's K/V shapes are checked against
+    the model's own (one probe token)."""
+    path = tiny.make_llama(tmp_path / "m", "gqa_untied")
+    f = _cache(capsys, path, tmp_path / "p.safetensors", "--dtype", "float32")
+    import shutil
+
+    shutil.rmtree(path)
+    tiny.make_llama(path, "mha_tied")  # 4 key/value heads, not 2
+    argv = ["generate", str(path), "--dtype", "float32", "-p", QUERY]
+    line = _one_line_refusal(capsys, [*argv, "--prompt-cache-file", str(f)])
+    assert "heads" in line, line

@@ -324,7 +324,7 @@ def add_adapter_args(parser: argparse.ArgumentParser) -> None:
     float weights before the fold (loading/adapters.py)."""
     parser.add_argument(
         "--adapter-path",
-        type=str,
+        type=_existing("a folder", "no such adapter folder"),
         default=None,
         help="Optional path for the trained adapter weights and config "
         "(an mlx-lm LoRA or DoRA folder: adapter_config.json, "
@@ -388,12 +388,27 @@ def add_prompt_cache_args(parser: argparse.ArgumentParser) -> None:
     """--prompt-cache-file: a KV cache saved by `cache-prompt` (prompt_cache.py)."""
     parser.add_argument(
         "--prompt-cache-file",
-        type=str,
+        type=_existing("a file", "no such file"),
         default=None,
         help="A file containing saved KV caches to avoid recomputing them "
         "(made by `flashnorm-mlx cache-prompt`, or mlx-lm's cache_prompt for "
         "--mode stock)",
     )
+
+
+def _existing(kind: str, missing: str):
+    """An argparse type: a path that exists as `kind` ("a folder" or "a
+    file"), checked before MLX is imported."""
+    from pathlib import Path
+
+    def check(text: str) -> str:
+        path = Path(text).expanduser()
+        if not (path.is_dir() if kind == "a folder" else path.is_file()):
+            raise argparse.ArgumentTypeError(f"{missing}: {text}")
+        return text
+
+    check.__name__ = kind
+    return check
 
 
 def _json_object(flag: str):
