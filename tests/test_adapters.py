@@ -62,19 +62,46 @@ def _rel(a, b) -> float:
     return (mx.abs(a - b).max() / mx.abs(a).max()).item()
 
 
+MAKERS = {
+    "llama gqa_untied": lambda p: tiny.make_llama(p, "gqa_untied"),
+    "llama linear_bias": lambda p: tiny.make_llama(p, "linear_bias"),
+    "qwen2": lambda p: tiny.make_qwen(p, "qwen2"),
+    "qwen3_tied": lambda p: tiny.make_qwen(p, "qwen3_tied"),
+    "openelm": lambda p: tiny.make_openelm(p),
+}
+
+
+def _without_rotary_buffers(path):
+    """mlx-lm's Qwen classes refuse the rotary buffer some checkpoints carry
+    (ours ignore it): drop it so mlx-lm can load the same weights."""
+    f = str(path / "model.safetensors")
+    w = mx.load(f)
+    mx.save_safetensors(f, {k: v for k, v in w.items() if "inv_freq" not in k})
+    return path
+
+
 @pytest.mark.parametrize("kind", ["lora", "dora"])
-@pytest.mark.parametrize("name", ["gqa_untied", "linear_bias"])
+@pytest.mark.parametrize("name", MAKERS)
 def test_adapter_matches_mlx_lm_load_with_adapter_path(tmp_path, kind, name):
-    model_dir = tiny.make_llama(tmp_path / "m", name)
+    """Against mlx-lm's load_model + load_adapters (what load(adapter_path=)
+    builds; OpenELM has no tokenizer for load's own)."""
+    from mlx_lm.tuner.utils import load_adapters
+    from mlx_lm.utils import load_model
+
+    model_dir = _without_rotary_buffers(MAKERS[name](tmp_path / "m"))
     adapter = make_adapter(model_dir, tmp_path / "a", kind)
-    ref, _ = _reference(model_dir, adapter)
-    base, _ = build_model(read_source(str(model_dir)), "stock", dtype=mx.float32)
-    source = read_source(str(model_dir), adapter_path=str(adapter))
+    ref = load_adapters(load_model(model_dir)[0], str(adapter))
+    ref.eval()
+    plain = read_source(str(model_dir), need_tokenizer=False)
+    base, _ = build_model(plain, "stock", dtype=mx.float32)
+    source = read_source(
+        str(model_dir), need_tokenizer=False, adapter_path=str(adapter)
+    )
     ours, _ = build_model(source, "flashnorm", dtype=mx.float32)
     x = mx.array([TOKENS])
-    want, got, plain = ref(x), ours(x), base(x)
+    want, got, unadapted = ref(x), ours(x), base(x)
     # The adapter changes the function (else the test proves nothing) ...
-    moved = _rel(want, plain)
+    moved = _rel(want, unadapted)
     assert moved > 1e-2, f"{kind}: adapter moved logits by only {moved:.2e}"
     # ... and FlashNorm runs the adapted one.
     err = _rel(want, got)
@@ -113,6 +140,7 @@ def test_verify_adapter_path_against_mlx_lm_s_adapted_model(llama, tmp_path, cap
     assert r["max_rel_logit_diff"] < tiny.f32_tol(1e-4)
     assert r["greedy_match"] == 8
     assert "mlx-lm's own adapted model" in r["comparison_note"]
+    assert r["comparison"] == "adapter"
 
 
 def test_verify_adapter_fails_when_the_fuse_is_skipped(
@@ -148,6 +176,15 @@ def test_quantized_source_takes_the_adapter_in_float(llama, tmp_path):
     err = _rel(ref(x), ours(x))
     print(f"8-bit source + adapter: FlashNorm in float vs mlx-lm adapted {err:.2e}")
     assert err < 1e-4
+    from flashnorm_mlx.loading.adapters import adapter_comparison
+    from flashnorm_mlx.loading.variants import comparison
+    from flashnorm_mlx.verify import compare
+
+    r = compare(q, TOKENS, horizon=4, dtype=mx.float32, adapter=str(adapter))
+    how = adapter_comparison(q, comparison(q))
+    print(r, how)
+    assert r["max_rel_logit_diff"] < 1e-4 and r["greedy_match"] == 4
+    assert how["comparison"] == "adapter" and "dequantized" in how["comparison_note"]
     notes = []
     requant, _ = build_model(
         src, "flashnorm", dtype=mx.float32, quantized_way="requantize", notes=notes

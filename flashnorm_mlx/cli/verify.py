@@ -32,6 +32,7 @@ def main(argv=None):
         parser.error("-p/--prompt is empty (leave -p out for the fixed sentence)")
     # MLX and mlx-lm (seconds) once the flags are good.
     from ..loading import read_source
+    from ..loading.adapters import adapter_comparison
     from ..loading.variants import comparison
     from ..verify import compare, prompt_tokens
     from .common import StageLog, model_kwargs
@@ -43,12 +44,7 @@ def main(argv=None):
     kw = model_kwargs(args)
     how = comparison(source, kw["quantize"], kw["quantized_way"])
     if args.adapter_path is not None:  # the reference is mlx-lm's adapted model
-        how["comparison_note"] = (
-            "FlashNorm with the adapter fused into its weights before the fold, "
-            "against mlx-lm's own adapted model (its LoRA layers unfused): "
-            "differences are FlashNorm's and the fuse's rounding; "
-            + how["comparison_note"]
-        )
+        how = adapter_comparison(source, how)
     # verify has no live bar: its stage lines show on a terminal too.
     r = compare(
         source,

@@ -163,6 +163,28 @@ def adapted_quantization(
     )
 
 
+def adapter_comparison(source, how: dict) -> dict:
+    """verify's comparison words with an adapter (`how`: variants.comparison's
+    for the base source): FlashNorm adapted here against mlx-lm's own adapted
+    model, and what else the differences hold."""
+    head = (
+        "FlashNorm with the adapter fused into its weights before the fold, "
+        "against mlx-lm's own adapted model (its LoRA layers unfused)"
+    )
+    if how["comparison"] == "stored":  # the source was dequantized to take it
+        return {
+            "comparison": "adapter",
+            "comparison_note": f"{head}: the quantized source is dequantized to "
+            "take the adapter and runs in float, mlx-lm's model runs it as stored, "
+            "so differences include the stored quantized matmuls' own rounding "
+            "(--requantize: both quantized again)",
+        }
+    return {
+        "comparison": "adapter" if how["comparison"] == "float" else how["comparison"],
+        "comparison_note": f"{head}; {how['comparison_note']}",
+    }
+
+
 def mlx_lm_adapted(model: nn.Module, path) -> nn.Module:
     """mlx-lm's own adapted model, as `mlx_lm.utils.load(..., adapter_path=)`
     makes it: `load_adapters` (LoRA layers, not fused) on a stock model."""
