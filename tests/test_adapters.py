@@ -280,3 +280,24 @@ def test_bench_takes_the_adapter(llama, tmp_path, capsys):
     assert "no such adapter folder" in line, line
     adapter = make_adapter(llama, tmp_path / "a")
     assert main([*argv, "--adapter-path", str(adapter)]) == 0
+
+
+def test_broken_adapter_files_are_one_line(llama, tmp_path, capsys):
+    argv = ["generate", str(llama), "-m", "2", "--adapter-path"]
+    adapter = make_adapter(llama, tmp_path / "a")
+    (adapter / "adapters.safetensors").write_bytes(b"\x10\x00\x00\x00junk")
+    line = _one_line_refusal([*argv, str(adapter)], capsys)
+    assert "adapters.safetensors" in line, line
+    (adapter / "adapter_config.json").unlink()
+    line = _one_line_refusal([*argv, str(adapter)], capsys)
+    assert "no adapter_config.json" in line, line
+
+
+def test_adapter_on_a_folded_checkpoint_is_one_line(llama, tmp_path, capsys):
+    adapter = make_adapter(llama, tmp_path / "a")
+    folded = tmp_path / "folded"
+    assert main(["convert", str(llama), "-o", str(folded)]) == 0
+    capsys.readouterr()
+    argv = ["generate", str(folded), "-m", "2", "--adapter-path", str(adapter)]
+    line = _one_line_refusal(argv, capsys)
+    assert "folded checkpoint" in line, line
