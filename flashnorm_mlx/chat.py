@@ -142,6 +142,11 @@ class ChatSession:
             cache += make_cache(self.draft_model)
         return cache
 
+    def seed_cache(self, cache: list, ids: List[int]) -> None:
+        """Start from a saved prompt cache holding `ids` (prompt_cache.py): a
+        conversation whose tokens begin with them prefills only the rest."""
+        self.cache, self.cache_ids = cache, list(ids)
+
     def render(self, messages: Optional[List[dict]] = None) -> List[int]:
         """Token ids of a conversation through the chat template, ready for a reply."""
         ids = self.tokenizer.apply_chat_template(

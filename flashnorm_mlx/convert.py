@@ -20,6 +20,7 @@ import mlx.core as mx
 from . import fold, interrupt, quant
 from .errors import LoadError
 from .fold import Weights
+from .loading.adapters import adapted_quantization, apply_adapter
 from .loading.recipe import CHUNK_ELEMENTS, fold_checkpoint
 from .loading.source import Source, read_source, resolve
 from .quant import gptq
@@ -123,6 +124,7 @@ def convert(
     on_stage: Optional[Callable[[str], None]] = None,
     on_step: Optional[Callable[[str], None]] = None,
     on_slow: Optional[Callable[[str], None]] = None,
+    adapter_path: Optional[str] = None,
 ) -> dict:
     """Fold (and quantize) `source` into the checkpoint folder `out_dir`.
 
@@ -138,6 +140,8 @@ def convert(
     on_stage(text) / on_step(text): told as each stage ends / where the work is
         (`recipe.fold_checkpoint`; writing too). on_slow(line): GPTQ on the
         CPU says once how long it will take (`recipe.fold_checkpoint`).
+    adapter_path: an mlx-lm LoRA/DoRA adapter fused in before the fold
+        (loading/adapters.py).
     Refuses an existing out_dir unless force and it is a checkpoint folder
     (`check_output`); a failure leaves neither out_dir, the temporary folder
     nor a created parent behind. Returns a summary dict.
@@ -150,11 +154,16 @@ def convert(
     check_output(out, shown, force, source_path)
     tokenizer_dir = resolve(tokenizer) if tokenizer else None
     if not isinstance(source, Source):
-        source = read_source(source, tokenizer=tokenizer)
+        source = read_source(source, tokenizer=tokenizer, adapter_path=adapter_path)
         # Ours alone: each tensor goes once its output is computed.
         weights, source.weights = source.weights, {}
     else:
+        if adapter_path is not None:
+            source = apply_adapter(source, adapter_path)
         weights = dict(source.weights)  # the caller's stay
+    quantize, note = adapted_quantization(source, quantize, quantized_way)
+    if note and on_stage is not None:
+        on_stage(note)
 
     tmp, created = _make_tmp(out, shown)  # before any work: a bad -o is one line
 

@@ -9,6 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from . import fold, quant
 from .loading import Source, build_model, model_dtype
+from .loading.adapters import adapted_quantization, apply_adapter, mlx_lm_adapted
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time,"
 
@@ -32,6 +33,7 @@ def compare(
     quantized_way: str = "stored",
     on_stage: Optional[Callable[[str], None]] = None,
     engine: Optional[str] = None,
+    adapter: Optional[str] = None,
 ) -> dict:
     """Prefill `tokens`, then `horizon` cached greedy decode steps, on both models,
     both on `engine` (engine.py; None: its default).
@@ -43,15 +45,24 @@ def compare(
     us), both are also scored against stock in float32 on the source's own
     weights (`reference_*` keys): is FlashNorm's error within stock's?
     on_stage(text) is told when each stage (build, prefill, decode) is done.
+    adapter: an mlx-lm LoRA/DoRA folder; `source` is then the base model:
+    FlashNorm runs it fused in (loading/adapters.py), stock is mlx-lm's own
+    adapted model (`load_adapters`, as `mlx_lm.utils.load(adapter_path=)`).
     """
     stage = on_stage or (lambda text: None)
     kw = dict(
         dtype=dtype, quantize=quantize, quantized_way=quantized_way, engine=engine
     )
+    base = source
+    if adapter is not None:
+        source = apply_adapter(base, adapter)
+        kw["quantize"], _ = adapted_quantization(source, quantize, quantized_way)
     models = {
-        "stock": build_model(source, "stock", **kw)[0],
+        "stock": build_model(base, "stock", **{**kw, "quantize": quantize})[0],
         "flashnorm": build_model(source, "flashnorm", **kw)[0],
     }
+    if adapter is not None:
+        models["stock"] = mlx_lm_adapted(models["stock"], adapter)
     noisy = model_dtype(models["stock"]) != "float32" or quant.requantizes(
         source.weights, source.config, quantize, quantized_way
     )
@@ -78,6 +89,7 @@ def compare(
         )
     return {
         "model": source.name,
+        **({"adapter": str(adapter)} if adapter is not None else {}),
         "model_type": source.config.get("model_type"),
         "dtype": model_dtype(models["stock"]),
         "quantized": any(

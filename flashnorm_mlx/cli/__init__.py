@@ -15,6 +15,10 @@ COMMANDS = {
     "convert": ("convert", "write a folded (optionally quantized) checkpoint"),
     "perplexity": ("perplexity", "perplexity of stock vs FlashNorm on real text"),
     "serve": ("serve", "an OpenAI-compatible HTTP server (chat, completions)"),
+    "cache-prompt": (
+        "cache_prompt",
+        "save a prompt's KV cache for --prompt-cache-file",
+    ),
 }
 
 

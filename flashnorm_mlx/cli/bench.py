@@ -7,7 +7,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from .flags import VARIANT_NAMES, Parser, add_draft_args, add_model_args, run_main
+from .flags import (
+    VARIANT_NAMES,
+    Parser,
+    add_adapter_args,
+    add_draft_args,
+    add_model_args,
+    run_main,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -20,6 +27,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "(end-of-sequence ignored), trials interleaved.",
     )
     add_model_args(p, mode=False)
+    add_adapter_args(p)
     p.add_argument(
         "-p",
         "--prompt-tokens",
@@ -259,7 +267,9 @@ def main(argv=None):
     if args.json and not Path(args.json).expanduser().parent.is_dir():
         parser.error(f"--json: no such folder: {Path(args.json).expanduser().parent}")
     join_launch(args, sampling=False)  # mlx.launch with several ranks: tensor parallel
-    source = read_source(args.model, need_tokenizer=False)
+    source = read_source(
+        args.model, need_tokenizer=False, adapter_path=args.adapter_path
+    )
 
     err = Console(stderr=True)
     with Progress(

@@ -13,9 +13,11 @@ from .flags import (
     VARIANT_NAMES,
     Parser,
     UserError,
+    add_adapter_args,
     add_draft_args,
     add_kv_cache_args,
     add_model_args,
+    add_prompt_cache_args,
     add_sampling_args,
     run_main,
 )
@@ -37,7 +39,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "Reads one message per line from stdin when it is not a terminal.",
     )
     add_model_args(p)
-    p.add_argument("--system-prompt", default=None, help="system message")
+    p.add_argument(
+        "--system-prompt",
+        default=None,
+        help="System prompt to be used for the chat template",
+    )
+    add_adapter_args(p)
+    add_prompt_cache_args(p)
     add_sampling_args(p, max_tokens=256)
     p.add_argument(
         "--max-context",
@@ -279,14 +287,23 @@ def run_chat(session, ui, max_tokens: int, compare=None) -> int:
 def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
+    if args.prompt_cache_file is not None and args.draft_model:
+        # The file holds the model's layers only; the draft would start empty.
+        parser.error("--prompt-cache-file and --draft-model cannot be used together")
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import engine as engines
+    from .. import prompt_cache
     from ..chat import ChatSession
     from ..decoding import KVOptions, check_kv_options
     from ..models import context_length
     from .common import load_for_sampling, make_sampler, model_kwargs
     from .decoding import draft_model
 
+    saved = None
+    if args.prompt_cache_file is not None:  # a bad file: one line before the build
+        saved = prompt_cache.read(
+            args.prompt_cache_file, args.model, args.mode, args.adapter_path
+        )
     source, tokenizer, model, config = load_for_sampling(args)
     kv = KVOptions.from_args(args)
     check_kv_options(kv, model, config, source.name)
@@ -306,6 +323,14 @@ def main(argv=None):
         )
     except ChatError as e:
         raise UserError(f"{source.name}: {e}") from None
+    if saved is not None:
+        ids = prompt_cache.fit(args.prompt_cache_file, *saved, model)
+        if ids is None:
+            raise UserError(
+                f"{args.prompt_cache_file} has no token ids (mlx-lm's cache_prompt "
+                "made it): chat needs one from `flashnorm-mlx cache-prompt`"
+            )
+        session.seed_cache(saved[0], ids)
     ui = RichUI() if sys.stdin.isatty() else PlainUI()
     ui.header(
         [

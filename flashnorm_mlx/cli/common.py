@@ -68,7 +68,9 @@ def load_for_sampling(args):
     import mlx.core as mx
 
     join_launch(args)  # mlx.launch with several ranks: tensor parallel
-    source = read_source(args.model, tokenizer=args.tokenizer)
+    source = read_source(
+        args.model, tokenizer=args.tokenizer, adapter_path=args.adapter_path
+    )
     tokenizer = need_tokenizer(source.tokenizer, source.name)
     model, config = build(source, args.mode, args)
     distributed.announce()

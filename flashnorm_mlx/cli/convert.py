@@ -9,6 +9,7 @@ from .flags import (
     DEFAULT_Q_METHOD,
     Q_METHODS,
     Parser,
+    add_adapter_args,
     add_model_args,
     run_main,
 )
@@ -27,6 +28,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "settings, --dequantize writes it folded in float.",
     )
     add_model_args(p, mode=False, engine=False, explain_quantized=True)
+    add_adapter_args(p)
     p.add_argument(
         "-o",
         "--output",
@@ -94,6 +96,7 @@ def main(argv=None):
             on_stage=log,
             on_step=log.step,
             on_slow=say_slow("convert"),
+            adapter_path=args.adapter_path,
             **model_kwargs(args),
         )
     q = r["quantization"]

@@ -413,3 +413,117 @@ def run_main(fn):
             return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
 
     return wrapper
+
+
+# --- mlx-lm's adapter, template and prompt-cache flags (names, defaults and
+# help as mlx_lm.generate, chat, server and cache_prompt give them) ----------
+
+
+def add_adapter_args(parser: argparse.ArgumentParser) -> None:
+    """--adapter-path: an mlx-lm LoRA or DoRA adapter folder, fused into the
+    float weights before the fold (loading/adapters.py)."""
+    parser.add_argument(
+        "--adapter-path",
+        type=_existing("a folder", "no such adapter folder"),
+        default=None,
+        help="Optional path for the trained adapter weights and config "
+        "(an mlx-lm LoRA or DoRA folder: adapter_config.json, "
+        "adapters.safetensors), fused into the weights before folding",
+    )
+
+
+def add_template_args(parser: argparse.ArgumentParser, prompt: bool = True) -> None:
+    """generate's template flags: --extra-eos-token, --chat-template-config,
+    --use-default-chat-template and, with `prompt`, --prefill-response."""
+    parser.add_argument(
+        "--extra-eos-token",
+        type=str,
+        default=(),
+        nargs="+",
+        help="Add tokens in the list of eos tokens that stop generation.",
+    )
+    if prompt:
+        parser.add_argument(
+            "--prefill-response",
+            default=None,
+            help="Prefill response to be used for the chat template",
+        )
+    parser.add_argument(
+        "--use-default-chat-template",
+        action="store_true",
+        help="Use the default chat template",
+    )
+    parser.add_argument(
+        "--chat-template-config",
+        type=_json_object("--chat-template-config"),
+        default=None,
+        help="Additional config for `apply_chat_template`. Should be a dictionary "
+        "of string keys to values represented as a JSON decodable string.",
+    )
+
+
+def add_serve_template_args(parser: argparse.ArgumentParser) -> None:
+    """serve's --chat-template, --use-default-chat-template, --chat-template-args."""
+    parser.add_argument(
+        "--chat-template",
+        type=str,
+        default="",
+        help="Specify a chat template for the tokenizer (default: the model's)",
+    )
+    parser.add_argument(
+        "--use-default-chat-template",
+        action="store_true",
+        help="Use the default chat template",
+    )
+    parser.add_argument(
+        "--chat-template-args",
+        type=_json_object("--chat-template-args"),
+        default="{}",
+        help="A JSON formatted string of arguments for the tokenizer's "
+        "apply_chat_template, e.g. '{\"enable_thinking\":false}'",
+    )
+
+
+def add_prompt_cache_args(parser: argparse.ArgumentParser) -> None:
+    """--prompt-cache-file: a KV cache saved by `cache-prompt` (prompt_cache.py)."""
+    parser.add_argument(
+        "--prompt-cache-file",
+        type=_existing("a file", "no such file"),
+        default=None,
+        help="A file containing saved KV caches to avoid recomputing them "
+        "(made by `flashnorm-mlx cache-prompt`, or mlx-lm's cache_prompt for "
+        "--mode stock)",
+    )
+
+
+def _existing(kind: str, missing: str):
+    """An argparse type: a path that exists as `kind` ("a folder" or "a
+    file"), checked before MLX is imported."""
+    from pathlib import Path
+
+    def check(text: str) -> str:
+        path = Path(text).expanduser()
+        if not (path.is_dir() if kind == "a folder" else path.is_file()):
+            raise argparse.ArgumentTypeError(f"{missing}: {text}")
+        return text
+
+    check.__name__ = kind
+    return check
+
+
+def _json_object(flag: str):
+    """An argparse type: a JSON object (mlx-lm passes it to apply_chat_template
+    as keyword arguments), else one line and exit 2."""
+    import json
+
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError("not a JSON object ({...})")
+        return value
+
+    parse.__name__ = f"{flag} JSON object"
+    return parse

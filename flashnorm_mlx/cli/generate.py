@@ -5,10 +5,13 @@ import sys
 
 from .flags import (
     Parser,
+    add_adapter_args,
     add_draft_args,
     add_kv_cache_args,
     add_model_args,
+    add_prompt_cache_args,
     add_sampling_args,
+    add_template_args,
     run_main,
 )
 
@@ -33,18 +36,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     add_draft_args(p)
     add_kv_cache_args(p)
+    add_adapter_args(p)
+    add_template_args(p)
+    add_prompt_cache_args(p)
     return p
-
-
-def build_prompt(tokenizer, prompt: str, system_prompt=None, raw: bool = False) -> list:
-    """Token ids for a user prompt, through the chat template when the model has one."""
-    if not raw and getattr(tokenizer, "chat_template", None):
-        messages = (
-            [{"role": "system", "content": system_prompt}] if system_prompt else []
-        )
-        messages.append({"role": "user", "content": prompt})
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    return list(tokenizer.encode(prompt))
 
 
 @run_main
@@ -56,19 +51,45 @@ def main(argv=None):
     )
     if not prompt.strip():  # the model would answer an empty message
         parser.error("-p/--prompt is empty (-p TEXT, or -p - to read stdin)")
+    if args.prompt_cache_file is not None and args.draft_model:
+        # The file holds the model's layers only; the draft would start empty.
+        parser.error("--prompt-cache-file and --draft-model cannot be used together")
     # MLX and mlx-lm (seconds) once the flags are good.
     from mlx_lm import stream_generate
 
+    from .. import prompt_cache
     from ..parallel import distributed
+    from ..prompts import prompt_ids, set_template
     from .common import load_for_sampling, make_sampler
     from .decoding import draft_model, draft_tally, generation_kwargs
 
+    cache = None
+    if args.prompt_cache_file is not None:  # a bad file: one line before the build
+        cache, meta = prompt_cache.read(
+            args.prompt_cache_file, args.model, args.mode, args.adapter_path
+        )
     source, tokenizer, model, config = load_for_sampling(args)
+    if cache is not None:
+        prompt_cache.fit(args.prompt_cache_file, cache, meta, model)
     draft = draft_model(args, tokenizer, source.name)
     kwargs = generation_kwargs(args, model, draft, config, source.name)
+    if cache is not None:  # the file's cache in place of a new one, as mlx-lm
+        kwargs["prompt_cache"] = cache
     tally = draft_tally(args, args.max_tokens)
-
-    ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
+    set_template(
+        tokenizer,
+        use_default=args.use_default_chat_template,
+        extra_eos=args.extra_eos_token,
+    )
+    ids = prompt_ids(
+        tokenizer,
+        prompt,
+        args.system_prompt,
+        args.ignore_chat_template,
+        args.prefill_response,
+        args.chat_template_config,
+        cached=cache is not None,
+    )
     sampler = make_sampler(args, tokenizer)
     last = None
     responses = stream_generate(

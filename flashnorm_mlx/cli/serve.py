@@ -9,10 +9,12 @@ from .flags import (
     API_KEY_ENV,
     Parser,
     UserError,
+    add_adapter_args,
     add_draft_args,
     add_kv_cache_args,
     add_model_args,
     add_sampling_args,
+    add_serve_template_args,
     run_main,
 )
 
@@ -29,6 +31,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "/tokenize and /detokenize; and a chat page in the browser at /.",
     )
     add_model_args(p)
+    add_adapter_args(p)
+    add_serve_template_args(p)
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -106,6 +110,7 @@ def main(argv=None):
     # MLX and mlx-lm (seconds) once the flags are good.
     from ..loading import read_source
     from ..loading.source import default_model_path
+    from ..prompts import set_template
     from ..serve import ApiServer, Service, Settings, bind_warning, run_until_signal
     from .common import build, need_tokenizer
     from .decoding import serve_decoding, serve_with_draft
@@ -120,8 +125,16 @@ def main(argv=None):
         print(f"flashnorm-mlx serve: {warning}", file=sys.stderr, flush=True)
 
     def load():
-        source = read_source(args.model, tokenizer=args.tokenizer)
+        source = read_source(
+            args.model, tokenizer=args.tokenizer, adapter_path=args.adapter_path
+        )
         tokenizer = need_tokenizer(source.tokenizer, source.name)
+        set_template(  # mlx-lm's template flags, for every chat request
+            tokenizer,
+            chat_template=args.chat_template,
+            use_default=args.use_default_chat_template,
+            template_args=args.chat_template_args,
+        )
         model, config = build(source, args.mode, args)
         serve_with_draft(decoding, args, model, tokenizer, config, source.name)
         return model, tokenizer, config

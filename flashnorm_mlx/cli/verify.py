@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from .flags import Parser, UserError, add_model_args, run_main
+from .flags import Parser, UserError, add_adapter_args, add_model_args, run_main
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -13,6 +13,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "report logit differences, KL divergence and greedy agreement.",
     )
     add_model_args(p, mode=False)
+    add_adapter_args(p)
     p.add_argument(
         "-p", "--prompt", default=None, help="prompt text (default: a fixed sentence)"
     )
@@ -31,6 +32,7 @@ def main(argv=None):
         parser.error("-p/--prompt is empty (leave -p out for the fixed sentence)")
     # MLX and mlx-lm (seconds) once the flags are good.
     from ..loading import read_source
+    from ..loading.adapters import adapter_comparison
     from ..loading.variants import comparison
     from ..verify import compare, prompt_tokens
     from .common import StageLog, model_kwargs
@@ -41,9 +43,16 @@ def main(argv=None):
         raise UserError("the prompt encodes to no tokens")
     kw = model_kwargs(args)
     how = comparison(source, kw["quantize"], kw["quantized_way"])
+    if args.adapter_path is not None:  # the reference is mlx-lm's adapted model
+        how = adapter_comparison(source, how)
     # verify has no live bar: its stage lines show on a terminal too.
     r = compare(
-        source, tokens, horizon=args.horizon, on_stage=StageLog("verify", True), **kw
+        source,
+        tokens,
+        horizon=args.horizon,
+        on_stage=StageLog("verify", True),
+        adapter=args.adapter_path,
+        **kw,
     )
     r.update(how)
     if args.json:
@@ -52,7 +61,8 @@ def main(argv=None):
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"FlashNorm vs stock mlx-lm: {r['model']} ({r['dtype']})")
+    adapted = f", adapter {r['adapter']}" if "adapter" in r else ""
+    t = Table(title=f"FlashNorm vs stock mlx-lm: {r['model']} ({r['dtype']}{adapted})")
     t.add_column("metric")
     t.add_column("value", justify="right")
     t.add_row("prompt tokens", str(r["prompt_tokens"]))

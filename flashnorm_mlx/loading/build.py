@@ -17,6 +17,7 @@ from .. import fold, models, quant
 from ..errors import LoadError
 from ..parallel import sharding
 from . import nonorm, stock_fused
+from .adapters import adapted_quantization
 from .recipe import Recipe
 from .shapes import config_name, mismatch, shapes_of
 from .source import Source, folder_weights, read_source
@@ -58,6 +59,9 @@ def build_model(
     # A folder's weights opened again for this build: what it evaluates is freed
     # once in the model, where the caller's Source would keep every source tensor.
     source_weights = _own_handles(source)
+    quantize, adapted = adapted_quantization(source, quantize, quantized_way)
+    if adapted and notes is not None:
+        notes.append(adapted)
     shapes = shapes_of(source_weights)
     try:
         plan = quant.plan_weights(
@@ -142,7 +146,7 @@ def _own_handles(source: Source) -> dict:
     once used, where `source`'s own (shared) handles would keep them. Anything
     else (GGUF, which mx.load reads whole; weights not as the files hold them):
     `source`'s."""
-    if source.folder is None:
+    if source.folder is None or source.adapter is not None:  # not the files'
         return source.weights
     try:
         fresh = folder_weights(source.folder)

@@ -38,6 +38,9 @@ class Source:
     weights: Dict[str, mx.array]
     tokenizer: Optional[object] = None  # mlx_lm TokenizerWrapper
     folder: Optional[Path] = None  # local folder it came from, if any
+    adapter: Optional[str] = None  # an adapter folder fused in (adapters.py)
+    # The quantization block of a quantized source dequantized to take it.
+    adapter_from_quantized: Optional[dict] = None
 
 
 # --- locating ----------------------------------------------------------------
@@ -92,9 +95,13 @@ def _download(repo: str) -> Path:
 
 
 def read_source(
-    model: Optional[str], tokenizer: Optional[str] = None, need_tokenizer: bool = True
+    model: Optional[str],
+    tokenizer: Optional[str] = None,
+    need_tokenizer: bool = True,
+    adapter_path: Optional[str] = None,
 ) -> Source:
-    """Read config, weights and tokenizer of MODEL (see module docstring)."""
+    """Read config, weights and tokenizer of MODEL (see module docstring);
+    `adapter_path`: an mlx-lm LoRA/DoRA adapter fused in (adapters.py)."""
     path = resolve(model)
     name = str(model) if model else f"{DEFAULT_FILE} (embedded default)"
     if path.is_file():
@@ -125,6 +132,10 @@ def read_source(
         src.tokenizer = _folder_tokenizer(path)
     if tokenizer is not None and need_tokenizer:
         src.tokenizer = _folder_tokenizer(resolve(tokenizer), required=True)
+    if adapter_path is not None:
+        from .adapters import apply_adapter
+
+        src = apply_adapter(src, adapter_path)
     return src
 
 

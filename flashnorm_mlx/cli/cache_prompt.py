@@ -1,0 +1,81 @@
+"""`flashnorm-mlx cache-prompt [MODEL] -p PROMPT -o FILE`: a prompt's KV cache
+saved for `generate --prompt-cache-file` (mlx-lm's cache_prompt; prompt_cache.py)."""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .flags import Parser, add_adapter_args, add_model_args, run_main
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="flashnorm-mlx cache-prompt",
+        description="Cache the state of a prompt to be reused with "
+        "`flashnorm-mlx generate --prompt-cache-file` (and chat); the file "
+        "records the model, mode and weights it was made with.",
+    )
+    add_model_args(p)
+    add_adapter_args(p)
+    p.add_argument(
+        "-p",
+        "--prompt",
+        required=True,
+        help="Message to be processed by the model ('-' reads from stdin)",
+    )
+    p.add_argument(
+        "-o",
+        "--prompt-cache-file",
+        required=True,
+        help="The file to save the prompt cache in (a .safetensors file)",
+    )
+    p.add_argument(
+        "--system-prompt",
+        default=None,
+        help="a system message before the prompt: chat --prompt-cache-file with "
+        "the same --system-prompt reuses it",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="replace an existing prompt-cache file"
+    )
+    p.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=2048,
+        help="Number of prompt tokens to process at a time",
+    )
+    return p
+
+
+@run_main
+def main(argv=None):
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    out = Path(args.prompt_cache_file).expanduser()
+    if not out.parent.is_dir():
+        parser.error(f"-o/--prompt-cache-file: no such folder: {out.parent}")
+    if out.is_dir() or (out.exists() and not args.force):
+        parser.error(f"{out} exists (--force replaces a file)")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        parser.error("-p/--prompt is empty (-p TEXT, or -p - to read stdin)")
+    # MLX and mlx-lm (seconds) once the flags are good.
+    from .. import prompt_cache
+    from ..loading import read_source
+    from ..prompts import cache_prompt_ids
+    from .common import build, need_tokenizer
+
+    # One process: a tensor-parallel rank's cache holds its shard's heads alone
+    # (build refuses a multi-rank launch).
+    source = read_source(
+        args.model, tokenizer=args.tokenizer, adapter_path=args.adapter_path
+    )
+    tokenizer = need_tokenizer(source.tokenizer, source.name)
+    model, _ = build(source, args.mode, args)
+    ids = cache_prompt_ids(tokenizer, prompt, args.system_prompt)
+    meta = prompt_cache.identity(args.model, args.mode, model, args.adapter_path)
+    n = prompt_cache.save(out, model, ids, meta, args.prefill_step_size)
+    size = os.path.getsize(out)
+    print(f"Wrote {out}: {n} prompt tokens cached ({args.mode}), {size / 1e6:.2f} MB")
+    return 0

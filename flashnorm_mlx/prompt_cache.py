@@ -1,0 +1,181 @@
+"""Prompt-cache files: a prompt's KV cache saved once and reused, in mlx-lm's
+format (`save_prompt_cache` / `load_prompt_cache`, docs/design.md section 5d).
+
+The safetensors metadata keeps mlx-lm's keys (`model`, `tokenizer_config`) and
+adds ours: the mode, the weights (dtype and quantization), the adapter and the
+cached token ids. A file is taken only by the model, mode and weights it was
+made with. FlashNorm's cache holds stock's K and V (the deferred 1/RMS reaches
+k and v before they are cached, sections 2a and 2d), equal up to rounding, but
+the two round differently, so a file is refused across modes: a reply from a
+cache must be the reply the same command gives without it. A file mlx-lm's
+own cache_prompt made has none of our keys: its model is mlx-lm's class, so
+it runs with --mode stock (the model, dtype and layers still checked).
+"""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import LoadError
+from .loading import model_dtype
+from .loading.checks import check_safetensors
+
+PREFIX = "flashnorm_mlx_"  # no dots: load_prompt_cache unflattens keys at them
+MODE, WEIGHTS, ADAPTER, TOKENS = (
+    PREFIX + k for k in ("mode", "weights", "adapter", "tokens")
+)
+
+
+def weights_words(model: nn.Module) -> str:
+    """'float32', or 'float32, 4-bit group 64': what a cache must be made with."""
+    q = sorted(
+        {
+            (m.bits, m.group_size, getattr(m, "mode", "affine"))
+            for _, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        }
+    )
+    words = [f"{b}-bit group {g}" if mode == "affine" else mode for b, g, mode in q]
+    return ", ".join([model_dtype(model), *words])
+
+
+def model_id(model: Optional[str]) -> str:
+    """How a file names its model: MODEL as a full path when it is a local file
+    or folder (mlx-lm writes MODEL as given), a hub id as given."""
+    from .loading.source import resolve
+
+    if model is None:
+        return str(resolve(None))
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
+def identity(model_arg: Optional[str], mode: str, model=None, adapter=None) -> dict:
+    """The metadata a file records for the model it was made with (the weights
+    only when `model` is given)."""
+    return {
+        "model": model_id(model_arg),
+        "tokenizer_config": json.dumps({}),
+        MODE: mode,
+        **({WEIGHTS: weights_words(model)} if model is not None else {}),
+        ADAPTER: str(Path(adapter).expanduser().resolve()) if adapter else "",
+    }
+
+
+def save(path, model: nn.Module, ids: List[int], metadata: dict, step: int = 2048):
+    """Prefill `ids` into a fresh cache (mlx-lm's generate_step, as its
+    cache_prompt runs it) and write it to `path`, whole or not at all."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    if not ids:
+        raise LoadError("the prompt encodes to no tokens")
+    cache = make_prompt_cache(model)
+    steps = generate_step(
+        mx.array(ids), model, max_tokens=0, prompt_cache=cache, prefill_step_size=step
+    )
+    for _ in steps:
+        pass
+    out = Path(path).expanduser()
+    # MLX adds .safetensors to a name without it: write that, then rename.
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    os.unlink(tmp)
+    tmp += ".safetensors"
+    try:
+        save_prompt_cache(tmp, cache, {**metadata, TOKENS: json.dumps(ids)})
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return len(ids)
+
+
+def read(path, model_arg: Optional[str], mode: str, adapter=None):
+    """(cache, metadata) of a file made with this MODEL, mode and adapter, read
+    before the model is built; anything else is one LoadError line."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    f = Path(path).expanduser()
+    if not f.is_file():
+        raise LoadError(f"--prompt-cache-file {path}: no such file")
+    check_safetensors(f)  # MLX trusts the header's offsets
+    try:
+        cache, meta = load_prompt_cache(str(f), return_metadata=True)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise LoadError(f"{path}: not a prompt-cache file ({first})") from None
+    if not isinstance(meta, dict) or "model" not in meta or not cache:
+        raise LoadError(f"{path}: not a prompt-cache file (no model in its metadata)")
+    want = identity(model_arg, mode, adapter=adapter)
+    if model_id(meta["model"]) != want["model"]:  # mlx-lm's: MODEL as given
+        raise LoadError(
+            f"{path} was made with another model ({meta['model']}), not "
+            f"{want['model']}"
+        )
+    if MODE not in meta:  # mlx-lm's cache_prompt: none of our keys
+        if mode != "stock":
+            raise LoadError(
+                f"{path} was made by mlx-lm's cache_prompt, whose model is "
+                "stock's: run it with --mode stock"
+            )
+        return cache, meta
+    for key, what in ((MODE, "--mode"), (ADAPTER, "adapter")):
+        if meta.get(key, "") != want[key]:
+            theirs, ours = meta.get(key) or "none", want[key] or "none"
+            raise LoadError(
+                f"{path} was made with {what} {theirs}; this run has {what} {ours}"
+            )
+    return cache, meta
+
+
+def fit(path, cache: list, meta: dict, model: nn.Module) -> Optional[List[int]]:
+    """Check a read file against the built model (weights, layers, dtype);
+    returns its token ids (None for an mlx-lm file, which has none)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    words = weights_words(model)
+    if WEIGHTS in meta and meta[WEIGHTS] != words:
+        raise LoadError(
+            f"{path} was made with {meta[WEIGHTS]} weights; this run has {words}"
+        )
+    fresh = make_prompt_cache(model)
+    kinds = [type(c).__name__ for c in cache]
+    if kinds != [type(c).__name__ for c in fresh]:
+        raise LoadError(
+            f"{path} holds {len(cache)} layer caches ({', '.join(sorted(set(kinds)))})"
+            f"; this model has {len(fresh)} ({type(fresh[0]).__name__})"
+        )
+    probe = make_prompt_cache(model)  # one token: this model's K/V shapes
+    mx.eval(model(mx.array([[0]]), cache=probe))
+    for c, p in zip(cache, probe):
+        for part in ("keys", "values"):
+            a, b = getattr(c, part, None), getattr(p, part, None)
+            if isinstance(a, mx.array) and isinstance(b, mx.array):
+                if (a.shape[1], a.shape[-1]) != (b.shape[1], b.shape[-1]):
+                    raise LoadError(
+                        f"{path} holds {part} of {a.shape[1]} heads x "
+                        f"{a.shape[-1]}; this model's are {b.shape[1]} x "
+                        f"{b.shape[-1]} (another model, or a sharded one)"
+                    )
+    dtype, keys = model_dtype(model), getattr(cache[0], "keys", None)
+    if isinstance(keys, mx.array) and str(keys.dtype).split(".")[-1] != dtype:
+        held = str(keys.dtype).split(".")[-1]
+        raise LoadError(
+            f"{path} holds {held} keys; this model computes in {dtype} "
+            f"(--dtype {held} runs it)"
+        )
+    try:
+        ids = json.loads(meta[TOKENS]) if TOKENS in meta else None
+    except ValueError:
+        ids = "bad"
+    if ids is not None and not (
+        isinstance(ids, list) and all(isinstance(i, int) for i in ids)
+    ):
+        raise LoadError(f"{path}: its token ids are not a list of integers")
+    return ids

@@ -1,0 +1,239 @@
+"""Prompt-cache files: `cache-prompt`, then `generate`/`chat --prompt-cache-file`.
+
+The reference is the same command on the whole prompt, without a file; a file
+made by mlx-lm's own cache_prompt (the independent reference) runs in --mode
+stock.
+"""
+
+import io
+import re
+import sys
+
+import mlx.core as mx
+import pytest
+import tiny
+
+from flashnorm_mlx.cli import main
+
+PREFIX, QUERY = "Once upon a time, in a far land, ", "a dragon said"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama":
+        return tiny.make_llama(path, "gqa_untied")
+    return tiny.make_qwen(path, "qwen3_untied")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return tiny.make_llama(tmp_path_factory.mktemp("m"), "gqa_untied")
+
+
+def _generate(capsys, *argv) -> str:
+    rc = main(["generate", *argv])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out.split("\n==========")[0]
+
+
+def _cache(capsys, model_dir, f, *flags, prompt=PREFIX):
+    argv = ["cache-prompt", str(model_dir), *flags, "-p", prompt, "-o", str(f)]
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "prompt tokens cached" in out, out
+    return f
+
+
+def _one_line_refusal(capsys, argv) -> str:
+    rc = main(argv)
+    _, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc != 0 and len(lines) == 1, (rc, lines)
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("mode", ["flashnorm", "stock"])
+def test_cached_prompt_gives_the_whole_prompt_s_text(model_dir, tmp_path, capsys, mode):
+    run = [str(model_dir), "--mode", mode, "--dtype", "float32", "-m", "24"]
+    f = _cache(capsys, model_dir, tmp_path / "p.safetensors", *run[1:5])
+    cached = _generate(capsys, *run, "-p", QUERY, "--prompt-cache-file", str(f))
+    whole = _generate(capsys, *run, "-p", PREFIX + QUERY)
+    alone = _generate(capsys, *run, "-p", QUERY)
+    print(f"cached {cached!r}\nwhole  {whole!r}\nquery alone {alone!r}")
+    assert cached == whole
+    assert alone != whole  # the cached prefix matters to the text
+
+
+def test_flashnorm_caches_hold_stock_s_keys_and_values(model_dir):
+    """Why a file could cross modes and still is refused: FlashNorm's K and V
+    equal stock's up to float32 rounding (docs/design.md sections 2a, 2d)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from flashnorm_mlx.loading import build_model, read_source
+
+    source = read_source(str(model_dir))
+    ids = mx.array([list(range(3, 40))])
+    caches = {}
+    for mode in ("stock", "flashnorm"):
+        model, _ = build_model(source, mode, dtype=mx.float32)
+        caches[mode] = make_prompt_cache(model)
+        model(ids, cache=caches[mode])
+    worst = 0.0
+    for s, f in zip(caches["stock"], caches["flashnorm"]):
+        for a, b in ((s.keys, f.keys), (s.values, f.values)):
+            a, b = a[..., : s.offset, :], b[..., : f.offset, :]
+            assert a.shape == b.shape
+            worst = max(worst, (mx.abs(a - b).max() / mx.abs(a).max()).item())
+    print(f"max relative K/V difference, FlashNorm vs stock: {worst:.2e}")
+    assert 0 < worst < tiny.f32_tol(1e-5)
+
+
+def test_mlx_lm_s_own_cache_file_runs_in_stock_mode(
+    llama, tmp_path, capsys, monkeypatch
+):
+    from mlx_lm import cache_prompt
+
+    f = tmp_path / "mlx_lm.safetensors"
+    argv = ["cache_prompt", "--model", str(llama), "--prompt", PREFIX]
+    monkeypatch.setattr(sys, "argv", [*argv, "--prompt-cache-file", str(f)])
+    cache_prompt.main()
+    capsys.readouterr()
+    run = [str(llama), "--mode", "stock", "--dtype", "float32", "-m", "24"]
+    cached = _generate(capsys, *run, "-p", QUERY, "--prompt-cache-file", str(f))
+    whole = _generate(capsys, *run, "-p", PREFIX + QUERY)
+    assert cached == whole, (cached, whole)
+    line = _one_line_refusal(
+        capsys, ["generate", str(llama), "-p", QUERY, "--prompt-cache-file", str(f)]
+    )
+    assert "mlx-lm's cache_prompt" in line and "--mode stock" in line, line
+
+
+def test_mismatched_files_are_one_line(llama, tmp_path, capsys):
+    f = _cache(capsys, llama, tmp_path / "p.safetensors", "--dtype", "float32")
+    other = tiny.make_llama(tmp_path / "other", "gqa_untied", seed=3)
+    use = ["-p", QUERY, "-m", "2", "--prompt-cache-file", str(f)]
+    cases = {
+        "another model": [str(other), "--dtype", "float32"],
+        "--mode flashnorm; this run has --mode stock": [
+            str(llama),
+            "--mode",
+            "stock",
+            "--dtype",
+            "float32",
+        ],
+        "float32 weights; this run has float16": [str(llama), "--dtype", "float16"],
+        "float32, 8-bit group 64": [
+            str(llama),
+            "--dtype",
+            "float32",
+            "-q",
+            "--q-bits",
+            "8",
+        ],
+    }
+    for words, run in cases.items():
+        line = _one_line_refusal(capsys, ["generate", *run, *use])
+        assert words in line, (words, line)
+
+
+@pytest.mark.parametrize(
+    "damage", ["junk", "truncated", "not a cache", "empty"], ids=str
+)
+def test_corrupt_file_is_one_line(llama, tmp_path, capsys, damage):
+    f = _cache(capsys, llama, tmp_path / "p.safetensors", "--dtype", "float32")
+    data = f.read_bytes()
+    if damage == "junk":
+        f.write_bytes(b"\x00" * 8 + b"nonsense" * 10)
+    elif damage == "truncated":
+        f.write_bytes(data[: len(data) // 2])
+    elif damage == "not a cache":  # a safetensors file, but model weights
+        mx.save_safetensors(str(f), {"w": mx.zeros((2, 2))})
+    else:
+        f.write_bytes(b"")
+    argv = ["generate", str(llama), "-p", QUERY, "--prompt-cache-file", str(f)]
+    line = _one_line_refusal(capsys, argv)
+    print(line)
+    assert str(f) in line, line
+
+
+def test_cache_prompt_refuses_bad_output_before_loading(llama, tmp_path, capsys):
+    f = _cache(capsys, llama, tmp_path / "p.safetensors")
+    before = f.read_bytes()
+    line = _one_line_refusal(
+        capsys, ["cache-prompt", str(llama), "-p", "x", "-o", str(f)]
+    )
+    assert "exists" in line and f.read_bytes() == before
+    missing = tmp_path / "no" / "p.safetensors"
+    line = _one_line_refusal(
+        capsys, ["cache-prompt", str(llama), "-p", "x", "-o", str(missing)]
+    )
+    assert "no such folder" in line and not missing.parent.exists()
+    _cache(capsys, llama, f, "--force", prompt="another prompt")
+    assert f.read_bytes() != before
+    assert [p.name for p in tmp_path.iterdir()] == ["p.safetensors"]  # no temporaries
+
+
+LINE = re.compile(r"^\d+ tokens, .* GB.*\n", re.M)  # a reply's stats line
+STATS = re.compile(
+    r"^(\d+) tokens, .* prompt (\d+) tokens(?: \(\+(\d+) cached\))?", re.M
+)
+
+
+def test_chat_reuses_a_cached_system_prompt(llama, tmp_path, capsys, monkeypatch):
+    """A file made with --system-prompt S: chat --system-prompt S prefills only
+    what follows it, and replies as without the file."""
+    system = "You are a terse assistant who answers in one word. " * 3
+    f = _cache(
+        capsys,
+        llama,
+        tmp_path / "p.safetensors",
+        "--system-prompt",
+        system,
+        prompt="Hi",
+    )
+    outs = {}
+    for name, extra in (("plain", []), ("cached", ["--prompt-cache-file", str(f)])):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\nMore\n"))
+        argv = ["chat", str(llama), "-m", "6", "--system-prompt", system, *extra]
+        assert main(argv) == 0
+        outs[name] = capsys.readouterr().out
+    plain, cached = STATS.findall(outs["plain"]), STATS.findall(outs["cached"])
+    print(outs)
+    replies = {k: LINE.split(v) for k, v in outs.items()}
+    assert replies["plain"] == replies["cached"] and len(replies["plain"]) == 3
+    assert not plain[0][2] and int(cached[0][2]) > len(system)  # bytes: 1 token each
+    assert int(cached[0][1]) + int(cached[0][2]) == int(plain[0][1])
+
+
+def test_chat_refuses_an_mlx_lm_file_it_cannot_seed(
+    llama, tmp_path, capsys, monkeypatch
+):
+    from mlx_lm import cache_prompt
+
+    f = tmp_path / "mlx_lm.safetensors"
+    argv = ["cache_prompt", "--model", str(llama), "--prompt", PREFIX]
+    monkeypatch.setattr(sys, "argv", [*argv, "--prompt-cache-file", str(f)])
+    cache_prompt.main()
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n"))
+    argv = ["chat", str(llama), "--mode", "stock", "--prompt-cache-file", str(f)]
+    line = _one_line_refusal(capsys, argv)
+    assert "no token ids" in line, line
+
+
+def test_a_model_replaced_at_the_same_path_is_one_line(tmp_path, capsys):
+    """The name alone cannot tell: the file's K/V shapes are checked against
+    the model's own (one probe token)."""
+    path = tiny.make_llama(tmp_path / "m", "gqa_untied")
+    f = _cache(capsys, path, tmp_path / "p.safetensors", "--dtype", "float32")
+    import shutil
+
+    shutil.rmtree(path)
+    tiny.make_llama(path, "mha_tied")  # 4 key/value heads, not 2
+    argv = ["generate", str(path), "--dtype", "float32", "-p", QUERY]
+    line = _one_line_refusal(capsys, [*argv, "--prompt-cache-file", str(f)])
+    assert "heads" in line, line
