@@ -6,11 +6,14 @@ early and the server logs the cancel; a reload finds the conversation; code
 blocks get a copy button; nothing is loaded from another host. On a tiny
 model with an API key: the key is asked for once, a wrong one, a bad setting
 (a 400) and a stopped server each show one visible line. The finished reply's
-screenshot, at a fixed size, is written to docs/serve-chat.png (README)."""
+screenshot, at a fixed size, is checked; with FLASHNORM_MLX_SCREENSHOT=1 it
+is written to docs/serve-chat.png (the README's), else to a temporary folder,
+so that a test run leaves the checkout as it was."""
 
 import json
 import os
 import signal
+import struct
 import time
 from pathlib import Path
 
@@ -90,7 +93,7 @@ def server():
     s.kill()
 
 
-def test_page_streams_the_greedy_reply_and_keeps_it(browser, server):
+def test_page_streams_the_greedy_reply_and_keeps_it(browser, server, tmp_path):
     ctx, page, urls = open_page(browser, server.url)
     about = page.locator("#about")
     sync_api.expect(about).to_contain_text("flashnorm", timeout=30_000)
@@ -125,8 +128,14 @@ def test_page_streams_the_greedy_reply_and_keeps_it(browser, server):
     assert reply == want and "Paris" in reply, (reply, want)
     assert page.locator(".msg.assistant").inner_text().strip() == want.strip()
     assert f"{api['usage']['completion_tokens']} tokens" in stats.inner_text()
-    SHOT.parent.mkdir(exist_ok=True)
-    page.screenshot(path=str(SHOT))
+    shot = (
+        SHOT
+        if os.environ.get("FLASHNORM_MLX_SCREENSHOT") == "1"
+        else tmp_path / SHOT.name
+    )
+    page.screenshot(path=str(shot))
+    png = shot.read_bytes()  # the IHDR chunk: width and height, big-endian
+    assert struct.unpack(">II", png[16:24]) == (SIZE["width"], SIZE["height"])
     # A reload finds the conversation, and its speed line.
     page.reload()
     sync_api.expect(page.locator(".msg.assistant")).to_have_text(want.strip())
