@@ -237,3 +237,13 @@ def test_a_model_replaced_at_the_same_path_is_one_line(tmp_path, capsys):
     argv = ["generate", str(path), "--dtype", "float32", "-p", QUERY]
     line = _one_line_refusal(capsys, [*argv, "--prompt-cache-file", str(f)])
     assert "heads" in line, line
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_cache_file_with_a_draft_is_one_line(llama, tmp_path, capsys, command):
+    """The file holds the model's layers only, so a draft would start with an
+    empty cache: refused with the flags, before anything loads."""
+    f = _cache(capsys, llama, tmp_path / "p.safetensors")
+    argv = [command, str(llama), "--prompt-cache-file", str(f)]
+    line = _one_line_refusal(capsys, [*argv, "--draft-model", str(llama)])
+    assert "--prompt-cache-file and --draft-model" in line, line
