@@ -397,7 +397,8 @@ def test_cli_compare_prints_five_speeds(model_dir, monkeypatch, capsys):
         found,
         stats,
     )
-    assert abs(float(fn) / float(st) / float(fn_x) - 1) < 0.05, found
-    assert abs(float(nn) / float(st) / float(nn_x) - 1) < 0.05, found
-    assert abs(float(sf) / float(st) / float(sf_x) - 1) < 0.05, found
-    assert abs(float(ml) / float(st) / float(ml_x) - 1) < 0.05, found
+    for speed, shown in ((fn, fn_x), (nn, nn_x), (sf, sf_x), (ml, ml_x)):
+        # Each ratio is the speeds' own, up to the rounding of what is shown
+        # (two decimals: 0.0368 shows as 0.04 on a loaded machine).
+        ratio = float(speed) / float(st)
+        assert abs(ratio - float(shown)) <= 0.005 + 0.05 * ratio, (found, ratio)
