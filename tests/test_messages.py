@@ -273,14 +273,15 @@ def test_gptq_on_the_cpu_names_rtn_after_its_first_calibration_batch(
     argv = ["convert", str(llama_dir), "-q", "--q-group-size", "32"]
     assert main([*argv, "-o", str(tmp_path / "gptq"), "--calib-seqs", "8"]) == 0
     err = capsys.readouterr().err
-    lines = _slow_lines(err, "flashnorm-mlx convert: GPTQ on the CPU: about ")
+    prefix = "flashnorm-mlx convert: GPTQ on the CPU, calibrating: about "
+    lines = _slow_lines(err, prefix)
     # Calibration runs 4 windows a batch: 1 batch left of 2.
     _check(lines, threshold, "the first 4 calibration windows", 1)
-    if lines:
+    if lines:  # what it measured, what comes after, and the fast choice
         assert lines[0][0].endswith(
-            "--q-method rtn is the fast choice "
+            "to go); then every layer; --q-method rtn is the fast choice "
             "(round-to-nearest: seconds, less exact)"
-        )
+        ), lines
     argv = [*argv, "-o", str(tmp_path / "rtn"), "--q-method", "rtn"]
     assert main(argv) == 0
     assert "more at this pace" not in capsys.readouterr().err  # RTN: no estimate

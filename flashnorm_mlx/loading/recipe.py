@@ -313,8 +313,10 @@ class _Slow:
     def __init__(self, say: estimate.Say):
         self.say, self.told = say, False
 
-    def _tell(self, piece: str, seconds: float, left: float) -> None:
-        line = estimate.projection(piece, seconds, left, self.WHAT, self.HINT)
+    def _tell(self, piece: str, seconds: float, left: float, stage="") -> None:
+        what = f"{self.WHAT}, {stage}" if stage else self.WHAT
+        then = "then every layer; " if stage else ""  # calibration alone measured
+        line = estimate.projection(piece, seconds, left, what, then + self.HINT)
         self.told = self.told or estimate.tell(self.say, line)
 
     def watch(self, advance: Callable[[int], None], total: int, what: str):
@@ -326,7 +328,7 @@ class _Slow:
             if done[0] == n and n and not self.told:  # the first batch
                 piece = f"the first {n} {what}"
                 left = (total - n) / n
-                self._tell(piece, time.perf_counter() - start, left)
+                self._tell(piece, time.perf_counter() - start, left, "calibrating")
 
         return watched
 
