@@ -49,10 +49,16 @@ def _mismatch(shapes: Shapes, config: dict, where: str) -> Optional[str]:
         weights = model.sanitize(weights)
     have = {k: tuple(v.shape) for k, v in weights.items()}
     packed = {}  # a quantized weight's name -> its bits: compared unpacked
+    unknown = set()  # quantized with bits the config does not give: not compared
     for key in [k for k in have if k.endswith(".scales")]:
         module = key[: -len(".scales")]
+        if f"{module}.weight" not in have:
+            continue
         q = quant.quant_params(config, module)
-        if q is None or f"{module}.weight" not in have:
+        if q is None:
+            unknown.add(f"{module}.weight")
+            have.pop(key)
+            have.pop(f"{module}.biases", None)
             continue
         shape = have[f"{module}.weight"]
         have[f"{module}.weight"] = shape[:-1] + (shape[-1] * 32 // q["bits"],)
@@ -63,7 +69,7 @@ def _mismatch(shapes: Shapes, config: dict, where: str) -> Optional[str]:
 
     want = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     for name, shape in want.items():  # in the model's order: the first layer first
-        if name in have and have[name] != shape:
+        if name in have and name not in unknown and have[name] != shape:
             how = f" ({packed[name]}-bit, unpacked)" if name in packed else ""
             return (
                 f"tensor {name} has shape {list(have[name])}{how}, but {where} "
