@@ -17,9 +17,16 @@ file without a section (e.g. "see docs/design.md") is not a reference and is
 accepted. Any other spelling of the file name, above all the upper-case one of
 the old design notes that live outside the repository, fails.
 
-Scanned: every .py and .sh file under flashnorm_mlx/, tests/ and scripts/, and
-README.md. Inside docs/design.md itself, `section X` / `§X` references to its
+Scanned: every .py and .sh file under flashnorm_mlx/, tests/ and scripts/,
+README.md and the other docs/*.md pages. Inside docs/design.md itself, `section X` / `§X` references to its
 own sections are checked the same way.
+
+Links: every Markdown link in README.md and docs/*.md to a file of the
+repository must name a file that exists, and a `#anchor` on a link to a
+Markdown page must name one of that page's headings (as GitHub makes anchors).
+The README stays a short front page: at most 250 lines, both of its commands in
+the first 40, every docs/*.md page linked from it, and its test command the one
+.ci/run runs.
 
 The file name is never written out whole in this file's code (NAME below), so
 the examples and the deliberately bad references of the unit tests are not
@@ -29,6 +36,7 @@ references themselves.
 import re
 from pathlib import Path
 from typing import Iterable, List, Set
+from urllib.parse import unquote
 
 import pytest
 
@@ -119,6 +127,9 @@ def scanned_files(root: Path) -> Iterable[Path]:
     for name in SCANNED_FILES:
         if (root / name).is_file():
             yield root / name
+    for path in sorted((root / "docs").glob("*.md")):
+        if path.name != NAME:
+            yield path
 
 
 def scan(root: Path) -> List[str]:
@@ -232,3 +243,142 @@ def test_internal_references_are_checked():
     doc = "## 1. One\n### 1a. Sub\nAs section 1a says; see §2.\n"
     found = internal_problems(doc, "d.md")
     assert found == ["d.md:3: no section '2' in this document"], found
+
+
+# --- links in README.md and docs/*.md ----------------------------------------------
+
+README = Path("README.md")
+README_MAX_LINES = 250
+FRONT_LINES = 40  # both commands must be on the README's first screen
+# A fenced code block (its text is code, not links), an inline code span, a
+# link or image `[text](target "title")`, a Markdown heading.
+_FENCE = re.compile(r"^(```|~~~)[^\n]*\n.*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
+_CODE_SPAN = re.compile(r"`[^`\n]+`")
+_LINK = re.compile(
+    r"!?\[(?:[^\[\]\n]|\[[^\]\n]*\])*\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)"
+)
+_MD_HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.MULTILINE)
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def _blank(m: "re.Match") -> str:
+    """The match's text with every character but line breaks made a space, so
+    what follows keeps its line and column."""
+    return re.sub(r"[^\n]", " ", m.group(0))
+
+
+def without_code(text: str) -> str:
+    return _CODE_SPAN.sub(_blank, _FENCE.sub(_blank, text))
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: the text as shown (code marks dropped, a
+    link's text kept), lower case, anything but letters, digits, `_`, `-` and
+    spaces dropped, spaces made hyphens."""
+    shown = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+    return re.sub(r"[^\w\- ]", "", shown.lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> Set[str]:
+    """Every heading's anchor; a repeated one gets -1, -2, ... as on GitHub."""
+    seen: dict = {}
+    out = set()
+    for m in _MD_HEADING.finditer(_FENCE.sub(_blank, text)):
+        a = anchor(m.group(1))
+        out.add(a if a not in seen else f"{a}-{seen[a]}")
+        seen[a] = seen.get(a, 0) + 1
+    return out
+
+
+def link_problems(root: Path, page: Path) -> List[str]:
+    """One 'page:line: what' line per local link of `page` (under `root`) whose
+    file or heading does not exist; web addresses are not followed."""
+    root = root.resolve()
+    text = without_code(page.read_text(encoding="utf-8"))
+    where = page.resolve().relative_to(root)
+    found = []
+    for m in _LINK.finditer(text):
+        target = m.group(1)
+        if not target or _URL.match(target):
+            continue
+        path, _, frag = unquote(target).partition("#")
+        dest = (page.parent / path).resolve() if path else page.resolve()
+        line = _line(text, m.start())
+        if root not in dest.parents and dest != root:
+            found.append(f"{where}:{line}: link {target!r} leaves the repository")
+        elif not dest.exists():
+            found.append(f"{where}:{line}: link {target!r}: no such file")
+        elif frag and (dest.suffix != ".md" or frag not in anchors(dest.read_text())):
+            found.append(
+                f"{where}:{line}: link {target!r}: {dest.relative_to(root)} has no "
+                f"heading with the anchor {frag!r}"
+            )
+    return found
+
+
+def pages(root: Path) -> List[Path]:
+    return [root / README] + sorted((root / "docs").glob("*.md"))
+
+
+def test_links_in_readme_and_docs_name_existing_files_and_headings():
+    found = [p for page in pages(ROOT) for p in link_problems(ROOT, page)]
+    assert not found, f"{len(found)} broken link(s):\n" + "\n".join(found)
+
+
+def test_readme_is_a_short_front_page_linking_every_docs_page():
+    lines = (ROOT / README).read_text(encoding="utf-8").split("\n")
+    assert len(lines) - 1 <= README_MAX_LINES, f"README.md has {len(lines) - 1} lines"
+    front = lines[:FRONT_LINES]
+    chat = [x for x in front if x.startswith("python3 -m venv") and x.endswith(" chat")]
+    tests = [x for x in front if x.startswith("python3 -m venv") and "pytest" in x]
+    assert chat and tests, f"install-and-chat {chat}, test command {tests}"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").split("\n")
+    assert tests[0] in ci, f"the README's test command is not .ci/run's: {tests[0]}"
+    linked = {
+        (ROOT / unquote(m.group(1)).partition("#")[0]).resolve()
+        for m in _LINK.finditer(without_code("\n".join(lines)))
+    }
+    unlinked = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p not in linked]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+@pytest.mark.parametrize(
+    "heading, expected",
+    [
+        (
+            "3e. Engines: the compiled decode step",
+            "3e-engines-the-compiled-decode-step",
+        ),
+        (
+            "2. What FlashNorm computes, and why it is exact",
+            "2-what-flashnorm-computes-and-why-it-is-exact",
+        ),
+        ("Bad input, progress and `--help`", "bad-input-progress-and---help"),
+        ("The `flashnorm_vs_stock` ratio", "the-flashnorm_vs_stock-ratio"),
+        ("See [serve](serve.md)", "see-serve"),
+    ],
+)
+def test_anchor_is_githubs(heading, expected):
+    assert anchor(heading) == expected
+
+
+def test_link_checker_fails_on_a_missing_file_heading_or_a_link_outside(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A page\n## Twice\n## Twice\n")
+    (tmp_path / "pic.png").write_bytes(b"")
+    good = (
+        "# Top\n[a](docs/a.md) [b](docs/a.md#twice-1) ![p](pic.png) [top](#top)\n"
+        "[web](https://example.com/x.md) `[code](nowhere.md)`\n"
+        "```\n[in a fence](nowhere.md)\n```\n"
+    )
+    bad = (
+        "[missing](docs/b.md)\n[no heading](docs/a.md#twice-2)\n"
+        "[outside](../elsewhere.md)\n[anchor on a picture](pic.png#x)\n"
+    )
+    (tmp_path / "README.md").write_text(good + bad)
+    found = link_problems(tmp_path, tmp_path / "README.md")
+    assert [f.split(": ", 1)[0] for f in found] == [
+        f"README.md:{n}" for n in (7, 8, 9, 10)
+    ], found
+    assert "no such file" in found[0] and "'twice-2'" in found[1], found
+    assert "leaves the repository" in found[2] and "'x'" in found[3], found

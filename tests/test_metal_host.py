@@ -15,7 +15,7 @@ Kernels broken on purpose (a Metal compile error, a barrier not every thread
 reaches, a race only the descending order exposes, a write out of bounds, a
 threadgroup array too short) must fail. Where clang++ is installed, every source
 also compiles with Metal's address spaces as distinct types. What only a Mac can
-check: the README's Kernels section.
+check: docs/kernels.md.
 """
 
 import shutil

@@ -7,7 +7,7 @@ blocks get a copy button; nothing is loaded from another host. On a tiny
 model with an API key: the key is asked for once, a wrong one, a bad setting
 (a 400) and a stopped server each show one visible line. The finished reply's
 screenshot, at a fixed size, is checked; with FLASHNORM_MLX_SCREENSHOT=1 it
-is written to docs/serve-chat.png (the README's), else to a temporary folder,
+is written to docs/serve-chat.png (docs/serve.md's), else to a temporary folder,
 so that a test run leaves the checkout as it was."""
 
 import json

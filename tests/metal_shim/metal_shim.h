@@ -402,7 +402,7 @@ To as_type(From v) {
 
 namespace metal {
 // MLX's kernels run with math_mode "safe": precise and fast both map to libm
-// here (more accurate than Metal's; see the README's Kernels section).
+// here (more accurate than Metal's; see docs/kernels.md).
 #define METALSHIM_MATH(ns)                                                \
   namespace ns {                                                          \
   inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }             \
