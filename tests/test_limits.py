@@ -69,3 +69,30 @@ def test_the_seed_range_is_mlxs():
     for bad in (SEED_LIMIT, -1):
         with pytest.raises((OverflowError, TypeError, ValueError)):
             mx.random.key(bad)
+
+
+def test_the_loader_and_the_flags_take_the_same_quantization_settings():
+    """-q's --q-bits/--q-group-size offer what a checkpoint's config may say
+    (loading/checks.py), and the refusal names that list."""
+    from flashnorm_mlx.cli import generate
+    from flashnorm_mlx.errors import LoadError
+    from flashnorm_mlx.limits import GROUP_SIZES, WEIGHT_BITS
+    from flashnorm_mlx.loading.checks import check_config
+
+    choices = {a.dest: a.choices for a in generate.setup_arg_parser()._actions}
+    assert tuple(choices["q_bits"]) == WEIGHT_BITS, choices["q_bits"]
+    assert tuple(choices["q_group_size"]) == GROUP_SIZES, choices["q_group_size"]
+    wrong = []
+    for bits in range(0, 10):
+        for group in (16, 32, 48, 64, 128, 256):
+            q = {"bits": bits, "group_size": group}
+            try:
+                check_config({"quantization": q}, "config.json", ())
+                taken, said = True, ""
+            except LoadError as e:
+                taken, said = False, str(e)
+            if taken != (bits in WEIGHT_BITS and group in GROUP_SIZES):
+                wrong.append((q, said))
+            if not taken and bits not in WEIGHT_BITS:
+                assert "need 2, 3, 4, 5, 6 or 8" in said, said
+    assert not wrong, wrong

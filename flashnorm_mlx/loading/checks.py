@@ -329,6 +329,12 @@ def check_config(config, where: str, arg_classes) -> None:
 _MARKER_FLAGS = ("folded", "compat", "final_norm_folded")
 
 
+def _one_of(values) -> str:
+    """ "2, 4 or 8" of (2, 4, 8)."""
+    *rest, last = map(str, values)
+    return f"{', '.join(rest)} or {last}" if rest else last
+
+
 def _show(v) -> str:
     s = json.dumps(v) if not isinstance(v, float) or math.isfinite(v) else str(v)
     return s if len(s) <= 40 else s[:37] + "..."
@@ -450,10 +456,12 @@ def _check_quantization(q, where: str) -> None:
     ]:
         bits, group = block.get("bits"), block.get("group_size")
         if bits not in WEIGHT_BITS or not is_int(bits):
-            raise LoadError(f"{where}: {name} bits {_show(bits)} (need 2-8)")
+            raise LoadError(
+                f"{where}: {name} bits {_show(bits)} (need {_one_of(WEIGHT_BITS)})"
+            )
         if group not in GROUP_SIZES or not is_int(group):
             raise LoadError(
-                f"{where}: {name} group_size {_show(group)} (need 32, 64 or 128)"
+                f"{where}: {name} group_size {_show(group)} (need {_one_of(GROUP_SIZES)})"
             )
     for k, v in q.items():
         if k not in ("bits", "group_size", "mode") and not isinstance(v, (dict, bool)):
