@@ -509,7 +509,7 @@ def test_the_flags_offer_the_librarys_names():
     import dataclasses
 
     from flashnorm_mlx import engine, loading, quant
-    from flashnorm_mlx.cli import flags, serve
+    from flashnorm_mlx.cli import flags, mlx_lm_flags, serve
     from flashnorm_mlx.loading import variants
     from flashnorm_mlx.quant import gptq
     from flashnorm_mlx.serve import API_KEY_ENV, Settings
@@ -530,7 +530,8 @@ def test_the_flags_offer_the_librarys_names():
     assert flags.API_KEY_ENV == API_KEY_ENV
     assert tuple(flags.QUANTIZED_FLAGS) == quant.QUANTIZED_WAYS
     held = {f.name for f in dataclasses.fields(Settings)}
-    assert serve.SETTINGS_SAMPLER == tuple(d for d in flags.SAMPLER_FLAGS if d in held)
+    sampler = mlx_lm_flags.SAMPLER_FLAGS
+    assert serve.SETTINGS_SAMPLER == tuple(d for d in sampler if d in held)
 
 
 def test_no_command_is_usage_on_stderr_and_exit_2(capsys):

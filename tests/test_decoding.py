@@ -80,7 +80,7 @@ def test_kv_bits_and_group_sizes_are_what_mx_quantize_takes():
     """The flags offer exactly the settings mlx can quantize a KV cache with."""
     import mlx.core as mx
 
-    from flashnorm_mlx.cli import flags
+    from flashnorm_mlx import limits
 
     def takes(bits, group):
         try:
@@ -91,7 +91,7 @@ def test_kv_bits_and_group_sizes_are_what_mx_quantize_takes():
 
     bits = tuple(b for b in range(1, 17) if takes(b, 64))
     groups = tuple(g for g in (8, 16, 32, 64, 128, 256) if takes(4, g))
-    assert (flags.KV_BITS, flags.KV_GROUP_SIZES) == (bits, groups)
+    assert (limits.KV_BITS, limits.GROUP_SIZES) == (bits, groups)
 
 
 BAD_VALUES = [
@@ -393,11 +393,12 @@ def test_the_embedded_model_drafts_for_its_float32_copy(tmp_path, capsys):
 
 
 def test_the_flag_copies_are_the_librarys():
-    """cli/flags.py's numbers (it imports no MLX) are decoding.py's and mlx-lm's."""
+    """cli/mlx_lm_flags.py's numbers (it imports no MLX) are decoding.py's and
+    mlx-lm's."""
     from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
     from flashnorm_mlx import decoding
-    from flashnorm_mlx.cli import flags
+    from flashnorm_mlx.cli import mlx_lm_flags as flags
 
     assert flags.KV_KEEP == decoding.KV_KEEP
     assert flags.DEFAULT_QUANTIZED_KV_START == DEFAULT_QUANTIZED_KV_START

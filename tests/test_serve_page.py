@@ -218,7 +218,7 @@ def test_key_prompt_bad_setting_and_stopped_server(browser, tmp_path):
         sync_api.expect(page.locator("#key-form")).to_be_hidden()
         # A bad setting: the server's 400, one line; the message back in the box.
         page.click("#settings summary")
-        page.fill("#temperature", "5")
+        page.fill("#temperature", "-1")  # below mlx-lm's floor (limits.py)
         page.fill("#input", "hello")
         page.keyboard.press("Enter")
         sync_api.expect(error).to_contain_text("'temperature' must be")

@@ -186,7 +186,7 @@ def test_chat_content_is_the_decode_of_its_tokens_in_context(server, tok, ids_of
 def test_detokenizer_holds_back_partial_characters(tok):
     """Pieces join to decode(context + ids) after decode(context), whatever
     the tokens split: a character across tokens comes whole with its last."""
-    from flashnorm_mlx.serve.scheduler import Detokenizer
+    from flashnorm_mlx.serve.text import Detokenizer
 
     for context, text in [
         ("", "café ’ 日本語 🙂 done"),

@@ -173,3 +173,18 @@ def test_the_engine_owns_compilation():
         name for name, path in MODULES.items() if "mx.compile(" in path.read_text()
     )
     assert compiling == ["flashnorm_mlx.engine"], compiling
+
+
+MAX_MODULE_LINES = 500  # the developers' guide: split a module by concern past this
+
+
+def test_no_module_is_over_the_line_limit():
+    """Every module of the package is at most MAX_MODULE_LINES lines."""
+    over = {
+        str(path.relative_to(ROOT.parent)): n
+        for path in MODULES.values()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not over, f"over {MAX_MODULE_LINES} lines: " + ", ".join(
+        f"{p} ({n} lines)" for p, n in sorted(over.items())
+    )

@@ -7,14 +7,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from .flags import (
-    VARIANT_NAMES,
-    Parser,
-    add_adapter_args,
-    add_draft_args,
-    add_model_args,
-    run_main,
-)
+from .flags import VARIANT_NAMES, Parser, add_model_args, run_main
+from .mlx_lm_flags import add_adapter_args, add_draft_args
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from .flags import Parser, add_adapter_args, add_model_args, run_main
+from .flags import Parser, add_model_args, run_main
+from .mlx_lm_flags import add_adapter_args
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -9,17 +9,13 @@ import sys
 import time
 
 from ..errors import ChatError, ContextOverflow
-from .flags import (
-    VARIANT_NAMES,
-    Parser,
-    UserError,
+from .flags import VARIANT_NAMES, Parser, UserError, add_model_args, run_main
+from .mlx_lm_flags import (
     add_adapter_args,
     add_draft_args,
     add_kv_cache_args,
-    add_model_args,
     add_prompt_cache_args,
     add_sampling_args,
-    run_main,
 )
 
 HELP = """\

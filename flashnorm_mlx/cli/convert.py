@@ -9,10 +9,10 @@ from .flags import (
     DEFAULT_Q_METHOD,
     Q_METHODS,
     Parser,
-    add_adapter_args,
     add_model_args,
     run_main,
 )
+from .mlx_lm_flags import add_adapter_args
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

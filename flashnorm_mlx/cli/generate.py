@@ -3,16 +3,14 @@
 import argparse
 import sys
 
-from .flags import (
-    Parser,
+from .flags import Parser, add_model_args, run_main
+from .mlx_lm_flags import (
     add_adapter_args,
     add_draft_args,
     add_kv_cache_args,
-    add_model_args,
     add_prompt_cache_args,
     add_sampling_args,
     add_template_args,
-    run_main,
 )
 
 

@@ -1,24 +1,21 @@
 """`flashnorm-mlx serve [MODEL]`: an OpenAI-compatible HTTP server (serve/)."""
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from .. import interrupt
-from .flags import (
-    API_KEY_ENV,
-    Parser,
-    UserError,
+from .flags import API_KEY_ENV, Parser, UserError, add_model_args, run_main
+from .mlx_lm_flags import (
     add_adapter_args,
     add_draft_args,
     add_kv_cache_args,
-    add_model_args,
     add_sampling_args,
     add_serve_template_args,
-    run_main,
 )
 
-# mlx-lm's sampler flags (flags.SAMPLER_FLAGS) that serve's Settings holds a
+# mlx-lm's sampler flags (mlx_lm_flags.SAMPLER_FLAGS) that serve's Settings holds a
 # default for, as request defaults (tests/test_cli.py checks it against Settings).
 SETTINGS_SAMPLER = ("top_p", "top_k", "min_p", "min_tokens_to_keep")
 
@@ -142,16 +139,10 @@ def main(argv=None):
     decoding, worker = serve_decoding(args)
 
     try:
+        # Every Settings field is a flag of the same name (the key: flag or env).
+        held = (f.name for f in dataclasses.fields(Settings) if f.name != "api_key")
         settings = Settings(
-            max_tokens=args.max_tokens,
-            temp=args.temp,
-            seed=args.seed,
-            **{dest: getattr(args, dest) for dest in _sampler_defaults()},
-            prefill_step_size=args.prefill_step_size,
-            prompt_cache_size=args.prompt_cache_size,
-            decode_concurrency=args.decode_concurrency,
-            max_context=args.max_context,
-            api_key=api_key,
+            **{name: getattr(args, name) for name in held}, api_key=api_key
         )
         model_id = args.model or default_model_path().stem
         server.attach(Service(load, model_id, args.mode, settings, worker))

@@ -3,7 +3,8 @@
 import argparse
 import json
 
-from .flags import Parser, UserError, add_adapter_args, add_model_args, run_main
+from .flags import Parser, UserError, add_model_args, run_main
+from .mlx_lm_flags import add_adapter_args
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import LoadError
+from ..limits import GROUP_SIZES, WEIGHT_BITS, is_int, is_number
 
 # --- GGUF --------------------------------------------------------------------
 
@@ -257,13 +258,13 @@ def _walk_safetensors(f, size: int) -> Dict[str, dict]:
         if dtype not in SAFETENSORS_DTYPES:
             raise _Bad(f"tensor {name!r}: dtype {dtype!r} is not readable")
         if not isinstance(shape, list) or not all(
-            _is_int(d) and 0 <= d <= MAX_DIM for d in shape
+            is_int(d) and 0 <= d <= MAX_DIM for d in shape
         ):
             raise _Bad(f"tensor {name!r}: bad shape {shape!r}")
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
-            or not all(_is_int(o) for o in offsets)
+            or not all(is_int(o) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1] <= data
         ):
             raise _Bad(f"tensor {name!r}: data offsets {offsets!r} outside the file")
@@ -328,12 +329,10 @@ def check_config(config, where: str, arg_classes) -> None:
 _MARKER_FLAGS = ("folded", "compat", "final_norm_folded")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+def _one_of(values) -> str:
+    """ "2, 4 or 8" of (2, 4, 8)."""
+    *rest, last = map(str, values)
+    return f"{', '.join(rest)} or {last}" if rest else last
 
 
 def _show(v) -> str:
@@ -349,7 +348,7 @@ def _value_problem(key: str, value, hint) -> Optional[str]:
         hint = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(hint), typing.get_args(hint)
     if key in _LAYER_LISTS:
-        ok = _is_int if _LAYER_LISTS[key] == "positive integer" else _is_number
+        ok = is_int if _LAYER_LISTS[key] == "positive integer" else is_number
         if not isinstance(value, list) or not all(ok(v) and v > 0 for v in value):
             return f"expected a list of {_LAYER_LISTS[key]}s, one per layer"
         return None
@@ -360,11 +359,11 @@ def _value_problem(key: str, value, hint) -> Optional[str]:
         high = MAX_LAYERS if key.startswith("num_") and "layers" in key else MAX_WIDTH
         if key == "max_position_embeddings":
             high = 2**31 - 1
-        if not _is_int(value) or not low <= value <= high:
+        if not is_int(value) or not low <= value <= high:
             return f"expected an integer from {low} to {high}"
         return None
     if hint is float:
-        if not _is_number(value) or value <= 0:
+        if not is_number(value) or value <= 0:
             return "expected a positive number"
         if "eps" in key and value > 1:
             return "expected an epsilon of at most 1"
@@ -381,7 +380,7 @@ def _value_problem(key: str, value, hint) -> Optional[str]:
         if not isinstance(value, dict):
             return "expected an object"
         if any(
-            not isinstance(v, str) and not _is_number(v) and v is not None
+            not isinstance(v, str) and not is_number(v) and v is not None
             for v in value.values()
             if not isinstance(v, (list, bool))
         ):
@@ -415,7 +414,7 @@ def _scaling_problem(key: str, value: dict) -> Optional[str]:
         return f"{kind} scaling needs {missing[0]!r}"
     for k, v in value.items():
         if ("factor" in k or "original" in k) and not (
-            v is None or (_is_number(v) and v > 0)
+            v is None or (is_number(v) and v > 0)
         ):
             return f"{k} must be a positive number"
     return None
@@ -425,29 +424,26 @@ def _relations(config: dict) -> Optional[str]:
     """Head counts that divide, per-layer lists of the right length."""
     heads = config.get("num_attention_heads")
     hidden = config.get("hidden_size")
-    if _is_int(heads) and _is_int(hidden) and not config.get("head_dim"):
+    if is_int(heads) and is_int(hidden) and not config.get("head_dim"):
         if hidden % heads:
             return (
                 f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
             )
     kv = config.get("num_key_value_heads") or heads
-    if _is_int(heads) and _is_int(kv) and heads % kv:
+    if is_int(heads) and is_int(kv) and heads % kv:
         return (
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
         )
     layers = config.get("num_hidden_layers", config.get("num_transformer_layers"))
     for key in ("layer_types", *_LAYER_LISTS):
         v = config.get(key)
-        if isinstance(v, list) and _is_int(layers) and len(v) != layers:
+        if isinstance(v, list) and is_int(layers) and len(v) != layers:
             return f"{key!r} has {len(v)} entries for {layers} layers"
     q, k = config.get("num_query_heads"), config.get("num_kv_heads")
     if isinstance(q, list) and isinstance(k, list):
-        if any(_is_int(a) and _is_int(b) and a % b for a, b in zip(q, k)):
+        if any(is_int(a) and is_int(b) and a % b for a, b in zip(q, k)):
             return "'num_query_heads' are not multiples of 'num_kv_heads'"
     return None
-
-
-_Q_BITS, _Q_GROUPS = (2, 3, 4, 5, 6, 8), (32, 64, 128)
 
 
 def _check_quantization(q, where: str) -> None:
@@ -459,11 +455,13 @@ def _check_quantization(q, where: str) -> None:
         (f"quantization[{k!r}]", v) for k, v in q.items() if isinstance(v, dict)
     ]:
         bits, group = block.get("bits"), block.get("group_size")
-        if bits not in _Q_BITS or not _is_int(bits):
-            raise LoadError(f"{where}: {name} bits {_show(bits)} (need 2-8)")
-        if group not in _Q_GROUPS or not _is_int(group):
+        if bits not in WEIGHT_BITS or not is_int(bits):
             raise LoadError(
-                f"{where}: {name} group_size {_show(group)} (need 32, 64 or 128)"
+                f"{where}: {name} bits {_show(bits)} (need {_one_of(WEIGHT_BITS)})"
+            )
+        if group not in GROUP_SIZES or not is_int(group):
+            raise LoadError(
+                f"{where}: {name} group_size {_show(group)} (need {_one_of(GROUP_SIZES)})"
             )
     for k, v in q.items():
         if k not in ("bits", "group_size", "mode") and not isinstance(v, (dict, bool)):

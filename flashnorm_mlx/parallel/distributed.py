@@ -251,10 +251,13 @@ def shared_seed(seed: Optional[int]) -> Optional[int]:
         return seed
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**31 - 1))
-    mine = mx.array(seed if _LAUNCH.rank == 0 else 0, dtype=mx.int32)
-    total = mx.distributed.all_sum(mine, group=_LAUNCH.group)
+    # A seed takes 64 bits (limits.SEED_LIMIT): sent as four 16-bit parts,
+    # each summed exactly in int32 with the other ranks' zeros.
+    parts = [(seed >> s) & 0xFFFF if _LAUNCH.rank == 0 else 0 for s in (48, 32, 16, 0)]
+    total = mx.distributed.all_sum(mx.array(parts, dtype=mx.int32), group=_LAUNCH.group)
     with watch("agreeing on a seed"):
-        return int(total.item())
+        a, b, c, d = total.tolist()
+    return (a << 48) | (b << 32) | (c << 16) | d
 
 
 def quiet_other_ranks() -> None:

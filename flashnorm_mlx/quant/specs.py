@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from ..errors import FoldError, LoadError
 from ..fold import Weights
+from ..limits import GROUP_SIZES  # what -q/--q-group-size offers
 
 
 def is_quantized(weights: Weights) -> bool:
@@ -65,9 +66,6 @@ def dequantize_weights(
         if k not in ("quantization", "quantization_config")
     }
     return out, config
-
-
-GROUP_SIZES = (32, 64, 128)  # what -q/--q-group-size offers
 
 
 def uniform_qspec(weights: Weights, bits: int, group_size: int) -> dict:

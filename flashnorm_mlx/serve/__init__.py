@@ -12,10 +12,12 @@ Modules: `http`, the HTTP layer (the standard library's
 ThreadingHTTPServer reads, checks and tokenizes each request on its own
 thread); `auth`, the API key; `routes`, vLLM's tokenizer endpoints and the
 browser chat page (GET /, files in `web/`); `tools`, tool calls with
-mlx-lm's parsers; `service`, what those threads share and how a body becomes
-Jobs; `schema`, what a request may hold and what logprobs look like;
-`scheduler`, the generation thread, which decodes every request in flight
-together with mlx-lm's BatchGenerator.
+mlx-lm's parsers; `service`, what those threads share; `prompts`, messages
+and prompts as token ids; `schema`, what a request may hold and the one
+`Request` record each prompt becomes; `scheduler`, the generation thread,
+which decodes every request in flight together with mlx-lm's
+BatchGenerator; `text`, a reply's text token by token; `logprobs`, scored
+and shaped as OpenAI's; `log`, the server's log line.
 
 Why not mlx_lm.server itself: it loads models with `mlx_lm.load` (not our
 FlashNorm builder), answers errors as {"error": "text"}, and has no API key.

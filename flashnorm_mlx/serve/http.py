@@ -1,7 +1,7 @@
 """The HTTP layer: routes, the API key, JSON bodies and server-sent events.
 
 The standard library's ThreadingHTTPServer reads, checks and tokenizes each
-request on its own thread, then hands Jobs to the generation worker
+request on its own thread, then hands Requests to the generation worker
 (scheduler.py) and streams or collects what it sends back.
 """
 
@@ -18,9 +18,10 @@ from typing import List, Optional
 import mlx.core as mx
 
 from .auth import key_matches
+from .log import log
+from .logprobs import chat_logprobs, text_logprobs
 from .routes import extra_routes, public_paths
-from .scheduler import Job, log
-from .schema import RequestError, chat_logprobs, text_logprobs
+from .schema import Request, RequestError
 from .service import Service
 from .tools import tool_calls_for
 
@@ -246,30 +247,23 @@ class Handler(BaseHTTPRequestHandler):
 
     def _complete(self, kind: str):
         body = self._read_json()
-        jobs = self.service.parse(kind, body)
-        # tools.py: a chat reply's tool calls cut out of its text (None: no tools).
-        self._tools = tool_calls_for(self.service, kind, body, jobs[0].stream)
-        self.service.track(+1)
-        try:
-            for job in jobs:
-                self.service.worker.submit(job)
-            if jobs[0].stream:
-                self._stream(jobs[0])
-            else:
-                self._answer(jobs)
-        except (_ClientGone, OSError):  # a Stop in the page, a client that left
-            log(f"{kind} {jobs[0].id[:8]}: cancelled: the client left")
-            raise
-        finally:
-            for job in jobs:  # a no-op when finished; stops those whose client left
-                job.cancelled.set()
-            self.service.track(-1)
+        with self.service.submitted(kind, body) as requests:
+            # tools.py: a chat reply's tool calls cut out of its text (None: none).
+            self._tools = tool_calls_for(self.service, kind, body, requests[0].stream)
+            try:
+                if requests[0].stream:
+                    self._stream(requests[0])
+                else:
+                    self._answer(requests)
+            except (_ClientGone, OSError):  # a Stop in the page, a client that left
+                log(f"{kind} {requests[0].id[:8]}: cancelled: the client left")
+                raise
 
-    def _next_event(self, job: Job):
-        """The job's next event; notices a dead worker or a client that left."""
+    def _next_event(self, request: Request):
+        """The request's next event; notices a dead worker or a client that left."""
         while True:
             try:
-                return job.events.get(timeout=0.5)
+                return request.events.get(timeout=0.5)
             except Empty:
                 if not self.service.worker.thread.is_alive():
                     return (
@@ -290,23 +284,23 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             return True
 
-    def _answer(self, jobs: List[Job]):
+    def _answer(self, requests: List[Request]):
         results = []
-        for job in jobs:
-            what, value = self._next_event(job)
+        for request in requests:
+            what, value = self._next_event(request)
             while what not in ("done", "error"):
-                what, value = self._next_event(job)
+                what, value = self._next_event(request)
             if what == "error":
                 raise value
             results.append(value)
         choices = []
-        for i, (job, r) in enumerate(zip(jobs, results)):
+        for i, (request, r) in enumerate(zip(requests, results)):
             choice = {
                 "index": i,
                 "finish_reason": r["finish_reason"],
-                "logprobs": self._logprobs(job, r["logprobs"]),
+                "logprobs": self._logprobs(request, r["logprobs"]),
             }
-            if job.kind == "chat":
+            if request.kind == "chat":
                 text, calls = r["text"], None
                 if self._tools:
                     text, calls = self._tools.feed(text, final=True)
@@ -322,7 +316,7 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(
             200,
             {
-                **self._head(jobs[0], chunk=False),
+                **self._head(requests[0], chunk=False),
                 "choices": choices,
                 "usage": _total_usage([r["usage"] for r in results]),
                 # Several prompts: the last one's, with the largest batch of any.
@@ -334,38 +328,38 @@ class Handler(BaseHTTPRequestHandler):
         )
 
     @staticmethod
-    def _logprobs(job: Job, entries) -> Optional[dict]:
+    def _logprobs(request: Request, entries) -> Optional[dict]:
         """choices[0].logprobs in the route's shape; None when not asked for."""
         if entries is None:
             return None
-        if job.kind == "chat":
+        if request.kind == "chat":
             return chat_logprobs(entries)
         return text_logprobs(entries)
 
-    def _head(self, job: Job, chunk: bool) -> dict:
-        if job.kind == "chat":
+    def _head(self, request: Request, chunk: bool) -> dict:
+        if request.kind == "chat":
             obj = "chat.completion.chunk" if chunk else "chat.completion"
             prefix = "chatcmpl-"
         else:
             obj, prefix = "text_completion", "cmpl-"
         return {
-            "id": prefix + job.id,
+            "id": prefix + request.id,
             "object": obj,
-            "created": job.created,
-            "model": job.model,
+            "created": request.created,
+            "model": request.model,
             "system_fingerprint": f"flashnorm-mlx-{self.service.mode}",
         }
 
     def _chunk(
         self,
-        job,
+        request,
         text: Optional[str],
         finish=None,
         role=False,
         logprobs=None,
         calls=None,
     ) -> dict:
-        if job.kind == "chat":
+        if request.kind == "chat":
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
@@ -375,16 +369,16 @@ class Handler(BaseHTTPRequestHandler):
         else:
             choice = {"index": 0, "text": text or ""}
         choice.update(finish_reason=finish, logprobs=logprobs)
-        return {**self._head(job, chunk=True), "choices": [choice]}
+        return {**self._head(request, chunk=True), "choices": [choice]}
 
     def _event(self, obj) -> None:
         data = obj if isinstance(obj, str) else json.dumps(obj)
         self.wfile.write(f"data: {data}\n\n".encode())
         self.wfile.flush()
 
-    def _stream(self, job: Job):
+    def _stream(self, request: Request):
         # Errors found before the first event still get a plain JSON error.
-        what, value = self._next_event(job)
+        what, value = self._next_event(request)
         if what == "error":
             raise value
         self.close_connection = True  # the stream's end is the connection's end
@@ -395,17 +389,17 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self._sent = True
-        self._event(self._chunk(job, "", role=True))
+        self._event(self._chunk(request, "", role=True))
         while True:
             if what == "text":
                 piece, entries = value
                 lp = self._logprobs(
-                    job, entries if job.top_logprobs is not None else None
+                    request, entries if request.top_logprobs is not None else None
                 )
                 calls = None
                 if self._tools:
                     piece, calls = self._tools.feed(piece)
-                self._event(self._chunk(job, piece, logprobs=lp, calls=calls))
+                self._event(self._chunk(request, piece, logprobs=lp, calls=calls))
             elif what == "error":
                 self._event(value.body())
                 break
@@ -414,21 +408,21 @@ class Handler(BaseHTTPRequestHandler):
                 if self._tools:  # what the reply's end completes
                     rest, calls = self._tools.feed("", final=True)
                     if rest or calls:
-                        self._event(self._chunk(job, rest, calls=calls))
+                        self._event(self._chunk(request, rest, calls=calls))
                     finish = self._tools.finish_reason(finish)
-                last = self._chunk(job, None, finish=finish)
+                last = self._chunk(request, None, finish=finish)
                 last.update(usage=value["usage"], timings=value["timings"])
                 self._event(last)
-                if job.include_usage:
+                if request.include_usage:
                     self._event(
                         {
-                            **self._head(job, True),
+                            **self._head(request, True),
                             "choices": [],
                             "usage": value["usage"],
                         }
                     )
                 break
-            what, value = self._next_event(job)
+            what, value = self._next_event(request)
         self._event("[DONE]")
 
 

@@ -72,7 +72,7 @@ def tokenize(h) -> None:
     add_special = _flag(body, "add_special_tokens", True)
     with s.tokenizer_lock:
         if "messages" in body:
-            from .schema import read_messages
+            from .prompts import read_messages
 
             messages = read_messages(body)
             gen = _flag(body, "add_generation_prompt", True)

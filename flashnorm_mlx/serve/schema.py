@@ -1,20 +1,25 @@
-"""`flashnorm-mlx serve`: what a request may say and what an answer looks like.
+"""`flashnorm-mlx serve`: what a request may say, and the one record it
+becomes.
 
 Requests are checked against one table (FIELDS) of OpenAI's fields, each with
 its type, range and default; anything else is refused with OpenAI's error body
-{"error": {"message", "type", "param", "code"}}. Answers' logprobs are built
-here in OpenAI's two shapes: chat's `content` entries and completions'
-parallel lists (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
+{"error": {"message", "type", "param", "code"}}. A body that passes becomes
+one `Request` per prompt (read_requests), the record the generation thread
+and the HTTP handler read as it is.
 """
 
 import json
-import math
-from dataclasses import dataclass
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from queue import Queue
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..limits import SEED_NEED, TEMP_NEED, is_int, is_number, seed_ok
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = {"chat": 20, "text": 5}  # as OpenAI
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass
@@ -64,14 +69,6 @@ class RequestError(Exception):
 # --- the field table -------------------------------------------------------------
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
-
-
 def _is_str(v) -> bool:
     return isinstance(v, str)
 
@@ -109,7 +106,7 @@ class Field:
     default: Any = None
     setting: Optional[str] = None
     kinds: Tuple[str, ...] = ("chat", "text")
-    key: Optional[str] = None  # the Options attribute, when not `name`
+    key: Optional[str] = None  # the Request attribute, when not `name`
 
 
 FIELDS = (
@@ -117,42 +114,36 @@ FIELDS = (
     Field("stream", _is_bool, "true or false", default=False),
     Field("stream_options", _is_dict, "an object", default={}),
     # max_tokens 0 is only for completions' echo (checked after the table).
-    Field("max_tokens", _is_int, "an integer >= 1", lambda v: v >= 0),
+    Field("max_tokens", is_int, "an integer >= 1", lambda v: v >= 0),
     Field(
         "max_completion_tokens",
-        _is_int,
+        is_int,
         "an integer >= 1",
         lambda v: v >= 1,
         key="max_tokens",
     ),
-    Field(
-        "temperature",
-        _is_number,
-        "a number from 0 to 2",
-        lambda v: 0 <= v <= 2,
-        setting="temp",
-    ),
+    Field("temperature", is_number, TEMP_NEED, lambda v: v >= 0, setting="temp"),
     Field(
         "top_p",
-        _is_number,
+        is_number,
         "a number > 0 and <= 1",
         lambda v: 0 < v <= 1,
         setting="top_p",
     ),
     # mlx-lm's make_sampler (and mlx_lm.server's names); 0: off.
     Field(
-        "top_k", _is_int, "an integer >= 0 (0: off)", lambda v: v >= 0, setting="top_k"
+        "top_k", is_int, "an integer >= 0 (0: off)", lambda v: v >= 0, setting="top_k"
     ),
     Field(
         "min_p",
-        _is_number,
+        is_number,
         "a number from 0 to 1 (0: off)",
         lambda v: 0 <= v <= 1,
         setting="min_p",
     ),
     Field(
         "min_tokens_to_keep",
-        _is_int,
+        is_int,
         "an integer >= 1",
         lambda v: v >= 1,
         setting="min_tokens_to_keep",
@@ -161,18 +152,18 @@ FIELDS = (
     Field("logit_bias", _is_dict, "an object of token ids to numbers"),
     Field(
         "repetition_penalty",
-        _is_number,
+        is_number,
         "a number >= 0 (0 or 1: off)",
         lambda v: v >= 0,
     ),
-    Field("presence_penalty", _is_number, "a number from -2 to 2", _penalty_ok),
-    Field("frequency_penalty", _is_number, "a number from -2 to 2", _penalty_ok),
+    Field("presence_penalty", is_number, "a number from -2 to 2", _penalty_ok),
+    Field("frequency_penalty", is_number, "a number from -2 to 2", _penalty_ok),
     *(
-        Field(f"{p}_context_size", _is_int, "an integer >= 1", lambda v: v >= 1)
+        Field(f"{p}_context_size", is_int, "an integer >= 1", lambda v: v >= 1)
         for p in ("repetition", "presence", "frequency")
     ),
-    Field("seed", _is_int, "an integer from 0 to 2**64-1", lambda v: 0 <= v < 2**64),
-    Field("n", _is_int, "1 (one choice per request)", lambda v: v == 1, default=1),
+    Field("seed", is_int, SEED_NEED, seed_ok),
+    Field("n", is_int, "1 (one choice per request)", lambda v: v == 1, default=1),
     Field(
         "stop",
         _is_stop,
@@ -184,7 +175,7 @@ FIELDS = (
     Field("logprobs", _is_bool, "true or false", default=False, kinds=("chat",)),
     Field(
         "top_logprobs",
-        _is_int,
+        is_int,
         f"an integer from 0 to {MAX_TOP_LOGPROBS['chat']}",
         lambda v: 0 <= v <= MAX_TOP_LOGPROBS["chat"],
         kinds=("chat",),
@@ -192,7 +183,7 @@ FIELDS = (
     # Completions: logprobs 0-5 (how many top tokens; null: none), echo.
     Field(
         "logprobs",
-        _is_int,
+        is_int,
         f"an integer from 0 to {MAX_TOP_LOGPROBS['text']} or null",
         lambda v: 0 <= v <= MAX_TOP_LOGPROBS["text"],
         kinds=("text",),
@@ -251,7 +242,7 @@ def _same(value, neutral) -> bool:
     """value is one of `neutral`, and of its kind (true is not 1, nor 0 false)."""
 
     def kind(x):
-        return "bool" if _is_bool(x) else "number" if _is_number(x) else type(x)
+        return "bool" if _is_bool(x) else "number" if is_number(x) else type(x)
 
     return any(kind(value) == kind(v) and value == v for v in neutral)
 
@@ -271,28 +262,52 @@ def _read(body: dict, f: Field, settings: Settings):
 
 
 @dataclass
-class Options:
-    """A checked request body, before its prompt is tokenized."""
+class Request:
+    """One prompt's request, checked: made once from the JSON body
+    (read_requests), then read as it is by the generation thread (scheduler)
+    and by the HTTP handler that answers it.
+
+    Events on `events`: ("text", (piece, [TokenLogprob])), ("done", result
+    dict) or ("error", RequestError)."""
 
     kind: str  # "chat" or "text"
-    max_tokens: Optional[int]  # None: the server's default
-    temp: float
-    top_p: float
-    seed: Optional[int]
-    stop: List[str]
-    stream: bool
-    include_usage: bool
-    top_logprobs: Optional[int]  # None: no logprobs; else how many alternatives
-    echo: bool
-    top_k: int = 0
-    min_p: float = 0.0
-    min_tokens_to_keep: int = 1
+    prompt: List[int]
+    max_tokens: int
+    seed: int
+    model: str
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    min_tokens_to_keep: int = 1  # by min-p
+    stop: List[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    top_logprobs: Optional[int] = None  # None: no logprobs; else how many
+    echo: bool = False  # completions: the prompt comes back, scored
     processors: Optional[dict] = None  # make_logits_processors' arguments
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+    submitted: float = field(default_factory=time.perf_counter)
+    events: Queue = field(default_factory=Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
-def read_options(kind: str, body: dict, settings: Settings) -> Options:
-    """The FIELDS of a /v1/chat/completions ("chat") or /v1/completions
-    ("text") body, checked; a RequestError names the first bad one."""
+def read_requests(
+    kind: str,
+    body: dict,
+    prompts: List[List[int]],
+    param: str,
+    settings: Settings,
+    model: str,
+    vocab_size: int,
+    draw_seed: Callable[[], int],
+) -> List[Request]:
+    """The Requests of a /v1/chat/completions ("chat") or /v1/completions
+    ("text") body, one per prompt (token ids, from body[param]): its FIELDS
+    checked, then what needs the prompts and the model (logit bias token ids,
+    the context length); a RequestError names the first bad one. An unseeded
+    body draws one seed (draw_seed) for all its prompts."""
     _refuse_unsupported(kind, body)
     got: Dict[str, Any] = {}
     for f in FIELDS:
@@ -323,22 +338,60 @@ def read_options(kind: str, body: dict, settings: Settings) -> Options:
             param="max_tokens",
             code="invalid_value",
         )
-    return Options(
-        kind=kind,
-        max_tokens=got["max_tokens"],
-        temp=float(got["temperature"]),
-        top_p=float(got["top_p"]),
-        seed=got["seed"],
-        stop=[stop] if isinstance(stop, str) else list(stop),
-        stream=got["stream"],
-        include_usage=include_usage,
-        top_logprobs=top,
-        echo=bool(got.get("echo")),
-        top_k=got["top_k"],
-        min_p=float(got["min_p"]),
-        min_tokens_to_keep=got["min_tokens_to_keep"],
-        processors=_processors(got),
-    )
+    processors = _processors(got)
+    if got["stream"] and len(prompts) > 1:
+        raise RequestError(
+            "a stream takes one prompt", param="prompt", code="invalid_value"
+        )
+    bias = (processors or {}).get("logit_bias", {})
+    if bias and not all(0 <= t < vocab_size for t in bias):
+        raise RequestError(
+            f"'logit_bias' token ids must be in [0, {vocab_size})",
+            param="logit_bias",
+            code="invalid_value",
+        )
+    seed = got["seed"] if got["seed"] is not None else draw_seed()
+    return [
+        Request(
+            kind=kind,
+            prompt=prompt,
+            max_tokens=_max_tokens(got["max_tokens"], prompt, param, settings),
+            seed=seed,
+            model=model,
+            temp=float(got["temperature"]),
+            top_p=float(got["top_p"]),
+            top_k=got["top_k"],
+            min_p=float(got["min_p"]),
+            min_tokens_to_keep=got["min_tokens_to_keep"],
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            stream=got["stream"],
+            include_usage=include_usage,
+            top_logprobs=top,
+            echo=bool(got.get("echo")),
+            processors=processors,
+        )
+        for prompt in prompts
+    ]
+
+
+def _max_tokens(asked: Optional[int], prompt: List[int], param, settings) -> int:
+    """The reply budget of one prompt: what the body asked (None: the
+    server's default, cut to the context left), refused past the context."""
+    if not prompt:
+        raise RequestError("the prompt is empty", param=param, code="invalid_value")
+    limit, need = settings.max_context, asked if asked is not None else 1
+    if limit is not None and len(prompt) + need > limit:
+        raise RequestError(
+            f"this model's maximum context length is {limit} tokens; the "
+            f"request needs {len(prompt)} for the prompt and {need} for the "
+            "reply",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if asked is not None:
+        return asked
+    default = settings.max_tokens
+    return default if limit is None else min(default, limit - len(prompt))
 
 
 MAX_LOGIT_BIAS = 100  # as OpenAI: -100 bans a token, 100 all but forces it
@@ -358,7 +411,7 @@ def _processors(got: dict) -> Optional[dict]:
                     param="logit_bias",
                     code="invalid_value",
                 )
-            if not _is_number(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            if not is_number(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
                 raise RequestError(
                     f"'logit_bias' values must be numbers from -{MAX_LOGIT_BIAS} to "
                     f"{MAX_LOGIT_BIAS}, not {json.dumps(v)[:40]}",
@@ -374,143 +427,3 @@ def _processors(got: dict) -> Optional[dict]:
             if size is not None:
                 out[f"{p}_context_size"] = size
     return out or None
-
-
-# --- prompts ---------------------------------------------------------------------
-
-
-def _text_content(content, i: int) -> str:
-    """A message's content: a string, or OpenAI's list of text parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict)
-        and p.get("type") == "text"
-        and isinstance(p.get("text"), str)
-        for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise RequestError(
-        f"messages[{i}].content must be a string or a list of text parts",
-        param=f"messages[{i}].content",
-        code="invalid_type",
-    )
-
-
-def read_messages(body: dict) -> List[dict]:
-    """Chat messages as the chat template wants them ({role, content} strings)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(
-            "'messages' must be a non-empty list of {role, content} objects",
-            param="messages",
-            code="invalid_type" if messages is not None else "missing_required",
-        )
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise RequestError(
-                f"messages[{i}] must be an object with a role in {', '.join(ROLES)}",
-                param=f"messages[{i}]",
-                code="invalid_value",
-            )
-        content = m.get("content")
-        # An assistant turn that only called tools has no content.
-        if content is None and m["role"] in ("assistant", "tool"):
-            content = ""
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _text_content(content, i)})
-    return out
-
-
-MAX_PROMPTS = 64  # prompts in one completions request (one choice each)
-
-
-def read_prompts(body: dict, encode: Callable, vocab_size: int) -> List[List[int]]:
-    """A completions request's prompts as token ids: a string or a list of
-    token ids, or a list of those (one choice each, as lm-evaluation-harness
-    sends a batch)."""
-    prompt = body.get("prompt")
-    one = isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)
-    )
-    many = prompt if isinstance(prompt, list) and not one else [prompt]
-    if not many or len(many) > MAX_PROMPTS:
-        raise RequestError(
-            f"'prompt' must be one prompt or a list of 1 to {MAX_PROMPTS}",
-            param="prompt",
-            code="invalid_value" if many else "invalid_type",
-        )
-    return [_prompt_ids(p, encode, vocab_size) for p in many]
-
-
-def _prompt_ids(prompt, encode: Callable, vocab_size: int) -> List[int]:
-    if isinstance(prompt, str):
-        return list(encode(prompt))
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if not all(0 <= t < vocab_size for t in prompt):
-            raise RequestError(
-                f"'prompt' token ids must be in [0, {vocab_size})",
-                param="prompt",
-                code="invalid_value",
-            )
-        return list(prompt)
-    raise RequestError(
-        "'prompt' must be a string or a list of token ids, or a list of those",
-        param="prompt",
-        code="invalid_type" if prompt is not None else "missing_required",
-    )
-
-
-# --- logprobs in OpenAI's shapes -------------------------------------------------
-
-
-@dataclass
-class TokenLogprob:
-    """One token as text, its logprob (None: an echoed prompt's first token,
-    which nothing predicts), its top alternatives, best first, and where its
-    text starts in the answer's (characters)."""
-
-    token: str
-    logprob: Optional[float]
-    top: List[Tuple[str, float]]
-    offset: int = 0
-
-
-def chat_logprobs(entries: List[TokenLogprob]) -> dict:
-    """choices[i].logprobs of a chat completion (or of one chunk of a stream)."""
-
-    def one(text, lp):
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-    return {
-        "content": [
-            {**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
-            for e in entries
-        ],
-        "refusal": None,
-    }
-
-
-def text_logprobs(entries: List[TokenLogprob]) -> dict:
-    """choices[i].logprobs of a text completion: parallel lists, one item per
-    token. The top dict holds the chosen token too, as OpenAI's (up to
-    logprobs + 1 keys); text_offset indexes the choice's whole text (a
-    stream's chunks joined)."""
-    return {
-        "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [
-            None if e.logprob is None else _top_dict(e.top + [(e.token, e.logprob)])
-            for e in entries
-        ],
-        "text_offset": [e.offset for e in entries],
-    }
-
-
-def _top_dict(pairs: List[Tuple[str, float]]) -> Dict[str, float]:
-    """{text: logprob}; tokens that decode to the same text keep the best."""
-    out: Dict[str, float] = {}
-    for text, lp in pairs:
-        out[text] = max(lp, out.get(text, lp))
-    return out

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from ..decoding import DraftTally, KVOptions, after_prefix, make_cache
-from .scheduler import Worker, log
+from .log import log
+from .scheduler import Worker
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """What the HTTP threads share: the model's tokenizer, settings and generation
-worker; and each request body made into the Jobs the worker runs."""
+worker; and each request body made into the Requests the worker runs."""
 
 import random
 import threading
 import time
-from typing import Callable, List
+from contextlib import contextmanager
+from typing import Callable, Iterator, List
 
-from .scheduler import Job, Worker
-from .schema import RequestError, Settings, read_messages, read_options, read_prompts
+from .prompts import read_messages, read_prompts
+from .scheduler import Worker
+from .schema import Request, RequestError, Settings, read_requests
 from .tools import read_tools, with_tool_history
 
 
@@ -70,25 +72,44 @@ class Service:
         if self.settings.max_context is None:
             self.settings.max_context = context_length(w.config)
 
-    def parse(self, kind: str, body: dict) -> List[Job]:
-        """The Jobs of a /v1/chat/completions ("chat") or /v1/completions
-        ("text") body: one per prompt (a completions request may hold several)."""
-        o = read_options(kind, body, self.settings)
-        prompts, param = self._prompts(kind, body, o.stream)
-        bias = (o.processors or {}).get("logit_bias", {})
-        if bias and not all(0 <= t < self.vocab_size for t in bias):
-            raise RequestError(
-                f"'logit_bias' token ids must be in [0, {self.vocab_size})",
-                param="logit_bias",
-                code="invalid_value",
-            )
-        seed = o.seed
-        if seed is None:
-            with self._seeds_lock:
-                seed = self._seeds.getrandbits(63)
-        return [self._job(kind, o, p, param, seed) for p in prompts]
+    @contextmanager
+    def submitted(self, kind: str, body: dict) -> Iterator[List[Request]]:
+        """The body's Requests (parse), handed to the worker while the caller
+        answers them; on leaving, those not finished are cancelled (their
+        client left) and the body no longer counts as in flight."""
+        requests = self.parse(kind, body)
+        self.track(+1)
+        try:
+            for request in requests:
+                self.worker.submit(request)
+            yield requests
+        finally:
+            for request in requests:  # a no-op for those finished
+                request.cancelled.set()
+            self.track(-1)
 
-    def _prompts(self, kind: str, body: dict, stream: bool):
+    def parse(self, kind: str, body: dict) -> List[Request]:
+        """The Requests of a /v1/chat/completions ("chat") or /v1/completions
+        ("text") body: its prompts as token ids, then one Request per prompt
+        (a completions request may hold several), made by schema.py."""
+        prompts, param = self._prompts(kind, body)
+        return read_requests(
+            kind,
+            body,
+            prompts,
+            param,
+            self.settings,
+            model=self.model_id,
+            vocab_size=self.vocab_size,
+            draw_seed=self._draw_seed,
+        )
+
+    def _draw_seed(self) -> int:
+        """A seed for a request that names none (--seed seeds these draws)."""
+        with self._seeds_lock:
+            return self._seeds.getrandbits(63)
+
+    def _prompts(self, kind: str, body: dict):
         """(token id lists, the field they came from) of a request body."""
         if kind == "chat":
             messages = read_messages(body)
@@ -116,45 +137,4 @@ class Service:
             with self.tokenizer_lock:
                 prompts = read_prompts(body, self.tokenizer.encode, self.vocab_size)
             param = "prompt"
-            if stream and len(prompts) > 1:
-                raise RequestError(
-                    "a stream takes one prompt", param="prompt", code="invalid_value"
-                )
         return prompts, param
-
-    def _job(self, kind: str, o, prompt: List[int], param: str, seed: int) -> Job:
-        if not prompt:
-            raise RequestError("the prompt is empty", param=param, code="invalid_value")
-        max_tokens, limit = o.max_tokens, self.settings.max_context
-        if limit is not None:
-            asked = max_tokens if max_tokens is not None else 1
-            if len(prompt) + asked > limit:
-                raise RequestError(
-                    f"this model's maximum context length is {limit} tokens; the "
-                    f"request needs {len(prompt)} for the prompt and {asked} for the "
-                    "reply",
-                    param=param,
-                    code="context_length_exceeded",
-                )
-        if max_tokens is None:
-            max_tokens = self.settings.max_tokens
-            if limit is not None:
-                max_tokens = min(max_tokens, limit - len(prompt))
-        return Job(
-            kind=kind,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            temp=o.temp,
-            top_p=o.top_p,
-            seed=seed,
-            stop=o.stop,
-            stream=o.stream,
-            include_usage=o.include_usage,
-            model=self.model_id,
-            top_logprobs=o.top_logprobs,
-            echo=o.echo,
-            top_k=o.top_k,
-            min_p=o.min_p,
-            min_tokens_to_keep=o.min_tokens_to_keep,
-            processors=o.processors,
-        )

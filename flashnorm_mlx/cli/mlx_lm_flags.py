@@ -1,0 +1,226 @@
+"""mlx-lm's flags, with mlx-lm's names, defaults and help: sampling,
+speculative decoding and the KV cache (mlx_lm.generate), adapters, chat
+templates and prompt caches (mlx_lm.generate, chat, server, cache_prompt).
+Like flags.py, it imports no MLX: a bad flag is one line before seconds of
+imports."""
+
+import argparse
+
+from ..limits import GROUP_SIZES, KV_BITS
+
+# mlx-lm's sampler flags (mlx_lm.generate; make_sampler's arguments), default
+# off: flag destination -> (type, default, help).
+SAMPLER_FLAGS = {
+    "top_p": (float, 1.0, "nucleus sampling threshold (1: off)"),
+    "top_k": (int, 0, "sample from the k most likely tokens only (0: off)"),
+    "min_p": (
+        float,
+        0.0,
+        "drop tokens less likely than min-p times the most likely one (0: off)",
+    ),
+    "min_tokens_to_keep": (int, 1, "tokens that --min-p never drops"),
+    "xtc_probability": (
+        float,
+        0.0,
+        "XTC sampling: chance per token of excluding the top choices (0: off)",
+    ),
+    "xtc_threshold": (
+        float,
+        0.1,
+        "XTC sampling: tokens at least this likely count as top choices",
+    ),
+}
+
+
+def add_sampling_args(
+    parser: argparse.ArgumentParser, max_tokens: int, sampler=tuple(SAMPLER_FLAGS)
+) -> None:
+    """-m/--max-tokens, --temp, the `sampler` flags of SAMPLER_FLAGS, --seed,
+    as mlx-lm names them."""
+    parser.add_argument(
+        "-m", "--max-tokens", type=int, default=max_tokens, help="most tokens per reply"
+    )
+    parser.add_argument(
+        "--temp", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    for dest in sampler:
+        kind, default, text = SAMPLER_FLAGS[dest]
+        flag = "--" + dest.replace("_", "-")
+        parser.add_argument(flag, type=kind, default=default, help=text)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="random seed for sampling (default: none, a different draw each run)",
+    )
+
+
+# mlx-lm's speculative decoding and KV cache flags (mlx_lm.generate), with its
+# defaults; docs/design.md section 3f.
+DEFAULT_NUM_DRAFT_TOKENS = 3  # mlx_lm.generate's --num-draft-tokens
+DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate.DEFAULT_QUANTIZED_KV_START
+KV_KEEP = 4  # first tokens a rotating cache keeps (mlx-lm's make_prompt_cache)
+
+
+def add_draft_args(parser: argparse.ArgumentParser) -> None:
+    """--draft-model and --num-draft-tokens, as mlx-lm names them."""
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="a model to be used for speculative decoding: any checkpoint with "
+        "the model's tokenizer, built in the same --mode; greedy text is the "
+        "same with or without it",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=DEFAULT_NUM_DRAFT_TOKENS,
+        help="number of tokens to draft when using speculative decoding",
+    )
+
+
+def add_kv_cache_args(parser: argparse.ArgumentParser) -> None:
+    """--max-kv-size, --kv-bits, --kv-group-size, --quantized-kv-start, as
+    mlx-lm names them."""
+    parser.add_argument(
+        "--max-kv-size",
+        type=int,
+        default=None,
+        help="set the maximum key-value cache size: a rotating cache that keeps "
+        f"the first {KV_KEEP} tokens and the latest ones (default: unlimited)",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=KV_BITS,
+        default=None,
+        help="number of bits for KV cache quantization (default: no quantization)",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=GROUP_SIZES,
+        default=64,
+        help="group size for KV cache quantization; must divide the head dim",
+    )
+    parser.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=DEFAULT_QUANTIZED_KV_START,
+        help="when --kv-bits is set, start quantizing the KV cache from this "
+        "step onwards",
+    )
+
+
+# --- mlx-lm's adapter, template and prompt-cache flags (names, defaults and
+# help as mlx_lm.generate, chat, server and cache_prompt give them) ----------
+
+
+def add_adapter_args(parser: argparse.ArgumentParser) -> None:
+    """--adapter-path: an mlx-lm LoRA or DoRA adapter folder, fused into the
+    float weights before the fold (loading/adapters.py)."""
+    parser.add_argument(
+        "--adapter-path",
+        type=_existing("a folder", "no such adapter folder"),
+        default=None,
+        help="Optional path for the trained adapter weights and config "
+        "(an mlx-lm LoRA or DoRA folder: adapter_config.json, "
+        "adapters.safetensors), fused into the weights before folding",
+    )
+
+
+def add_template_args(parser: argparse.ArgumentParser, prompt: bool = True) -> None:
+    """generate's template flags: --extra-eos-token, --chat-template-config,
+    --use-default-chat-template and, with `prompt`, --prefill-response."""
+    parser.add_argument(
+        "--extra-eos-token",
+        type=str,
+        default=(),
+        nargs="+",
+        help="Add tokens in the list of eos tokens that stop generation.",
+    )
+    if prompt:
+        parser.add_argument(
+            "--prefill-response",
+            default=None,
+            help="Prefill response to be used for the chat template",
+        )
+    parser.add_argument(
+        "--use-default-chat-template",
+        action="store_true",
+        help="Use the default chat template",
+    )
+    parser.add_argument(
+        "--chat-template-config",
+        type=_json_object("--chat-template-config"),
+        default=None,
+        help="Additional config for `apply_chat_template`. Should be a dictionary "
+        "of string keys to values represented as a JSON decodable string.",
+    )
+
+
+def add_serve_template_args(parser: argparse.ArgumentParser) -> None:
+    """serve's --chat-template, --use-default-chat-template, --chat-template-args."""
+    parser.add_argument(
+        "--chat-template",
+        type=str,
+        default="",
+        help="Specify a chat template for the tokenizer (default: the model's)",
+    )
+    parser.add_argument(
+        "--use-default-chat-template",
+        action="store_true",
+        help="Use the default chat template",
+    )
+    parser.add_argument(
+        "--chat-template-args",
+        type=_json_object("--chat-template-args"),
+        default="{}",
+        help="A JSON formatted string of arguments for the tokenizer's "
+        "apply_chat_template, e.g. '{\"enable_thinking\":false}'",
+    )
+
+
+def add_prompt_cache_args(parser: argparse.ArgumentParser) -> None:
+    """--prompt-cache-file: a KV cache saved by `cache-prompt` (prompt_cache.py)."""
+    parser.add_argument(
+        "--prompt-cache-file",
+        type=_existing("a file", "no such file"),
+        default=None,
+        help="A file containing saved KV caches to avoid recomputing them "
+        "(made by `flashnorm-mlx cache-prompt`, or mlx-lm's cache_prompt for "
+        "--mode stock)",
+    )
+
+
+def _existing(kind: str, missing: str):
+    """An argparse type: a path that exists as `kind` ("a folder" or "a
+    file"), checked before MLX is imported."""
+    from pathlib import Path
+
+    def check(text: str) -> str:
+        path = Path(text).expanduser()
+        if not (path.is_dir() if kind == "a folder" else path.is_file()):
+            raise argparse.ArgumentTypeError(f"{missing}: {text}")
+        return text
+
+    check.__name__ = kind
+    return check
+
+
+def _json_object(flag: str):
+    """An argparse type: a JSON object (mlx-lm passes it to apply_chat_template
+    as keyword arguments), else one line and exit 2."""
+    import json
+
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError("not a JSON object ({...})")
+        return value
+
+    parse.__name__ = f"{flag} JSON object"
+    return parse

@@ -1,0 +1,38 @@
+"""The values every entry point checks the same way, defined once and MLX-free
+(cli/flags.py reads them before MLX is imported): the JSON number checks, the
+sampling seed and temperature ranges the CLI and the server share, and the
+quantization bits and group sizes."""
+
+import math
+
+
+def is_int(v) -> bool:
+    """An integer, and not a bool (JSON's true is no 1)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    """A finite int or float, not a bool."""
+    return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+# As mlx-lm's generate and server take them: the seed goes to mx.random.seed /
+# mx.random.key, a uint64; temperature has a floor of 0 and no ceiling.
+SEED_LIMIT = 2**64
+SEED_NEED = "an integer from 0 to 2**64-1"
+TEMP_NEED = "a number >= 0 (0: greedy)"
+
+
+def seed_ok(v) -> bool:
+    return is_int(v) and 0 <= v < SEED_LIMIT
+
+
+def temp_ok(v) -> bool:
+    return is_number(v) and v >= 0
+
+
+# What mx.quantize takes: weights 2-8 bits (-q, a checkpoint's config), a KV
+# cache 1-8 (mlx-lm's --kv-bits); groups of 32, 64 or 128 for both.
+WEIGHT_BITS = (2, 3, 4, 5, 6, 8)
+KV_BITS = (1, 2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
