@@ -87,6 +87,8 @@ def _variant(args) -> tuple:
             key.append(a.dtype)
         elif a is None or isinstance(a, (int, float)):
             key.append(a is None)
+        elif isinstance(a, str):  # a named variant (the GLU's activation)
+            key.append(a)
         else:  # an Epilogue: its mode
             key.append(tuple(getattr(a, f, None) is None for f in _MODE_FIELDS))
     return tuple(key)

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .. import fold, quant
+from .. import fold, models, quant
 from ..errors import LoadError
 from ..fold import Weights
 from ..progress import counter, progress_bar
@@ -69,8 +69,10 @@ class Recipe:
             self.config = plan.config
             self._finish(plan.weights)
         else:
+            arch = models.architecture(config)
             for norm, linears in fold.norm_pairs(config, weights):
-                self.gains.update({m: weights[f"{norm}.weight"] for m in linears})
+                gain = arch.gain(weights[f"{norm}.weight"])
+                self.gains.update({m: gain for m in linears})
             # Lazy: only its keys, config and small (1-D) tensors are evaluated.
             floats = fold.map_floats(plan.weights, lambda v: v.astype(mx.float32))
             self._stock = (plan.weights, plan.config)
