@@ -40,6 +40,7 @@ from ._common import (
     deferred_scale,
     failures,
     gpu_backend,
+    is_tracing,
     picking,
     tracing,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "deferred_scale",
     "failures",
     "gpu_backend",
+    "is_tracing",
     "picking",
     "post_residual",
     "post_residual_norm",

@@ -158,6 +158,11 @@ def _fail(op: str, b: str, err: str) -> None:
 _TRACING = False
 
 
+def is_tracing() -> bool:
+    """Whether calls now may be traced by `mx.compile` (so must not evaluate)."""
+    return _TRACING
+
+
 @contextlib.contextmanager
 def tracing():
     """Within: calls may be traced by `mx.compile`, so no first-use check runs

@@ -212,6 +212,15 @@ def _fold_rows(weights: fold.Weights, c: mx.array, linear: str, a: int, b: int):
 # --- building ----------------------------------------------------------------
 
 
+def _stock_sanitized(config: dict, weights: fold.Weights) -> fold.Weights:
+    """`weights` as a fresh stock instance's `sanitize` leaves them: a model's
+    sanitize may change the model too (Gemma's pops its head once), so the
+    calibration model's own is not called twice."""
+    model_cls, args_cls = models.model_classes(config, "stock")
+    model = model_cls(args_cls.from_dict(config))
+    return model.sanitize(weights) if hasattr(model, "sanitize") else weights
+
+
 def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
     """Stock mlx-lm class, norms removed, constants folded; returns (model, config).
 
@@ -230,7 +239,7 @@ def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
 
     # Calibrate in float32 on mlx-lm's class (and its sanitize).
     calib = models.instantiate(config, weights, "stock")
-    weights = calib.sanitize(weights) if hasattr(calib, "sanitize") else weights
+    weights = _stock_sanitized(config, weights)
     rms = measure_rms(calib, config)
     sites = norm_sites(calib, config, weights)
     del calib

@@ -31,7 +31,7 @@ from .. import kernels
 from ..parallel import sharding
 from .arch import Architecture, NormPair, PostNorm
 from .blocks import Block, FusedAttention, Gain, run_blocks
-from .llama import _fuse
+from .llama import fuse
 from .qk_norm import QKNorm, QKNormGains
 
 ARCH = Architecture(
@@ -216,13 +216,13 @@ class Model(nn.Module):
             weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
         for i in range(self.args.num_hidden_layers):
             p = f"model.layers.{i}"
-            weights = _fuse(
+            weights = fuse(
                 weights,
                 [f"{p}.self_attn.{n}_proj" for n in "qkv"],
                 f"{p}.self_attn.qkv_proj",
                 f"{p}.self_attn.qkv_bias",
             )
-            weights = _fuse(
+            weights = fuse(
                 weights,
                 [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
                 f"{p}.mlp.gate_up_proj",
