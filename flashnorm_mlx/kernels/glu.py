@@ -29,7 +29,7 @@ DEFERRED_GLU_BODY = """\
 #endif
   const float g = static_cast<float>(gate_up[row * 2 * F + col]) * s;
   const float u = static_cast<float>(gate_up[row * 2 * F + F + col]);
-#if FN_GELU
+#if defined(FN_GELU) && FN_GELU
   // nn.gelu_approx: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))).
   const float a = 0.5f * g * (1.0f + FN_TANH(0.7978845608028654f * (g + 0.044715f * g * g * g)));
 #else
@@ -71,7 +71,8 @@ def _glu_plan(shape, dtype, activation, make_kernel, backend):
         ["gate_up", "ms"],
         ["out"],
         prescale=prescaled(dtype),
-        gelu=activation == "gelu_tanh",
+        # Only GELU names a flag: SiLU's kernels keep their names and sources.
+        **({"gelu": True} if activation == "gelu_tanh" else {}),
     )
     launch = dict(
         template=[("T", dtype), ("F", F)],

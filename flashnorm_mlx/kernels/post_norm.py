@@ -94,16 +94,17 @@ POST_RESIDUAL_BODY = (
   if (lane == 0) {
     ms[FN_GROUP] = msr;
   }
+#if FN_GAIN
 #if FN_PRESCALE
   const float p = FN_POW2_PRESCALE(msr);
 #else
   const float p = 1.0f;
 #endif
-#if FN_GAIN
   for (int i = lane; i < D; i += NT) {
     xs[base + i] = static_cast<T>(FN_ROW(i) * static_cast<float>(gain[i]) * p);
   }
 #elif FN_PRESCALE
+  const float p = FN_POW2_PRESCALE(msr);
   for (int i = lane; i < D; i += NT) {
     xs[base + i] = static_cast<T>(FN_ROW(i) * p);
   }
