@@ -1155,6 +1155,8 @@ WHOLE_MODELS = {
     "qwen3-qk-norm": (tiny.make_qwen, "qwen3_tied"),
     "openelm-tied": (tiny.make_openelm, "shared"),
     "openelm-untied": (tiny.make_openelm, "odd_unshared"),
+    "gemma3-tied": (tiny.make_gemma3, "gemma3_tied"),
+    "gemma3-untied": (tiny.make_gemma3, "gemma3_untied"),
 }
 
 
