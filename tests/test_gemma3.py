@@ -305,3 +305,22 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tied, tmp_path):
     print(f"2 ranks in {secs:.1f} s; vs one process {errs}, vs stock {to_stock:.2e}")
     assert max(errs.values()) < tiny.f32_tol(1e-5), errs
     assert to_stock < tiny.f32_tol(), to_stock
+
+
+def test_gemma3_gguf_is_refused_in_one_line(tmp_path, capsys):
+    """llama.cpp's gemma3 files store 1 + w, but leave the attention scale,
+    local RoPE base and layer pattern to llama.cpp's code: one line, no load."""
+    from flashnorm_mlx.cli import main
+    from flashnorm_mlx.loading.gguf import read_gguf
+
+    path = tmp_path / "gemma3.gguf"
+    meta = {"general.architecture": "gemma3"}
+    meta["gemma3.block_count"] = mx.array(1, dtype=mx.uint32)
+    mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((8, 4))}, meta)
+    with pytest.raises(Exception) as e:
+        read_gguf(path)
+    msg = str(e.value)
+    assert "'gemma3'" in msg and "1 + w" in msg and "\n" not in msg, msg
+    assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gemma3" in err[0] and "HF checkpoint" in err[0], err

@@ -48,6 +48,11 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# Refused on purpose, and why (docs/design.md section 2h).
+REFUSED = {
+    "gemma3": "its 1 + w norms would load, but llama.cpp's code, not the file, sets "
+    "query_pre_attn_scalar, local RoPE and the layer pattern; use the HF checkpoint"
+}
 _SUFFIXES = ("weight", "scales", "biases", "bias")
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), applied one after the
@@ -99,10 +104,8 @@ def read_gguf(
         raise LoadError(f"{path}: not a readable GGUF file ({msg})") from None
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise LoadError(
-            f"{path}: GGUF architecture {arch!r} is not supported "
-            f"(flashnorm-mlx reads {', '.join(ARCHITECTURES)} GGUF files)"
-        )
+        why = REFUSED.get(arch, f"flashnorm-mlx reads {', '.join(ARCHITECTURES)} files")
+        raise LoadError(f"{path}: GGUF architecture {arch!r} is not supported ({why})")
     try:
         config = gguf_config(meta, raw, path, arch)
         weights = hf_weights(raw, config, path)
