@@ -96,6 +96,19 @@ def test_verify_float32_and_quantized_as_stored(source, engine):
     assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
 
 
+def test_bfloat16_checkpoint_verified_in_float32(tmp_path):
+    """Gemma checkpoints ship bfloat16 norm weights w. Run in float32, stock's
+    gain is 1 + w in float32; folding 1 + w rounded to bfloat16 instead was
+    2.4e-2 off (relative logits). The fold takes the gain at the run's dtype."""
+    cfg = tiny.gemma3_config("gemma3_tied")
+    w = {
+        k: mx.array(v).astype(mx.bfloat16) for k, v in tiny.gemma3_weights(cfg).items()
+    }
+    src = read_source(str(tiny.write_model(tmp_path / "bf16", cfg, w)))
+    r = compare(src, PROMPT, horizon=16, dtype=mx.float32)
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 16, r
+
+
 def greedy(model, n=64):
     steps = generate_step(mx.array(PROMPT), model, max_tokens=n)
     return [int(t) for t, _ in steps]

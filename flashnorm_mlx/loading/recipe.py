@@ -71,7 +71,12 @@ class Recipe:
         else:
             arch = models.architecture(config)
             for norm, linears in fold.norm_pairs(config, weights):
-                gain = arch.gain(weights[f"{norm}.weight"])
+                stored = weights[f"{norm}.weight"]
+                # Stock rounds Gemma's 1 + w at the run's dtype, not at the
+                # checkpoint's (docs/design.md section 2h).
+                if arch.gain_offset:
+                    stored = stored.astype(self.out_dtype)
+                gain = arch.gain(stored)
                 self.gains.update({m: gain for m in linears})
             # Lazy: only its keys, config and small (1-D) tensors are evaluated.
             floats = fold.map_floats(plan.weights, lambda v: v.astype(mx.float32))
