@@ -242,8 +242,18 @@ GEMMA3_CONFIGS = {
     # Global layers with linear RoPE scaling, as Gemma 3 1B ships.
     "gemma3_tied": dict(rope_scaling={"rope_type": "linear", "factor": 8.0}),
     # Untied (the final norm folds into the head), a large eps (the post-norm's
-    # and QK-norm's epsilon adjustments matter), no rope scaling.
-    "gemma3_untied": dict(tie_word_embeddings=False, rms_norm_eps=0.05),
+    # and QK-norm's epsilon adjustments matter), no rope scaling: null, with
+    # the other keys Gemma 3's own configs carry.
+    "gemma3_untied": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=0.05,
+        rope_scaling=None,
+        hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        attention_bias=False,
+        layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2,
+    ),
 }
 
 

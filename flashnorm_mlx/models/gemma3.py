@@ -19,6 +19,7 @@ What differs from Llama (docs/design.md section 2h), each read from `ARCH`:
 """
 
 from dataclasses import dataclass
+from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -70,6 +71,8 @@ class ModelArgs(gemma3_text.ModelArgs):
     # Stock ties the head unless the weights hold lm_head; convert's and
     # nonorm's untied outputs say so in the config, as the other families do.
     tie_word_embeddings: bool = True
+    # Gemma 3's configs say null (stock's field is typed Dict, default None).
+    rope_scaling: Optional[Dict] = None
 
 
 def is_sliding(args: ModelArgs, i: int) -> bool:
