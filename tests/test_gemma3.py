@@ -320,20 +320,91 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tied, tmp_path):
     assert to_stock < tiny.f32_tol(), to_stock
 
 
-def test_gemma3_gguf_is_refused_in_one_line(tmp_path, capsys):
-    """llama.cpp's gemma3 files store 1 + w, but leave the attention scale,
-    local RoPE base and layer pattern to llama.cpp's code: one line, no load."""
-    from flashnorm_mlx.cli import main
-    from flashnorm_mlx.loading.gguf import read_gguf
+# HF module (in a layer) -> llama.cpp's tensor name for Gemma 3 (its converter).
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}
+NAMES = ("stock", "flashnorm")
 
-    path = tmp_path / "gemma3.gguf"
-    meta = {"general.architecture": "gemma3"}
-    meta["gemma3.block_count"] = mx.array(1, dtype=mx.uint32)
-    mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((8, 4))}, meta)
-    with pytest.raises(Exception) as e:
-        read_gguf(path)
-    msg = str(e.value)
-    assert "'gemma3'" in msg and "1 + w" in msg and "\n" not in msg, msg
-    assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
+
+def write_gemma3_gguf(path, cfg, weights, shift=1.0):
+    """A gemma3 GGUF as llama.cpp's converter writes one: every norm weight
+    stored as w + shift (its `norm_shift`, 1), no Q/K permutation, the
+    sliding window in the metadata (a byte-level vocabulary, as test_gguf's)."""
+    from test_gguf import tiny_metadata
+
+    tensors = {}
+    for k, v in weights.items():
+        module, _, suffix = k.rpartition(".")
+        if module.endswith("norm"):
+            v = v + shift
+        if module in GLOBAL_NAMES:
+            name = GLOBAL_NAMES[module]
+        else:
+            _, _, i, rest = module.split(".", 3)
+            name = f"blk.{i}.{GGUF_NAMES[rest]}"
+        tensors[f"{name}.{suffix}"] = mx.array(v)
+    meta = tiny_metadata(cfg, arch="gemma3")
+    meta["gemma3.attention.sliding_window"] = mx.array(6, dtype=mx.uint32)
+    mx.save_gguf(str(path), tensors, meta)
+    return path
+
+
+def test_llama_cpp_gemma3_gguf_loads_as_its_hf_checkpoint(tmp_path):
+    """Twelve layers in llama.cpp's pattern (every 6th global), the attention
+    scale it derives (1/sqrt(head_dim)), local RoPE base 10000, linear scaling
+    on the global layers: the GGUF (norms stored 1 + w) runs as the Hugging Face
+    folder does, stock and FlashNorm, within float32 rounding. The same file
+    written with w as is (no shift) would load 1 off every gain: far off."""
+    cfg = dict(
+        tiny.gemma3_config("gemma3_tied"),
+        num_hidden_layers=12,
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=16,
+        rope_scaling={"type": "linear", "factor": 8.0},
+    )
+    w = tiny.gemma3_weights(cfg, seed=3)
+    hf = read_source(str(tiny.write_model(tmp_path / "hf", cfg, w)))
+    src = read_source(str(write_gemma3_gguf(tmp_path / "g.gguf", cfg, w)))
+    c = src.config
+    assert c["model_type"] == "gemma3_text" and c["sliding_window_pattern"] == 6
+    assert c["query_pre_attn_scalar"] == 16 and c["rope_local_base_freq"] == 10000
+    x = mx.array([PROMPT])
+    ref = build_model(hf, "stock", dtype=mx.float32)[0](x)
+    errs = {m: rel(build_model(src, m, dtype=mx.float32)[0](x), ref) for m in NAMES}
+    r = compare(src, PROMPT, horizon=32, dtype=mx.float32)
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    raw = read_source(str(write_gemma3_gguf(tmp_path / "w.gguf", cfg, w, shift=0.0)))
+    errs["unshifted file"] = rel(build_model(raw, "stock", dtype=mx.float32)[0](x), ref)
+    print(errs)
+    assert max(errs[m] for m in NAMES) < tiny.f32_tol(), errs
+    assert errs["unshifted file"] > 10 * tiny.f32_tol(), errs
+
+
+def test_gemma3_gguf_with_final_logit_softcapping_is_one_line(tmp_path, capsys):
+    """llama.cpp applies a final logit softcap where the file has one; mlx-lm's
+    gemma3_text has none, so such a file is refused, not run differently."""
+    from flashnorm_mlx.cli import main
+
+    cfg = dict(tiny.gemma3_config("gemma3_tied"), rope_scaling=None)
+    path = write_gemma3_gguf(tmp_path / "cap.gguf", cfg, tiny.gemma3_weights(cfg))
+    meta_path = tmp_path / "capped.gguf"
+    tensors, meta = mx.load(str(path), return_metadata=True)
+    meta["gemma3.final_logit_softcapping"] = mx.array(30.0)
+    mx.save_gguf(str(meta_path), tensors, meta)
+    assert main(["generate", str(meta_path), "-p", "hi", "-m", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "gemma3" in err[0] and "HF checkpoint" in err[0], err
+    assert len(err) == 1 and "softcapping" in err[0], err
