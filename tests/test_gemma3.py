@@ -109,6 +109,27 @@ def test_bfloat16_checkpoint_verified_in_float32(tmp_path):
     assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 16, r
 
 
+def test_a_stored_head_is_used_as_stock_uses_it(tied, tmp_path):
+    """mlx-lm's Gemma unties its head when the weights hold lm_head.weight,
+    whatever the config says; ours does the same (its final norm kept)."""
+    w = {k: np.array(v) for k, v in tied.weights.items()}
+    w["lm_head.weight"] = (
+        np.random.default_rng(5).standard_normal((300, 64)).astype(np.float32)
+    )
+    src = read_source(str(tiny.write_model(tmp_path / "head", tied.config, w)))
+    r = compare(src, PROMPT, horizon=8, dtype=mx.float32)
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 8, r
+
+
+def test_perplexity_agrees_in_float32(source):
+    from flashnorm_mlx.perplexity import default_text, perplexity
+
+    r = perplexity(
+        source, text=default_text()[:3000], seq_len=32, num_seqs=2, dtype=mx.float32
+    )
+    assert abs(r["diff_rel"]) < tiny.f32_tol(), r
+
+
 def greedy(model, n=64):
     steps = generate_step(mx.array(PROMPT), model, max_tokens=n)
     return [int(t) for t, _ in steps]

@@ -215,8 +215,13 @@ class Model(nn.Module):
 
     def sanitize(self, weights):
         """Hugging Face names -> the fused layout (applied once, at load)."""
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        if self.args.tie_word_embeddings and "lm_head.weight" in weights:
+            # As stock decides: a stored head is used, whatever the config says
+            # (the final norm, kept for a tied head, then applies its gain).
+            self.args.tie_word_embeddings = False
+            self.lm_head = nn.Linear(
+                self.args.hidden_size, self.args.vocab_size, bias=False
+            )
         for i in range(self.args.num_hidden_layers):
             p = f"model.layers.{i}"
             weights = fuse(
