@@ -261,6 +261,13 @@ def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
     x = mx.array([PROMPT])
     errs = {"mlx-lm on --compat": rel(stock_on_folded(x), ref(x))}
     errs["flashnorm on --compat"] = rel(ours(x), ref(x))
+    # Without --compat: `--mode stock` restores the unit gains (w = 0) itself.
+    plain = tmp_path / "folded"
+    convert(source, plain, progress=False)
+    folded = read_source(str(plain))
+    assert "model.layers.0.input_layernorm.weight" not in folded.weights
+    stock_on_folded, _ = build_model(folded, "stock", dtype=mx.float32)
+    errs["stock on folded"] = rel(stock_on_folded(x), ref(x))
     assert max(errs.values()) < tiny.f32_tol(), errs
 
 
