@@ -27,7 +27,8 @@ Steps the whole-step function cannot serve run the model as is: prefill (L > 1),
 caches other than a plain `KVCache` (rotating, quantized, batched), an empty
 cache. There FlashNorm's blocks compile their cache-free parts (`_parts_class`);
 mlx-lm's classes, whose attention holds the cache update, run eagerly. bench's
-rows all take the whole-step path.
+rows all take the whole-step path, but Gemma 3's (its local layers' caches are
+rotating: docs/design.md section 3e).
 """
 
 import contextlib

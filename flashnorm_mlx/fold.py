@@ -69,12 +69,13 @@ def fold_norms(
 
     folded_norms = []
     for norm, linears in norm_pairs(config, weights):
-        gain = weights[f"{norm}.weight"]
+        stored = weights[f"{norm}.weight"]
+        gain = arch.gain(stored)  # Gemma: 1 + w (docs/design.md section 2h)
         for linear in linears:
             weights = fold_gain(weights, gain, linear)
         folded_norms.append(norm)
         if compat:
-            weights[f"{norm}.weight"] = mx.ones_like(gain)
+            weights[f"{norm}.weight"] = arch.unit_weight(stored)
         else:
             del weights[f"{norm}.weight"]
 
@@ -89,18 +90,20 @@ def fold_norms(
 
 
 def restore_unit_norms(weights: Weights, config: dict) -> Weights:
-    """Give a folded checkpoint all-ones norm tensors, so stock classes run it.
+    """Give a folded checkpoint unit-gain norm tensors (all ones, Gemma's all
+    zeros), so stock classes run it.
 
     A folded model with unit gains is the same function as the original one.
     """
     if not is_folded(config):
         return weights
     weights = dict(weights)
+    arch = models.architecture(config)
     for norm, _ in norm_pairs(config, weights):
         key = f"{norm}.weight"
         if key not in weights:
-            width = config[models.architecture(config).width_key]
-            weights[key] = mx.ones((width,), dtype=mx.float32)
+            like = mx.zeros((config[arch.width_key],), dtype=mx.float32)
+            weights[key] = arch.unit_weight(like)
     return weights
 
 

@@ -26,6 +26,7 @@ PARTS = {
         "test_llama.py",
         "test_openelm.py",
         "test_qwen.py",
+        "test_gemma3.py",
         "test_gguf.py",
         "test_real_model.py",
         "test_stored.py",

@@ -48,6 +48,7 @@ CONFIGS = (
     [("llama", c, tiny.make_llama) for c in tiny.LLAMA_CONFIGS]
     + [("qwen", c, tiny.make_qwen) for c in tiny.QWEN_CONFIGS]
     + [("openelm", c, tiny.make_openelm) for c in tiny.OPENELM_CONFIGS]
+    + [("gemma3", c, tiny.make_gemma3) for c in tiny.GEMMA3_CONFIGS]
 )
 
 

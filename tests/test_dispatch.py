@@ -28,6 +28,7 @@ MODELS = {
     "llama-tied": ("llama", "mha_tied"),
     "llama-llama3-rope": ("llama", "head_dim_llama3"),
     "openelm-tied": ("openelm", "shared"),
+    "gemma3-sliding": ("gemma3", "gemma3_tied"),  # post-norm residuals, GELU
     "openelm-untied": ("openelm", "odd_unshared"),
     "openelm-no-qk-norm": ("openelm", "no_qk_norm"),
     "mistral-sliding": ("llama", "mistral_sliding"),

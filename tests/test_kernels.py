@@ -278,14 +278,22 @@ def residual_case(dtype, shape):
     return h, y, mx.random.uniform(0.1, 20.0, (*shape[:-1], 1), key=k[2]), gain
 
 
+def np_activation(g, activation):
+    if activation == "silu":
+        return g / (1 + np.exp(-g))
+    # GELU, tanh approximation (mlx's nn.gelu_approx, Gemma's activation).
+    return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+
+
+@pytest.mark.parametrize("activation", K.glu.ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_deferred_glu_twin_vs_numpy(dtype, shape):
+def test_deferred_glu_twin_vs_numpy(dtype, shape, activation):
     gate_up, ms = glu_case(dtype, shape)
-    out = K.glu.deferred_glu_ops(gate_up, ms)
+    out = K.glu.deferred_glu_ops(gate_up, ms, activation)
     g, u = np.split(np64(gate_up), 2, axis=-1)
     g = g * np_scale(ms, dtype)
-    ref = g / (1 + np.exp(-g)) * u
+    ref = np_activation(g, activation) * u
     err = np.abs(np64(out) - ref).max() / np.abs(ref).max()
     assert out.dtype == dtype and out.shape == shape, (out.dtype, out.shape)
     assert err < TOL[dtype], f"{dtype} {shape}: rel err {err:.3e}"
@@ -348,15 +356,89 @@ def test_residual_norm_twin_vs_numpy(dtype, shape, gain):
     assert err < 3 * TOL[dtype], f"{dtype} {shape}: rel err {err:.3e}"
 
 
+def test_glu_activation_is_a_variant_and_unknown_ones_refuse():
+    """SiLU and GELU differ (so a variant mix-up shows), and a name outside
+    ACTIVATIONS is an error, not SiLU."""
+    gate_up, ms = glu_case(mx.float32, (1, 5, 64))
+    silu = K.glu.deferred_glu_ops(gate_up, ms, "silu")
+    gelu = K.glu.deferred_glu_ops(gate_up, ms, "gelu_tanh")
+    assert rel_err(gelu, silu) > 0.05
+    assert K._common._variant((gate_up, ms, "silu")) != K._common._variant(
+        (gate_up, ms, "gelu_tanh")
+    )
+    with pytest.raises(ValueError, match="activation"):
+        K.glu.deferred_glu_ops(gate_up, ms, "relu")
+
+
+# --- the post-norm residual (Gemma's sandwich norms) -------------------------------
+
+
+def post_case(dtype, shape, mode):
+    """(h, y, ms_y, post_gain): mode "attn" (y as is) or "ffn" (y * s(ms_y))."""
+    h, y, ms_y, gain = residual_case(dtype, shape)
+    return h, y, (ms_y if mode == "ffn" else None), (gain * 0.5 + 0.1).astype(dtype)
+
+
+def np_post_sum(h, y, ms_y, post_gain, eps, dtype):
+    """h + RMSNorm(s_y * y) * post_gain in float64, clipped for float16."""
+    real = np64(y) * (1.0 if ms_y is None else np_scale(ms_y, dtype))
+    normed = real / np.sqrt((real**2).mean(-1, keepdims=True) + eps)
+    out = np64(h) + normed * np64(post_gain)
+    return np.clip(out, -65504, 65504) if dtype == mx.float16 else out
+
+
+@pytest.mark.parametrize("eps", [1e-5, 0.5], ids=["eps", "big_eps"])
+@pytest.mark.parametrize("mode", ["attn", "ffn"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_post_residual_twin_vs_numpy(dtype, shape, mode, eps):
+    h, y, ms_y, pg = post_case(dtype, shape, mode)
+    gain = residual_case(dtype, shape)[3]
+    out, ms, xs = K.post_norm.post_residual_ops(h, y, ms_y, pg, eps, gain)
+    ref = np_post_sum(h, y, ms_y, pg, eps, dtype)
+    err = np.abs(np64(out) - ref).max() / np.abs(ref).max()
+    assert out.dtype == xs.dtype == dtype and out.shape == shape
+    assert err < 3 * TOL[dtype], f"{dtype} {shape} {mode}: rel err {err:.3e}"
+    ref_ms = (np64(out) ** 2).mean(-1, keepdims=True) + eps
+    assert np.abs(np64(ms) - ref_ms).max() / ref_ms.max() < 2e-6
+    p = np_pow2(ms) if dtype == mx.float16 else 1.0
+    ref_xs = np64(out) * np64(gain) * p
+    assert np.abs(np64(xs) - ref_xs).max() <= TOL[dtype] * np.abs(ref_xs).max()
+    final = K.post_norm.post_residual_norm_ops(h, y, ms_y, pg, eps, gain)
+    x = np64(out)
+    ref_f = x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * np64(gain)
+    err_f = np.abs(np64(final) - ref_f).max() / np.abs(ref_f).max()
+    assert err_f < 3 * TOL[dtype], f"final norm: rel err {err_f:.3e}"
+
+
+def test_post_residual_clips_float16_as_mlx_lm_does():
+    """mlx-lm's Gemma (clip_residual): the float16 sum clipped to +-65504, not inf."""
+    h = mx.full((1, 1, 64), 65504.0, mx.float16)
+    y = mx.ones((1, 1, 64), mx.float16)
+    out, ms, _ = K.post_norm.post_residual_ops(h, y, None, mx.full((64,), 40.0), 1e-6)
+    assert mx.isfinite(out).all().item() and out.max().item() == 65504.0
+    assert mx.isfinite(ms).all().item()
+
+
 # --- pickers -----------------------------------------------------------------------
 
-OPS = ["qkv_epilogue", "deferred_glu", "residual", "residual_norm", "decode_attention"]
+OPS = [
+    "qkv_epilogue",
+    "deferred_glu",
+    "residual",
+    "residual_norm",
+    "post_residual",
+    "post_residual_norm",
+    "decode_attention",
+]
 MODULES = {
     "decode_attention": K.attention,
     "qkv_epilogue": K.epilogue,
     "deferred_glu": K.glu,
     "residual": K.block_residual,
     "residual_norm": K.block_residual,
+    "post_residual": K.post_norm,
+    "post_residual_norm": K.post_norm,
 }
 
 
@@ -488,6 +570,7 @@ BODIES = {
     "qkv_epilogue": K.epilogue.QKV_EPILOGUE_BODY,
     "deferred_glu": K.glu.DEFERRED_GLU_BODY,
     "residual": K.block_residual.RESIDUAL_BODY,
+    "post_residual": K.post_norm.POST_RESIDUAL_BODY,
     "decode_attention": K.attention.DECODE_ATTENTION_BODY,
 }
 VARIANTS = [
@@ -498,12 +581,20 @@ VARIANTS = [
     if not (a and c)
 ]
 VARIANTS += [("deferred_glu", dict(prescale=b)) for b in (0, 1)]
+VARIANTS += [("deferred_glu", dict(prescale=b, gelu=1)) for b in (0, 1)]
 VARIANTS += [("decode_attention", dict())]
 VARIANTS += [
     ("residual", dict(has_y=y, scale_y=sy, prescale=p, norm=n, gain=g))
     for y, sy in ((0, 0), (1, 0), (1, 1))
     for p in (0, 1)
     for n, g in ((0, 0), (0, 1), (1, 0), (1, 1))
+]
+VARIANTS += [
+    ("post_residual", dict(scale_y=sy, prescale=p, norm=n, gain=g))
+    for sy in (0, 1)
+    for p in (0, 1)
+    for n in (0, 1)
+    for g in (0, 1)
 ]
 
 
@@ -625,6 +716,7 @@ def elementwise_checks(dtype, shape):
     """(op, args, tolerance per output) for every variant the models call."""
     gate_up, ms = glu_case(dtype, shape)
     yield "deferred_glu", (gate_up, ms), [2 * TOL[dtype]]
+    yield "deferred_glu", (gate_up, ms, "gelu_tanh"), [2 * TOL[dtype]]
     # out as the twin rounds it; ms: float32 sums in another order; xs: one more
     # rounding of out (an exact power of two, so only where out already differs).
     h, y, ms_y, gain = residual_case(dtype, shape)
@@ -635,6 +727,16 @@ def elementwise_checks(dtype, shape):
         yield "residual", (*args, gain), [2 * TOL[dtype], 1e-5, 3 * TOL[dtype]]
         yield "residual_norm", args, [3 * TOL[dtype]]
     yield "residual_norm", (h, y, ms_y, 1e-5, gain), [3 * TOL[dtype]]
+    # The post-norm residual (Gemma): after attention (y as is) and after the
+    # FFN (y owing s_y), with and without the next norm's gain; the final one.
+    for mode in ("attn", "ffn"):
+        h, y, ms_y, pg = post_case(dtype, shape, mode)
+        args = (h, y, ms_y, pg, 1e-5)
+        yield "post_residual", args, [3 * TOL[dtype], 1e-5, 3 * TOL[dtype]]
+        tols = [3 * TOL[dtype], 1e-5, 4 * TOL[dtype]]
+        yield "post_residual", (*args, gain), tols
+        yield "post_residual_norm", args, [4 * TOL[dtype]]
+        yield "post_residual_norm", (*args, gain), [4 * TOL[dtype]]
 
 
 def check_elementwise_kernels(dtype, shape):
@@ -666,6 +768,7 @@ HOST_PRELUDE = """\
 #define FN_SYNC() bar_->arrive_and_wait()
 #define FN_RSQRT(x) (1.0f / std::sqrt(x))
 #define FN_EXP(x) std::exp(x)
+#define FN_TANH(x) std::tanh(x)
 #define FN_COS(x) std::cos(x)
 #define FN_SIN(x) std::sin(x)
 #define FN_AS_INT(x) std::bit_cast<int>(x)
@@ -1052,6 +1155,8 @@ WHOLE_MODELS = {
     "qwen3-qk-norm": (tiny.make_qwen, "qwen3_tied"),
     "openelm-tied": (tiny.make_openelm, "shared"),
     "openelm-untied": (tiny.make_openelm, "odd_unshared"),
+    "gemma3-tied": (tiny.make_gemma3, "gemma3_tied"),
+    "gemma3-untied": (tiny.make_gemma3, "gemma3_untied"),
 }
 
 

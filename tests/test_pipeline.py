@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "qwen2": lambda p: tiny.make_qwen(p, "qwen2"),
     "qwen3": lambda p: tiny.make_qwen(p, "qwen3_untied"),
     "openelm": lambda p: tiny.make_openelm(p, "quantizable_untied"),
+    "gemma3": lambda p: tiny.make_gemma3(p, "gemma3_untied"),
 }
 
 # (quantized source?, build_model/convert flags)

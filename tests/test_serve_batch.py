@@ -27,10 +27,12 @@ MODELS = {
     "openelm": lambda p: tiny.make_openelm(p, "odd_unshared"),
     # Sliding-window layers: mlx-lm's BatchRotatingKVCache.
     "mistral": lambda p: tiny.make_llama(p, "mistral_sliding", tokenizer=False),
+    # Sandwich norms, local layers on BatchRotatingKVCache.
+    "gemma3": lambda p: tiny.make_gemma3(p, "gemma3_tied", tokenizer=False),
 }
 # Where batched attention may sum in another order than alone (the rotating
 # cache keeps its window in another layout), float32 agrees to rounding only.
-TOLERANCE = {"mistral": 1e-4}
+TOLERANCE = {"mistral": 1e-4, "gemma3": 1e-4}
 
 # Prompt lengths 1-23, reply lengths 2-12 (some finish early), and the step at
 # which each request joins: all at once (batch 1, 3 and 8), or mid-flight.

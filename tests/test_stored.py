@@ -35,6 +35,7 @@ ARCHS = {
     "qwen3-tied": (tiny.make_qwen, "qwen3_tied"),
     "openelm-tied": (tiny.make_openelm, "shared"),
     "openelm-untied": (tiny.make_openelm, "quantizable_untied"),
+    "gemma3-tied": (tiny.make_gemma3, "gemma3_tied"),
 }
 
 

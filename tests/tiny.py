@@ -218,6 +218,95 @@ def make_qwen(
     return write_model(path, cfg, w, tokenizer)
 
 
+# --- Gemma 3 (gemma3_text): gains 1 + w, sandwich norms, local/global layers -------
+
+GEMMA3_BASE = dict(
+    model_type="gemma3_text",
+    hidden_size=64,
+    num_hidden_layers=6,  # two whole local, local, global patterns
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    vocab_size=VOCAB,
+    rope_theta=1000000.0,
+    rope_local_base_freq=10000.0,
+    query_pre_attn_scalar=24,  # not head_dim: the attention scale must come from it
+    sliding_window=6,  # shorter than the tests' prompts and decodes
+    sliding_window_pattern=3,
+    max_position_embeddings=512,
+)
+
+GEMMA3_CONFIGS = {
+    # Global layers with linear RoPE scaling, as Gemma 3 1B ships.
+    "gemma3_tied": dict(rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    # Untied (the final norm folds into the head), a large eps (the post-norm's
+    # and QK-norm's epsilon adjustments matter), no rope scaling: null, with
+    # the other keys Gemma 3's own configs carry.
+    "gemma3_untied": dict(
+        tie_word_embeddings=False,
+        rms_norm_eps=0.05,
+        rope_scaling=None,
+        hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        attention_bias=False,
+        layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2,
+    ),
+}
+
+
+def _gemma_w(rng, n):
+    """Stored w of a gain 1 + w: w far from 0, a few near -1 (gain near 0)."""
+    w = rng.uniform(-0.75, 3.0, size=(n,))
+    w[rng.choice(n, size=max(1, n // 8), replace=False)] = -0.97
+    return w.astype(np.float32)
+
+
+def gemma3_config(name: str) -> dict:
+    return {**GEMMA3_BASE, **GEMMA3_CONFIGS[name]}
+
+
+def gemma3_weights(cfg: dict, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hq, hkv, h = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    w = {
+        # Stock scales the embedding by sqrt(D): keep the residual near unit RMS.
+        "model.embed_tokens.weight": (rng.standard_normal((V, D)) / np.sqrt(D)).astype(
+            np.float32
+        ),
+        "model.norm.weight": _gemma_w(rng, D),
+    }
+    if not cfg.get("tie_word_embeddings", True):
+        w["lm_head.weight"] = _lin(rng, V, D)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        for n in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
+            w[f"{p}.{n}.weight"] = _gemma_w(rng, D)
+        for n, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
+            w[f"{p}.self_attn.{n}_proj.weight"] = _lin(rng, out, D)
+        w[f"{p}.self_attn.q_norm.weight"] = _gemma_w(rng, h)
+        w[f"{p}.self_attn.k_norm.weight"] = _gemma_w(rng, h)
+        w[f"{p}.self_attn.o_proj.weight"] = _lin(rng, D, hq * h)
+        for n, (o, i_) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            w[f"{p}.mlp.{n}_proj.weight"] = _lin(rng, o, i_)
+    return w
+
+
+def make_gemma3(
+    path: Path, name: str = "gemma3_tied", seed: int = 0, tokenizer: bool = True
+) -> Path:
+    cfg = gemma3_config(name)
+    return write_model(path, cfg, gemma3_weights(cfg, seed), tokenizer)
+
+
 # --- OpenELM (Apple's Hugging Face layout, as mlx-lm's openelm reads it) -------
 
 OPENELM_BASE = dict(

@@ -28,7 +28,7 @@ def _usage() -> str:
         "",
     ]
     lines.append("Exact FlashNorm inference on MLX for Llama-family models (Llama,")
-    lines.append("Mistral, Qwen2, Qwen3) and OpenELM.")
+    lines.append("Mistral, Qwen2, Qwen3), OpenELM and Gemma 3 (gemma3_text).")
     lines.append("MODEL defaults to the embedded SmolLM2-135M-Instruct (4-bit GGUF).")
     lines.append("")
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]

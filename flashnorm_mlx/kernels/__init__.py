@@ -4,7 +4,9 @@ One module per op, the kernel body beside its plain-MLX twin:
 - `block_residual`: `residual` (h + s*y, its mean square, the next matmul's
   input xs, with the next norm's gain where it is not folded) and
   `residual_norm` (the last one, fused with the final RMSNorm);
-- `glu`: `deferred_glu`, silu(s * gate) * up;
+- `post_norm`: `post_residual` and `post_residual_norm`, the same after a
+  post-norm (Gemma's norm on a sublayer's output before the residual add);
+- `glu`: `deferred_glu`, act(s * gate) * up, act SiLU or GELU (tanh);
 - `attention`: `decode_attention`, one query per head over the first n cache
   positions, n from an array (the compiled decode step's attention), and
   `scaled_dot_product_attention`, mlx-lm's call that sends that step's cache
@@ -38,6 +40,7 @@ from ._common import (
     deferred_scale,
     failures,
     gpu_backend,
+    is_tracing,
     picking,
     tracing,
 )
@@ -45,6 +48,7 @@ from .attention import decode_attention, scaled_dot_product_attention
 from .block_residual import residual, residual_norm
 from .epilogue import Epilogue, qkv_epilogue, rope_inv_freq
 from .glu import deferred_glu
+from .post_norm import post_residual, post_residual_norm
 
 __all__ = [
     "Epilogue",
@@ -54,7 +58,10 @@ __all__ = [
     "deferred_scale",
     "failures",
     "gpu_backend",
+    "is_tracing",
     "picking",
+    "post_residual",
+    "post_residual_norm",
     "qkv_epilogue",
     "residual",
     "residual_norm",

@@ -87,6 +87,8 @@ def _variant(args) -> tuple:
             key.append(a.dtype)
         elif a is None or isinstance(a, (int, float)):
             key.append(a is None)
+        elif isinstance(a, str):  # a named variant (the GLU's activation)
+            key.append(a)
         else:  # an Epilogue: its mode
             key.append(tuple(getattr(a, f, None) is None for f in _MODE_FIELDS))
     return tuple(key)
@@ -154,6 +156,11 @@ def _fail(op: str, b: str, err: str) -> None:
 
 
 _TRACING = False
+
+
+def is_tracing() -> bool:
+    """Whether calls now may be traced by `mx.compile` (so must not evaluate)."""
+    return _TRACING
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Read a llama.cpp GGUF file as a Hugging Face-style Llama, Qwen2 or Qwen3 checkpoint.
+"""Read a llama.cpp GGUF file as a Hugging Face-style Llama, Qwen2, Qwen3 or Gemma 3
+checkpoint (Gemma's own reading: gguf_gemma3.py).
 
 `mx.load(path, return_metadata=True)` gives the tensors (Q4_0/Q4_1/Q8_0 as MLX
 affine group-32 triples `.weight/.scales/.biases`, F32/F16 as plain arrays;
@@ -19,7 +20,9 @@ import numpy as np
 
 from .. import quant
 from ..errors import LoadError
+from . import gguf_gemma3
 from .checks import check_gguf
+from .gguf_rope import llama3_scaling
 
 GROUP_SIZE = 32  # every GGUF block quant MLX keeps quantized has 32-wide blocks
 
@@ -41,12 +44,15 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",  # Qwen3's QK-norm
     "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_norm",  # Gemma 3's sandwich norms,
+    "post_ffw_norm": "post_feedforward_layernorm",  # named by gguf_gemma3.py
 }
 # general.architecture -> the Hugging Face architectures entry (model_type = key).
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 _SUFFIXES = ("weight", "scales", "biases", "bias")
 
@@ -105,7 +111,11 @@ def read_gguf(
         )
     try:
         config = gguf_config(meta, raw, path, arch)
+        if arch == "gemma3":
+            config = gguf_gemma3.gemma3_config(meta, config, path)
         weights = hf_weights(raw, config, path)
+        if arch == "gemma3":
+            weights = gguf_gemma3.gemma3_weights(weights)
     except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
         # Metadata of the wrong kind (a string where a count belongs, ...).
         raise LoadError(f"{path}: unusable GGUF metadata ({_first_line(e)})") from None
@@ -214,7 +224,7 @@ def _rope_scaling(
     factor = float(_value(meta, f"{a}.rope.scaling.factor", 0.0) or 0.0)
     original = _value(meta, f"{a}.rope.scaling.original_context_length")
     if "rope_freqs.weight" in tensors:
-        return _llama3_scaling(tensors["rope_freqs.weight"], config, path)
+        return llama3_scaling(tensors["rope_freqs.weight"], config, path)
     if kind in ("none", None) or factor in (0.0, 1.0):
         return None
     if kind == "linear":
@@ -225,41 +235,6 @@ def _rope_scaling(
             out["original_max_position_embeddings"] = int(original)
         return out
     raise LoadError(f"{path}: RoPE scaling {kind!r} is not supported")
-
-
-def llama3_rope_factors(
-    head_dim: int, base: float, factor: float, low: float, high: float, old_ctx: int
-) -> np.ndarray:
-    """The per-frequency divisors llama.cpp stores as rope_freqs for Llama 3 RoPE."""
-    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * np.pi / freqs
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    mid = 1.0 / ((1 - smooth) / factor + smooth)
-    return np.where(
-        wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, mid)
-    )
-
-
-def _llama3_scaling(rope_freqs: mx.array, config: dict, path: Path) -> dict:
-    """Recover the Llama 3 rope_scaling dict from the stored factors, or refuse."""
-    stored = np.array(rope_freqs.astype(mx.float32))
-    factor = float(stored.max())
-    for old_ctx in (8192, 4096, 2048, 16384, 32768):
-        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
-            ref = llama3_rope_factors(
-                config["head_dim"], config["rope_theta"], factor, low, high, old_ctx
-            )
-            if ref.shape == stored.shape and np.allclose(ref, stored, rtol=1e-5):
-                return {
-                    "rope_type": "llama3",
-                    "factor": factor,
-                    "low_freq_factor": low,
-                    "high_freq_factor": high,
-                    "original_max_position_embeddings": old_ctx,
-                }
-    raise LoadError(
-        f"{path}: rope_freqs do not match Llama 3 RoPE scaling; not supported"
-    )
 
 
 # --- weights -----------------------------------------------------------------
@@ -351,9 +326,11 @@ def _expected(config: dict) -> List[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config["tie_word_embeddings"]:
         names.append("lm_head.weight")
-    layer = [m for g, m in _LAYER_NAMES.items() if not g.endswith(("q_norm", "k_norm"))]
-    if config["model_type"] == "qwen3":
-        layer += ["self_attn.q_norm", "self_attn.k_norm"]
+    qk, post = ("attn_q_norm", "attn_k_norm"), ("post_attention_norm", "post_ffw_norm")
+    extra = {"qwen3": qk, gguf_gemma3.MODEL_TYPE: qk + post}.get(
+        config["model_type"], ()
+    )
+    layer = [m for g, m in _LAYER_NAMES.items() if g not in qk + post or g in extra]
     for i in range(config["num_hidden_layers"]):
         names += [f"model.layers.{i}.{m}.weight" for m in layer]
         if config["model_type"] == "qwen2":

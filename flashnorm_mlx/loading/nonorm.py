@@ -13,7 +13,10 @@ Where c goes, per norm (architecture-generic: a walk over the RMSNorm modules):
 - a norm in `fold.norm_pairs`: input columns of the linears it feeds;
 - the final norm before a tied head: the head is untied (lm_head = embedding * c),
   which costs storage, not decode bandwidth;
-- a per-head QK-norm (OpenELM q_norm/k_norm): the q or k output rows of qkv_proj.
+- a per-head QK-norm (OpenELM q_norm/k_norm): the q or k output rows of qkv_proj;
+- a post-norm (Gemma's, on a sublayer's output before the residual add): the
+  output rows of the linear before it (`Architecture.post_norms`).
+The gain is the architecture's (`Architecture.gain`: Gemma's 1 + w).
 Not the same function as stock (only a bound on its speed).
 """
 
@@ -85,23 +88,23 @@ class _ConstantNorm(nn.Module):
     not stock's, which keeps deep layers at stock's scale instead of drifting.
     """
 
-    def __init__(self, norm: nn.Module, path: str, rms: dict):
+    def __init__(self, norm: nn.Module, path: str, rms: dict, arch):
         super().__init__()
         self.norm = norm
-        self._path, self._rms = path, rms
+        self._path, self._rms, self._arch = path, rms, arch
 
     def __call__(self, x):
         if self._path not in self._rms:  # a norm called twice keeps its first r
             ms = mx.mean(mx.square(x.astype(mx.float32)), axis=-1)
             rms = mx.sqrt(ms + getattr(self.norm, "eps", 0.0))
             self._rms[self._path] = CALIBRATION_MARGIN * mx.max(rms)
-        gain = self.norm["weight"] if "weight" in self.norm else 1.0
+        gain = self._arch.gain(self.norm["weight"]) if "weight" in self.norm else 1.0
         return (x * (gain / self._rms[self._path])).astype(x.dtype)
 
 
 def measure_rms(
     model: nn.Module,
-    vocab_size: int,
+    config: dict,
     n_tokens: int = CALIBRATION_TOKENS,
     seed: int = CALIBRATION_SEED,
 ) -> Dict[str, float]:
@@ -112,8 +115,11 @@ def measure_rms(
     modules = dict(model.named_modules())
     originals = {p: modules[p] for p in paths}
     rms: Dict[str, mx.array] = {}
-    _set_modules(model, {p: _ConstantNorm(n, p, rms) for p, n in originals.items()})
+    arch = models.architecture(config)
+    consts = {p: _ConstantNorm(n, p, rms, arch) for p, n in originals.items()}
+    _set_modules(model, consts)
     try:
+        vocab_size = config["vocab_size"]
         tokens = np.random.default_rng(seed).integers(0, vocab_size, (1, n_tokens))
         mx.eval(model(mx.array(tokens)), rms)
     finally:
@@ -131,6 +137,7 @@ def norm_sites(model: nn.Module, config: dict, weights: fold.Weights) -> List[No
     """A NormSite for every RMSNorm module of the stock `model` (else FoldError)."""
     arch = models.architecture(config)
     pairs = dict(arch.norm_pairs(config, weights))
+    posts = arch.post_norm_paths(config)
     modules = dict(model.named_modules())
     sites = []
     for path in rms_norm_paths(model):
@@ -138,6 +145,9 @@ def norm_sites(model: nn.Module, config: dict, weights: fold.Weights) -> List[No
         parent = modules[parent_path] if parent_path else model
         if path in pairs:
             sites.append(NormSite(path, tuple(pairs[path])))
+        elif path in posts:  # rows of the linear whose output it normalizes
+            rows = (0, weights[f"{posts[path]}.weight"].shape[0])
+            sites.append(NormSite(path, (posts[path],), rows=rows))
         elif path == arch.final_norm:
             sites.append(NormSite(path, (arch.head,), untie=True))
         elif name in ("q_norm", "k_norm") and "qkv_proj" in parent:
@@ -166,7 +176,7 @@ def fold_constants(
     weights, config = dict(weights), copy.deepcopy(config)
     for site in sites:
         gain = weights.pop(f"{site.norm}.weight")
-        c = gain.astype(mx.float32) / rms[site.norm]  # (width,)
+        c = arch.gain(gain).astype(mx.float32) / rms[site.norm]  # (width,)
         if site.untie:
             if f"{arch.embed}.scales" in weights:
                 raise fold.FoldError("nonorm: cannot untie a quantized embedding")
@@ -202,6 +212,15 @@ def _fold_rows(weights: fold.Weights, c: mx.array, linear: str, a: int, b: int):
 # --- building ----------------------------------------------------------------
 
 
+def _stock_sanitized(config: dict, weights: fold.Weights) -> fold.Weights:
+    """`weights` as a fresh stock instance's `sanitize` leaves them: a model's
+    sanitize may change the model too (Gemma's pops its head once), so the
+    calibration model's own is not called twice."""
+    model_cls, args_cls = models.model_classes(config, "stock")
+    model = model_cls(args_cls.from_dict(config))
+    return model.sanitize(weights) if hasattr(model, "sanitize") else weights
+
+
 def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
     """Stock mlx-lm class, norms removed, constants folded; returns (model, config).
 
@@ -220,8 +239,8 @@ def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
 
     # Calibrate in float32 on mlx-lm's class (and its sanitize).
     calib = models.instantiate(config, weights, "stock")
-    weights = calib.sanitize(weights) if hasattr(calib, "sanitize") else weights
-    rms = measure_rms(calib, config["vocab_size"])
+    weights = _stock_sanitized(config, weights)
+    rms = measure_rms(calib, config)
     sites = norm_sites(calib, config, weights)
     del calib
     weights, config = fold_constants(weights, config, sites, rms)

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .. import estimate, fold, quant
+from .. import estimate, fold, models, quant
 from ..errors import LoadError
 from ..fold import Weights
 from ..progress import counter, progress_bar
@@ -71,8 +71,15 @@ class Recipe:
             self.config = plan.config
             self._finish(plan.weights)
         else:
+            arch = models.architecture(config)
             for norm, linears in fold.norm_pairs(config, weights):
-                self.gains.update({m: weights[f"{norm}.weight"] for m in linears})
+                stored = weights[f"{norm}.weight"]
+                # Stock rounds Gemma's 1 + w at the run's dtype, not at the
+                # checkpoint's (docs/design.md section 2h).
+                if arch.gain_offset:
+                    stored = stored.astype(self.out_dtype)
+                gain = arch.gain(stored)
+                self.gains.update({m: gain for m in linears})
             # Lazy: only its keys, config and small (1-D) tensors are evaluated.
             floats = fold.map_floats(plan.weights, lambda v: v.astype(mx.float32))
             self._stock = (plan.weights, plan.config)

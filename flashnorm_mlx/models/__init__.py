@@ -14,6 +14,7 @@ from .arch import Architecture
 
 # config model_type -> module in flashnorm_mlx.models
 ARCHITECTURES = {
+    "gemma3_text": "gemma3",
     "llama": "llama",
     "mistral": "llama",  # mlx-lm runs Mistral as Llama, sliding window included
     "openelm": "openelm",

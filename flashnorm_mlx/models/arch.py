@@ -4,10 +4,23 @@ Each model file (`models/<model_type>.py`) holds one `Architecture` as `ARCH`
 beside its model classes; `models.architecture(config)` finds it. Names are
 Hugging Face weight names (as mlx-lm's `sanitize` leaves them), relative to a
 layer's prefix where they are per layer.
+
+Beyond the Llama shape (docs/design.md section 2h), an architecture states:
+- `gain_offset`: a norm's gain is `gain_offset + weight` (Gemma stores w of
+  1 + w); fold, nonorm, GPTQ and the kernels read gains through `gain`, and
+  `unit_weight` is the weight of a gain of 1 (what `--compat` writes);
+- `activation`: the GLU's gate activation, "silu" or "gelu_tanh";
+- `post_norms`: norms on a sublayer's output before the residual add, which
+  cannot fold (nonorm folds its constant into the rows of the linear before);
+- `embed_scale`: the embeddings are scaled by sqrt(width) before the blocks.
 """
 
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Tuple
+
+import mlx.core as mx
+
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -25,6 +38,15 @@ class NormPair:
 
 
 @dataclass(frozen=True)
+class PostNorm:
+    """A norm on a sublayer's output, before the residual add (Gemma's sandwich
+    norms), and the linear whose output it normalizes (within a layer)."""
+
+    norm: str
+    after: str
+
+
+@dataclass(frozen=True)
 class Architecture:
     layers_key: str  # config key: number of layers
     layer: str  # weight prefix of layer i, "{i}" formatted
@@ -36,6 +58,26 @@ class Architecture:
     width_key: str  # config key: width of the residual stream
     # Per-head norms on q and k inside attention (QK-norm), relative to a layer.
     qk_norms: Tuple[str, ...] = ()
+    gain_offset: float = 0.0  # gain = gain_offset + weight (Gemma: 1)
+    activation: str = "silu"  # the GLU's gate activation, one of ACTIVATIONS
+    post_norms: Tuple[PostNorm, ...] = ()  # per layer, unfoldable
+    embed_scale: bool = False  # embeddings times sqrt(width) (Gemma)
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} not in {ACTIVATIONS}")
+
+    def gain(self, weight: mx.array) -> mx.array:
+        """The gain a norm applies, from its stored weight, in the weight's
+        dtype as mlx-lm computes it (Gemma's RMSNorm: 1.0 + weight)."""
+        return self.gain_offset + weight if self.gain_offset else weight
+
+    def unit_weight(self, like: mx.array) -> mx.array:
+        """The stored weight of a gain of 1, shaped and typed as `like`."""
+        return mx.full(like.shape, 1.0 - self.gain_offset, like.dtype)
+
+    def embedding_scale(self, config: dict) -> float:
+        return config[self.width_key] ** 0.5 if self.embed_scale else 1.0
 
     def n_layers(self, config: dict) -> int:
         return config[self.layers_key]
@@ -46,6 +88,14 @@ class Architecture:
     def layer_prefixes(self, config: dict) -> Iterator[str]:
         for i in range(self.n_layers(config)):
             yield self.layer.format(i=i)
+
+    def post_norm_paths(self, config: dict) -> Dict[str, str]:
+        """{post-norm: the linear whose output it normalizes}, every layer's."""
+        return {
+            f"{p}.{post.norm}": f"{p}.{post.after}"
+            for p in self.layer_prefixes(config)
+            for post in self.post_norms
+        }
 
     def norm_pairs(self, config: dict, weights: Dict) -> List[Tuple[str, List[str]]]:
         """(norm, [linears it feeds]) for every foldable norm, final one included

@@ -34,6 +34,20 @@ class Gain(nn.Module):
         super().__init__()
         self.weight = mx.ones((dims,))
 
+    def gain(self, offset: float = 0.0) -> mx.array:
+        """offset + weight (`Architecture.gain`; Gemma's 1 + w), made once per
+        weight object, evaluated outside any trace, so no step pays the add."""
+        if not offset:
+            return self.weight
+        hit = self.__dict__.get("_gain")
+        if hit is not None and hit[0] is self.weight:
+            return hit[1]
+        g = offset + self.weight
+        if not kernels.is_tracing():  # a trace must never evaluate
+            mx.eval(g)
+            self.__dict__["_gain"] = (self.weight, g)
+        return g
+
 
 class Block(nn.Module):
     """A pre-norm transformer block in FlashNorm form.
@@ -46,6 +60,7 @@ class Block(nn.Module):
     NORMS: Tuple[str, str]
     ATTENTION = "self_attn"  # the attention module's checkpoint name
     FEED_FORWARD = "mlp"
+    GAIN_OFFSET = 0.0  # the architecture's `gain_offset` (Gemma: 1)
 
     def keep_gains(self, dims: int) -> None:
         """Hold both norms' gains (the unfolded form): the kernels apply them."""
@@ -55,7 +70,7 @@ class Block(nn.Module):
     def gain(self, i: int) -> Optional[mx.array]:
         """Gain of norm i (0: attention input, 1: FFN input), None if folded."""
         name = self.NORMS[i]
-        return self[name].weight if name in self else None
+        return self[name].gain(self.GAIN_OFFSET) if name in self else None
 
     def __call__(self, x, ms, xs, mask, cache, out_gain, final: bool):
         """(x, ms, xs) of the next block, or with `final` the final RMSNorm of

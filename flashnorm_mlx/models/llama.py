@@ -195,13 +195,13 @@ class Model(nn.Module):
             weights.pop("lm_head.weight", None)
         for i in range(self.args.num_hidden_layers):
             p = f"model.layers.{i}"
-            weights = _fuse(
+            weights = fuse(
                 weights,
                 [f"{p}.self_attn.{n}_proj" for n in "qkv"],
                 f"{p}.self_attn.qkv_proj",
                 f"{p}.self_attn.qkv_bias",
             )
-            weights = _fuse(
+            weights = fuse(
                 weights,
                 [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
                 f"{p}.mlp.gate_up_proj",
@@ -230,7 +230,7 @@ class Model(nn.Module):
         ]
 
 
-def _fuse(weights, parts, fused, fused_bias):
+def fuse(weights, parts, fused, fused_bias):
     """Stack the rows of linear layers that read the same input into one matmul.
 
     Exact for quantized layers too: quantization groups run along the input axis.

@@ -24,8 +24,9 @@ class QKNormGains:
     epsilons, built once and again only when a norm weight object is replaced
     (loading, dtype casts), not at every call."""
 
-    def __init__(self, scale: float, eps: float):
-        self.scale, self.eps = scale, eps
+    def __init__(self, scale: float, eps: float, offset: float = 0.0):
+        # offset: the architecture's gain offset (Gemma's QK-norm gain is 1 + w).
+        self.scale, self.eps, self.offset = scale, eps, offset
         self._built = self._from = None
 
     def __call__(self, q_weight: mx.array, k_weight: mx.array) -> dict:
@@ -34,7 +35,11 @@ class QKNormGains:
             or self._from[0] is not q_weight
             or self._from[1] is not k_weight
         ):
-            gq, gk = q_weight.astype(mx.float32), k_weight.astype(mx.float32)
+            # offset + w in the weight's dtype, as mlx-lm computes Gemma's gain.
+            gq, gk = (
+                (self.offset + w if self.offset else w).astype(mx.float32)
+                for w in (q_weight, k_weight)
+            )
             self._built = dict(
                 q_gain=gq * self.scale, k_gain=gk, eps_q=self.eps, eps_k=self.eps
             )

@@ -102,8 +102,9 @@ def hessians(
         if advance:
             advance(min(batch_size, data.shape[0] - s))
     out = {name: c.H for name, c in catchers}
+    arch = models.architecture(config)
     for norm, linears in fold.norm_pairs(config, weights):
-        inv = 1.0 / weights[f"{norm}.weight"].astype(mx.float32)
+        inv = 1.0 / arch.gain(weights[f"{norm}.weight"]).astype(mx.float32)
         for linear in linears:
             out[linear] = out[linear] * inv[:, None] * inv[None, :]
     return out

@@ -1,0 +1,79 @@
+"""llama.cpp's `gemma3` GGUF as a Hugging Face `gemma3_text` checkpoint.
+
+What the file holds and what llama.cpp's code adds (docs/design.md section 2h):
+- every `*norm.weight` is stored as 1 + w (its converter's `Gemma3Model` adds
+  `norm_shift`, in every version read): we store w = that - 1 back;
+- `ffn_norm` is Gemma's pre-FFN norm, `post_attention_norm` and `post_ffw_norm`
+  the sandwich norms;
+- its loader, not the file, sets the rest (llama-model.cpp, LLM_ARCH_GEMMA3):
+  with a sliding window in the file every 6th layer is global
+  (`set_swa_pattern(6)`), local layers use RoPE base 10000 unscaled, and the
+  attention scale is 1/sqrt(head_dim), but 1/sqrt(hidden/heads) for the 27B
+  (62 layers). mlx-lm's `gemma3_text` takes the same as config values.
+"""
+
+from pathlib import Path
+from typing import Dict
+
+import mlx.core as mx
+
+from ..errors import LoadError
+
+MODEL_TYPE = "gemma3_text"
+SWA_PATTERN = 6  # llama.cpp's set_swa_pattern(6)
+LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa
+LAYERS_27B = 62  # the one size whose attention scale is 1/sqrt(hidden/heads)
+
+# gguf.py's Llama reading of a layer name -> Gemma 3's (ffn_norm is pre-FFN here).
+RENAME = {
+    "post_attention_layernorm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+}
+
+
+def _scalar(meta: dict, key: str, default=None):
+    v = meta.get(key, default)
+    return v.item() if isinstance(v, mx.array) and v.ndim == 0 else v
+
+
+def gemma3_config(meta: dict, config: dict, path: Path) -> dict:
+    """gguf.py's Llama-style config of a gemma3 file -> mlx-lm's gemma3_text one."""
+    softcap = _scalar(meta, "gemma3.final_logit_softcapping", 0.0)
+    if softcap:
+        raise LoadError(
+            f"{path}: final logit softcapping ({softcap}) is not in mlx-lm's "
+            "gemma3_text; not supported"
+        )
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    heads, head_dim = config["num_attention_heads"], config["head_dim"]
+    window = int(_scalar(meta, "gemma3.attention.sliding_window", 0) or 0)
+    out = {
+        k: v
+        for k, v in config.items()
+        if k not in ("attention_bias", "mlp_bias", "tie_word_embeddings")
+    }
+    out["model_type"] = MODEL_TYPE
+    out["architectures"] = ["Gemma3ForCausalLM"]
+    out["tie_word_embeddings"] = config["tie_word_embeddings"]
+    scalar = hidden // heads if layers == LAYERS_27B else head_dim
+    out["query_pre_attn_scalar"] = scalar
+    out["rope_local_base_freq"] = LOCAL_ROPE_BASE
+    # No window in the file: every layer global (a pattern of 1).
+    out["sliding_window_pattern"] = SWA_PATTERN if window > 0 else 1
+    if window > 0:
+        out["sliding_window"] = window
+    return out
+
+
+def gemma3_weights(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    """Gemma 3's names, and every norm's stored 1 + w back to w (float32)."""
+    out = {}
+    for name, value in weights.items():
+        module, _, suffix = name.rpartition(".")
+        head, _, last = module.rpartition(".")
+        if head.startswith("model.layers.") and last in RENAME:
+            module = f"{head}.{RENAME[last]}"
+        if module.endswith("norm") and suffix == "weight":
+            value = value.astype(mx.float32) - 1.0
+        out[f"{module}.{suffix}"] = value
+    return out
