@@ -24,29 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-
-
-class Gain(nn.Module):
-    """A norm's gain under the checkpoint's name (e.g. input_layernorm.weight);
-    the normalization itself is deferred, so only the gain is kept."""
-
-    def __init__(self, dims: int):
-        super().__init__()
-        self.weight = mx.ones((dims,))
-
-    def gain(self, offset: float = 0.0) -> mx.array:
-        """offset + weight (`Architecture.gain`; Gemma's 1 + w), made once per
-        weight object, evaluated outside any trace, so no step pays the add."""
-        if not offset:
-            return self.weight
-        hit = self.__dict__.get("_gain")
-        if hit is not None and hit[0] is self.weight:
-            return hit[1]
-        g = offset + self.weight
-        if not kernels.is_tracing():  # a trace must never evaluate
-            mx.eval(g)
-            self.__dict__["_gain"] = (self.weight, g)
-        return g
+from .gains import Gain
 
 
 class Block(nn.Module):

@@ -31,9 +31,9 @@ from mlx_lm.models.rope_utils import initialize_rope
 from .. import kernels
 from ..parallel import sharding
 from .arch import Architecture, NormPair, PostNorm
-from .blocks import Block, FusedAttention, Gain, run_blocks
+from .blocks import Block, FusedAttention, run_blocks
+from .gains import Gain, QKNorm, QKNormGains
 from .llama import fuse
-from .qk_norm import QKNorm, QKNormGains
 
 ARCH = Architecture(
     layers_key="num_hidden_layers",

@@ -31,7 +31,7 @@ from .. import kernels
 from ..parallel import sharding
 from .arch import Architecture, NormPair
 from .blocks import Block, FusedAttention, run_blocks
-from .qk_norm import QKNorm, QKNormGains
+from .gains import QKNorm, QKNormGains
 
 ARCH = Architecture(
     layers_key="num_transformer_layers",
@@ -94,7 +94,7 @@ class Attention(FusedAttention):
             raise ValueError(f"head_dim {h}: the qkv epilogue needs an even head_dim")
 
     def epilogue_args(self) -> kernels.Epilogue:
-        """The epilogue's mode: QK-norm gains and epsilons (see models/qk_norm.py),
+        """The epilogue's mode: QK-norm gains and epsilons (see models/gains.py),
         or Llama's scale without QK-norm."""
         heads = (self.n_heads, self.n_kv_heads, self._inv_freq)
         if "q_norm" not in self:

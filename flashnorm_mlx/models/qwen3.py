@@ -4,7 +4,7 @@ Qwen3 normalizes each head of q and k (RMSNorm over head_dim, gains shared by
 the heads) before RoPE, as OpenELM does, so the block's deferred 1/RMS cancels
 there: q' = RoPE(gq * q / sqrt(mean(q^2) + eps * ms)) / sqrt(h) with q = x @ Wq*,
 k' likewise, v' = (x @ Wv*) * s. `kernels.qkv_epilogue` does it in one pass with
-the gains (and 1/sqrt(h)) in the RoPE rotation (models/qk_norm.py), or through
+the gains (and 1/sqrt(h)) in the RoPE rotation (models/gains.py), or through
 the model's own RoPE module for variants the fused pass does not reproduce
 (e.g. YaRN). Everything else is models/llama.py.
 """
@@ -15,7 +15,7 @@ from mlx_lm.models.qwen3 import ModelArgs  # the config is stock's, field for fi
 
 from .. import kernels
 from . import llama
-from .qk_norm import QKNorm, QKNormGains
+from .gains import QKNorm, QKNormGains
 
 ARCH = dataclasses.replace(
     llama.ARCH, qk_norms=("self_attn.q_norm", "self_attn.k_norm")
