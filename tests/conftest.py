@@ -21,6 +21,7 @@ PARTS = {
         "test_dispatch.py",
         "test_nvrtc.py",
         "test_metal_host.py",
+        "test_kernel_state.py",
     },
     "models": {
         "test_llama.py",

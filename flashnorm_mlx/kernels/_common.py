@@ -212,6 +212,18 @@ def make_kernel(name: str, body: str, inputs, outputs, **flags):
     )
 
 
+def kernel_inputs(*pairs) -> Tuple[Tuple[str, ...], List[mx.array]]:
+    """A kernel's input names and arrays from one list of (name, array) pairs, so
+    the two cannot fall out of order; a pair whose array is None is left out
+    (the kernel variant without that input). The names key the launch plan."""
+    names, arrays = [], []
+    for name, a in pairs:  # a plain loop: every op call of a step pays for it
+        if a is not None:
+            names.append(name)
+            arrays.append(a)
+    return tuple(names), arrays
+
+
 @functools.cache
 def consts(*values: float) -> mx.array:
     # Float parameters travel as a small float32 array (templates take ints only).

@@ -119,12 +119,12 @@ def _scale_array(scale: float) -> mx.array:
 
 
 @functools.lru_cache(maxsize=512)
-def _attention_plan(q_shape, kv_heads, dtype, make_kernel, backend):
+def _attention_plan(q_shape, kv_heads, dtype, inputs, make_kernel, backend):
     B, Hq, _, D = q_shape
     kernel = make_kernel(
         "decode_attention",
         DECODE_ATTENTION_BODY,
-        ["q", "k", "v", "offset", "scale"],
+        inputs,
         ["out"],
     )
     launch = dict(
@@ -147,10 +147,18 @@ def _attention_plan(q_shape, kv_heads, dtype, make_kernel, backend):
 def decode_attention_kernel(
     q: mx.array, k: mx.array, v: mx.array, offset: mx.array, scale: float = 1.0
 ) -> mx.array:
-    kernel, launch = _attention_plan(
-        q.shape, k.shape[1], q.dtype, _common.make_kernel, _common.gpu_backend()
+    names, inputs = _common.kernel_inputs(
+        ("q", q), ("k", k), ("v", v), ("offset", offset), ("scale", _scale_array(scale))
     )
-    return kernel(inputs=[q, k, v, offset, _scale_array(scale)], **launch)[0]
+    kernel, launch = _attention_plan(
+        q.shape,
+        k.shape[1],
+        q.dtype,
+        names,
+        _common.make_kernel,
+        _common.gpu_backend(),
+    )
+    return kernel(inputs=inputs, **launch)[0]
 
 
 def decode_attention(

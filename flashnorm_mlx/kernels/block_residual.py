@@ -125,7 +125,7 @@ def residual_ops(
 
 
 @functools.lru_cache(maxsize=512)
-def _residual_plan(shape, dtype, has_y, scale_y, norm, has_gain, make_kernel, backend):
+def _residual_plan(shape, dtype, inputs, norm, make_kernel, backend):
     """(kernel, launch keywords, where out, ms and xs are among the outputs)
     for one call signature, built once: a step makes this call twice per
     block, and where it is not compiled (prefill, a shape's first step) the
@@ -133,8 +133,8 @@ def _residual_plan(shape, dtype, has_y, scale_y, norm, has_gain, make_kernel, ba
     too, so tests that swap either get fresh plans."""
     D = shape[-1]
     nt = min(256, max(32, _common.next_pow2(D) // 4))
-    inputs = ["h"] + ["y"] * has_y + ["ms_y"] * scale_y + ["params"]
-    inputs += ["gain"] * has_gain
+    # inputs: the names `_residual_call` gives, which say the variant.
+    has_y, scale_y, has_gain = ("y" in inputs), ("ms_y" in inputs), ("gain" in inputs)
     if norm:
         outputs = {"out": (shape, dtype)}
     else:
@@ -168,24 +168,16 @@ def _residual_plan(shape, dtype, has_y, scale_y, norm, has_gain, make_kernel, ba
 
 def _residual_call(h, y, ms_y, eps, norm, gain=None):
     # The kernel indexes rows of D in flat memory: no reshapes needed.
-    kernel, launch, where = _residual_plan(
-        h.shape,
-        h.dtype,
-        y is not None,
-        ms_y is not None,
-        norm,
-        gain is not None,
-        _common.make_kernel,
-        _common.gpu_backend(),
+    names, inputs = _common.kernel_inputs(
+        ("h", h),
+        ("y", y),
+        ("ms_y", ms_y),
+        ("params", _common.consts(float(eps))),
+        ("gain", gain),
     )
-    inputs = [h]
-    if y is not None:
-        inputs.append(y)
-    if ms_y is not None:
-        inputs.append(ms_y)
-    inputs.append(_common.consts(float(eps)))
-    if gain is not None:
-        inputs.append(gain)
+    kernel, launch, where = _residual_plan(
+        h.shape, h.dtype, names, norm, _common.make_kernel, _common.gpu_backend()
+    )
     return kernel(inputs=inputs, **launch), where
 
 

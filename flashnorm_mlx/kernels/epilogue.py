@@ -316,26 +316,25 @@ def qkv_epilogue_kernel(
     qkv: mx.array, ms: mx.array, offset: Offset, e: Epilogue
 ) -> Tuple[mx.array, mx.array, mx.array]:
     offset = _offset_array(offset)
-    qk_norm = e.q_gain is not None
+    h = qkv.shape[-1] // (e.n_heads + 2 * e.n_kv_heads)
+    if e.q_gain is not None:  # QK-norm mode (an Epilogue has no bias with it)
+        mode = [("q_gain", e.q_gain), ("k_gain", e.k_gain)]
+        mode.append(("params", _common.consts(e.eps_q, e.eps_k)))
+    else:
+        mode = [("params", _common.consts(e.q_scale(h))), ("bias", e.bias)]
+    names, inputs = _common.kernel_inputs(
+        ("qkv", qkv), ("ms", ms), ("offset", offset), ("inv_freq", e.inv_freq), *mode
+    )
     kernel, launch = _epilogue_plan(
         qkv.shape,
         qkv.dtype,
         e.n_heads,
         e.n_kv_heads,
-        qk_norm,
-        e.bias is not None,
+        names,
         offset.size > 1,
         _common.make_kernel,
         _common.gpu_backend(),
     )
-    inputs = [qkv, ms, offset, e.inv_freq]
-    if qk_norm:
-        inputs += [e.q_gain, e.k_gain, _common.consts(e.eps_q, e.eps_k)]
-    else:
-        h = qkv.shape[-1] // (e.n_heads + 2 * e.n_kv_heads)
-        inputs.append(_common.consts(e.q_scale(h)))
-        if e.bias is not None:
-            inputs.append(e.bias)
     return tuple(kernel(inputs=inputs, **launch))
 
 
@@ -345,19 +344,17 @@ def _epilogue_plan(
     dtype,
     n_heads,
     n_kv_heads,
-    qk_norm,
-    has_bias,
+    inputs,
     per_batch,
     make_kernel,
     backend,
 ):
+    # inputs: the names `qkv_epilogue_kernel` gives, which say the mode.
+    qk_norm, has_bias = "q_gain" in inputs, "bias" in inputs
     B, L, _ = shape
     heads = n_heads + 2 * n_kv_heads
     h = shape[-1] // heads
     half = h // 2
-    inputs = ["qkv", "ms", "offset", "inv_freq"]
-    inputs += ["q_gain", "k_gain", "params"] if qk_norm else ["params"]
-    inputs += ["bias"] * has_bias
     kernel = make_kernel(
         "qkv_epilogue",
         QKV_EPILOGUE_BODY,

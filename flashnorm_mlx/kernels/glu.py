@@ -62,13 +62,13 @@ def deferred_glu_ops(
 
 
 @functools.lru_cache(maxsize=512)
-def _glu_plan(shape, dtype, activation, make_kernel, backend):
+def _glu_plan(shape, dtype, inputs, activation, make_kernel, backend):
     F = shape[-1] // 2
     B, L, _ = shape
     kernel = make_kernel(
         "deferred_glu",
         DEFERRED_GLU_BODY,
-        ["gate_up", "ms"],
+        inputs,
         ["out"],
         prescale=prescaled(dtype),
         # Only GELU names a flag: SiLU's kernels keep their names and sources.
@@ -90,14 +90,16 @@ def deferred_glu_kernel(
     # gate_up (B, L, 2F), ms (B, L, 1): the kernel indexes them in flat memory.
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown GLU activation {activation!r}; one of {ACTIVATIONS}")
+    names, inputs = _common.kernel_inputs(("gate_up", gate_up), ("ms", ms))
     kernel, launch = _glu_plan(
         gate_up.shape,
         gate_up.dtype,
+        names,
         activation,
         _common.make_kernel,
         _common.gpu_backend(),
     )
-    return kernel(inputs=[gate_up, ms], **launch)[0]
+    return kernel(inputs=inputs, **launch)[0]
 
 
 def deferred_glu(gate_up: mx.array, ms: mx.array, activation: str = "silu"):

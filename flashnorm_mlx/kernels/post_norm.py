@@ -167,11 +167,11 @@ def post_residual_norm_ops(h, y, ms_y, post_gain, eps, gain=None) -> mx.array:
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(shape, dtype, scale_y, norm, has_gain, make_kernel, backend):
+def _plan(shape, dtype, inputs, norm, make_kernel, backend):
+    # inputs: the names `_call` gives, which say the variant.
+    scale_y, has_gain = "ms_y" in inputs, "gain" in inputs
     D = shape[-1]
     nt = min(256, max(32, _common.next_pow2(D) // 4))
-    inputs = ["h", "y"] + ["ms_y"] * scale_y + ["post_gain", "params"]
-    inputs += ["gain"] * has_gain
     if norm:
         outputs = {"out": (shape, dtype)}
     else:
@@ -199,19 +199,17 @@ def _plan(shape, dtype, scale_y, norm, has_gain, make_kernel, backend):
 
 
 def _call(h, y, ms_y, post_gain, eps, gain, norm):
-    kernel, launch = _plan(
-        h.shape,
-        h.dtype,
-        ms_y is not None,
-        norm,
-        gain is not None,
-        _common.make_kernel,
-        _common.gpu_backend(),
+    names, inputs = _common.kernel_inputs(
+        ("h", h),
+        ("y", y),
+        ("ms_y", ms_y),
+        ("post_gain", post_gain),
+        ("params", _common.consts(float(eps))),
+        ("gain", gain),
     )
-    inputs = [h, y] + ([ms_y] if ms_y is not None else [])
-    inputs += [post_gain, _common.consts(float(eps))]
-    if gain is not None:
-        inputs.append(gain)
+    kernel, launch = _plan(
+        h.shape, h.dtype, names, norm, _common.make_kernel, _common.gpu_backend()
+    )
     return kernel(inputs=inputs, **launch)
 
 
