@@ -8,8 +8,10 @@ Reference: the arguments themselves. A recording kernel factory stands in for
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+import tiny
 
 from flashnorm_mlx import kernels as K
+from flashnorm_mlx.loading import build_model, read_source
 
 
 class Recorder:
@@ -118,3 +120,77 @@ def test_epilogue_inputs_by_name(recorder, mode):
     assert mx.array_equal(got["offset"], offset), got["offset"]  # a reshaped view
     want = dict(qkv=qkv, ms=ms, offset=got["offset"], inv_freq=inv, **kw)
     _check(got, want)
+
+
+# --- the host caches: state on what owns it, never another model's or stale ---
+
+
+def _qk_norms(model):
+    for layer in model.layers:
+        yield layer.self_attn.q_norm
+        yield layer.self_attn.k_norm
+
+
+def _scale_qk_gains(models, factor):
+    for m in models:
+        for norm in _qk_norms(m):
+            norm.weight = norm.weight * factor
+
+
+def _rel(a, b):
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def test_epilogue_gains_follow_weights_and_stay_per_model(tmp_path):
+    """Reference: stock mlx-lm Qwen3 on the same weights. Two FlashNorm models
+    with different QK-norm gains, called in turn, each match their own stock;
+    and after one model's gains are replaced, it matches its stock again (the
+    twins' RoPE-with-gain factors live on each attention's `Epilogue`)."""
+    source = read_source(str(tiny.make_qwen(tmp_path, "qwen3_untied")))
+    flash_a, flash_b = (
+        build_model(source, "flashnorm", dtype=mx.float32)[0] for _ in "ab"
+    )
+    stock_a, stock_b = (build_model(source, "stock", dtype=mx.float32)[0] for _ in "ab")
+    factor = mx.random.uniform(
+        0.3, 3.0, (flash_a.layers[0].self_attn.q_norm.weight.size,)
+    )
+    _scale_qk_gains([flash_b, stock_b], factor)
+    x = mx.array([[5, 17, 99, 3, 250, 42, 7]])
+    tol = tiny.f32_tol()
+    for step in range(2):  # in turn: a model must never read the other's state
+        errs = {"a": _rel(flash_a(x), stock_a(x)), "b": _rel(flash_b(x), stock_b(x))}
+        assert max(errs.values()) < tol, f"call {step}: rel errors {errs} > {tol:.1e}"
+    assert _rel(stock_a(x), stock_b(x)) > 100 * tol  # the gains do matter
+    _scale_qk_gains([flash_a, stock_a], 1 / factor)  # a's gains replaced
+    err = _rel(flash_a(x), stock_a(x))
+    assert err < tol, f"after new gains: rel error {err:.2e} > {tol:.1e} (stale?)"
+
+
+def test_rope_tables_memo_hits_only_its_own_keys():
+    inv = K.epilogue.rope_inv_freq(nn.RoPE(8), 8)
+    other = K.epilogue.rope_inv_freq(nn.RoPE(8, base=500.0), 8)
+    tables = K.epilogue._LastTables()
+    first = tables(300, 2, inv)
+    assert tables(int("300"), 2, inv)[0] is first[0]  # an equal int offset hits
+    for args in ((301, 2, inv), (300, 3, inv), (300, 2, other)):
+        got = tables(*args)
+        want = K.epilogue._compute_rope_tables(*args)
+        assert all(mx.array_equal(g, w).item() for g, w in zip(got, want)), args
+    pos = mx.array([3, 9], mx.int32)
+    held = tables(pos, 1, inv)
+    assert tables(pos, 1, inv)[0] is held[0]
+    again = tables(mx.array([4, 9], mx.int32), 1, inv)  # another array: recomputed
+    assert not mx.array_equal(again[0], held[0]).item()
+
+
+def test_picking_is_state_the_picker_reads():
+    """`picking` must reach callers that hold `pick` itself, and end with its block."""
+    pick = K._common.pick
+    kernel, ops = (lambda: "kernel"), (lambda: "ops")
+    before = pick("residual", kernel, ops)
+    with K.picking(lambda op, k, o: k):
+        assert pick("residual", kernel, ops) is kernel
+        with K.picking(lambda op, k, o: o):
+            assert pick("residual", kernel, ops) is ops
+        assert pick("residual", kernel, ops) is kernel
+    assert pick("residual", kernel, ops) is before

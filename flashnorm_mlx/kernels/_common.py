@@ -61,6 +61,8 @@ def pick(op: str, kernel, ops):
     A kernel is checked against its twin at the first use of each variant
     (`_first_use_checked`); one that fails is not picked again on that backend.
     """
+    if _CHOOSER.choose is not None:  # within `picking`
+        return _CHOOSER.choose(op, kernel, ops)
     b = backend(op)
     if b is None or (op, b) in FAILED:
         return ops
@@ -179,13 +181,22 @@ def tracing():
 @contextlib.contextmanager
 def picking(choose):
     """Within: every op runs `choose(op, kernel, ops)` instead of the picker's
-    choice (`dispatch.gpu_like` counts launches this way)."""
-    global pick
-    saved, pick = pick, choose
+    choice (`dispatch.gpu_like` counts launches this way). The choice is state
+    `pick` reads, not a rebinding of `pick`, so a caller that holds `pick` gets
+    it too."""
+    saved, _CHOOSER.choose = _CHOOSER.choose, choose
     try:
         yield
     finally:
-        pick = saved
+        _CHOOSER.choose = saved
+
+
+class _Chooser:
+    # `picking`'s choice while one is active (None: the picker's own).
+    choose = None
+
+
+_CHOOSER = _Chooser()
 
 
 @functools.cache

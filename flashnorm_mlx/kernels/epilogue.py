@@ -133,30 +133,44 @@ def rope_inv_freq(rope: nn.Module, head_dim: int) -> Optional[mx.array]:
 
 @functools.lru_cache(maxsize=None)
 def _plain_inv_freq(head_dim: int, base: float, scale: float) -> mx.array:
-    # One array per RoPE config, shared by every layer, so _rope_tables' cache hits.
+    # One array per RoPE config, shared by every layer, so `_rope_tables` hits.
     half = head_dim // 2
     # mx.fast.rope's own float32 formula; nn.RoPE's scale multiplies positions.
     inv = mx.exp(mx.arange(half, dtype=mx.float32) * (-math.log(base) / half))
     return inv if scale == 1.0 else inv * scale
 
 
-# The last (inv_freq, offset, L) tables: every layer of a decode step asks for the
-# same ones, and on the CPU each op costs more than its arithmetic.
-_last_tables: dict = {}
+class _LastTables:
+    """The last cos/sin tables made. Every layer of a decode step asks for the
+    same (inv_freq, offset, L), and on the CPU each op costs more than its
+    arithmetic. One entry that holds its keys, so a hit is that very inv_freq
+    and offset (an array offset: a compiled step's position, a batch's offsets,
+    the same object in every layer of one step); tables depend on no weight,
+    and layers share an inv_freq only where their RoPE is the same."""
+
+    def __init__(self):
+        self.last = None
+
+    def __call__(self, offset: Offset, L: int, inv_freq: mx.array):
+        last = self.last
+        if (
+            last is not None
+            and last[0] is inv_freq
+            and last[2] == L
+            and (last[1] is offset or _same_int(last[1], offset))
+        ):
+            return last[3], last[4]
+        cos, sin = _compute_rope_tables(offset, L, inv_freq)
+        self.last = (inv_freq, offset, L, cos, sin)
+        return cos, sin
 
 
-def _rope_tables(offset: Offset, L: int, inv_freq: mx.array):
-    """cos, sin of (offset + l) * inv_freq, float32: (L, h/2) or (B, 1, L, h/2)."""
-    # An int offset is its own key; an array offset (a compiled step's position,
-    # a batch's offsets) is the same object in every layer of one step.
-    key = (offset if isinstance(offset, int) else id(offset), L)
-    hit = _last_tables.get(key)
-    if hit is not None and hit[0] is inv_freq and hit[1] is offset:
-        return hit[2], hit[3]
-    cos, sin = _compute_rope_tables(offset, L, inv_freq)
-    _last_tables.clear()
-    _last_tables[key] = (inv_freq, offset, cos, sin)
-    return cos, sin
+def _same_int(a, b) -> bool:
+    return isinstance(a, int) and isinstance(b, int) and a == b
+
+
+# cos, sin of (offset + l) * inv_freq, float32: (L, h/2) or (B, 1, L, h/2).
+_rope_tables = _LastTables()
 
 
 def _compute_rope_tables(offset: Offset, L: int, inv_freq: mx.array):
@@ -183,20 +197,11 @@ def _rope(y, cos_t, sin_t):
     return y * cos_t + _swap_halves(y) * sin_t
 
 
-# The last gain's swap_halves: a model passes the same gain array every step.
-_last_swapped: dict = {}
-
-
-def _gain_rope(y, gain, cos_t, sin_t):
+def _gain_rope(y, gains, cos_t, sin_t):
     # RoPE(y * g) = y * (g*cos) + rotate_half(y) * (swap_halves(g)*sin), half-split:
     # the gain lives in the tables; y itself is never multiplied by it.
-    g = gain.astype(mx.float32)
-    hit = _last_swapped.get(id(gain))
-    if hit is None or hit[0] is not gain:
-        if len(_last_swapped) > 256:
-            _last_swapped.clear()
-        hit = _last_swapped[id(gain)] = (gain, _swap_halves(g))
-    return y * (cos_t * g) + _swap_halves(y) * (sin_t * hit[1])
+    g, swapped = gains  # `Epilogue.rope_gains`: float32 g and swap_halves(g)
+    return y * (cos_t * g) + _swap_halves(y) * (sin_t * swapped)
 
 
 @dataclass(frozen=True, eq=False)
@@ -231,10 +236,29 @@ class Epilogue:
     def q_scale(self, head_dim: int) -> float:
         return head_dim**-0.5 if self.scale is None else float(self.scale)
 
+    def rope_gains(self, i: int) -> Tuple[mx.array, mx.array]:
+        """(g, swap_halves(g)) in float32 of the QK-norm gain i (0: q, 1: k),
+        the twins' RoPE-with-gain factors. Made once per Epilogue, which its
+        attention rebuilds whenever a gain array is replaced (loading, a cast),
+        so no other model's gains and no stale ones are ever read; not kept
+        when made inside a trace (a trace must never leave arrays behind)."""
+        held = self.__dict__.get("_rope_gains")  # frozen: state set directly
+        if held is not None:
+            return held[i]
+        made = tuple(
+            (g32, _swap_halves(g32))
+            for g32 in (g.astype(mx.float32) for g in (self.q_gain, self.k_gain))
+        )
+        if not _common.is_tracing():
+            mx.eval(made)
+            self.__dict__["_rope_gains"] = made
+        return made[i]
+
 
 def _epilogue_math(qkv, ms, e: Epilogue, rope, gain_rope):
     """The epilogue in float32 plain ops, RoPE given as `rope(y)` and
-    `gain_rope(y, g)` = RoPE(y * g): the twin's and the unfused path's body."""
+    `gain_rope(y, i)` = RoPE(y * g_i), g_0 = q_gain and g_1 = k_gain: the
+    twin's and the unfused path's body."""
     B, L, _ = qkv.shape
     heads = e.n_heads + 2 * e.n_kv_heads
     h = qkv.shape[-1] // heads
@@ -262,7 +286,7 @@ def _epilogue_math(qkv, ms, e: Epilogue, rope, gain_rope):
         inv_s2 = ms[:, None] if p is None else ms[:, None] * (p * p)[:, None]
         q = q * mx.rsqrt(mx.mean(q * q, axis=-1, keepdims=True) + e.eps_q * inv_s2)
         k = k * mx.rsqrt(mx.mean(k * k, axis=-1, keepdims=True) + e.eps_k * inv_s2)
-        q, k = gain_rope(q, e.q_gain), gain_rope(k, e.k_gain)
+        q, k = gain_rope(q, 0), gain_rope(k, 1)
     return q.astype(dtype), k.astype(dtype), (v * s).astype(dtype)
 
 
@@ -282,7 +306,7 @@ def qkv_epilogue_ops(
         ms,
         e,
         lambda y: _rope(y, cos, sin),
-        lambda y, g: _gain_rope(y, g, cos, sin),
+        lambda y, i: _gain_rope(y, e.rope_gains(i), cos, sin),
     )
 
 
@@ -296,7 +320,7 @@ def qkv_epilogue_unfused(
     def rope(y):
         return e.rope(y, offset=offset)
 
-    return _epilogue_math(qkv, ms, e, rope, lambda y, g: rope(y * g.astype(mx.float32)))
+    return _epilogue_math(qkv, ms, e, rope, lambda y, i: rope(y * e.rope_gains(i)[0]))
 
 
 def _offset_array(offset: Offset) -> mx.array:
