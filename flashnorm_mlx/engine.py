@@ -42,6 +42,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from . import kernels
+from .mlx_lm_compat import kv_buffers, set_kv_buffers
 from .models.blocks import Block, attend_cached
 
 ENGINES = ("eager", "compiled")
@@ -129,7 +130,8 @@ def _bucket(n: int) -> int:
 
 def _fit(cache: KVCache, need: int) -> None:
     """Give `cache` a capacity of whole buckets holding at least `need` positions."""
-    cap = cache.keys.shape[2]
+    keys, values, offset = kv_buffers(cache)
+    cap = keys.shape[2]
     if cap >= need and cap % BUCKET == 0:
         return
     extra = _bucket(max(need, cap)) - cap
@@ -138,7 +140,7 @@ def _fit(cache: KVCache, need: int) -> None:
         pad = mx.zeros((*a.shape[:2], extra, a.shape[3]), a.dtype)
         return mx.concatenate([a, pad], axis=2)
 
-    cache.keys, cache.values = grow(cache.keys), grow(cache.values)
+    set_kv_buffers(cache, grow(keys), grow(values), offset)
 
 
 class CompiledOnce:
@@ -177,9 +179,9 @@ class DecodeStep:
         """A single-token step over plain, non-empty KVCaches at one offset."""
         if not cache or inputs.ndim != 2 or inputs.shape[1] != 1:
             return False
-        first = cache[0]
+        first = cache[0].offset
         return all(
-            type(c) is KVCache and c.keys is not None and c.offset == first.offset
+            type(c) is KVCache and kv_buffers(c)[0] is not None and c.offset == first
             for c in cache
         )
 
@@ -187,11 +189,10 @@ class DecodeStep:
         offset = cache[0].offset
         for c in cache:
             _fit(c, offset + 1)
-        kv = [a for c in cache for a in (c.keys, c.values)]
+        kv = [a for c in cache for a in kv_buffers(c)[:2]]
         out = self.run(inputs, mx.array([offset], dtype=mx.int32), *kv)
         for i, c in enumerate(cache):
-            c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
-            c.offset += 1
+            set_kv_buffers(c, out[1 + 2 * i], out[2 + 2 * i], offset + 1)
         return out[0]
 
 

@@ -143,6 +143,8 @@ def test_tokenize_and_detokenize_match_the_tokenizer(server, tokenizer):
     assert status == 200, info
     for field in ("eos_token", "bos_token", "pad_token", "chat_template"):
         assert info[field] == getattr(tokenizer, field), (field, info[field])
+    # The Hugging Face class, as vLLM says it, not mlx-lm's wrapper around it.
+    assert info["tokenizer_class"] not in ("TokenizerWrapper", ""), info
     for text in TEXTS:
         for special in (False, True):
             status, got = server.request(

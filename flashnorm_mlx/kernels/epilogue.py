@@ -13,6 +13,7 @@ from typing import Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..mlx_lm_compat import rope_freqs
 from . import _common
 from ._common import deferred_scale, pow2_prescale, prescaled
 from .render import TREE_SUM
@@ -122,11 +123,12 @@ def rope_inv_freq(rope: nn.Module, head_dim: int) -> Optional[mx.array]:
         if rope.dims != head_dim:
             return None
         return _plain_inv_freq(head_dim, float(rope.base), float(rope.scale))
-    freqs = getattr(rope, "_freqs", None)
+    scaled = rope_freqs(rope)  # mlx-lm's scaled RoPE modules (Llama 3, YaRN, ...)
     dims = getattr(rope, "dims", getattr(rope, "dim", None))
-    if freqs is None or dims != head_dim or freqs.shape != (head_dim // 2,):
+    if scaled is None or dims != head_dim or scaled[0].shape != (head_dim // 2,):
         return None
-    if getattr(rope, "mscale", 1.0) != 1.0 or getattr(rope, "_scale", 1.0) != 1.0:
+    freqs, scale = scaled
+    if getattr(rope, "mscale", 1.0) != 1.0 or scale != 1.0:
         return None
     return mx.reciprocal(freqs.astype(mx.float32))
 

@@ -79,11 +79,11 @@ def resolve(model: Optional[str]) -> Path:
 
 def _download(repo: str) -> Path:
     # mlx-lm's own hub download (huggingface_hub), without remote code files.
-    from mlx_lm.utils import _download as mlx_lm_download
+    from ..mlx_lm_compat import hub_download
 
     patterns = ["*.json", "model*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
     try:
-        return mlx_lm_download(repo, allow_patterns=patterns)
+        return hub_download(repo, allow_patterns=patterns)
     except Exception as e:  # network down, repo missing, auth: all one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise LoadError(

@@ -61,9 +61,9 @@ def model_classes(config: dict, cls: str):
     otherwise."""
     module = model_module(config)
     if cls == "stock":
-        from mlx_lm.utils import _get_classes
+        from ..mlx_lm_compat import stock_classes
 
-        return _get_classes(config)
+        return stock_classes(config)
     return module.Model, module.ModelArgs
 
 

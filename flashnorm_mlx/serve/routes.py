@@ -11,6 +11,7 @@ import json
 from importlib import resources
 from typing import Callable, Dict, Tuple
 
+from ..mlx_lm_compat import inner_tokenizer
 from .schema import RequestError
 
 # The page's files (package data, flashnorm_mlx/serve/web): name -> MIME type.
@@ -52,7 +53,7 @@ def tokenizer_info(h) -> None:
     h._send_json(
         200,
         {
-            "tokenizer_class": type(getattr(tok, "_tokenizer", tok)).__name__,
+            "tokenizer_class": type(inner_tokenizer(tok)).__name__,
             "eos_token": tok.eos_token,
             "bos_token": tok.bos_token,
             "pad_token": tok.pad_token,

@@ -1,0 +1,79 @@
+"""Every use of mlx-lm's private names and internal fields, in one place.
+
+mlx-lm does not promise these; each function here is the only caller of one, and
+tests/test_mlx_lm_compat.py checks each still exists and behaves, so an mlx-lm
+upgrade that changes one fails there with the version named, not deep inside a
+model or the server (docs/design.md section 5). What they are for:
+- `stock_classes`: `mlx_lm.utils._get_classes`, the stock model class a config names;
+- `hub_download`: `mlx_lm.utils._download`, mlx-lm's own hub download;
+- `rope_freqs`: the `_freqs` and `_scale` of mlx-lm's scaled RoPE modules (Llama 3,
+  SuScaled, YaRN), which the fused epilogue reproduces;
+- `inner_tokenizer`: `TokenizerWrapper._tokenizer`, the Hugging Face tokenizer;
+- `kv_buffers` and `set_kv_buffers`: a `KVCache`'s `keys`, `values` and `offset`,
+  which the compiled decode step reads and replaces whole (engine.py).
+"""
+
+from typing import Optional, Tuple
+
+
+def version() -> str:
+    import mlx_lm
+
+    return getattr(mlx_lm, "__version__", "unknown")
+
+
+class MlxLmChanged(RuntimeError):
+    """mlx-lm no longer has a private name or field this package relies on."""
+
+
+def _changed(what: str, e: Exception) -> MlxLmChanged:
+    return MlxLmChanged(
+        f"mlx-lm {version()} has changed {what} ({type(e).__name__}: {e}); "
+        "flashnorm-mlx needs an mlx-lm it was tested with (see pyproject.toml)"
+    )
+
+
+def stock_classes(config: dict):
+    """(Model, ModelArgs): mlx-lm's own classes for a config's model_type."""
+    try:
+        from mlx_lm.utils import _get_classes
+    except ImportError as e:
+        raise _changed("mlx_lm.utils._get_classes", e) from None
+    return _get_classes(config)
+
+
+def hub_download(repo: str, allow_patterns):
+    """The local folder of a hub repo, fetched by mlx-lm as `mlx_lm.load` does."""
+    try:
+        from mlx_lm.utils import _download
+    except ImportError as e:
+        raise _changed("mlx_lm.utils._download", e) from None
+    return _download(repo, allow_patterns=allow_patterns)
+
+
+def rope_freqs(rope) -> Optional[Tuple[object, float]]:
+    """(freqs, scale) of a scaled mlx-lm RoPE module (its `_freqs`, the period of
+    each rotary pair, and its `_scale` on the input, 1.0 if absent), or None for
+    a module without precomputed frequencies (nn.RoPE, or an unknown one)."""
+    freqs = getattr(rope, "_freqs", None)
+    if freqs is None:
+        return None
+    return freqs, float(getattr(rope, "_scale", 1.0))
+
+
+def inner_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's `TokenizerWrapper` (itself if
+    it is not wrapped)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def kv_buffers(cache):
+    """(keys, values, offset) of a `KVCache`: buffers (B, H, capacity, h), None
+    before the first update, and the number of positions written."""
+    return cache.keys, cache.values, cache.offset
+
+
+def set_kv_buffers(cache, keys, values, offset: int) -> None:
+    """Replace a `KVCache`'s buffers and write position (its capacity is the
+    buffers' third axis; positions past `offset` are never read)."""
+    cache.keys, cache.values, cache.offset = keys, values, offset

@@ -1,0 +1,120 @@
+"""mlx-lm's private names and internal fields (flashnorm_mlx/mlx_lm_compat.py),
+one test each: if an mlx-lm upgrade changes one, its test fails naming the
+mlx-lm version and the name. Reference: mlx-lm's own public API on the same
+objects (its models, `initialize_rope`, `load_tokenizer`, `KVCache`)."""
+
+import inspect
+
+import mlx.core as mx
+import pytest
+import tiny
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from flashnorm_mlx import mlx_lm_compat as compat
+
+VERSION = compat.version()
+
+
+def changed(what: str) -> str:
+    return f"mlx-lm {VERSION} changed {what}: update flashnorm_mlx/mlx_lm_compat.py"
+
+
+def test_get_classes_gives_stock_model_classes():
+    from mlx_lm.models import llama, qwen3
+
+    for mt, module in (("llama", llama), ("qwen3", qwen3)):
+        got = compat.stock_classes({"model_type": mt})
+        assert got == (module.Model, module.ModelArgs), changed("utils._get_classes")
+
+
+def test_download_takes_allow_patterns(monkeypatch):
+    from mlx_lm import utils
+
+    fn = getattr(utils, "_download", None)
+    assert callable(fn), changed("utils._download (gone)")
+    params = inspect.signature(fn).parameters
+    assert "allow_patterns" in params, changed(f"utils._download{tuple(params)}")
+    calls = []  # the adapter's call, without the network
+    monkeypatch.setattr(utils, "_download", lambda *a, **k: calls.append((a, k)) or 7)
+    assert compat.hub_download("org/repo", ["*.json"]) == 7
+    assert calls == [(("org/repo",), {"allow_patterns": ["*.json"]})], calls
+
+
+def test_a_name_mlx_lm_drops_fails_in_one_line_with_its_version(monkeypatch):
+    from mlx_lm import utils
+
+    monkeypatch.delattr(utils, "_get_classes")
+    with pytest.raises(compat.MlxLmChanged) as e:
+        compat.stock_classes({"model_type": "llama"})
+    msg = str(e.value)
+    assert f"mlx-lm {VERSION}" in msg and "_get_classes" in msg, msg
+    assert "\n" not in msg, msg
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ],
+    ids=["llama3", "yarn"],
+)
+def test_scaled_rope_freqs_are_the_modules_periods(scaling):
+    """The angles of `_freqs` must be what the module rotates by: RoPE at
+    position 1 of a unit pair (1, 0) is (cos, sin) of 1 / freqs (mscale 1)."""
+    h = 16
+    rope = initialize_rope(h, 10000.0, False, scaling, 512)
+    got = compat.rope_freqs(rope)
+    assert got is not None, changed(f"{type(rope).__name__}._freqs (gone)")
+    freqs, scale = got
+    assert freqs.shape == (h // 2,), changed(f"{type(rope).__name__}._freqs shape")
+    x = mx.concatenate([mx.ones((1, 1, 2, h // 2)), mx.zeros((1, 1, 2, h // 2))], -1)
+    y = rope(x, offset=0)[0, 0, 1] / (getattr(rope, "mscale", 1.0) * scale)
+    want = mx.cos(1 / freqs.astype(mx.float32))
+    err = mx.abs(y[: h // 2] - want).max().item()
+    assert err < 1e-5, changed(f"{type(rope).__name__}._freqs meaning ({err=:.2e})")
+
+
+def test_tokenizer_wrapper_holds_the_hf_tokenizer(tmp_path):
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from mlx_lm.utils import load_tokenizer
+
+    tiny.write_tokenizer(tmp_path)
+    wrapper = load_tokenizer(tmp_path)
+    assert isinstance(wrapper, TokenizerWrapper)
+    inner = compat.inner_tokenizer(wrapper)
+    assert inner is not wrapper, changed("TokenizerWrapper._tokenizer (gone)")
+    assert inner.encode("hello") == wrapper.encode("hello"), changed(
+        "TokenizerWrapper._tokenizer (not the tokenizer it wraps)"
+    )
+
+
+def test_kvcache_buffers_and_offset():
+    """Fields read and replaced by the compiled step: the buffers grown by hand
+    and the offset moved on must be what mlx-lm's next update writes after and
+    returns."""
+    c = KVCache()
+    assert compat.kv_buffers(c)[:2] == (None, None), changed("KVCache before use")
+    k = mx.random.normal((1, 2, 3, 4), key=mx.random.key(0))
+    c.update_and_fetch(k, k + 1)
+    keys, values, offset = compat.kv_buffers(c)
+    assert offset == 3 and keys.shape[2] >= 3, changed(f"KVCache fields ({offset=})")
+    assert mx.array_equal(keys[:, :, :3], k).item(), changed("KVCache.keys layout")
+    pad = mx.zeros((1, 2, 5, 4))
+    grown = [mx.concatenate([a[:, :, :3], pad], 2) for a in (keys, values)]
+    compat.set_kv_buffers(c, *grown, 2)  # rewound one position
+    step = mx.full((1, 2, 1, 4), 7.0)
+    got_k, _ = c.update_and_fetch(step, step)
+    assert (
+        got_k.shape[2] == 3 and mx.array_equal(got_k[:, :, 2:], step).item()
+    ), changed("KVCache.update_and_fetch after its buffers and offset were set")
+    assert mx.array_equal(got_k[:, :, :2], k[:, :, :2]).item(), changed("KVCache.keys")
+    assert c.offset == 3, changed(f"KVCache.offset ({c.offset} after one more step)")
+    assert compat.kv_buffers(c)[0].shape[2] == 8, changed("KVCache capacity")
