@@ -36,3 +36,26 @@ def temp_ok(v) -> bool:
 WEIGHT_BITS = (2, 3, 4, 5, 6, 8)
 KV_BITS = (1, 2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
+
+# serve's --log-level, mlx_lm.server's choices (serve/log.py).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Byte sizes as mlx-lm writes them (--prompt-cache-bytes): a number, then
+# nothing, M/MB (10**6) or G/GB (10**9).
+SIZE_UNITS = {"": 1, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
+
+
+def byte_size(text: str) -> int:
+    """'4GB' -> 4000000000, as mlx_lm.utils._parse_size reads it; ValueError
+    (argparse's one line) for anything else or below 1."""
+    number = text.strip().upper().rstrip("BGM") or "x"
+    unit = text.strip().upper()[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 4GB or 500M)") from None
+    if unit not in SIZE_UNITS or not math.isfinite(value):
+        raise ValueError(f"not a size: {text!r} (e.g. 4GB or 500M)")
+    n = int(value * SIZE_UNITS[unit])
+    if n < 1:
+        raise ValueError(f"must be at least 1 byte, not {text!r}")
+    return n

@@ -4,6 +4,7 @@ read from mlx-lm's parsers (the reference)."""
 
 import argparse
 import importlib
+import io
 
 import pytest
 
@@ -19,10 +20,20 @@ FLAGS = {
             "--chat-template-config",
             "--use-default-chat-template",
             "--prompt-cache-file",
+            "--prefill-step-size",
+            "--trust-remote-code",
         ],
     ),
     # mlx-lm's chat has no --prompt-cache-file: generate's default
-    "chat": ("chat", ["--adapter-path", "--system-prompt"]),
+    "chat": (
+        "chat",
+        [
+            "--adapter-path",
+            "--system-prompt",
+            "--prefill-step-size",
+            "--trust-remote-code",
+        ],
+    ),
     "serve": (
         "server",
         [
@@ -30,6 +41,9 @@ FLAGS = {
             "--chat-template",
             "--use-default-chat-template",
             "--chat-template-args",
+            "--trust-remote-code",
+            "--prompt-cache-bytes",
+            "--log-level",
         ],
     ),
     "verify": ("generate", ["--adapter-path"]),
@@ -116,6 +130,10 @@ VALUES = {
         ['{"enable_thinking": false}'],
         {"enable_thinking": False},
     ),
+    "--prefill-step-size": (["256"], 256),
+    "--trust-remote-code": ([], True),
+    "--prompt-cache-bytes": (["4GB"], 4 * 10**9),
+    "--log-level": (["DEBUG"], "DEBUG"),
 }
 
 
@@ -133,6 +151,33 @@ def test_flag_takes_a_value_as_mlx_lm_does(
     args = ours(command).parse_args([flag, *argv, *extra])
     got = getattr(args, _action(ours(command), flag).dest)
     assert (list(got) if isinstance(got, tuple) else got) == want
+
+
+@pytest.mark.parametrize(
+    "size, want", [("4GB", 4 * 10**9), ("1.5G", 15 * 10**8), ("500M", 5 * 10**8)]
+)
+def test_byte_sizes_read_as_mlx_lm_reads_them(size, want):
+    from mlx_lm.utils import _parse_size
+
+    from flashnorm_mlx.limits import byte_size
+
+    assert byte_size(size) == _parse_size(size) == want
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--prompt-cache-bytes", "4TB"], "not a size"),
+        (["--prompt-cache-bytes", "0"], "at least 1 byte"),
+        (["--log-level", "loud"], "invalid choice"),
+    ],
+)
+def test_bad_serve_flags_are_one_line_and_exit_2(argv, words, capsys):
+    from flashnorm_mlx.cli import main
+
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and argv[0] in err[0], err
 
 
 @pytest.mark.parametrize("flag", ["--chat-template-config", "--chat-template-args"])
@@ -159,3 +204,79 @@ def test_missing_path_is_one_line_and_exit_2(flag, words, tmp_path, capsys):
     assert main(["generate", flag, str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+# --- what --trust-remote-code and --prefill-step-size do ----------------------
+
+
+@pytest.fixture(scope="module")
+def own_code(tmp_path_factory):
+    """A tiny Llama whose tokenizer class lives in the folder's own Python file
+    (transformers' auto_map), so it loads only where that code is trusted."""
+    import json
+
+    import tiny
+
+    path = tiny.make_llama(tmp_path_factory.mktemp("own-code"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "shouting.ShoutingTokenizerFast"]}
+    config["tokenizer_class"] = "ShoutingTokenizerFast"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "shouting.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class ShoutingTokenizerFast(PreTrainedTokenizerFast):\n"
+        "    def decode(self, *a, **k):\n"
+        "        return super().decode(*a, **k).upper()\n"
+    )
+    return path
+
+
+def test_trust_remote_code_loads_the_folders_own_tokenizer(own_code, capsys):
+    from flashnorm_mlx.cli import main
+    from flashnorm_mlx.loading import read_source
+
+    tok = read_source(str(own_code), trust_remote_code=True).tokenizer
+    assert type(tok._tokenizer).__name__ == "ShoutingTokenizerFast"
+    assert tok.decode(tok.encode("hello")) == "HELLO"
+    argv = ["generate", str(own_code), "-p", "hi", "-m", "2", "--dtype", "float32"]
+    assert main([*argv, "--trust-remote-code"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(argv) == 1  # untrusted: transformers refuses, in one line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--trust-remote-code" in err[0], err
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_prefill_step_size_reaches_the_prefill(command, tmp_path, monkeypatch, capsys):
+    """The flag's value is the step mlx-lm's generate_step prefills with, and
+    the text is the default's (the reference: the same run without it)."""
+    import tiny
+
+    from flashnorm_mlx.cli import main
+
+    generation = importlib.import_module("mlx_lm.generate")  # not mlx_lm.generate()
+    seen = []
+    real = generation.generate_step
+
+    def spy(*a, **k):
+        seen.append(k.get("prefill_step_size"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(generation, "generate_step", spy)
+    path = tiny.make_llama(tmp_path)
+    argv = [command, str(path), "-m", "3", "--dtype", "float32"]
+    if command == "generate":
+        argv += ["-p", "the quick brown fox jumps over"]
+
+    def run(*flags):
+        seen.clear()
+        monkeypatch.setattr("sys.stdin", io.StringIO("the quick brown fox\n/quit\n"))
+        assert main([*argv, *flags]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out.split("=" * 10)[0]  # generate's stats after
+        return [l for l in out.splitlines() if "tok/s" not in l], list(seen)
+
+    text, steps = run("--prefill-step-size", "4")
+    default_text, default_steps = run()
+    assert text == default_text and "".join(text).strip(), (text, default_text)
+    assert steps and set(steps) == {4}, steps
+    assert set(default_steps) == {2048}, default_steps

@@ -14,8 +14,10 @@ from .mlx_lm_flags import (
     add_adapter_args,
     add_draft_args,
     add_kv_cache_args,
+    add_prefill_step_arg,
     add_prompt_cache_args,
     add_sampling_args,
+    add_trust_remote_code_arg,
 )
 
 HELP = """\
@@ -50,6 +52,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="context length in tokens (default: the model's, from its config); "
         "the oldest turns are dropped to fit a reply of --max-tokens",
     )
+    add_prefill_step_arg(p)
+    add_trust_remote_code_arg(p)
     add_draft_args(p)
     add_kv_cache_args(p)
     return p
@@ -316,6 +320,7 @@ def main(argv=None):
             draft_model=draft,
             num_draft_tokens=args.num_draft_tokens,
             kv=kv,
+            prefill_step_size=args.prefill_step_size,
         )
     except ChatError as e:
         raise UserError(f"{source.name}: {e}") from None

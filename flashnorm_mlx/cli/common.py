@@ -69,7 +69,10 @@ def load_for_sampling(args):
 
     join_launch(args)  # mlx.launch with several ranks: tensor parallel
     source = read_source(
-        args.model, tokenizer=args.tokenizer, adapter_path=args.adapter_path
+        args.model,
+        tokenizer=args.tokenizer,
+        adapter_path=args.adapter_path,
+        trust_remote_code=args.trust_remote_code,
     )
     tokenizer = need_tokenizer(source.tokenizer, source.name)
     model, config = build(source, args.mode, args)

@@ -8,9 +8,11 @@ from .mlx_lm_flags import (
     add_adapter_args,
     add_draft_args,
     add_kv_cache_args,
+    add_prefill_step_arg,
     add_prompt_cache_args,
     add_sampling_args,
     add_template_args,
+    add_trust_remote_code_arg,
 )
 
 
@@ -32,6 +34,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="feed the prompt as raw text",
     )
+    add_prefill_step_arg(p)
+    add_trust_remote_code_arg(p)
     add_draft_args(p)
     add_kv_cache_args(p)
     add_adapter_args(p)
@@ -91,7 +95,13 @@ def main(argv=None):
     sampler = make_sampler(args, tokenizer)
     last = None
     responses = stream_generate(
-        model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler, **kwargs
+        model,
+        tokenizer,
+        ids,
+        max_tokens=args.max_tokens,
+        sampler=sampler,
+        prefill_step_size=args.prefill_step_size,
+        **kwargs,
     )
     for last in distributed.watched(responses, "generating"):
         print(last.text, end="", flush=True)

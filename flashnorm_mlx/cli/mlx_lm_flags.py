@@ -224,3 +224,28 @@ def _json_object(flag: str):
 
     parse.__name__ = f"{flag} JSON object"
     return parse
+
+
+# mlx-lm's prefill and tokenizer flags (mlx_lm.generate, chat, server).
+DEFAULT_PREFILL_STEP_SIZE = 2048  # mlx_lm.generate.DEFAULT_PREFILL_STEP_SIZE
+
+
+def add_prefill_step_arg(parser: argparse.ArgumentParser) -> None:
+    """--prefill-step-size, as mlx_lm.generate and chat name it."""
+    parser.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=DEFAULT_PREFILL_STEP_SIZE,
+        help="number of prompt tokens to process at a time; smaller values lower "
+        "peak memory during prefill",
+    )
+
+
+def add_trust_remote_code_arg(parser: argparse.ArgumentParser) -> None:
+    """--trust-remote-code: the tokenizer may run the model folder's own code."""
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="enable trusting remote code for the tokenizer (a class defined in "
+        "the model's own Python files; a hub download then fetches them)",
+    )

@@ -6,6 +6,7 @@ import os
 import sys
 
 from .. import interrupt
+from ..limits import LOG_LEVELS, byte_size
 from .flags import API_KEY_ENV, Parser, UserError, add_model_args, run_main
 from .mlx_lm_flags import (
     add_adapter_args,
@@ -13,6 +14,7 @@ from .mlx_lm_flags import (
     add_kv_cache_args,
     add_sampling_args,
     add_serve_template_args,
+    add_trust_remote_code_arg,
 )
 
 # mlx-lm's sampler flags (mlx_lm_flags.SAMPLER_FLAGS) that serve's Settings holds a
@@ -61,6 +63,21 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="conversations whose KV caches are kept for their next turn",
     )
     p.add_argument(
+        "--prompt-cache-bytes",
+        type=_size,
+        default=None,
+        help="most bytes of KV caches kept, e.g. 4GB or 500M (default: no limit "
+        "but --prompt-cache-size)",
+    )
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        default="INFO",
+        choices=LOG_LEVELS,
+        help="least important log lines printed: DEBUG adds a line as each request "
+        "starts, WARNING and up keep only errors",
+    )
+    p.add_argument(
         "--decode-concurrency",
         type=int,
         default=32,
@@ -80,6 +97,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="web page origins allowed to call the API from a browser (CORS), "
         "comma-separated, e.g. http://localhost:3000 (default: *, any; as mlx_lm.server)",
     )
+    add_trust_remote_code_arg(p)
     add_draft_args(p)
     add_kv_cache_args(p)
     return p
@@ -88,6 +106,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def _sampler_defaults() -> tuple:
     """mlx-lm's sampler flags that the server's Settings has a default for."""
     return SETTINGS_SAMPLER
+
+
+def _size(text: str) -> int:
+    try:
+        return byte_size(text)
+    except ValueError as e:  # argparse's one line, naming the flag
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @run_main
@@ -109,9 +134,11 @@ def main(argv=None):
     from ..loading.source import default_model_path
     from ..prompts import set_template
     from ..serve import ApiServer, Service, Settings, bind_warning, run_until_signal
+    from ..serve.log import set_level
     from .common import build, need_tokenizer
     from .decoding import serve_decoding, serve_with_draft
 
+    set_level(args.log_level)
     # Bind first: a port in use is one line before a long model load.
     try:
         server = ApiServer(args.host, args.port, args.allowed_origins)
@@ -123,7 +150,10 @@ def main(argv=None):
 
     def load():
         source = read_source(
-            args.model, tokenizer=args.tokenizer, adapter_path=args.adapter_path
+            args.model,
+            tokenizer=args.tokenizer,
+            adapter_path=args.adapter_path,
+            trust_remote_code=args.trust_remote_code,
         )
         tokenizer = need_tokenizer(source.tokenizer, source.name)
         set_template(  # mlx-lm's template flags, for every chat request

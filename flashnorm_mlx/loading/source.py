@@ -65,8 +65,9 @@ def _looks_like_repo_id(model: str) -> bool:
     return len(parts) == 2 and all(parts) and not model.startswith((".", "/", "~"))
 
 
-def resolve(model: Optional[str]) -> Path:
-    """A local path for MODEL, downloading a hub repo id when there is a network."""
+def resolve(model: Optional[str], code: bool = False) -> Path:
+    """A local path for MODEL, downloading a hub repo id when there is a network
+    (with its Python files where `code`: --trust-remote-code)."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
@@ -74,14 +75,16 @@ def resolve(model: Optional[str]) -> Path:
         return path
     if model.endswith(".gguf") or not _looks_like_repo_id(model):
         raise LoadError(f"no such file or folder: {model}")
-    return _download(model)
+    return _download(model, code)
 
 
-def _download(repo: str) -> Path:
-    # mlx-lm's own hub download (huggingface_hub), without remote code files.
+def _download(repo: str, code: bool = False) -> Path:
+    # mlx-lm's own hub download (huggingface_hub); remote code files only where
+    # the user trusts them (--trust-remote-code).
     from ..mlx_lm_compat import hub_download
 
     patterns = ["*.json", "model*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
+    patterns += ["*.py"] if code else []
     try:
         return hub_download(repo, allow_patterns=patterns)
     except Exception as e:  # network down, repo missing, auth: all one line
@@ -99,10 +102,12 @@ def read_source(
     tokenizer: Optional[str] = None,
     need_tokenizer: bool = True,
     adapter_path: Optional[str] = None,
+    trust_remote_code: bool = False,
 ) -> Source:
     """Read config, weights and tokenizer of MODEL (see module docstring);
-    `adapter_path`: an mlx-lm LoRA/DoRA adapter fused in (adapters.py)."""
-    path = resolve(model)
+    `adapter_path`: an mlx-lm LoRA/DoRA adapter fused in (adapters.py);
+    `trust_remote_code`: the tokenizer may run the folder's own Python code."""
+    path = resolve(model, trust_remote_code)
     name = str(model) if model else f"{DEFAULT_FILE} (embedded default)"
     if path.is_file():
         if path.suffix != ".gguf":
@@ -129,9 +134,10 @@ def read_source(
     # The tokenizer after the config's check: transformers validates config.json
     # too, and would report its own, longer words for the same problem.
     if path.is_dir() and need_tokenizer and tokenizer is None:
-        src.tokenizer = _folder_tokenizer(path)
+        src.tokenizer = _folder_tokenizer(path, code=trust_remote_code)
     if tokenizer is not None and need_tokenizer:
-        src.tokenizer = _folder_tokenizer(resolve(tokenizer), required=True)
+        where = resolve(tokenizer, trust_remote_code)
+        src.tokenizer = _folder_tokenizer(where, True, trust_remote_code)
     if adapter_path is not None:
         from .adapters import apply_adapter
 
@@ -175,7 +181,7 @@ def folder_weights(path: Path) -> dict:
     return {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
 
 
-def _folder_tokenizer(path: Path, required: bool = False):
+def _folder_tokenizer(path: Path, required: bool = False, code: bool = False):
     has_files = any(
         (path / f).exists()
         for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -190,9 +196,17 @@ def _folder_tokenizer(path: Path, required: bool = False):
 
     try:
         with _quiet_transformers():
-            return load_tokenizer(path)
+            # transformers refuses a tokenizer class of the folder's own code
+            # unless trusted, as mlx-lm passes --trust-remote-code on.
+            return load_tokenizer(path, {"trust_remote_code": True} if code else None)
     except Exception as e:
-        raise LoadError(f"{path}: could not load the tokenizer ({e})") from None
+        if "trust_remote_code" in str(e):  # transformers' words, several lines
+            raise LoadError(
+                f"{path}: the tokenizer is the folder's own Python code; "
+                "run it with --trust-remote-code if you trust it"
+            ) from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LoadError(f"{path}: could not load the tokenizer ({first})") from None
 
 
 @contextmanager

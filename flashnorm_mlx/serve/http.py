@@ -148,7 +148,7 @@ class Handler(BaseHTTPRequestHandler):
         except (_ClientGone, OSError):  # the client left, reset or stalled
             self.close_connection = True
         except Exception as e:  # a bug answering one request: log it, answer 500
-            log(f"internal error: {e}\n{traceback.format_exc()}")
+            log(f"internal error: {e}\n{traceback.format_exc()}", "ERROR")
             if not self._sent:
                 err = RequestError(
                     f"internal error: {e}", status=500, kind="server_error"

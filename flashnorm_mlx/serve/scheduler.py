@@ -154,7 +154,10 @@ class Worker:
 
         # All generation on this thread's default stream, as mlx_lm.server does.
         self.stream = mx.default_stream(mx.default_device())
-        self.pool = LRUPromptCache(self.settings.prompt_cache_size)
+        limit = self.settings.prompt_cache_bytes
+        self.pool = LRUPromptCache(
+            self.settings.prompt_cache_size, **({"max_bytes": limit} if limit else {})
+        )
         # End of sequence by token id; stop strings are matched on text (StopText).
         self.eos = make_stop_sequences(self.tokenizer)
         self.gen = self._new_generator()
@@ -168,7 +171,7 @@ class Worker:
                 if self.runs:
                     self._step()
             except Exception as e:  # nothing may stop the generation thread
-                log(f"internal error: {e}\n{traceback.format_exc()}")
+                log(f"internal error: {e}\n{traceback.format_exc()}", "ERROR")
                 # The batch may be half-updated: fail its requests, start afresh.
                 for run in self.runs.values():
                     self._fail(run.request, f"internal error: {e}")
@@ -199,12 +202,17 @@ class Worker:
             try:
                 self._start(request)
             except Exception as e:  # this request fails; the others go on
-                log(f"internal error: {e}\n{traceback.format_exc()}")
+                log(f"internal error: {e}\n{traceback.format_exc()}", "ERROR")
                 self._fail(request, f"internal error: {e}")
 
     def _start(self, request: Request) -> None:
         from mlx_lm.models.cache import trim_prompt_cache
 
+        log(
+            f"{request.kind} {request.id[:8]}: started, prompt {len(request.prompt)} "
+            f"tokens, max_tokens {request.max_tokens}",
+            "DEBUG",
+        )
         run = _Run(request, 0, StopText(request.stop))
         if request.top_logprobs is not None:
             run.entries = []

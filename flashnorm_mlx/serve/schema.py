@@ -35,6 +35,7 @@ class Settings:
     seed: Optional[int] = None  # seeds the per-request seeds of unseeded requests
     prefill_step_size: int = 512  # prompt tokens per step of the generation thread
     prompt_cache_size: int = 10  # conversations whose KV caches are kept
+    prompt_cache_bytes: Optional[int] = None  # their most bytes; None: no limit
     decode_concurrency: int = 32  # requests decoded together; the rest wait
     max_context: Optional[int] = None  # tokens; None: the model config's, if any
     api_key: Optional[str] = None  # every route but /health needs it when set
