@@ -280,3 +280,21 @@ def test_prefill_step_size_reaches_the_prefill(command, tmp_path, monkeypatch, c
     assert text == default_text and "".join(text).strip(), (text, default_text)
     assert steps and set(steps) == {4}, steps
     assert set(default_steps) == {2048}, default_steps
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_a_hub_download_fetches_python_files_only_when_trusted(trust, monkeypatch):
+    """mlx-lm's hub download (faked: no network here) is asked for the repo's
+    Python files with --trust-remote-code, and never without it."""
+    import mlx_lm.utils
+
+    from flashnorm_mlx.loading import source
+
+    asked = []
+    monkeypatch.setattr(
+        mlx_lm.utils,
+        "_download",
+        lambda repo, allow_patterns: asked.append(allow_patterns),
+    )
+    source.resolve("org/some-model", trust)
+    assert len(asked) == 1 and ("*.py" in asked[0]) == trust, asked
