@@ -15,6 +15,47 @@ from . import _common
 from ._common import deferred_scale, pow2_prescale, prescaled
 from .render import TREE_SUM
 
+# After the row sums: the row's mean square (ms) for the next block, with the
+# next norm's gain or float16 prescale applied to the row it reads (xs), or with
+# FN_NORM the final RMSNorm itself. FN_ROW(i) recomputes row element i; shared
+# by `residual_ops` and post_norm.py's kernel.
+NEXT_NORM = """\
+  const float msr = red[0] / static_cast<float>(D) + params[0];
+#if FN_NORM
+  // The final RMSNorm, as mx.fast.rms_norm rounds it: T(v * r), then the gain.
+  const float r = FN_RSQRT(msr);
+  for (int i = lane; i < D; i += NT) {
+#if FN_GAIN
+    out[base + i] = static_cast<T>(
+        static_cast<float>(gain[i]) * static_cast<float>(static_cast<T>(FN_ROW(i) * r)));
+#else
+    out[base + i] = static_cast<T>(FN_ROW(i) * r);
+#endif
+  }
+#else
+  if (lane == 0) {
+    ms[FN_GROUP] = msr;
+  }
+#if FN_GAIN
+  // The next norm's gain, applied where the row the next matmul reads is formed
+  // (unfolded weights, e.g. a quantized checkpoint as stored).
+#if FN_PRESCALE
+  const float p = FN_POW2_PRESCALE(msr);
+#else
+  const float p = 1.0f;
+#endif
+  for (int i = lane; i < D; i += NT) {
+    xs[base + i] = static_cast<T>(FN_ROW(i) * static_cast<float>(gain[i]) * p);
+  }
+#elif FN_PRESCALE
+  const float p = FN_POW2_PRESCALE(msr);
+  for (int i = lane; i < D; i += NT) {
+    xs[base + i] = static_cast<T>(FN_ROW(i) * p);
+  }
+#endif
+#endif
+"""
+
 # One threadgroup of NT threads per row of D. FN_ROW(i) is element i of the
 # residual row, rounded to T exactly as the twin rounds it. FN_GAIN: `gain` is
 # the final norm's (with FN_NORM) or the next norm's, on xs (without).
@@ -51,40 +92,9 @@ RESIDUAL_BODY = (
 """
     + TREE_SUM
     + """\
-  const float msr = red[0] / static_cast<float>(D) + params[0];
-#if FN_NORM
-  // The final RMSNorm, as mx.fast.rms_norm rounds it: T(v * r), then the gain.
-  const float r = FN_RSQRT(msr);
-  for (int i = lane; i < D; i += NT) {
-#if FN_GAIN
-    out[base + i] = static_cast<T>(
-        static_cast<float>(gain[i]) * static_cast<float>(static_cast<T>(FN_ROW(i) * r)));
-#else
-    out[base + i] = static_cast<T>(FN_ROW(i) * r);
-#endif
-  }
-#else
-  if (lane == 0) {
-    ms[FN_GROUP] = msr;
-  }
-#if FN_GAIN
-  // The next norm's gain, applied where the row the next matmul reads is formed
-  // (unfolded weights, e.g. a quantized checkpoint as stored).
-#if FN_PRESCALE
-  const float p = FN_POW2_PRESCALE(msr);
-#else
-  const float p = 1.0f;
-#endif
-  for (int i = lane; i < D; i += NT) {
-    xs[base + i] = static_cast<T>(FN_ROW(i) * static_cast<float>(gain[i]) * p);
-  }
-#elif FN_PRESCALE
-  const float p = FN_POW2_PRESCALE(msr);
-  for (int i = lane; i < D; i += NT) {
-    xs[base + i] = static_cast<T>(FN_ROW(i) * p);
-  }
-#endif
-#endif
+"""
+    + NEXT_NORM
+    + """\
 #undef FN_ROW
 """
 )

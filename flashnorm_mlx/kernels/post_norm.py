@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from . import _common
 from ._common import pow2_prescale, prescaled
-from .block_residual import residual_ops
+from .block_residual import NEXT_NORM, residual_ops
 from .render import TREE_SUM
 
 F16_MAX = 65504.0
@@ -78,38 +78,9 @@ POST_RESIDUAL_BODY = (
 """
     + TREE_SUM
     + """\
-  const float msr = red[0] / static_cast<float>(D) + params[0];
-#if FN_NORM
-  // The final RMSNorm, as mx.fast.rms_norm rounds it: T(v * r), then the gain.
-  const float r = FN_RSQRT(msr);
-  for (int i = lane; i < D; i += NT) {
-#if FN_GAIN
-    out[base + i] = static_cast<T>(
-        static_cast<float>(gain[i]) * static_cast<float>(static_cast<T>(FN_ROW(i) * r)));
-#else
-    out[base + i] = static_cast<T>(FN_ROW(i) * r);
-#endif
-  }
-#else
-  if (lane == 0) {
-    ms[FN_GROUP] = msr;
-  }
-#if FN_GAIN
-#if FN_PRESCALE
-  const float p = FN_POW2_PRESCALE(msr);
-#else
-  const float p = 1.0f;
-#endif
-  for (int i = lane; i < D; i += NT) {
-    xs[base + i] = static_cast<T>(FN_ROW(i) * static_cast<float>(gain[i]) * p);
-  }
-#elif FN_PRESCALE
-  const float p = FN_POW2_PRESCALE(msr);
-  for (int i = lane; i < D; i += NT) {
-    xs[base + i] = static_cast<T>(FN_ROW(i) * p);
-  }
-#endif
-#endif
+"""
+    + NEXT_NORM
+    + """\
 #undef FN_ROW
 #undef FN_NORMED
 #undef FN_CLIP
