@@ -282,6 +282,21 @@ def test_bench_takes_the_adapter(llama, tmp_path, capsys):
     assert main([*argv, "--adapter-path", str(adapter)]) == 0
 
 
+def test_bench_with_a_draft_runs_the_adapted_model(llama, tmp_path, capsys):
+    """bench --draft-model on the adapted model, with the unadapted model as
+    its draft: they differ, so not every draft token is accepted (with the
+    adapter dropped, the draft would be the model itself: all accepted)."""
+    import json
+
+    adapter = make_adapter(llama, tmp_path / "a")
+    out = tmp_path / "draft.json"
+    argv = ["bench", str(llama), "-p", "8", "-g", "16", "-n", "1", "--dtype"]
+    argv += ["float32", "--draft-model", str(llama), "--json", str(out)]
+    assert main([*argv, "--adapter-path", str(adapter)]) == 0
+    r = json.loads(out.read_text())
+    assert r["same_tokens"] is True and r["acceptance_rate"] < 1, r
+
+
 def test_broken_adapter_files_are_one_line(llama, tmp_path, capsys):
     argv = ["generate", str(llama), "-m", "2", "--adapter-path"]
     adapter = make_adapter(llama, tmp_path / "a")

@@ -329,7 +329,9 @@ def _draft_main(parser, args) -> int:
         parser.error(wrong)
     if args.json and not Path(args.json).expanduser().parent.is_dir():
         parser.error(f"--json: no such folder: {Path(args.json).expanduser().parent}")
-    source = read_source(args.model, need_tokenizer=False)
+    source = read_source(
+        args.model, need_tokenizer=False, adapter_path=args.adapter_path
+    )
     log = StageLog("bench")
     result = run_draft_bench(
         source,
