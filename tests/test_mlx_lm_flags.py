@@ -49,7 +49,7 @@ FLAGS = {
     "verify": ("generate", ["--adapter-path"]),
     "bench": ("generate", ["--adapter-path"]),
     "convert": ("generate", ["--adapter-path"]),
-    "cache-prompt": ("cache_prompt", ["--adapter-path"]),
+    "cache-prompt": ("cache_prompt", ["--adapter-path", "--trust-remote-code"]),
 }
 EXTRA = {"chat": ("generate", ["--prompt-cache-file"])}
 
@@ -231,19 +231,55 @@ def own_code(tmp_path_factory):
     return path
 
 
-def test_trust_remote_code_loads_the_folders_own_tokenizer(own_code, capsys):
-    from flashnorm_mlx.cli import main
+def test_trust_remote_code_loads_the_folders_own_tokenizer(own_code):
     from flashnorm_mlx.loading import read_source
 
     tok = read_source(str(own_code), trust_remote_code=True).tokenizer
     assert type(tok._tokenizer).__name__ == "ShoutingTokenizerFast"
     assert tok.decode(tok.encode("hello")) == "HELLO"
-    argv = ["generate", str(own_code), "-p", "hi", "-m", "2", "--dtype", "float32"]
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "cache-prompt"])
+def test_each_command_trusts_only_with_the_flag(
+    own_code, command, tmp_path, monkeypatch, capsys
+):
+    from flashnorm_mlx.cli import main
+
+    argv = [command, str(own_code), "--dtype", "float32"]
+    argv += {
+        "generate": ["-p", "hi", "-m", "2"],
+        "chat": ["-m", "2"],
+        "cache-prompt": ["-p", "hi", "-o", str(tmp_path / "c.safetensors")],
+    }[command]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n/quit\n"))
     assert main([*argv, "--trust-remote-code"]) == 0, capsys.readouterr().err
     capsys.readouterr()
+    if command == "cache-prompt":
+        (tmp_path / "c.safetensors").unlink()
     assert main(argv) == 1  # untrusted: transformers refuses, in one line
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--trust-remote-code" in err[0], err
+
+
+def test_serve_trusts_only_with_the_flag(own_code):
+    """The server's tokenizer is the folder's own class (its /tokenizer_info
+    names it); without the flag the server does not start, in one line."""
+    import subprocess
+    import sys
+
+    from serve_process import Server
+
+    server = Server(str(own_code), "--dtype", "float32", "--trust-remote-code")
+    try:
+        status, info = server.request("GET", "/tokenizer_info")
+        assert status == 200 and info["tokenizer_class"] == "ShoutingTokenizerFast"
+    finally:
+        server.kill()
+    cmd = [sys.executable, "-m", "flashnorm_mlx", "serve", str(own_code), "--port", "0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    lines = [l for l in r.stderr.splitlines() if "error" in l]
+    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert "--trust-remote-code" in lines[0] and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])

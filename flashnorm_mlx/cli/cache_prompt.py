@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .flags import Parser, add_model_args, run_main
-from .mlx_lm_flags import add_adapter_args
+from .mlx_lm_flags import add_adapter_args, add_trust_remote_code_arg
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     add_model_args(p)
     add_adapter_args(p)
+    add_trust_remote_code_arg(p)
     p.add_argument(
         "-p",
         "--prompt",
@@ -70,7 +71,10 @@ def main(argv=None):
     # One process: a tensor-parallel rank's cache holds its shard's heads alone
     # (build refuses a multi-rank launch).
     source = read_source(
-        args.model, tokenizer=args.tokenizer, adapter_path=args.adapter_path
+        args.model,
+        tokenizer=args.tokenizer,
+        adapter_path=args.adapter_path,
+        trust_remote_code=args.trust_remote_code,
     )
     tokenizer = need_tokenizer(source.tokenizer, source.name)
     model, _ = build(source, args.mode, args)
