@@ -64,19 +64,12 @@ def main(argv=None):
         parser.error("-p/--prompt is empty (-p TEXT, or -p - to read stdin)")
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import prompt_cache
-    from ..loading import read_source
     from ..prompts import cache_prompt_ids
-    from .common import build, need_tokenizer
+    from .common import build, read_with_tokenizer
 
     # One process: a tensor-parallel rank's cache holds its shard's heads alone
     # (build refuses a multi-rank launch).
-    source = read_source(
-        args.model,
-        tokenizer=args.tokenizer,
-        adapter_path=args.adapter_path,
-        trust_remote_code=args.trust_remote_code,
-    )
-    tokenizer = need_tokenizer(source.tokenizer, source.name)
+    source, tokenizer = read_with_tokenizer(args)
     model, _ = build(source, args.mode, args)
     ids = cache_prompt_ids(tokenizer, prompt, args.system_prompt)
     meta = prompt_cache.identity(args.model, args.mode, model, args.adapter_path)

@@ -10,15 +10,7 @@ import time
 
 from ..errors import ChatError, ContextOverflow
 from .flags import VARIANT_NAMES, Parser, UserError, add_model_args, run_main
-from .mlx_lm_flags import (
-    add_adapter_args,
-    add_draft_args,
-    add_kv_cache_args,
-    add_prefill_step_arg,
-    add_prompt_cache_args,
-    add_sampling_args,
-    add_trust_remote_code_arg,
-)
+from .mlx_lm_flags import add_generation_args, add_sampling_args
 
 HELP = """\
 /help   show this help
@@ -42,8 +34,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help="System prompt to be used for the chat template",
     )
-    add_adapter_args(p)
-    add_prompt_cache_args(p)
     add_sampling_args(p, max_tokens=256)
     p.add_argument(
         "--max-context",
@@ -52,10 +42,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="context length in tokens (default: the model's, from its config); "
         "the oldest turns are dropped to fit a reply of --max-tokens",
     )
-    add_prefill_step_arg(p)
-    add_trust_remote_code_arg(p)
-    add_draft_args(p)
-    add_kv_cache_args(p)
+    add_generation_args(p)
     return p
 
 

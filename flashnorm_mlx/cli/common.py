@@ -68,13 +68,7 @@ def load_for_sampling(args):
     import mlx.core as mx
 
     join_launch(args)  # mlx.launch with several ranks: tensor parallel
-    source = read_source(
-        args.model,
-        tokenizer=args.tokenizer,
-        adapter_path=args.adapter_path,
-        trust_remote_code=args.trust_remote_code,
-    )
-    tokenizer = need_tokenizer(source.tokenizer, source.name)
+    source, tokenizer = read_with_tokenizer(args)
     model, config = build(source, args.mode, args)
     distributed.announce()
     if args.seed is not None:  # after the build: a sharded build draws random
@@ -179,6 +173,18 @@ def interruptible(log: StageLog):
     """Ctrl-C inside: one line saying what `log` was doing, exit 130, at once
     (`interrupt.guard`), even inside a long mx.eval."""
     return interrupt.guard(log.now, log.prefix)
+
+
+def read_with_tokenizer(args):
+    """(source, tokenizer) of MODEL for the commands that tokenize: --tokenizer,
+    --adapter-path and --trust-remote-code as the flags give them."""
+    source = read_source(
+        args.model,
+        tokenizer=args.tokenizer,
+        adapter_path=args.adapter_path,
+        trust_remote_code=args.trust_remote_code,
+    )
+    return source, need_tokenizer(source.tokenizer, source.name)
 
 
 def need_tokenizer(tokenizer, model_name):

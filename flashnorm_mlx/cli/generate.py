@@ -4,16 +4,7 @@ import argparse
 import sys
 
 from .flags import Parser, add_model_args, run_main
-from .mlx_lm_flags import (
-    add_adapter_args,
-    add_draft_args,
-    add_kv_cache_args,
-    add_prefill_step_arg,
-    add_prompt_cache_args,
-    add_sampling_args,
-    add_template_args,
-    add_trust_remote_code_arg,
-)
+from .mlx_lm_flags import add_generation_args, add_sampling_args, add_template_args
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -34,13 +25,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="feed the prompt as raw text",
     )
-    add_prefill_step_arg(p)
-    add_trust_remote_code_arg(p)
-    add_draft_args(p)
-    add_kv_cache_args(p)
-    add_adapter_args(p)
+    add_generation_args(p)
     add_template_args(p)
-    add_prompt_cache_args(p)
     return p
 
 

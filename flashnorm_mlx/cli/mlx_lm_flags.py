@@ -249,3 +249,15 @@ def add_trust_remote_code_arg(parser: argparse.ArgumentParser) -> None:
         help="enable trusting remote code for the tokenizer (a class defined in "
         "the model's own Python files; a hub download then fetches them)",
     )
+
+
+def add_generation_args(parser: argparse.ArgumentParser) -> None:
+    """What generate and chat both take from mlx_lm.generate: the prefill step,
+    --trust-remote-code, a draft, the KV cache options, an adapter and a
+    prompt-cache file."""
+    add_prefill_step_arg(parser)
+    add_trust_remote_code_arg(parser)
+    add_draft_args(parser)
+    add_kv_cache_args(parser)
+    add_adapter_args(parser)
+    add_prompt_cache_args(parser)

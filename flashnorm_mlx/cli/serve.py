@@ -130,12 +130,11 @@ def main(argv=None):
     if api_key is not None and not api_key.strip():
         parser.error(f"the API key (--api-key or ${API_KEY_ENV}) must not be empty")
     # MLX and mlx-lm (seconds) once the flags are good.
-    from ..loading import read_source
     from ..loading.source import default_model_path
     from ..prompts import set_template
     from ..serve import ApiServer, Service, Settings, bind_warning, run_until_signal
     from ..serve.log import set_level
-    from .common import build, need_tokenizer
+    from .common import build, read_with_tokenizer
     from .decoding import serve_decoding, serve_with_draft
 
     set_level(args.log_level)
@@ -149,13 +148,7 @@ def main(argv=None):
         print(f"flashnorm-mlx serve: {warning}", file=sys.stderr, flush=True)
 
     def load():
-        source = read_source(
-            args.model,
-            tokenizer=args.tokenizer,
-            adapter_path=args.adapter_path,
-            trust_remote_code=args.trust_remote_code,
-        )
-        tokenizer = need_tokenizer(source.tokenizer, source.name)
+        source, tokenizer = read_with_tokenizer(args)
         set_template(  # mlx-lm's template flags, for every chat request
             tokenizer,
             chat_template=args.chat_template,

@@ -163,13 +163,7 @@ def _residual_plan(shape, dtype, inputs, norm, make_kernel, backend):
         norm=norm,
         gain=has_gain,
     )
-    launch = dict(
-        template=[("T", dtype), ("D", D), ("NT", nt), ("RP", nt)],
-        grid=(math.prod(shape[:-1]) * nt, 1, 1),
-        threadgroup=(nt, 1, 1),
-        output_shapes=[s for s, _ in outputs.values()],
-        output_dtypes=[d for _, d in outputs.values()],
-    )
+    launch = row_launch(shape, dtype, nt, outputs)
     names = list(outputs)
     # Output positions of (out, ms, xs); None where the kernel does not write it.
     where = tuple(names.index(n) if n in names else None for n in ("out", "ms", "xs"))
@@ -223,3 +217,15 @@ def residual_norm_kernel(h, y, ms_y, eps, gain=None):
 def residual_norm(h, y, ms_y, eps, gain=None):
     fn = _common.pick("residual_norm", residual_norm_kernel, residual_norm_ops)
     return fn(h, y, ms_y, eps, gain)
+
+
+def row_launch(shape, dtype, nt: int, outputs: dict) -> dict:
+    """The launch of a row kernel: one threadgroup of `nt` threads per row of
+    the last axis, `outputs` {name: (shape, dtype)} in the kernel's order."""
+    return dict(
+        template=[("T", dtype), ("D", shape[-1]), ("NT", nt), ("RP", nt)],
+        grid=(math.prod(shape[:-1]) * nt, 1, 1),
+        threadgroup=(nt, 1, 1),
+        output_shapes=[s for s, _ in outputs.values()],
+        output_dtypes=[d for _, d in outputs.values()],
+    )

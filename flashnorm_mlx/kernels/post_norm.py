@@ -13,14 +13,13 @@ clipped to float16's range, as mlx-lm's `clip_residual` does.
 """
 
 import functools
-import math
 from typing import Optional, Tuple
 
 import mlx.core as mx
 
 from . import _common
 from ._common import pow2_prescale, prescaled
-from .block_residual import NEXT_NORM, residual_ops
+from .block_residual import NEXT_NORM, residual_ops, row_launch
 from .render import TREE_SUM
 
 F16_MAX = 65504.0
@@ -159,13 +158,7 @@ def _plan(shape, dtype, inputs, norm, make_kernel, backend):
         norm=norm,
         gain=has_gain,
     )
-    launch = dict(
-        template=[("T", dtype), ("D", D), ("NT", nt), ("RP", nt)],
-        grid=(math.prod(shape[:-1]) * nt, 1, 1),
-        threadgroup=(nt, 1, 1),
-        output_shapes=[s for s, _ in outputs.values()],
-        output_dtypes=[d for _, d in outputs.values()],
-    )
+    launch = row_launch(shape, dtype, nt, outputs)
     return kernel, launch
 
 
