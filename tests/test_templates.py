@@ -114,8 +114,9 @@ def test_serve_template_flags_and_adapter(llama, tmp_path):
     """serve --chat-template, --chat-template-args and --adapter-path: the
     prompt is the template's with the arguments, and each reply token's
     logprob is mlx-lm's adapted model's for its greedy tokens (logprobs, not
-    text: serve's text drops this byte tokenizer's '!', with or without
-    these flags)."""
+    text: the tiny model samples ids past this byte tokenizer's vocabulary,
+    which mlx-lm's streaming detokenizer shows as '!' and tokenizer.decode,
+    serve's, drops)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load
@@ -149,3 +150,31 @@ def test_serve_template_flags_and_adapter(llama, tmp_path):
     print(f"served logprobs {got}\nmlx-lm adapted {want}")
     assert len(got) == len(want) == 8
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3
+
+
+def test_serve_chat_template_kwargs_per_request(llama):
+    """mlx_lm.server's `chat_template_kwargs`: a request's own arguments over
+    --chat-template-args, for that request alone; not an object: a 400."""
+    from serve_process import Server
+
+    template = "{{ greeting }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}>"
+    args = ["--chat-template", template, "--chat-template-args", '{"greeting": "Yo"}']
+    server = Server(str(llama), "--dtype", "float32", *args)
+    try:
+
+        def prompt_tokens(**extra):
+            body = {"messages": [{"role": "user", "content": "Hello"}], **extra}
+            status, r = server.request(
+                "POST", "/v1/chat/completions", {**body, "max_tokens": 1}
+            )
+            return status, r
+
+        status, r = prompt_tokens(chat_template_kwargs={"greeting": "Ahoy there"})
+        assert status == 200, r
+        assert r["usage"]["prompt_tokens"] == len("Ahoy there[Hello]>"), r
+        status, r = prompt_tokens()  # the flag's again: nothing was kept
+        assert status == 200 and r["usage"]["prompt_tokens"] == len("Yo[Hello]>"), r
+        status, r = prompt_tokens(chat_template_kwargs=["greeting"])
+        assert status == 400 and r["error"]["param"] == "chat_template_kwargs", r
+    finally:
+        server.kill()

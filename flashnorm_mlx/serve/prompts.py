@@ -53,6 +53,21 @@ def read_messages(body: dict) -> List[dict]:
     return out
 
 
+def read_template_kwargs(body: dict) -> dict:
+    """A chat request's `chat_template_kwargs` (mlx_lm.server's field: e.g.
+    {"enable_thinking": false}), a copy; {} where absent or null."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise RequestError(
+            "'chat_template_kwargs' must be an object of template arguments",
+            param="chat_template_kwargs",
+            code="invalid_type",
+        )
+    return dict(kwargs)
+
+
 MAX_PROMPTS = 64  # prompts in one completions request (one choice each)
 
 

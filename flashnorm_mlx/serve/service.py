@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, List
 
-from .prompts import read_messages, read_prompts
+from .prompts import read_messages, read_prompts, read_template_kwargs
 from .scheduler import Worker
 from .schema import Request, RequestError, Settings, read_requests
 from .tools import read_tools, with_tool_history
@@ -119,14 +119,14 @@ class Service:
                     param="messages",
                 )
             tools = read_tools(body, self.tokenizer)  # 400 where the model cannot
-            extra = {"tools": tools} if tools else {}
+            # mlx_lm.server's per-request template arguments, over --chat-template-args.
+            extra = read_template_kwargs(body)
+            extra.update({"tools": tools} if tools else {}, add_generation_prompt=True)
             if tools:
                 messages = with_tool_history(messages, body)
             with self.tokenizer_lock:
                 try:
-                    ids = self.tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=True, **extra
-                    )
+                    ids = self.tokenizer.apply_chat_template(messages, **extra)
                 except Exception as e:  # the template's own refusals (jinja)
                     raise RequestError(
                         f"the chat template refused the messages: {e}",
