@@ -348,22 +348,20 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tied, tmp_path):
     assert to_stock < tiny.f32_tol(), to_stock
 
 
-# HF module (in a layer) -> llama.cpp's tensor name for Gemma 3 (its converter).
-GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-}
+def _gguf_names() -> dict:
+    """HF module (in a layer) -> llama.cpp's tensor name for Gemma 3 (its
+    converter): Llama's names, but for the sandwich norms around the FFN."""
+    from test_gguf import HF_TO_GGUF_LAYER
+
+    return {
+        **HF_TO_GGUF_LAYER,
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    }
+
+
+GGUF_NAMES = _gguf_names()
 GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}
 NAMES = ("stock", "flashnorm")
 
