@@ -16,7 +16,7 @@ from .. import engine as engines
 from .. import fold, models, quant
 from ..errors import LoadError
 from ..parallel import sharding
-from . import nonorm, stock_fused
+from . import gguf_kquant, nonorm, stock_fused
 from .adapters import adapted_quantization
 from .recipe import Recipe
 from .shapes import config_name, mismatch, shapes_of
@@ -83,6 +83,9 @@ def build_model(
         raise
     if plan.note and notes is not None:
         notes.append(plan.note)
+    kquant = gguf_kquant.build_note(source, plan, mode, quantized_way, quantize)
+    if kquant and notes is not None:
+        notes.append(kquant)
     fused = mode == "stock_fused"
     del source_weights, plan  # from here the model alone holds the (lazy) weights
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
@@ -130,6 +133,8 @@ def _instantiate(name: str, recipe: Recipe, cls: str):
     `cls` ("stock" or "flashnorm") on the recipe's tensors; weights that do not
     fit the config are one LoadError line."""
     tensors, config = recipe.tensors(), recipe.config
+    if cls != "stock":  # a GGUF's Q4_K q|k stacked with a Q6_K v: float
+        tensors = gguf_kquant.float_pairs(tensors, config, recipe.out_dtype)
     as_is = {k for k, v in tensors.items() if recipe.src.get(k) is v}
     norm_gains = recipe.as_stored and not fold.is_folded(config) and cls != "stock"
     try:

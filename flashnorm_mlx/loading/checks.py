@@ -38,23 +38,28 @@ _GGUF_VALUE = {
     11: ("int64", "<q"),
     12: ("float64", "<d"),
 }
-# GGML tensor types MLX 0.32 reads (others crash gguflib, e.g. 4 and 5 divide by
-# zero, or it refuses them): id -> (name, items per block, bytes per block).
+# GGML tensor types we read (MLX, or loading/gguf_kquant.py for the K-quants and
+# Q5_0/Q5_1; others crash gguflib, e.g. 4 and 5 divide by zero, or it refuses
+# them): id -> (name, items per block, bytes per block).
 GGML_TYPES = {
     0: ("F32", 1, 4),
     1: ("F16", 1, 2),
     2: ("Q4_0", 32, 18),
     3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
     10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
     12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
     24: ("I8", 1, 1),
     25: ("I16", 1, 2),
     26: ("I32", 1, 4),
     30: ("BF16", 1, 2),
 }
-_OTHER_GGML = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 11: "Q3_K", 13: "Q5_K", 15: "Q8_K"}
+_OTHER_GGML = {9: "Q8_1", 15: "Q8_K"}
 MAX_DIMS = 4  # GGML_MAX_DIMS; gguflib's dimension array holds no more
 MAX_DIM = 2**31 - 1  # MLX shapes are int32
 

@@ -2,8 +2,10 @@
 checkpoint (Gemma's own reading: gguf_gemma3.py).
 
 `mx.load(path, return_metadata=True)` gives the tensors (Q4_0/Q4_1/Q8_0 as MLX
-affine group-32 triples `.weight/.scales/.biases`, F32/F16 as plain arrays;
-K-quants come back already dequantized to float16) and the metadata. From them
+affine group-32 triples `.weight/.scales/.biases`, F32/F16 as plain arrays)
+and the metadata; a file with K-quants is read in the same form by
+gguf_kquant.py (Q4_K/Q5_K repacked as triples, Q6_K/Q3_K/Q2_K in float16,
+listed in config[gguf_kquant.CONFIG_KEY]). From them
 we build what `source.Source` holds for a Hugging Face folder:
 - a config.json dict (plus `"quantization"` keyed by module path, as mlx-lm has),
 - weights under Hugging Face names, with llama.cpp's Q/K row permutation undone
@@ -20,7 +22,7 @@ import numpy as np
 
 from .. import quant
 from ..errors import LoadError
-from . import gguf_gemma3
+from . import gguf_gemma3, gguf_kquant
 from .checks import check_gguf
 from .gguf_rope import llama3_scaling
 
@@ -97,9 +99,13 @@ def read_gguf(
 ) -> Tuple[dict, Dict[str, mx.array], Optional[object]]:
     """(config, weights with Hugging Face names, TokenizerWrapper or None)."""
     path = Path(path)
-    check_gguf(path)  # MLX's own reader segfaults on a corrupt table
+    table = check_gguf(path)  # MLX's own reader segfaults on a corrupt table
+    floats = {}  # GGUF name -> K-quant type read as float16
     try:
-        raw, meta = mx.load(str(path), return_metadata=True)
+        if gguf_kquant.needs_own_reader(table):  # MLX dequantizes or fails
+            raw, meta, floats = gguf_kquant.read_file(path, table)
+        else:
+            raw, meta = mx.load(str(path), return_metadata=True)
     except Exception as e:  # MLX says "[load_gguf] ..." for corrupt or odd files
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise LoadError(f"{path}: not a readable GGUF file ({msg})") from None
@@ -122,6 +128,9 @@ def read_gguf(
     qblock = quantization(weights)
     if qblock:
         config["quantization"] = qblock
+    if floats:
+        mods = {hf_name(n).rpartition(".")[0]: t for n, t in floats.items()}
+        config[gguf_kquant.CONFIG_KEY] = mods
     tokenizer = None
     if load_tokenizer:
         try:
@@ -308,12 +317,12 @@ def _check_type(name: str, value: mx.array, raw: dict, path: Path) -> None:
         and value.dtype == mx.uint32
         and f"{stem}.scales" in raw
         and f"{stem}.biases" in raw
-        and _bits(value, raw[f"{stem}.scales"]) in (4, 8)
+        and _bits(value, raw[f"{stem}.scales"]) in (4, 5, 8)
     ):
         return
     raise LoadError(
         f"{path}: tensor {name} has an unsupported type ({value.dtype}); "
-        "supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0 and K-quants"
+        "supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and K-quants"
     )
 
 

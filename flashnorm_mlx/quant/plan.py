@@ -99,13 +99,17 @@ def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan
         return _plan_folded(
             weights, config, dtype, given_dtype, quantize, quantized_way, output
         )
+    # GGUF K-quants read as float (Q6_K, ...): --requantize rounds them to the
+    # nearest MLX setting (loading/gguf_kquant.py), as the quantized ones.
+    floats = _kquant_floats(config) if quantized_way == "requantize" else {}
     if not is_quantized(weights):
-        qspec = uniform_qspec(weights, *quantize) if quantize else None
+        qspec = uniform_qspec(weights, *quantize) if quantize else (floats or None)
         return WeightPlan(weights, config, dtype, qspec)
     if quantize is None and quantized_way == "stored":
         # The file's own function and bytes, as the user asked: nothing to say.
         return WeightPlan(weights, config, dtype, as_stored=True)
-    qspec = source_qspec(weights, config) if quantized_way == "requantize" else None
+    requantize = quantized_way == "requantize"
+    qspec = {**source_qspec(weights, config), **floats} if requantize else None
     note = _changed_note(weights, config, dtype, quantize, quantized_way)
     weights, config = dequantize_weights(weights, config, mx.float32)
     if quantize:
@@ -123,9 +127,15 @@ def requantizes(
     --requantize on an unfolded quantized source), not the checkpoint's own."""
     return bool(quantize) or (
         quantized_way == "requantize"
-        and is_quantized(weights)
+        and (is_quantized(weights) or bool(_kquant_floats(config)))
         and not fold.is_folded(config)
     )
+
+
+def _kquant_floats(config: dict) -> dict:
+    from ..loading import gguf_kquant  # loading imports quant
+
+    return gguf_kquant.requantize_spec(config)
 
 
 def bits_words(spec: dict) -> str:
