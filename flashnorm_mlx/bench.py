@@ -26,7 +26,7 @@ from . import dispatch
 from . import engine as engines
 from . import estimate, kernels, models, quant
 from .errors import BenchError
-from .loading import Source, build_model, model_dtype, weight_bytes
+from .loading import Source, build_model, gguf_kquant, model_dtype, weight_bytes
 from .loading.nonorm import rms_norm_paths
 from .loading.variants import BY_NAME, NAMES, REFERENCE, comparison
 from .machine import device_info, versions
@@ -390,6 +390,8 @@ def run_bench(
         "checksum_algorithm": "blake2b-128 over sorted (name, dtype, shape, bytes)",
         "checksum_s": checksum_s,
         "quantized": quant.is_quantized(source.weights),
+        # A GGUF's tensors of a type MLX cannot hold, read as float: module -> type
+        "float_kquants": gguf_kquant.floats_of(source.config),
         **comparison(source, quantize, quantized_way),
     }
     return _report(settings, src, info, records)

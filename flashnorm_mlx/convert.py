@@ -20,6 +20,7 @@ import mlx.core as mx
 from . import fold, interrupt, quant
 from .errors import LoadError
 from .fold import Weights
+from .loading import gguf_kquant
 from .loading.adapters import adapted_quantization, apply_adapter
 from .loading.recipe import CHUNK_ELEMENTS, fold_checkpoint
 from .loading.source import Source, read_source, resolve
@@ -286,6 +287,8 @@ def _remove_dirs(dirs: List[Path]) -> None:
 def _write_config(dst: Path, config: dict) -> None:
     from mlx_lm.utils import save_config
 
+    # A GGUF's record of its float-read K-quants is the source's, not the output's.
+    config = {k: v for k, v in config.items() if k != gguf_kquant.CONFIG_KEY}
     save_config(copy.deepcopy(config), dst / "config.json")
 
 
@@ -331,4 +334,10 @@ def _summary(out: Path, weights: Weights, config: dict, files: List[str]) -> dic
         "quantization_method": (
             config[fold.MARKER].get("quantization_method", {}).get("method")
         ),
+        # GGUF tensors of a type MLX cannot hold, written in float: module -> type
+        "float_kquants": {
+            m: t
+            for m, t in (gguf_kquant.floats_of(config) or {}).items()
+            if f"{m}.scales" not in weights
+        },
     }

@@ -22,6 +22,7 @@ from .loading import (
     Source,
     bits_per_weight,
     build_model,
+    gguf_kquant,
     model_dtype,
     recipe,
 )
@@ -166,7 +167,9 @@ def perplexity(
                 if ours
                 else "stored" if config.get("quantization") else "float"
             )
-            result.update(dtype=model_dtype(model), quantization=_quantization(config))
+            result.update(
+                dtype=model_dtype(model), quantization=_quantization(config, ours)
+            )
             result[f"{mode}_method"] = method
             result[f"{mode}_bits_per_weight"] = bits_per_weight(model)
             stage(f"built {mode} ({method})")
@@ -247,5 +250,10 @@ def _gptq_flashnorm(source: Source, kw, calibration, bar, stage, step, on_slow):
     return build_model(converted, "flashnorm", dtype=dtype)
 
 
-def _quantization(config: dict) -> Optional[str]:
-    return quant.describe(config) if config.get("quantization") else None
+def _quantization(config: dict, ours: bool = False) -> Optional[str]:
+    words = quant.describe(config) if config.get("quantization") else None
+    floats = gguf_kquant.floats_of(config)
+    if floats and not ours:  # a GGUF's Q6_K & co., read as float (not ours: -q)
+        kinds = "/".join(sorted(set(floats.values())))  # never "not quantized"
+        return f"{words}, " * bool(words) + f"{kinds} in float"
+    return words

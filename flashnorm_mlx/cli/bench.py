@@ -209,6 +209,8 @@ def _print_lines(result: dict, console) -> None:
     first = next(iter(result["variants"].values()))
     q = first["quantization"]
     qtxt = quant.describe({"quantization": q}) if q else "unquantized"
+    if result["source"].get("float_kquants"):  # the file's, in float: say so
+        qtxt = "K-quants partly in float (see comparison)" if q else "K-quants in float"
     console.print(
         f"{same} (checksum {result['source']['checksum'][:12]}), "
         f"{first['dtype']}, {qtxt}, engine {st['engine']}; tok/s = median ±half "

@@ -79,6 +79,7 @@ def main(argv=None):
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import quant
     from ..convert import convert
+    from ..loading import gguf_kquant
     from ..quant import gptq
     from .common import StageLog, interruptible, model_kwargs, say_slow
 
@@ -107,6 +108,10 @@ def main(argv=None):
             "kernels"
             if r["as_stored"]
             else r["quantization_method"]
+        )
+    if r["float_kquants"]:  # never "not quantized": the file's were
+        how = gguf_kquant.written_words(r["float_kquants"], r["dtype"]) + (
+            f"; the rest {how}" if q else ""
         )
     print(
         f"Wrote {r['path']}: {r['tensors']} tensors in {len(r['files'])} file(s), "

@@ -255,10 +255,10 @@ _BLOCK_BYTES.update({"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 
 
 def mixed_pairs(weights: dict, config: dict) -> List[str]:
-    """Quantized modules stacked (q|k|v, gate|up) with one read as float:
-    FlashNorm's one matmul needs one format, so they run in float too."""
-    floats = floats_of(config) or {}
-    if not floats:
+    """Quantized modules stacked (q|k|v, gate|up) with a float one (a GGUF's
+    Q4_K q and k with its Q6_K v): FlashNorm's one matmul needs one format,
+    so they run in float too."""
+    if not any(k.endswith(".scales") for k in weights):
         return []
     from .. import models
 
@@ -267,8 +267,11 @@ def mixed_pairs(weights: dict, config: dict) -> List[str]:
         prefix = arch.layer.format(i=i)
         for pair in arch.pairs:
             parts = [f"{prefix}.{p}" for p in pair.parts]
-            if any(p in floats for p in parts):
-                out += [p for p in parts if f"{p}.scales" in weights]
+            quantized = [p for p in parts if f"{p}.scales" in weights]
+            if quantized and any(
+                f"{p}.weight" in weights for p in parts if p not in quantized
+            ):
+                out += quantized
     return out
 
 
@@ -336,6 +339,18 @@ def build_note(source, plan, mode: str, way: str, quantize) -> Optional[str]:
     return note
 
 
+def written_words(floats: dict, dtype: str) -> str:
+    """convert's words for K-quant tensors it wrote in float (dtype: 'float16')."""
+    types = "/".join(sorted(set(floats.values())))
+    size = getattr(mx, dtype).size
+    in_file = sum(BITS_PER_WEIGHT[t] for t in floats.values()) / len(floats)
+    return (
+        f"{len(floats)} {types} tensors in {dtype} (MLX's format cannot hold "
+        f"them: {8 * size / in_file:.1f}x their bytes in the GGUF; --requantize "
+        "rounds them to the nearest MLX setting)"
+    )
+
+
 def _names(floats: dict) -> str:
     """'output, attn_v, ffn_down': the kinds of module, in the order first met."""
     kinds = dict.fromkeys(m.rsplit(".", 1)[-1] for m in floats)
@@ -348,6 +363,22 @@ def requantize_spec(config: dict) -> Dict[str, dict]:
         m: {"group_size": 32, "bits": FLOAT_TYPES[t], "mode": "affine"}
         for m, t in (config.get(CONFIG_KEY) or {}).items()
     }
+
+
+def same_in_stacks(qspec: dict, config: dict) -> dict:
+    """`qspec` with one setting per q|k|v and gate|up (FlashNorm stacks them):
+    the most bits any member has (a Q6_K v lifts its Q4_K q and k to 6-bit)."""
+    from .. import models
+
+    arch, out = models.architecture(config), dict(qspec)
+    for i in range(int(config.get(arch.layers_key, 0))):
+        prefix = arch.layer.format(i=i)
+        for pair in arch.pairs:
+            parts = [f"{prefix}.{p}" for p in pair.parts if f"{prefix}.{p}" in qspec]
+            if parts:
+                top = max((qspec[p] for p in parts), key=lambda q: q["bits"])
+                out.update({p: top for p in parts})
+    return out
 
 
 def floats_of(config: dict) -> Optional[dict]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .. import fold, quant
+from . import gguf_kquant
 from .source import Source
 
 # How a model handles its norms -> what is built (build.build_model).
@@ -37,6 +38,19 @@ NAMES = tuple(BY_NAME)  # bench and /compare rows, the reference first
 
 
 def comparison(source: Source, quantize=None, quantized_way: str = "stored") -> dict:
+    out = _comparison(source, quantize, quantized_way)
+    floats = gguf_kquant.floats_of(source.config)
+    if floats and not quantize and quantized_way != "requantize":
+        # A GGUF's Q6_K & co. (16-weight scales) are float, not "not quantized".
+        types = "/".join(sorted(set(floats.values())))
+        out["comparison_note"] += (
+            f" ({len(floats)} {types} tensors read as float16: MLX's format "
+            "cannot hold them; --requantize rounds them to the nearest MLX setting)"
+        )
+    return out
+
+
+def _comparison(source: Source, quantize=None, quantized_way: str = "stored") -> dict:
     """Which weights stock and FlashNorm are compared on, and what that measures.
 
     {"comparison": "float" | "stored" | "requantized" | "quantized",
@@ -53,6 +67,12 @@ def comparison(source: Source, quantize=None, quantized_way: str = "stored") -> 
             "comparison_note": f"both models quantized ({how}, -q) from the same "
             "float weights after folding: differences include quantization, not "
             "only FlashNorm",
+        }
+    if src is None and gguf_kquant.floats_of(source.config):
+        return {
+            "comparison": "float",
+            "comparison_note": "both models on the same float weights, the "
+            "source's K-quants dequantized: differences are FlashNorm's alone",
         }
     if src is None:
         return {

@@ -110,6 +110,8 @@ def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan
         return WeightPlan(weights, config, dtype, as_stored=True)
     requantize = quantized_way == "requantize"
     qspec = {**source_qspec(weights, config), **floats} if requantize else None
+    if floats:  # one setting per stacked q|k|v, gate|up
+        qspec = _same_in_stacks(qspec, config)
     note = _changed_note(weights, config, dtype, quantize, quantized_way)
     weights, config = dequantize_weights(weights, config, mx.float32)
     if quantize:
@@ -136,6 +138,12 @@ def _kquant_floats(config: dict) -> dict:
     from ..loading import gguf_kquant  # loading imports quant
 
     return gguf_kquant.requantize_spec(config)
+
+
+def _same_in_stacks(qspec: dict, config: dict) -> dict:
+    from ..loading import gguf_kquant
+
+    return gguf_kquant.same_in_stacks(qspec, config)
 
 
 def bits_words(spec: dict) -> str:
