@@ -23,7 +23,7 @@ from ..limits import GROUP_SIZES, WEIGHT_BITS, is_int, is_number
 # --- GGUF --------------------------------------------------------------------
 
 # Metadata value types: id -> (name, struct format of one item; None: variable).
-_GGUF_VALUE = {
+GGUF_VALUE = {
     0: ("uint8", "<B"),
     1: ("int8", "<b"),
     2: ("uint16", "<H"),
@@ -68,7 +68,7 @@ class _Bad(Exception):
     """A structural problem; turned into one LoadError line naming the file."""
 
 
-class _Reader:
+class Reader:
     """Bounds-checked little-endian reads from a byte buffer."""
 
     def __init__(self, buf, size: int):
@@ -113,14 +113,14 @@ def check_gguf(path) -> List[GGUFTensor]:
             if size == 0:
                 raise _Bad("the file is empty")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _walk_gguf(_Reader(buf, size))
+                return _walk_gguf(Reader(buf, size))
     except _Bad as e:
         raise LoadError(f"{path}: not a valid GGUF file: {e}") from None
     except OSError as e:
         raise LoadError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
-def _walk_gguf(r: _Reader) -> List[GGUFTensor]:
+def _walk_gguf(r: Reader) -> List[GGUFTensor]:
     if bytes(r.take(4, "magic")) != b"GGUF":
         raise _Bad("it does not start with the GGUF magic")
     version = r.unpack("<I", "version")
@@ -178,10 +178,10 @@ def _walk_gguf(r: _Reader) -> List[GGUFTensor]:
     return tensors
 
 
-def _gguf_value(r: _Reader, vtype: int, key: str, in_array: bool = False):
-    if vtype not in _GGUF_VALUE:
+def _gguf_value(r: Reader, vtype: int, key: str, in_array: bool = False):
+    if vtype not in GGUF_VALUE:
         raise _Bad(f"metadata {key!r} has unknown value type {vtype}")
-    name, fmt = _GGUF_VALUE[vtype]
+    name, fmt = GGUF_VALUE[vtype]
     if name == "string":
         return r.string(f"metadata {key!r}")
     if name == "array":
@@ -191,9 +191,9 @@ def _gguf_value(r: _Reader, vtype: int, key: str, in_array: bool = False):
         count = r.unpack("<Q", f"metadata {key!r} length")
         if count >= 2**31 or count > r.size - r.pos:  # MLX takes the count as int
             raise _Bad(f"metadata {key!r} claims {count} items")
-        if itype in _GGUF_VALUE and _GGUF_VALUE[itype][1] is not None:
+        if itype in GGUF_VALUE and GGUF_VALUE[itype][1] is not None:
             # Fixed-size items: one bounds check, no per-item loop.
-            isize = struct.calcsize(_GGUF_VALUE[itype][1])
+            isize = struct.calcsize(GGUF_VALUE[itype][1])
             r.take(count * isize, f"metadata {key!r}")
             return None
         for _ in range(count):

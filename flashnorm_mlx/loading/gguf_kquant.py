@@ -21,20 +21,18 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .checks import _GGUF_VALUE, GGUFTensor, _Reader
+from ..quant.kquant import CONFIG_KEY, NEAREST_BITS, floats_of  # noqa: F401
+from .checks import GGUF_VALUE, GGUFTensor, Reader
 
 QK_K = 256  # weights per K-quant super-block
 # What MLX's reader handles itself; a file holding other types is read here.
 MLX_READS = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "I8", "I16", "I32"}
 # Types MLX's format cannot hold (scales per 16 weights) -> the nearest MLX
 # bits at group 32 (what --requantize rounds them to).
-FLOAT_TYPES = {"Q6_K": 6, "Q3_K": 3, "Q2_K": 2}
+FLOAT_TYPES = NEAREST_BITS
 # Stored bits per weight (block bytes * 8 / weights per block).
 BITS_PER_WEIGHT = {"Q6_K": 210 * 8 / 256, "Q3_K": 110 * 8 / 256, "Q2_K": 84 * 8 / 256}
-CONFIG_KEY = "gguf_float_tensors"
-CHUNK = (
-    1 << 20
-)  # weights decoded at a time  # config: module -> type, of tensors read as float
+CHUNK = 1 << 20  # weights decoded at a time
 
 
 def needs_own_reader(table: List[GGUFTensor]) -> bool:
@@ -46,7 +44,7 @@ def read_file(path: Path, table: List[GGUFTensor]) -> Tuple[dict, dict, dict]:
     -> type of each tensor read as float16 from a type MLX cannot hold)."""
     with open(path, "rb") as f:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            meta = _metadata(_Reader(m, len(m)))
+            meta = _metadata(Reader(m, len(m)))
         tensors, floats = {}, {}
         for t in table:  # one tensor's bytes in memory at a time
             shape = tuple(reversed(t.shape))  # GGML lists the innermost first
@@ -58,7 +56,7 @@ def read_file(path: Path, table: List[GGUFTensor]) -> Tuple[dict, dict, dict]:
     return tensors, meta, floats
 
 
-def _metadata(r: _Reader) -> dict:
+def _metadata(r: Reader) -> dict:
     """Header metadata, in `mx.load`'s form: 0-d arrays for numbers, 1-D arrays
     for numeric lists, str and lists of str as they are."""
     r.take(8, "magic and version")
@@ -71,13 +69,13 @@ def _metadata(r: _Reader) -> dict:
     return meta
 
 
-def _value(r: _Reader, vtype: int, key: str):
-    name, fmt = _GGUF_VALUE[vtype]
+def _value(r: Reader, vtype: int, key: str):
+    name, fmt = GGUF_VALUE[vtype]
     if name == "string":
         return r.string(key)
     if name == "array":
         itype, count = r.unpack("<I", key), r.unpack("<Q", key)
-        iname, ifmt = _GGUF_VALUE[itype]
+        iname, ifmt = GGUF_VALUE[itype]
         if iname == "string":
             return [r.string(key) for _ in range(count)]
         size = struct.calcsize(ifmt)
@@ -355,31 +353,3 @@ def _names(floats: dict) -> str:
     """'output, attn_v, ffn_down': the kinds of module, in the order first met."""
     kinds = dict.fromkeys(m.rsplit(".", 1)[-1] for m in floats)
     return ", ".join(list(kinds)[:4]) + (", ..." if len(kinds) > 4 else "")
-
-
-def requantize_spec(config: dict) -> Dict[str, dict]:
-    """--requantize: each float-read K-quant module at its nearest MLX bits."""
-    return {
-        m: {"group_size": 32, "bits": FLOAT_TYPES[t], "mode": "affine"}
-        for m, t in (config.get(CONFIG_KEY) or {}).items()
-    }
-
-
-def same_in_stacks(qspec: dict, config: dict) -> dict:
-    """`qspec` with one setting per q|k|v and gate|up (FlashNorm stacks them):
-    the most bits any member has (a Q6_K v lifts its Q4_K q and k to 6-bit)."""
-    from .. import models
-
-    arch, out = models.architecture(config), dict(qspec)
-    for i in range(int(config.get(arch.layers_key, 0))):
-        prefix = arch.layer.format(i=i)
-        for pair in arch.pairs:
-            parts = [f"{prefix}.{p}" for p in pair.parts if f"{prefix}.{p}" in qspec]
-            if parts:
-                top = max((qspec[p] for p in parts), key=lambda q: q["bits"])
-                out.update({p: top for p in parts})
-    return out
-
-
-def floats_of(config: dict) -> Optional[dict]:
-    return config.get(CONFIG_KEY) or None

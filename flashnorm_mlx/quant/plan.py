@@ -25,7 +25,7 @@ import mlx.core as mx
 from .. import fold
 from ..errors import LoadError
 from ..fold import Weights
-from . import gptq
+from . import gptq, kquant
 from .specs import dequantize_weights, is_quantized, source_qspec, uniform_qspec
 
 QUANTIZED_WAYS = ("stored", "dequantize", "requantize")
@@ -100,8 +100,8 @@ def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan
             weights, config, dtype, given_dtype, quantize, quantized_way, output
         )
     # GGUF K-quants read as float (Q6_K, ...): --requantize rounds them to the
-    # nearest MLX setting (loading/gguf_kquant.py), as the quantized ones.
-    floats = _kquant_floats(config) if quantized_way == "requantize" else {}
+    # nearest MLX setting (kquant.py), as the quantized ones.
+    floats = kquant.requantize_spec(config) if quantized_way == "requantize" else {}
     if not is_quantized(weights):
         qspec = uniform_qspec(weights, *quantize) if quantize else (floats or None)
         return WeightPlan(weights, config, dtype, qspec)
@@ -111,7 +111,7 @@ def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan
     requantize = quantized_way == "requantize"
     qspec = {**source_qspec(weights, config), **floats} if requantize else None
     if floats:  # one setting per stacked q|k|v, gate|up
-        qspec = _same_in_stacks(qspec, config)
+        qspec = kquant.same_in_stacks(qspec, config)
     note = _changed_note(weights, config, dtype, quantize, quantized_way)
     weights, config = dequantize_weights(weights, config, mx.float32)
     if quantize:
@@ -129,21 +129,9 @@ def requantizes(
     --requantize on an unfolded quantized source), not the checkpoint's own."""
     return bool(quantize) or (
         quantized_way == "requantize"
-        and (is_quantized(weights) or bool(_kquant_floats(config)))
+        and (is_quantized(weights) or bool(kquant.requantize_spec(config)))
         and not fold.is_folded(config)
     )
-
-
-def _kquant_floats(config: dict) -> dict:
-    from ..loading import gguf_kquant  # loading imports quant
-
-    return gguf_kquant.requantize_spec(config)
-
-
-def _same_in_stacks(qspec: dict, config: dict) -> dict:
-    from ..loading import gguf_kquant
-
-    return gguf_kquant.same_in_stacks(qspec, config)
 
 
 def bits_words(spec: dict) -> str:
