@@ -193,9 +193,11 @@ def test_block_writer_round_trips_through_llama_cpps_dequantizer(qtype):
 
 
 @pytest.mark.parametrize("qtype,bits", [("Q4_K", 4), ("Q5_K", 5)])
-def test_k_quant_is_repacked_not_dequantized(tmp_path, qtype, bits):
+def test_k_quant_is_repacked_not_dequantized(tmp_path, monkeypatch, qtype, bits):
     """Q4_K/Q5_K come out as MLX affine triples at 4/5 bits, group 32, whose
-    dequantization is llama.cpp's within float16 rounding of scales and mins."""
+    dequantization is llama.cpp's within float16 rounding of scales and mins
+    (decoded a few rows at a time, the last chunk short, as a large tensor is)."""
+    monkeypatch.setattr(kq, "CHUNK", 1000)  # 3 rows of 256 a chunk
     path, raws = write_kquant_gguf(tmp_path / f"{qtype}.gguf", {}, qtype)
     config, weights, _ = read_gguf(path, load_tokenizer=False)
     assert kq.CONFIG_KEY not in config, config
@@ -219,9 +221,10 @@ def test_k_quant_is_repacked_not_dequantized(tmp_path, qtype, bits):
 
 
 @pytest.mark.parametrize("qtype", ["Q6_K", "Q3_K", "Q2_K"])
-def test_types_mlx_cannot_hold_are_llama_cpps_floats(tmp_path, qtype):
+def test_types_mlx_cannot_hold_are_llama_cpps_floats(monkeypatch, qtype):
     """Q6_K (written from floats), Q3_K and Q2_K (random blocks with sane
     float16 scales): float16 of llama.cpp's reading, recorded as float-read."""
+    monkeypatch.setattr(kq, "CHUNK", 1200)  # 2 rows of 512 a chunk
     kind = getattr(gguf.GGMLQuantizationType, qtype)
     block = gguf.GGML_QUANT_SIZES[kind][1]
     x = np.random.default_rng(1).standard_normal((8, 512)).astype(np.float32)

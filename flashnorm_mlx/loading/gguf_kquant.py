@@ -106,21 +106,22 @@ def _decode(name: str, kind: str, raw: np.ndarray, shape: tuple) -> dict:
     rows, cols = math.prod(shape[:-1]), shape[-1]
     blocks = raw.reshape(rows, -1, _BLOCK_BYTES[kind])
     step = max(1, CHUNK // cols)  # rows a chunk: bounded scratch memory
-    parts = []
+    out = None  # the tensor's arrays, filled chunk by chunk
     for i in range(0, rows, step):
         b = blocks[i : i + step].reshape(-1, _BLOCK_BYTES[kind])
         if kind in FLOAT_TYPES:
-            parts.append([DEQUANTIZE[kind](b).astype(np.float16).reshape(-1, cols)])
-            continue
-        q, scales, biases, bits = AFFINE[kind](b)
-        parts.append(
-            [
-                pack(q.reshape(-1, cols), bits),
-                scales.astype(np.float16).reshape(-1, cols // 32),
-                biases.astype(np.float16).reshape(-1, cols // 32),
+            parts = [DEQUANTIZE[kind](b).astype(np.float16).reshape(-1, cols)]
+        else:
+            q, scales, biases, bits = AFFINE[kind](b)
+            parts = [pack(q.reshape(-1, cols), bits)]
+            parts += [
+                x.astype(np.float16).reshape(-1, cols // 32) for x in (scales, biases)
             ]
-        )
-    out = [mx.array(np.concatenate(p)).reshape(*shape[:-1], -1) for p in zip(*parts)]
+        if out is None:
+            out = [np.empty((rows, p.shape[1]), p.dtype) for p in parts]
+        for o, p in zip(out, parts):
+            o[i : i + step] = p
+    out = [mx.array(o).reshape(*shape[:-1], -1) for o in out]
     if kind in FLOAT_TYPES:
         return {name: out[0]}
     return dict(zip((f"{stem}.{s}" for s in ("weight", "scales", "biases")), out))
