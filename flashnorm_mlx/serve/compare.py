@@ -63,6 +63,7 @@ class Comparer:
                     "decode_tokens_per_second": tps[m],
                     "prompt_tokens_per_second": round(r[m]["prompt_tps"], 2),
                     "token_ids": ids[m],
+                    "model": type(models[m]).__module__,  # whose class it is
                 }
                 for m in models
             },
