@@ -84,11 +84,11 @@ def ask(page, text):
 
 
 def wait_reply(page, n):
-    page.wait_for_function(
-        f"document.querySelectorAll('.msg.assistant').length === {n}"
-        " && !document.body.dataset.busy",
-        timeout=REPLY_MS,
-    )
+    """Until the reply streaming ends (Send and Enter set busy at once); then
+    the page holds `n` replies."""
+    page.wait_for_function("!document.body.dataset.busy", timeout=REPLY_MS)
+    got = page.locator(".msg.assistant").count()
+    assert got == n, (got, n, page.locator("#messages").inner_text())
 
 
 def stored(page):
@@ -283,11 +283,8 @@ def test_conversations_regenerate_and_edit(browser, server):
     assert current(page)[-1]["tokens"] == 3
     settings(page, 0, 6)
     page.click(".actions button.regenerate")
-    page.wait_for_function(
-        "document.querySelector('.stats') && /^6 tokens/.test("
-        "document.querySelectorAll('.stats')[0].textContent)",
-        timeout=REPLY_MS,
-    )
+    wait_reply(page, 1)
+    assert page.locator(".stats").inner_text().startswith("6 tokens")
     after = current(page)
     print(second, after)
     assert len(after) == 2 and after[0] == second[0] and after[1]["tokens"] == 6
@@ -374,6 +371,19 @@ def test_compare_shows_both_speeds_and_their_ratio(browser, server, tmp_path):
     page.reload()  # kept with the reply
     sync_api.expect(page.locator(".compare").last).to_have_text(text)
     ctx.close()
+
+
+def test_compare_refuses_a_bad_count_in_one_line(server):
+    msgs = [{"role": "user", "content": "hi"}]
+    for bad in (None, 1, "8", True):
+        body = {"messages": msgs, **({} if bad is None else {"max_tokens": bad})}
+        status, r = server.request("POST", "/compare", body)
+        print(bad, status, r)
+        assert status == 400 and r["error"]["param"] == "max_tokens", r
+    status, r = server.request("POST", "/compare", {"max_tokens": 4})
+    assert status == 400 and r["error"]["param"] == "messages", r
+    status, r = server.request("GET", "/compare")
+    assert status == 405, r
 
 
 # --- a phone --------------------------------------------------------------------
