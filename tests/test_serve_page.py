@@ -6,16 +6,14 @@ early and the server logs the cancel; a reload finds the conversation; code
 blocks get a copy button; nothing is loaded from another host. On a tiny
 model with an API key: the key is asked for once, a wrong one, a bad setting
 (a 400) and a stopped server each show one visible line. The finished reply's
-screenshot, at a fixed size, is checked; with FLASHNORM_MLX_SCREENSHOT=1 it
-is written to docs/serve-chat.png (docs/serve.md's), else to a temporary folder,
-so that a test run leaves the checkout as it was."""
+screenshot, at a fixed size, is checked (docs/serve-chat.png is
+test_serve_page_chat's, after a Compare)."""
 
 import json
 import os
 import signal
 import struct
 import time
-from pathlib import Path
 
 import pytest
 import tiny
@@ -43,7 +41,6 @@ ARGS = [
     "--no-first-run",
 ]
 SIZE = {"width": 1000, "height": 640}
-SHOT = Path(__file__).resolve().parent.parent / "docs" / "serve-chat.png"
 REPLY_MS = 180_000  # a reply on a busy 2-core CPU: an upper bound, not a wait
 QUESTION = "What is the capital of France?"
 
@@ -68,9 +65,9 @@ def open_page(browser, url):
 
 
 def stored(page) -> list:
-    return json.loads(page.evaluate("localStorage.getItem('flashnorm-mlx-chat')"))[
-        "messages"
-    ]
+    """The open conversation's messages (chats.js keeps them all in one entry)."""
+    s = json.loads(page.evaluate("localStorage.getItem('flashnorm-mlx-chat')"))
+    return next(c for c in s["chats"] if c["id"] == s["current"])["messages"]
 
 
 def wait_for_line(server, words, timeout=60):
@@ -128,11 +125,7 @@ def test_page_streams_the_greedy_reply_and_keeps_it(browser, server, tmp_path):
     assert reply == want and "Paris" in reply, (reply, want)
     assert page.locator(".msg.assistant").inner_text().strip() == want.strip()
     assert f"{api['usage']['completion_tokens']} tokens" in stats.inner_text()
-    shot = (
-        SHOT
-        if os.environ.get("FLASHNORM_MLX_SCREENSHOT") == "1"
-        else tmp_path / SHOT.name
-    )
+    shot = tmp_path / "serve-chat.png"
     page.screenshot(path=str(shot))
     png = shot.read_bytes()  # the IHDR chunk: width and height, big-endian
     assert struct.unpack(">II", png[16:24]) == (SIZE["width"], SIZE["height"])
@@ -172,6 +165,7 @@ def test_stop_ends_a_long_reply_and_the_server_cancels(browser, server):
 
 def test_code_blocks_have_a_copy_button(browser, server):
     ctx, page, _ = open_page(browser, server.url)
+    # The page's first storage layout ({messages, settings}): read as one chat.
     chat = {
         "messages": [
             {"role": "user", "content": "code?"},

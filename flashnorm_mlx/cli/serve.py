@@ -133,6 +133,7 @@ def main(argv=None):
     from ..loading.source import default_model_path
     from ..prompts import set_template
     from ..serve import ApiServer, Service, Settings, bind_warning, run_until_signal
+    from ..serve.compare import Comparer, other_mode
     from ..serve.log import set_level
     from .common import build, read_with_tokenizer
     from .decoding import serve_decoding, serve_with_draft
@@ -161,6 +162,10 @@ def main(argv=None):
 
     decoding, worker = serve_decoding(args)
 
+    def load_other():  # the page's Compare: the other mode, built on its first use
+        source, _ = read_with_tokenizer(args)
+        return build(source, other_mode(args.mode), args)[0]
+
     try:
         # Every Settings field is a flag of the same name (the key: flag or env).
         held = (f.name for f in dataclasses.fields(Settings) if f.name != "api_key")
@@ -168,7 +173,8 @@ def main(argv=None):
             **{name: getattr(args, name) for name in held}, api_key=api_key
         )
         model_id = args.model or default_model_path().stem
-        server.attach(Service(load, model_id, args.mode, settings, worker))
+        comparer = Comparer(load_other, args.mode)
+        server.attach(Service(load, model_id, args.mode, settings, worker, comparer))
         print(
             f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
             f"{server.url}/v1{' (API key required)' if api_key else ''}, chat page "

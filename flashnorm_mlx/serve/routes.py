@@ -12,6 +12,7 @@ from importlib import resources
 from typing import Callable, Dict, Tuple
 
 from ..mlx_lm_compat import inner_tokenizer
+from .compare import compare
 from .schema import RequestError
 
 # The page's files (package data, flashnorm_mlx/serve/web): name -> MIME type.
@@ -19,6 +20,9 @@ PAGE_FILES = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
+    "markdown.js": "text/javascript; charset=utf-8",
+    "chats.js": "text/javascript; charset=utf-8",
+    "favicon.svg": "image/svg+xml",
 }
 
 
@@ -29,6 +33,8 @@ def extra_routes(h) -> Dict[str, Tuple[str, Callable[[], None]]]:
         "/tokenize": ("POST", lambda: tokenize(h)),
         "/detokenize": ("POST", lambda: detokenize(h)),
         "/props": ("GET", lambda: props(h)),
+        "/compare": ("POST", lambda: compare(h)),  # the page's Compare (compare.py)
+        "/favicon.ico": ("GET", lambda: page_file(h, "favicon.svg")),
         "": ("GET", lambda: page_file(h, "index.html")),  # "/", its "/" stripped
     }
     for name in PAGE_FILES:
@@ -39,7 +45,7 @@ def extra_routes(h) -> Dict[str, Tuple[str, Callable[[], None]]]:
 def public_paths() -> Tuple[str, ...]:
     """Paths that need no API key: /health and the page's static files (the
     page asks for the key, then sends it on every API call)."""
-    return ("/health", "", *(f"/{n}" for n in PAGE_FILES))
+    return ("/health", "", "/favicon.ico", *(f"/{n}" for n in PAGE_FILES))
 
 
 # --- vLLM's tokenizer endpoints ---------------------------------------------------
@@ -158,6 +164,8 @@ def props(h) -> None:
             "top_p": s.settings.top_p,
             "max_context": s.settings.max_context,
             "tool_calling": bool(getattr(s.tokenizer, "has_tool_calling", False)),
+            # What the page's Compare runs against (None: no Compare).
+            "compare_with": s.comparer.other if s.comparer else None,
         },
     )
 

@@ -21,6 +21,7 @@ forward pass.
 import threading
 import time
 import traceback
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from queue import Empty, Queue
 from typing import Callable, Dict, List, Optional
@@ -95,6 +96,7 @@ class Worker:
         self.ready = threading.Event()
         self.lock = tokenizer_lock
         self.queue: Queue = Queue()
+        self.calls: Queue = Queue()  # (fn, Future): call() on this thread
         self.active = 0
         self.stopping = threading.Event()
         self.thread = threading.Thread(
@@ -111,6 +113,18 @@ class Worker:
                 "the server is shutting down", status=503, kind="server_error"
             )
         self.queue.put(request)
+
+    def call(self, fn: Callable, timeout: float):
+        """fn(self) on the generation thread between two batch steps (the
+        model's thread: MLX streams are per thread); its result, or its error.
+        Requests in flight wait meanwhile (the page's Compare, serve/compare.py)."""
+        if not self.alive:
+            raise RequestError(
+                "the server is shutting down", status=503, kind="server_error"
+            )
+        done: Future = Future()
+        self.calls.put((fn, done))
+        return done.result(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop after the current step; waiting requests get a 503 error."""
@@ -164,6 +178,7 @@ class Worker:
         self.runs: Dict[int, _Run] = {}
         while not self.stopping.is_set():
             try:
+                self._run_calls()
                 self._admit()
                 self._leave(
                     [u for u, r in self.runs.items() if r.request.cancelled.is_set()]
@@ -185,6 +200,19 @@ class Worker:
             self._fail(run.request, bye, 503)
         while not self.queue.empty():
             self._fail(self.queue.get_nowait(), bye, 503)
+        while not self.calls.empty():
+            self.calls.get_nowait()[1].set_exception(
+                RequestError(bye, status=503, kind="server_error")
+            )
+
+    def _run_calls(self) -> None:
+        """The call()s waiting, each to its end (its error goes to its caller)."""
+        while not self.calls.empty():
+            fn, done = self.calls.get_nowait()
+            try:
+                done.set_result(fn(self))
+            except Exception as e:
+                done.set_exception(e)
 
     def _admit(self) -> None:
         """Move waiting requests into the batch (block briefly when idle)."""

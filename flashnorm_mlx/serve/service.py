@@ -28,6 +28,7 @@ class Service:
         mode: str,
         settings: Settings,
         worker: Callable = Worker,
+        comparer=None,
     ):
         self.tokenizer = None  # set by start()
         self.model_id, self.mode, self.settings = model_id, mode, settings
@@ -40,6 +41,7 @@ class Service:
         # Worker: mlx-lm's BatchGenerator; sequential.SequentialWorker with a
         # draft or KV cache options (docs/design.md section 3f).
         self.worker = worker(build, settings, self.tokenizer_lock)
+        self.comparer = comparer  # the page's Compare (compare.Comparer) or None
         self.in_flight = 0  # completion requests being answered
         self.idle = threading.Condition()
 
