@@ -400,6 +400,9 @@ _ROPE_KEYS = {
         "high_freq_factor",
         "original_max_position_embeddings",
     ),
+    # Phi-3's (mlx-lm's SuScaledRoPE): one factor per rotated pair, or one number.
+    "longrope": ("short_factor", "long_factor"),
+    "su": ("short_factor", "long_factor"),
 }
 
 
@@ -413,10 +416,11 @@ def _scaling_problem(key: str, value: dict) -> Optional[str]:
     if missing:
         return f"{kind} scaling needs {missing[0]!r}"
     for k, v in value.items():
-        if ("factor" in k or "original" in k) and not (
-            v is None or (is_number(v) and v > 0)
+        items = v if isinstance(v, list) and v and k.endswith("_factor") else [v]
+        if ("factor" in k or "original" in k) and not all(
+            x is None or (is_number(x) and x > 0) for x in items
         ):
-            return f"{k} must be a positive number"
+            return f"{k} must be a positive number (or a list of them)"
     return None
 
 
