@@ -226,3 +226,35 @@ def test_a_variant_a_family_declares_it_cannot_run_is_one_error(tmp_path, monkey
     assert str(e.value) == f"phi3 has no nonorm: {why}", e.value
     assert isinstance(e.value, LoadError)
     build_model(source, "stock")  # mlx-lm's class runs whatever the contract says
+
+
+@pytest.mark.parametrize(
+    "make,cfg,edit,said",
+    [
+        (
+            tiny.make_smollm3,
+            "smollm3",
+            lambda c: c.update(no_rope_layers=[1, 0]),
+            "'no_rope_layers' has 2 entries for 4 layers",
+        ),
+        (
+            tiny.make_phi3,
+            "phi3_longrope",
+            lambda c: c["rope_scaling"].update(long_factor=[1.0, 2.0]),
+            "rope_scaling long_factor has 2 entries for 6 rotary pairs",
+        ),
+    ],
+    ids=["no_rope_layers", "long_factor"],
+)
+def test_a_config_that_does_not_fit_the_layers_is_one_line(
+    tmp_path, make, cfg, edit, said, capsys
+):
+    from flashnorm_mlx.cli import main
+
+    path = make(tmp_path / cfg, cfg)
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+    assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err, err
