@@ -77,7 +77,10 @@ def run_on(model: nn.Module, engine: Optional[str]) -> nn.Module:
     for layer in getattr(model, "layers", ()):
         if isinstance(layer, Block):
             layer.__class__ = _parts_class(type(layer))
-    _attention_reads_step_cache(sys.modules[cls.__module__])
+    # Every module the model's classes come from: mlx-lm's SmolLM3 runs
+    # attention from mlx_lm.models.llama, not from its own module.
+    for name in {cls.__module__} | {type(m).__module__ for m in model.modules()}:
+        _attention_reads_step_cache(sys.modules[name])
     return model
 
 

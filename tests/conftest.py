@@ -25,6 +25,7 @@ PARTS = {
     },
     "models": {
         "test_llama.py",
+        "test_dense.py",
         "test_openelm.py",
         "test_qwen.py",
         "test_gemma3.py",

@@ -49,6 +49,8 @@ CONFIGS = (
     + [("qwen", c, tiny.make_qwen) for c in tiny.QWEN_CONFIGS]
     + [("openelm", c, tiny.make_openelm) for c in tiny.OPENELM_CONFIGS]
     + [("gemma3", c, tiny.make_gemma3) for c in tiny.GEMMA3_CONFIGS]
+    + [("phi3", c, tiny.make_phi3) for c in tiny.PHI3_CONFIGS]
+    + [("smollm3", c, tiny.make_smollm3) for c in tiny.SMOLLM3_CONFIGS]
 )
 
 
@@ -117,8 +119,19 @@ def test_unfused_low_precision_close_to_float32_stock(tmp_path, arch, rope, dtyp
         (tiny.make_qwen, "qwen3_tied", False),
         (tiny.make_openelm, "shared", False),
         (tiny.make_llama, "gqa_untied", True),
+        (tiny.make_phi3, "phi3", False),
+        (tiny.make_smollm3, "smollm3", False),
     ],
-    ids=["llama", "llama-bias", "mistral", "qwen3", "openelm", "llama-4bit"],
+    ids=[
+        "llama",
+        "llama-bias",
+        "mistral",
+        "qwen3",
+        "openelm",
+        "llama-4bit",
+        "phi3",
+        "smollm3",
+    ],
 )
 def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
     """bench's stock_fused: q|k|v and gate|up stacked, the rest stock's: the
@@ -137,5 +150,6 @@ def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
     nbytes = lambda m: sum(v.nbytes for _, v in tree_flatten(m.parameters()))
     assert nbytes(fused) == nbytes(stock)
     stacked = [n for n, m in fused.named_modules() if type(m).__name__ == "Stacked"]
-    want = 0 if cfg == "shared" else 2 * len(stock.layers)  # OpenELM: fused already
+    # OpenELM and Phi-3: fused already, by their ARCH.pairs.
+    want = 0 if cfg in ("shared", "phi3") else 2 * len(stock.layers)
     assert len(stacked) == want, stacked

@@ -27,6 +27,8 @@ CONFIGS = (
     + [("qwen", c, tiny.make_qwen) for c in tiny.QWEN_CONFIGS]
     + [("openelm", c, tiny.make_openelm) for c in tiny.OPENELM_CONFIGS]
     + [("gemma3", c, tiny.make_gemma3) for c in tiny.GEMMA3_CONFIGS]
+    + [("phi3", c, tiny.make_phi3) for c in tiny.PHI3_CONFIGS]
+    + [("smollm3", c, tiny.make_smollm3) for c in tiny.SMOLLM3_CONFIGS]
 )
 EVERY_CONFIG = pytest.mark.parametrize(
     "make,cfg", [pytest.param(m, c, id=f"{a}-{c}") for a, c, m in CONFIGS]

@@ -25,6 +25,8 @@ ARCHITECTURES = {
     "qwen3": lambda p: tiny.make_qwen(p, "qwen3_untied"),
     "openelm": lambda p: tiny.make_openelm(p, "quantizable_untied"),
     "gemma3": lambda p: tiny.make_gemma3(p, "gemma3_untied"),
+    "phi3": lambda p: tiny.make_phi3(p, "phi3_longrope"),
+    "smollm3": lambda p: tiny.make_smollm3(p, "smollm3"),
 }
 
 # (quantized source?, build_model/convert flags)

@@ -36,6 +36,8 @@ ARCHS = {
     "openelm-tied": (tiny.make_openelm, "shared"),
     "openelm-untied": (tiny.make_openelm, "quantizable_untied"),
     "gemma3-tied": (tiny.make_gemma3, "gemma3_tied"),
+    "phi3-longrope": (tiny.make_phi3, "phi3_longrope"),
+    "smollm3": (tiny.make_smollm3, "smollm3"),
 }
 
 

@@ -421,6 +421,71 @@ def make_openelm(
     return write_model(path, cfg, openelm_weights(cfg, seed), tokenizer)
 
 
+# --- Phi-3 (fused qkv_proj, gate_up_proj) and SmolLM3 (NoPE layers), Llama's shape --
+
+# Phi-3: untied with plain RoPE (the fused epilogue); tied, 3/4 of the head
+# rotated, longrope past its original length; full-rotary su past it too
+# (SuScaledRoPE scales its input there): the model's own RoPE module, both.
+_LONG = [1.0, 1.5, 2.0, 3.5, 5.0, 8.0, 13.0, 21.0]
+PHI3_CONFIGS = {
+    "phi3": dict(model_type="phi3", num_key_value_heads=2),
+    "phi3_longrope": dict(
+        model_type="phi3",
+        partial_rotary_factor=0.75,  # head 16: 12 dims rotated, 6 factors
+        rope_scaling=dict(
+            type="longrope", short_factor=[1.0] * 6, long_factor=_LONG[:6]
+        ),
+        max_position_embeddings=4096,
+        original_max_position_embeddings=256,
+        tie_word_embeddings=True,
+    ),
+    "phi3_su_full": dict(
+        model_type="phi3",
+        rope_scaling=dict(type="su", short_factor=[1.0] * 8, long_factor=_LONG),
+        max_position_embeddings=2048,
+        original_max_position_embeddings=128,
+    ),
+}
+# SmolLM3: 4 layers, the last without RoPE (every 4th, stock's default); and
+# an explicit no_rope_layers list, tied.
+SMOLLM3_CONFIGS = {
+    "smollm3": dict(model_type="smollm3", num_hidden_layers=4),
+    "smollm3_listed": dict(
+        model_type="smollm3",
+        num_hidden_layers=3,
+        no_rope_layers=[0, 1, 0],
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def make_phi3(path: Path, name: str = "phi3", seed: int = 0, tokenizer: bool = True):
+    """Llama's tiny weights with q|k|v and gate|up stored fused, as Phi-3 ships."""
+    cfg = {**LLAMA_BASE, **PHI3_CONFIGS[name]}
+    w = llama_weights(cfg, seed)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        for fused, parts in (
+            (
+                "self_attn.qkv_proj",
+                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            ),
+            ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+        ):
+            w[f"{p}.{fused}.weight"] = np.concatenate(
+                [w.pop(f"{p}.{n}.weight") for n in parts]
+            )
+        w.pop(f"{p}.self_attn.rotary_emb.inv_freq")
+    return write_model(path, cfg, w, tokenizer)
+
+
+def make_smollm3(
+    path: Path, name: str = "smollm3", seed: int = 0, tokenizer: bool = True
+):
+    cfg = {**LLAMA_BASE, **SMOLLM3_CONFIGS[name]}
+    return write_model(path, cfg, llama_weights(cfg, seed), tokenizer)
+
+
 # --- a quantized checkpoint, as mlx-lm or a GGUF stores it --------------------------
 
 

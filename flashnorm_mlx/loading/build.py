@@ -52,6 +52,9 @@ def build_model(
     """
     if mode not in NORMS:
         raise LoadError(f"unknown mode {mode!r}; choose from {', '.join(NORMS)}")
+    if mode != "stock":  # mlx-lm's own class runs every family it loads
+        mt = source.config.get("model_type")
+        models.architecture(source.config).require(mode, mt)
     try:
         engine = engines.resolve(engine)
     except ValueError as e:
@@ -99,7 +102,8 @@ def build_model(
         if share:
             _share_rows(layer, arch.layer.format(i=i), arch, source.weights, as_is)
     if fused:  # each rank's own rows, after sharding
-        stock_fused.fuse_projections(model)
+        stacks = stock_fused.groups(models.architecture(config))
+        stock_fused.fuse_projections(model, stacks)
     mx.eval(model.parameters())
     return engines.run_on(model, engine), config
 

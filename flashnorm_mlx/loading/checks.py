@@ -405,6 +405,9 @@ _ROPE_KEYS = {
         "high_freq_factor",
         "original_max_position_embeddings",
     ),
+    # Phi-3's (mlx-lm's SuScaledRoPE): one factor per rotated pair, or one number.
+    "longrope": ("short_factor", "long_factor"),
+    "su": ("short_factor", "long_factor"),
 }
 
 
@@ -418,10 +421,11 @@ def _scaling_problem(key: str, value: dict) -> Optional[str]:
     if missing:
         return f"{kind} scaling needs {missing[0]!r}"
     for k, v in value.items():
-        if ("factor" in k or "original" in k) and not (
-            v is None or (is_number(v) and v > 0)
+        items = v if isinstance(v, list) and v and k.endswith("_factor") else [v]
+        if ("factor" in k or "original" in k) and not all(
+            x is None or (is_number(x) and x > 0) for x in items
         ):
-            return f"{k} must be a positive number"
+            return f"{k} must be a positive number (or a list of them)"
     return None
 
 
@@ -440,15 +444,35 @@ def _relations(config: dict) -> Optional[str]:
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
         )
     layers = config.get("num_hidden_layers", config.get("num_transformer_layers"))
-    for key in ("layer_types", *_LAYER_LISTS):
+    for key in ("layer_types", "no_rope_layers", *_LAYER_LISTS):
         v = config.get(key)
         if isinstance(v, list) and is_int(layers) and len(v) != layers:
             return f"{key!r} has {len(v)} entries for {layers} layers"
+    pairs = _rotary_pairs(config)
+    for key in ("short_factor", "long_factor"):
+        v = (config.get("rope_scaling") or {}).get(key)
+        if pairs and isinstance(v, list) and len(v) != pairs:
+            return f"rope_scaling {key} has {len(v)} entries for {pairs} rotary pairs"
     q, k = config.get("num_query_heads"), config.get("num_kv_heads")
     if isinstance(q, list) and isinstance(k, list):
         if any(is_int(a) and is_int(b) and a % b for a, b in zip(q, k)):
             return "'num_query_heads' are not multiples of 'num_kv_heads'"
     return None
+
+
+def _rotary_pairs(config: dict) -> Optional[int]:
+    """Phi-3's su/longrope: one factor per rotated pair (mlx-lm's SuScaledRoPE)."""
+    scaling = config.get("rope_scaling")
+    if not isinstance(scaling, dict) or scaling.get("type") not in ("longrope", "su"):
+        return None
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    h = config.get("head_dim") or (
+        hidden // heads if is_int(heads) and is_int(hidden) else None
+    )
+    partial = config.get("partial_rotary_factor", 1.0)
+    if not is_int(h) or not is_number(partial):
+        return None
+    return int(h * partial) // 2
 
 
 def _check_quantization(q, where: str) -> None:

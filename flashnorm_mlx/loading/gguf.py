@@ -20,8 +20,8 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .. import quant
-from ..errors import LoadError
+from .. import models, quant
+from ..errors import LoadError, UnsupportedModel
 from . import gguf_gemma3, gguf_kquant
 from .checks import check_gguf
 from .gguf_rope import llama3_scaling
@@ -112,7 +112,7 @@ def read_gguf(
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise LoadError(
-            f"{path}: GGUF architecture {arch!r} is not supported "
+            f"{path}: GGUF architecture {arch!r} is not supported{_why_not(arch)} "
             f"(flashnorm-mlx reads {', '.join(ARCHITECTURES)} GGUF files)"
         )
     try:
@@ -173,6 +173,16 @@ def _required(meta: dict, key: str, path: Path):
     if v is None:
         raise LoadError(f"{path}: GGUF metadata has no {key}")
     return v
+
+
+def _why_not(arch) -> str:
+    """The reason a family we run from Hugging Face folders declares for not
+    reading its GGUF files (`Architecture.cannot`), if it is one of ours."""
+    try:
+        models.architecture({"model_type": arch}).require("gguf", arch)
+    except UnsupportedModel as e:
+        return f" ({e})"
+    return ""
 
 
 def gguf_config(

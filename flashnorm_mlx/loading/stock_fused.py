@@ -9,7 +9,9 @@ the whole design buys. The norms stay; the function is stock's (stacking rows,
 quantized ones too, changes no output element).
 
 The stock classes call q_proj(x), k_proj(x), v_proj(x) on one x: each part
-becomes a view of one stacked matmul computed once for that x.
+becomes a view of one stacked matmul computed once for that x. Which parts
+stack is the family's `ARCH.pairs` (`groups`); a checkpoint that stores them
+fused already (Phi-3, OpenELM) has none, and stock_fused is stock there.
 """
 
 from typing import List, Optional, Tuple
@@ -19,6 +21,17 @@ import mlx.nn as nn
 
 # Projections of mlx-lm's Llama-family blocks that read the same input.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def groups(arch) -> Tuple[Tuple[str, ...], ...]:
+    """The stock module names of each `arch` pair with more than one part."""
+    return tuple(
+        tuple(part.rpartition(".")[2] for part in pair.parts)
+        for pair in arch.pairs
+        if len(pair.parts) > 1
+    )
+
+
 _ARRAYS = ("weight", "scales", "biases", "bias")
 
 
@@ -86,13 +99,14 @@ def _signature(m: nn.Module) -> Optional[Tuple]:
     return shapes, quant
 
 
-def fuse_projections(model: nn.Module) -> int:
-    """Stack each group of `GROUPS` found in `model` (in place); returns how many
-    groups were stacked. A group whose parts differ (e.g. quantized apart) stays."""
+def fuse_projections(model: nn.Module, stacks=GROUPS) -> int:
+    """Stack each group of `stacks` (`groups(arch)`) found in `model` (in place);
+    returns how many were stacked. A group whose parts differ (e.g. quantized
+    apart) stays."""
     found = [
         (m, names)
         for _, m in model.named_modules()
-        for names in GROUPS
+        for names in stacks
         if all(n in m for n in names)
     ]
     done = 0

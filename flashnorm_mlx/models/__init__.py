@@ -18,8 +18,10 @@ ARCHITECTURES = {
     "llama": "llama",
     "mistral": "llama",  # mlx-lm runs Mistral as Llama, sliding window included
     "openelm": "openelm",
+    "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "smollm3": "smollm3",
 }
 
 

@@ -12,13 +12,19 @@ Beyond the Llama shape (docs/design.md section 2h), an architecture states:
 - `activation`: the GLU's gate activation, "silu" or "gelu_tanh";
 - `post_norms`: norms on a sublayer's output before the residual add, which
   cannot fold (nonorm folds its constant into the rows of the linear before);
-- `embed_scale`: the embeddings are scaled by sqrt(width) before the blocks.
+- `embed_scale`: the embeddings are scaled by sqrt(width) before the blocks;
+- `cannot`: what the family does not do (a variant such as "nonorm", or
+  "gguf"), each with why; `require` turns asking for it into one line.
+The block and sublayer names (`norms`, `attention`, `feed_forward`) come from
+`pairs`, so the shared decoder (models/decoder.py) and sharding read them here.
 """
 
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Tuple
 
 import mlx.core as mx
+
+from ..errors import UnsupportedModel
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -35,6 +41,11 @@ class NormPair:
     norm: str
     fused: str
     parts: Tuple[str, ...]
+
+    @property
+    def fused_bias(self) -> str:
+        """Where our model keeps the parts' stacked biases (qkv_proj: qkv_bias)."""
+        return self.fused.removesuffix("_proj") + "_bias"
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,7 @@ class Architecture:
     final_norm: str
     embed: str
     head: str
-    tie_key: str  # config key: is the head the embedding (default True)
+    tie_key: str  # config key: is the head the embedding (default: tie_default)
     width_key: str  # config key: width of the residual stream
     # Per-head norms on q and k inside attention (QK-norm), relative to a layer.
     qk_norms: Tuple[str, ...] = ()
@@ -62,10 +73,33 @@ class Architecture:
     activation: str = "silu"  # the GLU's gate activation, one of ACTIVATIONS
     post_norms: Tuple[PostNorm, ...] = ()  # per layer, unfoldable
     embed_scale: bool = False  # embeddings times sqrt(width) (Gemma)
+    tie_default: bool = True  # a config without tie_key (stock's default)
+    # (what, why) the family cannot do: a variant ("nonorm", ...) or "gguf".
+    cannot: Tuple[Tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} not in {ACTIVATIONS}")
+
+    @property
+    def norms(self) -> Tuple[str, ...]:
+        """The foldable norms of a layer, in order (attention's, the FFN's)."""
+        return tuple(p.norm for p in self.pairs)
+
+    @property
+    def attention(self) -> str:
+        """A layer's attention module (the first pair's linear lives in it)."""
+        return self.pairs[0].fused.split(".")[0]
+
+    @property
+    def feed_forward(self) -> str:
+        return self.pairs[-1].fused.split(".")[0]
+
+    def require(self, what: str, model_type: str) -> None:
+        """UnsupportedModel (one line) where the family declares it cannot `what`."""
+        why = dict(self.cannot).get(what)
+        if why is not None:
+            raise UnsupportedModel(f"{model_type} has no {what}: {why}")
 
     def gain(self, weight: mx.array) -> mx.array:
         """The gain a norm applies, from its stored weight, in the weight's
@@ -83,7 +117,7 @@ class Architecture:
         return config[self.layers_key]
 
     def is_tied(self, config: dict) -> bool:
-        return bool(config.get(self.tie_key, True))
+        return bool(config.get(self.tie_key, self.tie_default))
 
     def layer_prefixes(self, config: dict) -> Iterator[str]:
         for i in range(self.n_layers(config)):

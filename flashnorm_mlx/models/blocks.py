@@ -24,21 +24,33 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
+from .arch import Architecture
 from .gains import Gain
 
 
 class Block(nn.Module):
     """A pre-norm transformer block in FlashNorm form.
 
-    Subclasses set `NORMS` (the attention and FFN norms' checkpoint names),
-    `ATTENTION` and `FEED_FORWARD` (those modules' names) and `self.eps`. The
-    attention is called as (xs, ms, mask, cache) -> its output; the feed-forward
-    as (xs, ms) -> (y, ms_y), y owing the deferred scale of ms_y (None: none)."""
+    Subclasses set `ARCH` (their family's `Architecture`), from which the norm
+    names (`NORMS`, `POST_NORMS`), the attention and feed-forward modules' names
+    and the gain offset are read once, and `self.eps`. The attention is called
+    as (xs, ms, mask, cache) -> its output; the feed-forward as (xs, ms) ->
+    (y, ms_y), y owing the deferred scale of ms_y (None: none)."""
 
-    NORMS: Tuple[str, str]
+    ARCH: Architecture
+    NORMS: Tuple[str, ...]  # the attention and FFN norms' checkpoint names
+    POST_NORMS: Tuple[str, ...] = ()  # norms on a sublayer's output (Gemma)
     ATTENTION = "self_attn"  # the attention module's checkpoint name
     FEED_FORWARD = "mlp"
     GAIN_OFFSET = 0.0  # the architecture's `gain_offset` (Gemma: 1)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        arch = cls.__dict__.get("ARCH")
+        if arch is not None:
+            cls.NORMS, cls.GAIN_OFFSET = arch.norms, arch.gain_offset
+            cls.ATTENTION, cls.FEED_FORWARD = arch.attention, arch.feed_forward
+            cls.POST_NORMS = tuple(p.norm for p in arch.post_norms)
 
     def keep_gains(self, dims: int) -> None:
         """Hold both norms' gains (the unfolded form): the kernels apply them."""

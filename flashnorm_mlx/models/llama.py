@@ -20,15 +20,15 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, RotatingKVCache
-from mlx_lm.models.llama import ModelArgs  # the config is stock's, field for field
+from mlx_lm.models.llama import (  # noqa: F401 (stock's config, field for field)
+    ModelArgs,
+)
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
-from ..parallel import sharding
 from .arch import Architecture, NormPair
-from .blocks import Block, FusedAttention, run_blocks
+from .blocks import FusedAttention
+from .decoder import Decoder, DecoderBlock
 
 ARCH = Architecture(
     layers_key="num_hidden_layers",
@@ -72,16 +72,21 @@ class Attention(FusedAttention):
         if qkv_bias:
             self.qkv_bias = mx.zeros((out,))
         self.o_proj = nn.Linear(self.n_heads * h, args.hidden_size, bias=o_bias)
-        self.rope = initialize_rope(
+        self.rope = self.make_rope(args, h)
+        # RoPE angles per position for the fused epilogue ("_": not a parameter);
+        # None where the epilogue cannot reproduce this RoPE variant.
+        self._inv_freq = kernels.rope_inv_freq(self.rope, h)
+
+    def make_rope(self, args, h: int) -> nn.Module:
+        """mlx-lm's RoPE module for this attention (a family's own choice where
+        its stock class makes another, e.g. Phi-3's)."""
+        return initialize_rope(
             h,
             args.rope_theta,
             getattr(args, "rope_traditional", False),
             args.rope_scaling,
             args.max_position_embeddings,
         )
-        # RoPE angles per position for the fused epilogue ("_": not a parameter);
-        # None where the epilogue cannot reproduce this RoPE variant.
-        self._inv_freq = kernels.rope_inv_freq(self.rope, h)
 
     def epilogue_args(self) -> kernels.Epilogue:
         """The qkv epilogue's settings: heads, RoPE, 1/sqrt(h), the bias if any."""
@@ -92,162 +97,12 @@ class Attention(FusedAttention):
         )
 
 
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim, hidden = args.hidden_size, args.intermediate_size
-        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=False)
-        if getattr(args, "mlp_bias", False):
-            self.gate_up_bias = mx.zeros((2 * hidden,))
-        self.down_proj = nn.Linear(hidden, dim, bias=getattr(args, "mlp_bias", False))
-
-    def __call__(self, xs, ms):
-        """(y, ms_y): the block output is y * deferred_scale(ms_y) (ms_y None: y).
-
-        xs: (B, L, D) as the matmuls read it; ms: mean(x^2) + eps of x (B, L, 1)."""
-        gu = self.gate_up_proj(xs)
-        if "gate_up_bias" in self:
-            # A bias on up stops the deferral past down: scale both before the GLU.
-            s = kernels.deferred_scale(ms, gu.dtype)
-            gate, up = mx.split((gu * s).astype(gu.dtype) + self.gate_up_bias, 2, -1)
-            return self.down_proj(nn.silu(gate) * up), None
-        return self.down_proj(kernels.deferred_glu(gu, ms)), ms
+class TransformerBlock(DecoderBlock):
+    ARCH = ARCH
 
 
-class TransformerBlock(Block):
-    NORMS = ("input_layernorm", "post_attention_layernorm")
-
-    def __init__(self, args, attention: nn.Module, use_sliding=False, norm_gains=False):
-        super().__init__()
-        self.eps = args.rms_norm_eps
-        self.use_sliding = use_sliding
-        self.self_attn = attention
-        self.mlp = MLP(args)
-        if norm_gains:
-            self.keep_gains(args.hidden_size)
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, args, attention_cls=Attention, norm_gains=False):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        layer_types = getattr(args, "layer_types", None)
-        layer_types = layer_types or ["full_attention"] * args.num_hidden_layers
-        self.layers = [
-            TransformerBlock(
-                args, attention_cls(args), t == "sliding_attention", norm_gains
-            )
-            for t in layer_types
-        ]
-        # Folded into an untied head, so kept only for a tied one or unfolded.
-        if args.tie_word_embeddings or norm_gains:
-            self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.fa_idx = layer_types.index("full_attention")
-        self.swa_idx = next(
-            (i for i, l in enumerate(self.layers) if l.use_sliding), None
-        )
-
-    def __call__(self, inputs, cache=None, input_embeddings=None):
-        h = (
-            input_embeddings
-            if input_embeddings is not None
-            else self.embed_tokens(inputs)
-        )
-        cache = cache or [None] * len(self.layers)
-        fa_mask = create_attention_mask(h, cache[self.fa_idx])
-        swa_mask = None
-        if self.swa_idx is not None:
-            swa_mask = create_attention_mask(
-                h, cache[self.swa_idx], window_size=self.args.sliding_window
-            )
-        masks = [swa_mask if l.use_sliding else fa_mask for l in self.layers]
-        gain = self.norm.weight if "norm" in self else None
-        return run_blocks(self.layers, h, self.args.rms_norm_eps, masks, cache, gain)
-
-
-class Model(nn.Module):
+class Model(Decoder):
     # Architectures that differ from Llama only in attention (Qwen2's biases,
     # Qwen3's QK-norm) subclass this with their own attention class.
+    Block = TransformerBlock
     attention_cls = Attention
-
-    def __init__(self, args: ModelArgs, norm_gains: bool = False):
-        """norm_gains: the weights are unfolded (a quantized checkpoint as stored)
-        and the RMSNorm gains are applied in the kernels (models/blocks.py)."""
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = LlamaModel(args, self.attention_cls, norm_gains)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs, cache=None, input_embeddings=None):
-        # The final norm ran in the last block (its gain folded into an untied head).
-        h = self.model(inputs, cache, input_embeddings)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    def sanitize(self, weights):
-        """Folded Hugging Face names -> this class's fused layout (applied once, at load)."""
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-        for i in range(self.args.num_hidden_layers):
-            p = f"model.layers.{i}"
-            weights = fuse(
-                weights,
-                [f"{p}.self_attn.{n}_proj" for n in "qkv"],
-                f"{p}.self_attn.qkv_proj",
-                f"{p}.self_attn.qkv_bias",
-            )
-            weights = fuse(
-                weights,
-                [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"],
-                f"{p}.mlp.gate_up_proj",
-                f"{p}.mlp.gate_up_bias",
-            )
-        return weights
-
-    def shard(self, group: Optional[mx.distributed.Group] = None):
-        """Tensor parallelism as mlx-lm's Llama shards (`mlx_lm.utils.sharded_load`
-        calls it): each block's attention and MLP split over `group`; embedding,
-        head and the residual stream stay whole on every rank."""
-        sharding.shard_layers(self.layers, group or mx.distributed.init())
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    def make_cache(self):
-        return [
-            (
-                RotatingKVCache(max_size=self.args.sliding_window)
-                if l.use_sliding
-                else KVCache()
-            )
-            for l in self.layers
-        ]
-
-
-def fuse(weights, parts, fused, fused_bias):
-    """Stack the rows of linear layers that read the same input into one matmul.
-
-    Exact for quantized layers too: quantization groups run along the input axis.
-    """
-    if f"{parts[0]}.weight" not in weights:
-        return weights
-    weights = dict(weights)
-    for suffix in ("weight", "scales", "biases"):
-        tensors = [weights.pop(f"{p}.{suffix}", None) for p in parts]
-        if all(t is not None for t in tensors):
-            if len({t.shape[1:] for t in tensors}) > 1:
-                raise ValueError(
-                    f"{', '.join(parts)} are stored with different quantization "
-                    "settings and cannot be fused; dequantize the checkpoint first"
-                )
-            weights[f"{fused}.{suffix}"] = mx.concatenate(tensors, axis=0)
-    biases = [weights.pop(f"{p}.bias", None) for p in parts]
-    if all(b is not None for b in biases):
-        weights[fused_bias] = mx.concatenate(biases, axis=0)
-    return weights

@@ -123,9 +123,7 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(Block):
-    NORMS = ("attn_norm", "ffn_norm")
-    ATTENTION = "attn"
-    FEED_FORWARD = "ffn"
+    ARCH = ARCH  # attn_norm and ffn_norm, attn and ffn
 
     def __init__(self, args: ModelArgs, layer_id: int, norm_gains: bool = False):
         super().__init__()
@@ -187,7 +185,7 @@ class Model(nn.Module):
         """Tensor parallelism the mlx-lm way, each layer by its own head counts:
         q|k|v rows by whole GQA groups, gate|up rows, out_proj and proj_2
         all-summed. mlx-lm's OpenELM has the same names, so both use one function."""
-        sharding.shard_layers(self.layers, group or mx.distributed.init())
+        sharding.shard_layers(self.layers, group or mx.distributed.init(), ARCH)
 
     @property
     def layers(self):

@@ -242,12 +242,17 @@ def shard_mlp(mlp: nn.Module, group, where: str = "") -> Tuple[int, int]:
     return a, b
 
 
-def shard_layers(layers: List[nn.Module], group) -> None:
+def shard_layers(layers: List[nn.Module], group, arch=None) -> None:
     """Every block's attention and feed-forward, each layer by its own head
-    counts (OpenELM's vary); embedding, head and residual stay whole."""
+    counts (OpenELM's vary); embedding, head and residual stay whole. `arch`
+    (models/arch.py) names the two modules; without it (mlx-lm's classes)
+    they are found under Llama's or OpenELM's names."""
     for i, layer in enumerate(layers):
-        attn = layer["self_attn"] if "self_attn" in layer else layer["attn"]
-        ffn = layer["mlp"] if "mlp" in layer else layer["ffn"]
+        if arch is not None:
+            attn, ffn = layer[arch.attention], layer[arch.feed_forward]
+        else:
+            attn = layer["self_attn"] if "self_attn" in layer else layer["attn"]
+            ffn = layer["mlp"] if "mlp" in layer else layer["ffn"]
         shard_attention(attn, group, f"layer {i}")
         shard_mlp(ffn, group, f"layer {i}")
 

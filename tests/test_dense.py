@@ -1,0 +1,260 @@
+"""Phi-3 and SmolLM3 (models/phi3.py, models/smollm3.py) against mlx-lm's own
+classes on the same weights: the dense families built on the shared decoder.
+
+Tiny random models (tests/tiny.py), gains in [0.25, 4]: Phi-3 with q|k|v and
+gate|up stored fused, plain RoPE (the fused epilogue), 3/4 partial rotary with
+longrope past its original length (SuScaledRoPE scales its input: the model's
+own RoPE module path), and full-rotary su scaling past it too (the input
+scale alone sends it there); SmolLM3 with its NoPE layers by stock's default
+interval and by an explicit list.
+"""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny
+from mlx_lm.generate import generate_step
+
+from flashnorm_mlx import kernels
+from flashnorm_mlx.convert import convert
+from flashnorm_mlx.errors import LoadError, UnsupportedModel
+from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.models import phi3, smollm3
+from flashnorm_mlx.verify import compare
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
+CONFIGS = [(tiny.make_phi3, c) for c in tiny.PHI3_CONFIGS] + [
+    (tiny.make_smollm3, c) for c in tiny.SMOLLM3_CONFIGS
+]
+EVERY = pytest.mark.parametrize(
+    "make,cfg", [pytest.param(m, c, id=c) for m, c in CONFIGS]
+)
+# Which path each config's attention takes: the model's own RoPE module (True)
+# or the fused epilogue (False), every layer, every step.
+UNFUSED = {"phi3": False, "phi3_longrope": True, "phi3_su_full": True}
+
+
+def _source(tmp_path, make, cfg):
+    return read_source(str(make(tmp_path / cfg, cfg, tokenizer=False)))
+
+
+def rel(a, b) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+@EVERY
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_verify_float32_and_quantized_as_stored(tmp_path, make, cfg, engine):
+    """`verify`: a prompt and 32 cached steps in float32 within 1e-4 relative
+    of mlx-lm's class, and stock's own 4-bit model as stored (our gains then
+    in the kernels)."""
+    source = _source(tmp_path, make, cfg)
+    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    r = compare(tiny.quantized(source), PROMPT, horizon=32, engine=engine)
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+
+
+def greedy(model, n=64):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+
+
+@EVERY
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_64_greedy_tokens_identical_to_stock_on_both_engines(
+    tmp_path, make, cfg, quantized
+):
+    source = _source(tmp_path, make, cfg)
+    src = tiny.quantized(source) if quantized else source
+    dtype = None if quantized else mx.float32
+    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    want = greedy(stock)
+    got = {}
+    for engine in ("eager", "compiled"):
+        flash, _ = build_model(src, "flashnorm", dtype=dtype, engine=engine)
+        if quantized:
+            qkv = flash.layers[0].self_attn.qkv_proj
+            assert type(qkv).__name__ == "QuantizedLinear", type(qkv)
+        got[engine] = greedy(flash)
+    assert len(want) == 64 and got == {"eager": want, "compiled": want}, (want, got)
+
+
+@pytest.mark.parametrize("cfg", list(tiny.PHI3_CONFIGS))
+def test_phi3_rope_takes_the_path_it_must(tmp_path, cfg, monkeypatch):
+    """Partial rotary and SuScaledRoPE's input scale: the model's own module
+    (`rope_inv_freq` None); plain RoPE: the fused epilogue."""
+    source = _source(tmp_path, tiny.make_phi3, cfg)
+    paths = []
+    real = kernels.qkv_epilogue
+    monkeypatch.setattr(
+        kernels,
+        "qkv_epilogue",
+        lambda *a: paths.append(a[-1].inv_freq is None) or real(*a),
+    )
+    r = compare(source, PROMPT, horizon=8, dtype=mx.float32)
+    assert r["max_rel_logit_diff"] < tiny.f32_tol(), r
+    assert paths and set(paths) == {UNFUSED[cfg]}, (cfg, set(paths))
+
+
+def test_the_reference_sees_what_phi3_and_smollm3_must_get_right(tmp_path, monkeypatch):
+    """Forced through the fused epilogue with the whole head rotated, Phi-3's
+    partial longrope is far off; SmolLM3 with RoPE on its NoPE layers too."""
+    x = mx.array([PROMPT])
+
+    def err(source, patch):
+        ref, _ = build_model(source, "stock", dtype=mx.float32)
+        with monkeypatch.context() as m:
+            patch(m)
+            flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+            return rel(flash(x), ref(x))
+
+    long = _source(tmp_path, tiny.make_phi3, "phi3_longrope")
+    smol = _source(tmp_path, tiny.make_smollm3, "smollm3")
+    base = tiny.LLAMA_BASE["rope_theta"]
+    errs = {
+        "phi3 partial longrope fused": err(
+            long,
+            lambda m: m.setattr(
+                kernels,
+                "rope_inv_freq",
+                lambda rope, h: 1.0 / base ** (mx.arange(0, h, 2) / h),
+            ),
+        ),
+        "smollm3 RoPE on every layer": err(
+            smol,
+            lambda m: m.setattr(
+                smollm3.Attention,
+                "__init__",
+                lambda self, args, use_rope: smollm3.llama.Attention.__init__(
+                    self, args
+                ),
+            ),
+        ),
+    }
+    print(errs)
+    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+
+
+def test_smollm3_nope_layers_are_those_stock_reads(tmp_path):
+    for cfg, want in (("smollm3", [1, 1, 1, 0]), ("smollm3_listed", [0, 1, 0])):
+        model, _ = build_model(_source(tmp_path, tiny.make_smollm3, cfg), "flashnorm")
+        got = [int(l.self_attn._inv_freq.any().item()) for l in model.layers]
+        assert got == want, (cfg, got)
+
+
+@EVERY
+def test_convert_compat_loads_in_stock_mlx_lm(tmp_path, make, cfg):
+    from mlx_lm.utils import load_model
+
+    source = _source(tmp_path, make, cfg)
+    out = tmp_path / "compat"
+    convert(source, out, compat=True, progress=False)
+    stock_on_folded, _ = load_model(out)
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ours, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
+    x = mx.array([PROMPT])
+    errs = {"mlx-lm on --compat": rel(stock_on_folded(x), ref(x))}
+    errs["flashnorm on --compat"] = rel(ours(x), ref(x))
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+@pytest.mark.slow
+def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
+    """A 2-rank `mlx.launch` (tests/distributed_child.py) of FlashNorm and stock
+    Phi-3 (partial longrope, fused q|k|v and gate|up split by rows) and
+    SmolLM3: each as one process gives it, greedy tokens identical."""
+    import distributed_child
+    import test_distributed
+
+    paths = {
+        "phi3": tiny.make_phi3(tmp_path / "p", "phi3_longrope"),
+        "smollm3": tiny.make_smollm3(tmp_path / "s", "smollm3"),
+    }
+    cases = [
+        {"name": f"{fam}-{mode}", "model": str(path), "mode": mode}
+        for fam, path in paths.items()
+        for mode in ("flashnorm", "stock")
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    args = [distributed_child.__file__, "cases", "2"]
+    args += [str(tmp_path / "cases.json"), str(tmp_path / "o.npz")]
+    rc, out, err, secs = test_distributed.launch(2, args)
+    assert (tmp_path / "o.npz").exists(), f"launch failed ({rc}):\n{out}\n{err}"
+    got = dict(np.load(tmp_path / "o.npz"))
+    errs = {}
+    for c in cases:
+        logits, tokens = distributed_child.run_case(c, None)
+        name = c["name"]
+        errs[name] = np.abs(got[f"{name}/logits"] - logits).max() / np.abs(logits).max()
+        assert got[f"{name}/tokens"].tolist() == tokens.tolist(), name
+    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
+    assert max(errs.values()) < tiny.f32_tol(1e-5), errs
+
+
+# --- what a family cannot do is declared in its ARCH and is one line -------------
+
+
+@pytest.mark.parametrize("arch", ["phi3", "smollm3"])
+def test_a_gguf_of_a_family_that_declares_none_is_one_line(tmp_path, arch, capsys):
+    from flashnorm_mlx.cli import main
+
+    path = tmp_path / f"{arch}.gguf"
+    mx.save_gguf(
+        str(path),
+        {"token_embd.weight": mx.zeros((8, 4))},
+        {"general.architecture": arch, f"{arch}.block_count": mx.array(1, mx.uint32)},
+    )
+    assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"{arch} has no gguf: llama.cpp's {arch} files are not read yet" in err
+
+
+def test_a_variant_a_family_declares_it_cannot_run_is_one_error(tmp_path, monkeypatch):
+    import dataclasses
+
+    source = _source(tmp_path, tiny.make_phi3, "phi3")
+    why = "a made-up reason"
+    monkeypatch.setattr(
+        phi3, "ARCH", dataclasses.replace(phi3.ARCH, cannot=(("nonorm", why),))
+    )
+    with pytest.raises(UnsupportedModel) as e:
+        build_model(source, "nonorm")
+    assert str(e.value) == f"phi3 has no nonorm: {why}", e.value
+    assert isinstance(e.value, LoadError)
+    build_model(source, "stock")  # mlx-lm's class runs whatever the contract says
+
+
+@pytest.mark.parametrize(
+    "make,cfg,edit,said",
+    [
+        (
+            tiny.make_smollm3,
+            "smollm3",
+            lambda c: c.update(no_rope_layers=[1, 0]),
+            "'no_rope_layers' has 2 entries for 4 layers",
+        ),
+        (
+            tiny.make_phi3,
+            "phi3_longrope",
+            lambda c: c["rope_scaling"].update(long_factor=[1.0, 2.0]),
+            "rope_scaling long_factor has 2 entries for 6 rotary pairs",
+        ),
+    ],
+    ids=["no_rope_layers", "long_factor"],
+)
+def test_a_config_that_does_not_fit_the_layers_is_one_line(
+    tmp_path, make, cfg, edit, said, capsys
+):
+    from flashnorm_mlx.cli import main
+
+    path = make(tmp_path / cfg, cfg)
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+    assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err, err
