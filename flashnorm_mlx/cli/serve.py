@@ -168,7 +168,9 @@ def main(argv=None):
             **{name: getattr(args, name) for name in held}, api_key=api_key
         )
         model_id = args.model or default_model_path().stem
-        server.attach(Service(load, model_id, args.mode, settings, worker))
+        service = Service(load, model_id, args.mode, settings, worker)
+        server.attach(service)  # builds: load() settled --mode for the model
+        service.mode = args.mode
         print(
             f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
             f"{server.url}/v1{' (API key required)' if api_key else ''}, chat page "

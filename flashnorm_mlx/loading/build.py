@@ -56,6 +56,9 @@ def build_model(
         engine = engines.resolve(engine)
     except ValueError as e:
         raise LoadError(str(e)) from None
+    covered = models.is_covered(source.config)
+    if not covered:  # the compiled step is traced for the classes it knows
+        engine = "eager"  # (models.stock_note says so)
     # A folder's weights opened again for this build: what it evaluates is freed
     # once in the model, where the caller's Source would keep every source tensor.
     source_weights = _own_handles(source)
@@ -86,8 +89,8 @@ def build_model(
     fused = mode == "stock_fused"
     del source_weights, plan  # from here the model alone holds the (lazy) weights
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
-        sharding.shard_model(model, group, source.name)
-    share = bool(as_is) and group is None and not fused
+        sharding.shard_model(model, group, source.name, own=not covered)
+    share = bool(as_is) and group is None and not fused and covered
     arch = models.architecture(config) if share else None
     # Layer by layer, so one layer's source and output tensors coexist at a
     # time (a sharded rank's full tensors freed once cut), not the model's.
@@ -132,12 +135,16 @@ def _instantiate(name: str, recipe: Recipe, cls: str):
     tensors, config = recipe.tensors(), recipe.config
     as_is = {k for k, v in tensors.items() if recipe.src.get(k) is v}
     norm_gains = recipe.as_stored and not fold.is_folded(config) and cls != "stock"
+    # A family FlashNorm does not cover: its config checked for types alone
+    # (checks.py), so mlx-lm's class may fail on a value in any way.
+    bad = (ValueError, KeyError) if models.is_covered(config) else Exception
     try:
         model = models.instantiate(config, tensors, cls, norm_gains)
         return model, config, as_is
-    except (ValueError, KeyError) as e:  # weights or config that do not fit
+    except bad as e:  # weights or config that do not fit
         # mlx-lm lists missing parameters on lines of their own: keep one line.
-        raise LoadError(f"{name}: {' '.join(str(e).split())}") from None
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise LoadError(f"{name}: {why}") from None
 
 
 def _own_handles(source: Source) -> dict:
