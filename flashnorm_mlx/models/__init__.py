@@ -39,15 +39,20 @@ def check_runnable(config: dict) -> None:
     model_type nor mlx-lm has a class for it."""
     if is_covered(config):
         return
+    import contextlib
+    import io
+
     from ..mlx_lm_compat import MlxLmChanged, stock_classes, version
 
+    said = io.StringIO()  # mlx-lm's olmo prints what it lacks, then exits
     try:
-        stock_classes(config)
+        with contextlib.redirect_stdout(said):
+            stock_classes(config)
     except MlxLmChanged:
         raise
-    except (Exception, SystemExit) as e:  # mlx-lm's olmo exits without ai2-olmo
-        text = str(e).strip() if isinstance(e, Exception) else ""
-        why = text.splitlines()[0] if text else "its module would not import"
+    except (Exception, SystemExit) as e:
+        text = str(e).strip() if isinstance(e, Exception) else said.getvalue()
+        why = text.strip().splitlines()[0] if text.strip() else "it would not import"
         raise UnsupportedModel(
             f"unsupported model_type {config.get('model_type')!r}: mlx-lm "
             f"{version()} cannot load it ({why}) and FlashNorm covers "
