@@ -63,6 +63,41 @@ def test_generate_is_mlx_lms_greedy_text_with_one_note(folders, family, capsys):
     assert "does not cover" in lines[0] and "stock" in lines[0], err
 
 
+def test_the_compiled_engine_asked_runs_eager_and_the_note_says_so(folders, capsys):
+    from flashnorm_mlx import engine
+
+    source = read_source(str(folders["olmo2"]), need_tokenizer=False)
+    model, _ = build_model(source, "stock", engine="compiled")
+    assert engine.engine_of(model) == "eager"
+    argv = ["generate", str(folders["olmo2"]), "-p", PROMPT, "-m", "2"]
+    assert main([*argv, "--engine", "compiled"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "eager engine" in err[0], err
+
+
+def test_config_values_of_such_a_family_are_checked_for_types_alone():
+    """Another family's fields may be 0 or negative where ours must not be."""
+    from dataclasses import dataclass
+
+    from flashnorm_mlx.errors import LoadError
+    from flashnorm_mlx.loading.checks import check_config
+
+    @dataclass
+    class Args:
+        hidden_size: int
+        first_k_dense_replace: int = 1
+        attention_dropout: float = 0.1
+
+    legit = {"hidden_size": 64, "first_k_dense_replace": 0, "attention_dropout": 0.0}
+    check_config(legit, "config.json", [Args], ranges=False)
+    with pytest.raises(LoadError, match="first_k_dense_replace is 0"):
+        check_config(legit, "config.json", [Args])
+    with pytest.raises(LoadError, match='hidden_size is "big": expected int'):
+        check_config({**legit, "hidden_size": "big"}, "c", [Args], ranges=False)
+    with pytest.raises(LoadError, match="hidden_size is missing"):
+        check_config({}, "config.json", [Args], ranges=False)
+
+
 def test_the_mode_defaults_to_stock_and_flashnorm_asked_is_one_error(folders, capsys):
     path = str(folders["olmo2"])
     argv = ["generate", path, "-p", PROMPT, "-m", "2"]
@@ -89,6 +124,9 @@ def test_bench_shows_mlx_lm_and_stock_and_says_why_the_rest_are_absent(folders, 
     assert list(r["variants"]) == ["mlx-lm", "stock"], list(r["variants"])
     assert set(r["absent"]) == {"stock_fused", "nonorm", "flashnorm"}, r["absent"]
     assert all(s["logits_finite"] for s in r["variants"].values()), r["variants"]
+    stock = r["variants"]["stock"]  # untied: a step reads one embedding row
+    table = tiny.VOCAB * tiny_stock.config("starcoder2")["hidden_size"] * 4
+    assert stock["weight_bytes"] - stock["decode_bytes_per_token"] == table, stock
     why = [n for n in r["notes"] if "absent" in n]
     assert len(why) == 1 and "'starcoder2'" in why[0], r["notes"]
     with pytest.raises(bench.BenchError, match="'starcoder2'"):
@@ -154,6 +192,25 @@ def test_mlx_lm_quantized_checkpoint_loads_as_mlx_lm_loads_it(
     argv = ["generate", str(q), "-p", PROMPT, "-m", str(TOKENS), "--temp", "0"]
     assert main([*argv, "--ignore-chat-template"]) == 0
     assert _generated(capsys.readouterr().out) == want
+
+
+def test_q_quantizes_as_mlx_lm_convert_does(folders, tmp_path, capsys):
+    """-q on such a family is mlx-lm's own quantization, its class's
+    quant_predicate included (Granite keeps o_proj and lm_head at 8 bits)."""
+    from mlx_lm import convert
+
+    q = tmp_path / "q4"
+    convert(str(folders["granite"]), str(q), quantize=True, q_group_size=64, q_bits=4)
+    want, _ = _mlx_lm_greedy(q)
+    capsys.readouterr()
+    argv = ["generate", str(folders["granite"]), "-p", PROMPT, "-m", str(TOKENS)]
+    argv += ["--temp", "0", "--ignore-chat-template", "-q", "--q-group-size", "64"]
+    assert main(argv) == 0
+    assert _generated(capsys.readouterr().out) == want
+    source = read_source(str(folders["granite"]))
+    model, config = build_model(source, "stock", quantize=(4, 64))
+    assert model.lm_head.bits == 8 and model.model.layers[0].mlp.up_proj.bits == 4
+    assert config["quantization"]["lm_head"]["bits"] == 8, config["quantization"]
 
 
 def test_a_model_type_mlx_lm_cannot_load_is_one_error(tmp_path, capsys):

@@ -6,6 +6,9 @@ builds. Weights, dtype and quantization are decided once by
 nonorm is built on the tensors `recipe.Recipe` makes, the ones `convert` writes.
 """
 
+import contextlib
+import dataclasses
+import io
 from typing import List, Optional, Set, Tuple
 
 import mlx.core as mx
@@ -75,9 +78,14 @@ def build_model(
             model, config = nonorm.build_nonorm(plan)  # calibrated whole, then split
         else:  # on the tensors `convert` would write, computed lazily (recipe.py)
             cls = "flashnorm" if mode == "flashnorm" else "stock"  # ours or mlx-lm's
+            by_mlx_lm = quantize if not covered and plan.qspec else None
+            if by_mlx_lm:  # -q on a family FlashNorm does not cover: mlx-lm's own
+                plan = dataclasses.replace(plan, qspec=None)
             recipe = Recipe(source_weights, source.config, plan, stock=cls == "stock")
             model, config, as_is = _instantiate(source.name, recipe, cls)
             del recipe
+            if by_mlx_lm:
+                model, config = _mlx_lm_quantized(model, config, *by_mlx_lm)
     except (LoadError, ValueError, KeyError, IndexError):
         # Weights that do not fit the config: named as the checkpoint names them.
         why = mismatch(shapes, source.config, config_name(source))
@@ -102,6 +110,15 @@ def build_model(
         stock_fused.fuse_projections(model)
     mx.eval(model.parameters())
     return engines.run_on(model, engine), config
+
+
+def _mlx_lm_quantized(model, config: dict, bits: int, group_size: int):
+    """(model, config) quantized as `mlx_lm.convert -q` quantizes it, with its
+    class's own `quant_predicate` (some families keep layers at 8 bits)."""
+    from mlx_lm.utils import quantize_model
+
+    with contextlib.redirect_stdout(io.StringIO()):  # its bits-per-weight line
+        return quantize_model(model, config, group_size, bits)
 
 
 def _share_rows(layer, prefix: str, arch, weights: dict, as_is: Set[str]) -> None:
