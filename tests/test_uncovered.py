@@ -263,3 +263,17 @@ def test_serve_answers_a_chat_completion_as_mlx_lm_would(folders):
         assert r["choices"][0]["message"]["content"] == want, (r, want)
     finally:
         s.kill()
+
+
+def test_chat_runs_it_and_compare_times_mlx_lm_and_stock(folders, monkeypatch, capsys):
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n/compare\n/quit\n"))
+    assert main(["chat", str(folders["olmo2"]), "-m", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert len(_note_lines(err, "olmo2")) == 1, err
+    line = next(l for l in out.splitlines() if l.startswith("decode tok/s"))
+    cells = line.split(": ", 1)[1].split("; ")[0].split(" | ")
+    assert [c.split()[0] for c in cells] == ["mlx-lm", "stock"], line
+    assert "flashnorm are absent" in line, line
