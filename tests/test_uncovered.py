@@ -19,7 +19,7 @@ from flashnorm_mlx.errors import ShardError, UnsupportedModel
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.parallel import sharding
 
-FAMILIES = tuple(tiny_stock.CONFIGS)  # olmo2, granite, starcoder2
+FAMILIES = tuple(tiny_stock.CONFIGS)  # olmo2, granite, starcoder2, olmoe
 PROMPT = "hello world"
 TOKENS = 16
 
@@ -40,6 +40,10 @@ def _mlx_lm_greedy(path, max_tokens=TOKENS):
         text += r.text
         ids.append(r.token)
     return text, ids
+
+
+def _quantized(model) -> set:
+    return {n for n, m in model.named_modules() if "Quantized" in type(m).__name__}
 
 
 def _generated(out: str) -> str:
@@ -176,19 +180,21 @@ def test_cache_prompt_then_generate_from_it(folders, tmp_path, capsys):
     assert "Generation: 4 tokens" in out and len(_note_lines(err, "starcoder2")) == 1
 
 
+@pytest.mark.parametrize("family", ["olmo2", "olmoe"])  # olmoe: 3-D experts
 def test_mlx_lm_quantized_checkpoint_loads_as_mlx_lm_loads_it(
-    folders, tmp_path, capsys
+    folders, family, tmp_path, capsys
 ):
-    from mlx_lm import convert
+    from mlx_lm import convert, load
 
     q = tmp_path / "q4"
-    convert(str(folders["olmo2"]), str(q), quantize=True, q_group_size=32, q_bits=4)
+    convert(str(folders[family]), str(q), quantize=True, q_group_size=32, q_bits=4)
     want, _ = _mlx_lm_greedy(q)
     capsys.readouterr()  # convert's own lines
     source = read_source(str(q))
     model, _ = build_model(source, "stock", dtype=mx.float32)
-    quantized = [n for n, m in model.named_modules() if "Quantized" in type(m).__name__]
-    assert len(quantized) > 10, quantized  # every linear and the embedding
+    ref, _ = load(str(q))
+    ours, theirs = _quantized(model), _quantized(ref)  # experts too, for olmoe
+    assert ours == theirs and len(theirs) > 10, (ours ^ theirs, theirs)
     argv = ["generate", str(q), "-p", PROMPT, "-m", str(TOKENS), "--temp", "0"]
     assert main([*argv, "--ignore-chat-template"]) == 0
     assert _generated(capsys.readouterr().out) == want

@@ -28,7 +28,8 @@ _BASE = dict(
 
 # One per family: Olmo2 (QK-norm over all heads, norms after each sublayer),
 # Granite (Llama with multipliers), StarCoder2 (LayerNorms with biases, a plain
-# MLP). Heads tied and not: greedy text that does not repeat one token.
+# MLP), OLMoE (top-2 of 4 experts). Heads tied and not: greedy text that does
+# not repeat one token.
 CONFIGS = {
     "olmo2": dict(model_type="olmo2", rms_norm_eps=1e-6, tie_word_embeddings=True),
     "granite": dict(
@@ -44,6 +45,14 @@ CONFIGS = {
     ),
     "starcoder2": dict(
         model_type="starcoder2", norm_epsilon=1e-5, tie_word_embeddings=False
+    ),
+    # Mixture of experts, as mlx-lm stores it: experts stacked (3-D weights).
+    "olmoe": dict(
+        model_type="olmoe",
+        rms_norm_eps=1e-5,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
     ),
 }
 
