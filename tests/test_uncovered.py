@@ -283,3 +283,12 @@ def test_chat_runs_it_and_compare_times_mlx_lm_and_stock(folders, monkeypatch, c
     cells = line.split(": ", 1)[1].split("; ")[0].split(" | ")
     assert [c.split()[0] for c in cells] == ["mlx-lm", "stock"], line
     assert "flashnorm are absent" in line, line
+
+
+def test_bench_draft_runs_both_as_stock(folders, capsys):
+    path = str(folders["olmo2"])
+    argv = ["bench", path, "--draft-model", path, "-p", "4", "-g", "6", "-n", "1"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert len(_note_lines(err, "olmo2")) == 1, err
+    assert "same tokens with and without the draft: yes" in out, out

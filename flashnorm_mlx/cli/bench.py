@@ -323,9 +323,10 @@ def main(argv=None):
 
 def _draft_main(parser, args) -> int:
     """bench --draft-model: FlashNorm alone, then with the draft (bench_draft.py)."""
+    from .. import models
     from ..bench_draft import check, lines, run_draft_bench
     from ..loading import read_source
-    from .common import StageLog, model_kwargs
+    from .common import StageLog, model_kwargs, say_note
 
     wrong = check(args.num_trials, args.generation_tokens, args.prompt_tokens)
     if wrong:
@@ -335,6 +336,8 @@ def _draft_main(parser, args) -> int:
     source = read_source(
         args.model, need_tokenizer=False, adapter_path=args.adapter_path
     )
+    if not models.is_covered(source.config):  # both run as stock then
+        say_note(models.stock_note(source.config))
     log = StageLog("bench")
     result = run_draft_bench(
         source,
