@@ -37,7 +37,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "-b", "--batch-size", type=int, default=4, help="windows per forward"
     )
     p.add_argument(
-        "--mode", choices=("both", *RUN_MODES), default="both", help="models to score"
+        "--mode",
+        choices=("both", *RUN_MODES),
+        default="both",
+        help="models to score (stock alone for a family FlashNorm does not cover)",
     )
     p.add_argument(
         "--q-method",
