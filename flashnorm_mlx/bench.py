@@ -28,9 +28,9 @@ from . import estimate, kernels, models, quant
 from .errors import BenchError
 from .loading import Source, build_model, gguf_kquant, model_dtype, weight_bytes
 from .loading.nonorm import rms_norm_paths
-from .loading.variants import BY_NAME, NAMES, REFERENCE, comparison
+from .loading.variants import BY_NAME, NAMES, REFERENCE, absent, comparison
 from .machine import device_info, versions
-from .models import model_classes
+from .models import covered_words, model_classes
 from .parallel import distributed
 from .timing import (
     HOST_NOTE,
@@ -67,9 +67,18 @@ def weights_checksum(weights: Dict[str, mx.array]) -> str:
 
 def decode_bytes(model: nn.Module, config: dict) -> int:
     """Parameter bytes one decode step reads (see DECODE_BYTES_NOTE)."""
+    params = tree_flatten(model.parameters())
+    if not models.is_covered(config):  # mlx-lm's class: its embedding modules
+        tables = [
+            name
+            for name, m in model.named_modules()
+            if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))
+        ]
+        table = sum(v.nbytes for k, v in params if k.startswith(tuple(tables)))
+        has_head = any(k.startswith("lm_head.") for k, _ in params)
+        return weight_bytes(model) - (table if has_head else 0)
     arch = models.architecture(config)
     embed, head = arch.embed, arch.head
-    params = tree_flatten(model.parameters())
     has_head = any(k.startswith(f"{head}.") for k, _ in params)
     table = sum(v.nbytes for k, v in params if k.startswith(f"{embed}."))
     return weight_bytes(model) - (table if has_head else 0)
@@ -271,7 +280,7 @@ def _summarize(info: dict, records: List[dict], variant: str) -> dict:
     }
 
 
-def _notes(device: dict, summary: dict) -> List[str]:
+def _notes(device: dict, summary: dict, covered: bool = True) -> List[str]:
     """Lines under the table for what would otherwise mislead."""
     notes = []
     dtypes = {s["dtype"] for s in summary.values()}
@@ -287,7 +296,13 @@ def _notes(device: dict, summary: dict) -> List[str]:
             "are not the GPU's; in parentheses the same step with each mx.fast op "
             "and FlashNorm kernel as one launch, as on Metal and CUDA"
         )
-    if summary.get("mlx-lm", {}).get("engine") == summary.get("stock", {}).get(
+    if not covered and "stock" in summary:
+        notes.append(
+            "mlx-lm and stock are one variant on the eager engine (a family "
+            "FlashNorm does not cover runs on it alone): their ratio is the "
+            "run-to-run noise"
+        )
+    elif summary.get("mlx-lm", {}).get("engine") == summary.get("stock", {}).get(
         "engine"
     ):
         notes.append(
@@ -306,7 +321,7 @@ def _notes(device: dict, summary: dict) -> List[str]:
 
 def run_bench(
     source: Source,
-    variants: Sequence[str] = NAMES,
+    variants: Optional[Sequence[str]] = None,
     prompt_tokens: int = 256,
     gen_tokens: int = 128,
     trials: int = 5,
@@ -322,7 +337,8 @@ def run_bench(
     engine: Optional[str] = None,
     on_slow: estimate.Say = None,
 ) -> dict:
-    """Build every variant from `source`, warm each up, time `trials` rounds.
+    """Build every variant from `source` (None: every one it can run, see
+    `variants.absent`), warm each up, time `trials` rounds.
 
     Returns {"settings", "device", "versions", "source", "variants" (per-variant
     summary), "ratios", "headroom", "trials" (every timed run)}.
@@ -333,7 +349,15 @@ def run_bench(
     on_slow(line): told once, after the first warm-up, where the generations
     left would take more than `estimate.threshold()`.
     """
-    variants = list(variants)
+    missing = absent(source.config)  # rows a family FlashNorm does not cover lacks
+    asked = [v for v in variants or () if v in missing]
+    if asked:
+        raise BenchError(
+            f"--variants {asked[0]}: FlashNorm does not cover model_type "
+            f"{source.config.get('model_type')!r} yet (it covers "
+            f"{covered_words()}); bench runs mlx-lm and stock on it"
+        )
+    variants = list(variants or [v for v in NAMES if v not in missing])
     validate(variants, prompt_tokens, gen_tokens, trials, engine)
     engine = engines.resolve(engine)
     step = _Steps(progress, len(variants) * (3 + trials))
@@ -394,7 +418,10 @@ def run_bench(
         "float_kquants": gguf_kquant.floats_of(source.config),
         **comparison(source, quantize, quantized_way),
     }
-    return _report(settings, src, info, records)
+    result = _report(settings, src, info, records, covered=not missing)
+    why = sorted(set(missing.values()))  # one reason for all of them
+    result.update(absent=missing, notes=why + result["notes"])
+    return result
 
 
 # The ratios bench reports by name (section 4c): (key, variant, base).
@@ -432,7 +459,9 @@ def _ratios(variants: List[str], records: List[dict]) -> dict:
     return out
 
 
-def _report(settings: dict, src: dict, info: dict, records: List[dict]) -> dict:
+def _report(
+    settings: dict, src: dict, info: dict, records: List[dict], covered: bool = True
+) -> dict:
     """run_bench's result from what was built (info) and timed (records)."""
     variants = settings["variants"]
     summary = {v: _summarize(info[v], records, v) for v in variants}
@@ -447,7 +476,7 @@ def _report(settings: dict, src: dict, info: dict, records: List[dict]) -> dict:
         "within_noise: that spread includes 1.0",
     }
     return {
-        "notes": _notes(device, summary),
+        "notes": _notes(device, summary, covered),
         "settings": {**settings, **notes},
         "device": device,
         "versions": versions(),

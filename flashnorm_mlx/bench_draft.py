@@ -4,7 +4,8 @@
 
 Speculative decoding pays off only when the draft is cheap and its tokens are
 accepted often; a draft too slow or too wrong makes decoding slower, so it is
-measured, never assumed. Both are FlashNorm models on the engine asked for;
+measured, never assumed. Both are FlashNorm models on the engine asked for
+(stock, mlx-lm's class, for a family FlashNorm does not cover);
 the alone rows are timed as bench times every variant (`time_generation`),
 the draft rows the same way over mlx-lm's `speculative_generate_step`, with
 end-of-sequence ignored, greedy.
@@ -20,6 +21,7 @@ import numpy as np
 from .decoding import DraftTally, check_same_vocabulary
 from .errors import UserError
 from .loading import Source, build_model, read_source
+from .models import run_mode
 from .timing import spread, time_generation
 
 
@@ -96,9 +98,10 @@ def run_draft_bench(
     draft_source = read_source(draft_path, need_tokenizer=False)
     _vocabulary(source, draft_source, source.config, draft_source.config)
     say("building the model")
-    model, config = build_model(source, "flashnorm", **kwargs)
+    # FlashNorm where it covers the family, stock (mlx-lm's class) where not.
+    model, config = build_model(source, run_mode(source.config, None), **kwargs)
     say("building the draft")
-    draft, _ = build_model(draft_source, "flashnorm", **kwargs)
+    draft, _ = build_model(draft_source, run_mode(draft_source.config, None), **kwargs)
     # Random ids, as bench's rows take them (bench.prompt_ids).
     vocab = config.get("vocab_size") or 32000
     prompt = mx.array(

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from . import fold, interrupt, quant
+from . import fold, interrupt, models, quant
 from .errors import LoadError
 from .fold import Weights
 from .loading import gguf_kquant
@@ -162,6 +162,13 @@ def convert(
         if adapter_path is not None:
             source = apply_adapter(source, adapter_path)
         weights = dict(source.weights)  # the caller's stay
+    if not models.is_covered(source.config):  # before any folder is made
+        raise models.not_covered(
+            source.config,
+            "nothing to fold",
+            "the other commands run it as stock, and mlx-lm's own convert "
+            "quantizes it",
+        )
     quantize, note = adapted_quantization(source, quantize, quantized_way)
     if note and on_stage is not None:
         on_stage(note)

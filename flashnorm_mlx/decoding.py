@@ -72,8 +72,9 @@ def head_dims(config: dict) -> List[int]:
     """The attention head width a checkpoint's config names, [] where unknown."""
     if config.get("head_dim"):
         return [int(config["head_dim"])]
-    heads = config.get("num_attention_heads")
-    return [int(config["hidden_size"]) // heads] if isinstance(heads, int) else []
+    heads, width = config.get("num_attention_heads"), config.get("hidden_size")
+    # Another family's config may name them otherwise (GPT-2's n_head, n_embd).
+    return [width // heads] if isinstance(heads, int) and isinstance(width, int) else []
 
 
 def check_kv_options(kv: KVOptions, model, config: dict, name: str) -> None:

@@ -94,14 +94,18 @@ def _bad_inputs(tmp_path, model_dir):
     no_config.mkdir()
     corrupt = tiny.make_llama(tmp_path / "corrupt", tokenizer=False)
     (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00not safetensors")
-    gpt2 = tmp_path / "gpt2"
+    gpt2 = tmp_path / "gpt2"  # a family mlx-lm runs (as stock), its keys missing
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no_such"}))
     return {
         "missing path": ["verify", str(tmp_path / "nope")],
         "no config.json": ["verify", str(no_config)],
         "corrupt safetensors": ["verify", str(corrupt)],
-        "unsupported model_type": ["generate", str(gpt2), "-p", "x"],
+        "unsupported model_type": ["generate", str(unknown), "-p", "x"],
+        "stock family, config keys missing": ["generate", str(gpt2), "-p", "x"],
         "bad flag": ["generate", str(model_dir), "--max-tokens", "zero"],
         "unknown command": ["frobnicate"],
         "negative temperature": ["generate", str(model_dir), "--temp", "-1"],

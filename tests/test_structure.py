@@ -105,9 +105,16 @@ def test_every_registered_architecture_has_its_model_file():
     assert model_files == set(models.ARCHITECTURES.values()), model_files
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", None])
-def test_unknown_model_type_is_one_clear_error(model_type):
-    with pytest.raises(models.UnsupportedModel, match="unsupported model_type"):
+@pytest.mark.parametrize(
+    "model_type, words",
+    [
+        ("gpt2", "FlashNorm does not cover model_type 'gpt2'"),  # mlx-lm's: stock
+        ("no_such_family", "unsupported model_type 'no_such_family'"),
+        (None, "unsupported model_type None"),
+    ],
+)
+def test_unknown_model_type_is_one_clear_error(model_type, words):
+    with pytest.raises(models.UnsupportedModel, match=words):
         models.architecture({"model_type": model_type})
 
 

@@ -35,8 +35,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--num-trials", type=int, default=5, help="timed rounds")
     p.add_argument(
         "--variants",
-        default=",".join(VARIANT_NAMES),
-        help=f"comma-separated subset of {','.join(VARIANT_NAMES)} (default: all)",
+        default=None,
+        help=f"comma-separated subset of {','.join(VARIANT_NAMES)} (default: all; "
+        "mlx-lm and stock for a family FlashNorm does not cover)",
     )
     p.add_argument(
         "--verbose",
@@ -248,11 +249,13 @@ def main(argv=None):
 
     if args.draft_model:  # bench_draft.py: the model alone against with the draft
         return _draft_main(parser, args)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    variants = None  # every row the model can run
+    if args.variants is not None:
+        variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     # Flags checked before the (slow) read: flashnorm-mlx bench: error:, exit 2.
     try:
         validate(
-            variants,
+            VARIANT_NAMES if variants is None else variants,
             args.prompt_tokens,
             args.generation_tokens,
             args.num_trials,
@@ -322,9 +325,10 @@ def main(argv=None):
 
 def _draft_main(parser, args) -> int:
     """bench --draft-model: FlashNorm alone, then with the draft (bench_draft.py)."""
+    from .. import models
     from ..bench_draft import check, lines, run_draft_bench
     from ..loading import read_source
-    from .common import StageLog, model_kwargs
+    from .common import StageLog, model_kwargs, say_note
 
     wrong = check(args.num_trials, args.generation_tokens, args.prompt_tokens)
     if wrong:
@@ -334,6 +338,8 @@ def _draft_main(parser, args) -> int:
     source = read_source(
         args.model, need_tokenizer=False, adapter_path=args.adapter_path
     )
+    if not models.is_covered(source.config):  # both run as stock then
+        say_note(models.stock_note(source.config))
     log = StageLog("bench")
     result = run_draft_bench(
         source,

@@ -177,14 +177,16 @@ class Comparer:
     def __call__(self, session) -> str:
         from .. import estimate
         from ..loading import build_model
-        from ..loading.variants import BY_NAME, NAMES
+        from ..loading.variants import BY_NAME, NAMES, absent
         from ..timing import compare_decode_speed
 
         n = len(session.last_reply_ids)
         if n < 2:
             return "(/compare needs a reply of 2 or more tokens first)"
+        missing = absent(self.source.config)  # a family FlashNorm does not cover
+        names = [v for v in NAMES if v not in missing]
         r = {}
-        for i, v in enumerate(NAMES):  # each built (once) and timed in turn
+        for i, v in enumerate(names):  # each built (once) and timed in turn
             start = time.perf_counter()
             if v not in self.models:
                 row = BY_NAME[v]
@@ -196,19 +198,20 @@ class Comparer:
             r.update(compare_decode_speed({v: self.models[v]}, prompt, n, self.sampler))
             if i == 0:
                 piece, seconds = f"{v}'s turn", time.perf_counter() - start
-                line = estimate.projection(piece, seconds, len(NAMES) - 1, "/compare")
+                line = estimate.projection(piece, seconds, len(names) - 1, "/compare")
                 estimate.tell(self.say, line)
         stock = r["stock"]["decode_tps"]
         cells = [
             f"{v} {r[v]['decode_tps']:.1f}"
             + (f" ({r[v]['decode_tps'] / stock:.2f}x)" if v != "stock" else "")
-            for v in NAMES
+            for v in names
         ]
+        why = f"; {next(iter(missing.values()))}" if missing else ""
         return (
             f"decode tok/s, last reply regenerated ({n} tokens, end-of-sequence "
             f"ignored, same {len(session.last_prompt_ids)}-token prompt and "
             f"weights; mlx-lm eager, the rest on the {self.engine} engine, x stock "
-            f"on it): " + " | ".join(cells)
+            f"on it): " + " | ".join(cells) + why
         )
 
 
@@ -283,15 +286,21 @@ def main(argv=None):
     from ..chat import ChatSession
     from ..decoding import KVOptions, check_kv_options
     from ..models import context_length
-    from .common import load_for_sampling, make_sampler, model_kwargs
+    from .common import (
+        build_for_sampling,
+        make_sampler,
+        model_kwargs,
+        read_for_sampling,
+    )
     from .decoding import draft_model
 
     saved = None
+    source, tokenizer = read_for_sampling(args)  # settles --mode for the model
     if args.prompt_cache_file is not None:  # a bad file: one line before the build
         saved = prompt_cache.read(
             args.prompt_cache_file, args.model, args.mode, args.adapter_path
         )
-    source, tokenizer, model, config = load_for_sampling(args)
+    model, config = build_for_sampling(args, source)
     kv = KVOptions.from_args(args)
     check_kv_options(kv, model, config, source.name)
     draft = draft_model(args, tokenizer, source.name)

@@ -57,23 +57,51 @@ def build(source, mode: str, args):
     says what the user gets instead (quant/plan.py)."""
     notes = []
     model, config = build_model(source, mode, notes=notes, **model_kwargs(args))
-    for note in notes if distributed.is_main_rank() else []:  # once per launch
-        print(f"flashnorm-mlx: note: {note}", file=sys.stderr)
+    for note in notes:
+        say_note(note)
     return model, config
+
+
+def say_note(note: str) -> None:
+    if distributed.is_main_rank():  # once per launch
+        print(f"flashnorm-mlx: note: {note}", file=sys.stderr)
+
+
+def resolve_mode(args, source) -> None:
+    """args.mode for the model read (models.run_mode): as asked, else flashnorm
+    where FlashNorm covers its model_type; a family it does not cover runs as
+    stock, said in one note, and --mode flashnorm on it is one error line."""
+    from .. import engine as engines
+    from .. import models
+
+    args.mode = models.run_mode(source.config, args.mode)
+    if not models.is_covered(source.config):
+        engine = engines.resolve(getattr(args, "engine", None))
+        say_note(models.stock_note(source.config, engine))
 
 
 def load_for_sampling(args):
     """(source, tokenizer, model, config) for chat and generate: join a multi-rank
     launch, read MODEL, build it (sharded under a launch), then seed sampling."""
+    source, tokenizer = read_for_sampling(args)
+    return (source, tokenizer, *build_for_sampling(args, source))
+
+
+def read_for_sampling(args):
+    """(source, tokenizer): join a multi-rank launch, read MODEL, settle --mode."""
+    join_launch(args)  # mlx.launch with several ranks: tensor parallel
+    return read_with_tokenizer(args)
+
+
+def build_for_sampling(args, source):
+    """(model, config): build (sharded under a launch), then seed sampling."""
     import mlx.core as mx
 
-    join_launch(args)  # mlx.launch with several ranks: tensor parallel
-    source, tokenizer = read_with_tokenizer(args)
     model, config = build(source, args.mode, args)
     distributed.announce()
     if args.seed is not None:  # after the build: a sharded build draws random
         mx.random.seed(args.seed)  # init weights, so the seed governs sampling alone
-    return source, tokenizer, model, config
+    return model, config
 
 
 def join_launch(args, sampling: bool = True):
@@ -177,14 +205,17 @@ def interruptible(log: StageLog):
 
 def read_with_tokenizer(args):
     """(source, tokenizer) of MODEL for the commands that tokenize: --tokenizer,
-    --adapter-path and --trust-remote-code as the flags give them."""
+    --adapter-path and --trust-remote-code as the flags give them; --mode
+    settled for it (`resolve_mode`)."""
     source = read_source(
         args.model,
         tokenizer=args.tokenizer,
         adapter_path=args.adapter_path,
         trust_remote_code=args.trust_remote_code,
     )
-    return source, need_tokenizer(source.tokenizer, source.name)
+    tokenizer = need_tokenizer(source.tokenizer, source.name)
+    resolve_mode(args, source)
+    return source, tokenizer
 
 
 def need_tokenizer(tokenizer, model_name):

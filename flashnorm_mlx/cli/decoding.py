@@ -5,10 +5,11 @@ run with (docs/design.md section 3f). Imports MLX."""
 import functools
 import sys
 
+from .. import models
 from ..decoding import DraftTally, KVOptions, check_kv_options, load_draft, make_cache
 from ..errors import UserError
 from ..parallel import distributed
-from .common import build
+from .common import build, say_note
 
 
 def draft_model(args, tokenizer, name: str):
@@ -18,9 +19,14 @@ def draft_model(args, tokenizer, name: str):
         return None
     if distributed.current() is not None:  # untried sharded; mlx_lm.server refuses it
         raise UserError("--draft-model: not under mlx.launch with several ranks")
-    return load_draft(
-        args.draft_model, args.mode, tokenizer, name, lambda s, m: build(s, m, args)
-    )
+
+    def build_draft(source, mode):
+        if not models.is_covered(source.config):  # stock, whatever the model's mode
+            mode = "stock"
+            say_note(f"--draft-model: {models.stock_note(source.config)}")
+        return build(source, mode, args)
+
+    return load_draft(args.draft_model, args.mode, tokenizer, name, build_draft)
 
 
 def generation_kwargs(args, model, draft, config: dict, name: str) -> dict:

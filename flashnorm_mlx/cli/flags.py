@@ -197,9 +197,10 @@ def add_model_args(
         parser.add_argument(
             "--mode",
             choices=RUN_MODES,
-            default="flashnorm",
-            help="flashnorm (ours, default) or stock (mlx-lm's own model class "
-            "on the same weights)",
+            default=None,  # flashnorm where it covers the model_type, else stock
+            help="flashnorm (ours; the default for the families it covers) or "
+            "stock (mlx-lm's own model class on the same weights; the default, "
+            "said in a note, for every other family mlx-lm loads)",
         )
     parser.add_argument(
         "--dtype",

@@ -48,15 +48,16 @@ def main(argv=None):
     from .. import prompt_cache
     from ..parallel import distributed
     from ..prompts import prompt_ids, set_template
-    from .common import load_for_sampling, make_sampler
+    from .common import build_for_sampling, make_sampler, read_for_sampling
     from .decoding import draft_model, draft_tally, generation_kwargs
 
     cache = None
+    source, tokenizer = read_for_sampling(args)  # settles --mode for the model
     if args.prompt_cache_file is not None:  # a bad file: one line before the build
         cache, meta = prompt_cache.read(
             args.prompt_cache_file, args.model, args.mode, args.adapter_path
         )
-    source, tokenizer, model, config = load_for_sampling(args)
+    model, config = build_for_sampling(args, source)
     if cache is not None:
         prompt_cache.fit(args.prompt_cache_file, cache, meta, model)
     draft = draft_model(args, tokenizer, source.name)

@@ -37,7 +37,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "-b", "--batch-size", type=int, default=4, help="windows per forward"
     )
     p.add_argument(
-        "--mode", choices=("both", *RUN_MODES), default="both", help="models to score"
+        "--mode",
+        choices=("both", *RUN_MODES),
+        default="both",
+        help="models to score (stock alone for a family FlashNorm does not cover)",
     )
     p.add_argument(
         "--q-method",
@@ -57,6 +60,7 @@ def main(argv=None):
     if args.data is not None and not Path(args.data).expanduser().is_file():
         parser.error(f"--data: no such data file: {args.data}")  # before MLX loads
     # MLX and mlx-lm (seconds) once the flags are good.
+    from .. import models
     from ..loading import read_source
     from ..loading.variants import comparison
     from ..perplexity import load_text, perplexity
@@ -65,6 +69,7 @@ def main(argv=None):
         interruptible,
         model_kwargs,
         need_tokenizer,
+        say_note,
         say_slow,
     )
 
@@ -76,13 +81,19 @@ def main(argv=None):
         log.step(f"reading {args.model or 'the embedded model'}")
         source = read_source(args.model, tokenizer=args.tokenizer)
         tokenizer = need_tokenizer(source.tokenizer, source.name)
+        modes = RUN_MODES if args.mode == "both" else (args.mode,)
+        if not models.is_covered(source.config):  # the stock row alone, said once
+            if args.mode == "flashnorm":
+                raise models.not_covered(source.config, "--mode flashnorm")
+            modes = ("stock",)
+            say_note(models.stock_note(source.config))
         log.step("tokenizing the text")
         r = perplexity(
             source,
             tokens=list(tokenizer.encode(text)),
             seq_len=args.seq_len,
             num_seqs=args.num_seqs,
-            modes=RUN_MODES if args.mode == "both" else (args.mode,),
+            modes=modes,
             batch_size=args.batch_size,
             progress=sys.stderr.isatty(),
             on_stage=log,

@@ -173,8 +173,11 @@ def main(argv=None):
             **{name: getattr(args, name) for name in held}, api_key=api_key
         )
         model_id = args.model or default_model_path().stem
-        comparer = Comparer(load_other, args.mode)
-        server.attach(Service(load, model_id, args.mode, settings, worker, comparer))
+        comparer = Comparer(load_other)
+        service = Service(load, model_id, args.mode, settings, worker, comparer)
+        server.attach(service)  # builds: load() settled --mode for the model
+        service.mode = args.mode
+        comparer.settle(args.mode)
         print(
             f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
             f"{server.url}/v1{' (API key required)' if api_key else ''}, chat page "

@@ -32,6 +32,7 @@ def main(argv=None):
     if args.prompt is not None and not args.prompt.strip():
         parser.error("-p/--prompt is empty (leave -p out for the fixed sentence)")
     # MLX and mlx-lm (seconds) once the flags are good.
+    from .. import models
     from ..loading import read_source
     from ..loading.adapters import adapter_comparison
     from ..loading.variants import comparison
@@ -39,6 +40,19 @@ def main(argv=None):
     from .common import StageLog, model_kwargs
 
     source = read_source(args.model, tokenizer=args.tokenizer)
+    if not models.is_covered(source.config):  # stock is the reference itself
+        how = comparison(source)
+        if args.json:
+            mt = source.config.get("model_type")
+            print(json.dumps({"model": source.name, "model_type": mt, **how}))
+        else:  # one line: what verify would compare is one model
+            print(
+                f"nothing to compare: FlashNorm does not cover model_type "
+                f"{source.config.get('model_type')!r} yet, so flashnorm-mlx runs "
+                "it as stock, mlx-lm's own class: the very reference verify "
+                "compares FlashNorm with"
+            )
+        return 0
     tokens = prompt_tokens(source, args.prompt)
     if not tokens:
         raise UserError("the prompt encodes to no tokens")

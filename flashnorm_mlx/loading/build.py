@@ -6,6 +6,9 @@ builds. Weights, dtype and quantization are decided once by
 nonorm is built on the tensors `recipe.Recipe` makes, the ones `convert` writes.
 """
 
+import contextlib
+import dataclasses
+import io
 from typing import List, Optional, Set, Tuple
 
 import mlx.core as mx
@@ -59,6 +62,9 @@ def build_model(
         engine = engines.resolve(engine)
     except ValueError as e:
         raise LoadError(str(e)) from None
+    covered = models.is_covered(source.config)
+    if not covered:  # the compiled step is traced for the classes it knows
+        engine = "eager"  # (models.stock_note says so)
     # A folder's weights opened again for this build: what it evaluates is freed
     # once in the model, where the caller's Source would keep every source tensor.
     source_weights = _own_handles(source)
@@ -75,9 +81,14 @@ def build_model(
             model, config = nonorm.build_nonorm(plan)  # calibrated whole, then split
         else:  # on the tensors `convert` would write, computed lazily (recipe.py)
             cls = "flashnorm" if mode == "flashnorm" else "stock"  # ours or mlx-lm's
+            by_mlx_lm = quantize if not covered and plan.qspec else None
+            if by_mlx_lm:  # -q on a family FlashNorm does not cover: mlx-lm's own
+                plan = dataclasses.replace(plan, qspec=None)
             recipe = Recipe(source_weights, source.config, plan, stock=cls == "stock")
             model, config, as_is = _instantiate(source.name, recipe, cls)
             del recipe
+            if by_mlx_lm:
+                model, config = _mlx_lm_quantized(model, config, *by_mlx_lm)
     except (LoadError, ValueError, KeyError, IndexError):
         # Weights that do not fit the config: named as the checkpoint names them.
         why = mismatch(shapes, source.config, config_name(source))
@@ -92,8 +103,8 @@ def build_model(
     fused = mode == "stock_fused"
     del source_weights, plan  # from here the model alone holds the (lazy) weights
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
-        sharding.shard_model(model, group, source.name)
-    share = bool(as_is) and group is None and not fused
+        sharding.shard_model(model, group, source.name, own=not covered)
+    share = bool(as_is) and group is None and not fused and covered
     arch = models.architecture(config) if share else None
     # Layer by layer, so one layer's source and output tensors coexist at a
     # time (a sharded rank's full tensors freed once cut), not the model's.
@@ -106,6 +117,15 @@ def build_model(
         stock_fused.fuse_projections(model, stacks)
     mx.eval(model.parameters())
     return engines.run_on(model, engine), config
+
+
+def _mlx_lm_quantized(model, config: dict, bits: int, group_size: int):
+    """(model, config) quantized as `mlx_lm.convert -q` quantizes it, with its
+    class's own `quant_predicate` (some families keep layers at 8 bits)."""
+    from mlx_lm.utils import quantize_model
+
+    with contextlib.redirect_stdout(io.StringIO()):  # its bits-per-weight line
+        return quantize_model(model, config, group_size, bits)
 
 
 def _share_rows(layer, prefix: str, arch, weights: dict, as_is: Set[str]) -> None:
@@ -141,12 +161,16 @@ def _instantiate(name: str, recipe: Recipe, cls: str):
         tensors = gguf_kquant.float_pairs(tensors, config, recipe.out_dtype)
     as_is = {k for k, v in tensors.items() if recipe.src.get(k) is v}
     norm_gains = recipe.as_stored and not fold.is_folded(config) and cls != "stock"
+    # A family FlashNorm does not cover: its config checked for types alone
+    # (checks.py), so mlx-lm's class may fail on a value in any way.
+    bad = (ValueError, KeyError) if models.is_covered(config) else Exception
     try:
         model = models.instantiate(config, tensors, cls, norm_gains)
         return model, config, as_is
-    except (ValueError, KeyError) as e:  # weights or config that do not fit
+    except bad as e:  # weights or config that do not fit
         # mlx-lm lists missing parameters on lines of their own: keep one line.
-        raise LoadError(f"{name}: {' '.join(str(e).split())}") from None
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise LoadError(f"{name}: {why}") from None
 
 
 def _own_handles(source: Source) -> dict:

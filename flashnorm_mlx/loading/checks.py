@@ -295,11 +295,13 @@ MAX_LAYERS = 4096  # every module is built before a weight is read
 MAX_WIDTH = 1 << 24  # larger widths only come from corrupt configs
 
 
-def check_config(config, where: str, arg_classes) -> None:
+def check_config(config, where: str, arg_classes, ranges: bool = True) -> None:
     """Check config values against the ModelArgs dataclasses that will take them
     (ours and stock mlx-lm's): required keys present, each value of the type its
     field declares, sizes positive and within bounds, head counts that divide.
-    Raises LoadError naming `where` (the file) and the key."""
+    ranges=False (a family FlashNorm does not cover, whose fields may mean
+    anything, e.g. a 0 or a negative bound): types alone. Raises LoadError
+    naming `where` (the file) and the key."""
     if not isinstance(config, dict):
         raise LoadError(f"{where}: the config is not a JSON object")
     hints, required = {}, set()
@@ -316,10 +318,11 @@ def check_config(config, where: str, arg_classes) -> None:
         raise LoadError(f"{where}: {missing[0]} is missing (the model needs it)")
     for key, hint in hints.items():
         if key in config:
-            problem = _value_problem(key, config[key], hint)
+            check = _value_problem if ranges else _type_problem
+            problem = check(key, config[key], hint)
             if problem:
                 raise LoadError(f"{where}: {key} is {_show(config[key])}: {problem}")
-    problem = _relations(config)
+    problem = _relations(config) if ranges else None
     if problem:
         raise LoadError(f"{where}: {problem}")
     _check_quantization(config.get("quantization"), where)
@@ -343,6 +346,29 @@ def _one_of(values) -> str:
 def _show(v) -> str:
     s = json.dumps(v) if not isinstance(v, float) or math.isfinite(v) else str(v)
     return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _type_problem(key: str, value, hint) -> Optional[str]:
+    """A value whose JSON type the field cannot take (None always passes:
+    mlx-lm declares many optional fields plainly)."""
+    if value is None:
+        return None
+    union = typing.get_origin(hint) is typing.Union
+    kinds = typing.get_args(hint) if union else (hint,)
+    for t in kinds:  # Optional[X]: X
+        t = typing.get_origin(t) or t  # List[int]: list
+        if t is bool and isinstance(value, (bool, int)):
+            return None
+        if t in (int, float) and is_number(value):
+            return None
+        if t in (list, tuple) and isinstance(value, list):  # JSON has no tuple
+            return None
+        if t in (str, dict) and isinstance(value, t):
+            return None
+        if t not in (bool, int, float, str, list, tuple, dict, type(None)):
+            return None  # a type we do not check
+    names = [(typing.get_origin(t) or t).__name__ for t in kinds]
+    return f"expected {' or '.join(n for n in names if n != 'NoneType')}"
 
 
 def _value_problem(key: str, value, hint) -> Optional[str]:

@@ -107,8 +107,9 @@ class Recipe:
         if self.qspec:
             self.config = quant.with_quantization(self.config, self.qspec)
         # 2-D weights are made per module (row chunks if large), the rest as is;
-        # a quantized weight's scales and biases come with it.
-        self.order = [k for k in out if not k.endswith((".scales", ".biases"))]
+        # a quantized weight's scales and biases come with it (those of one
+        # that is not 2-D, mlx-lm's stacked experts as stored, as is too).
+        self.order = [k for k in out if not _packs_matrix(k, out)]
         self.modules = [
             k[: -len(".weight")] for k in self.order if _is_matrix(k, out[k])
         ]
@@ -209,6 +210,14 @@ class Recipe:
 
 def _is_matrix(key: str, value: mx.array) -> bool:
     return key.endswith(".weight") and value.ndim == 2
+
+
+def _packs_matrix(key: str, out: Weights) -> bool:
+    """`key` is the scales or biases of a quantized 2-D weight in `out`."""
+    if not key.endswith((".scales", ".biases")):
+        return False
+    weight = key.rsplit(".", 1)[0] + ".weight"
+    return weight in out and _is_matrix(weight, out[weight])
 
 
 def layer_groups(keys: List[str]) -> List[Tuple[str, List[str]]]:

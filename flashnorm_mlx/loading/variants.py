@@ -8,9 +8,9 @@ chat's /compare.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
-from .. import fold, quant
+from .. import fold, models, quant
 from . import gguf_kquant
 from .source import Source
 
@@ -37,6 +37,22 @@ BY_NAME = {v.name: v for v in VARIANTS}
 NAMES = tuple(BY_NAME)  # bench and /compare rows, the reference first
 
 
+def absent(config: dict) -> Dict[str, str]:
+    """{row: why it cannot run} for the model `config` describes: FlashNorm's
+    norm handlings (all but stock's) where FlashNorm does not cover its
+    model_type; {} where it does."""
+    if models.is_covered(config):
+        return {}
+    rows = [v.name for v in VARIANTS if v.norms != "stock"]
+    why = (
+        f"{', '.join(rows[:-1])} and {rows[-1]} are absent: they are FlashNorm's "
+        f"ways with the norms, and FlashNorm does not cover model_type "
+        f"{config.get('model_type')!r} yet (it covers {models.covered_words()}); "
+        "mlx-lm and stock run it as mlx-lm's own class"
+    )
+    return {v: why for v in rows}
+
+
 def comparison(source: Source, quantize=None, quantized_way: str = "stored") -> dict:
     out = _comparison(source, quantize, quantized_way)
     floats = gguf_kquant.floats_of(source.config)
@@ -60,6 +76,13 @@ def _comparison(source: Source, quantize=None, quantized_way: str = "stored") ->
     group), so their differences include quantization.
     """
     src = quant.describe(source.config) if quant.is_quantized(source.weights) else None
+    if not models.is_covered(source.config):
+        return {
+            "comparison": "stock alone",
+            "comparison_note": "no FlashNorm model to compare: FlashNorm does not "
+            f"cover model_type {source.config.get('model_type')!r} yet, so it runs "
+            "as stock (mlx-lm's own class)",
+        }
     if quantize:
         how = f"{quantize[0]}-bit group {quantize[1]}"
         return {

@@ -2,7 +2,8 @@
 
 Adding an architecture: a `models/<model_type>.py` with `ModelArgs`, `Model` and
 `ARCH` (an `arch.Architecture`), one line in `ARCHITECTURES`, and tests against
-mlx-lm's own class (README, "New architecture").
+mlx-lm's own class (README, "New architecture"). A model_type FlashNorm does
+not cover but mlx-lm loads runs as stock, mlx-lm's own class (`run_mode`).
 """
 
 import importlib
@@ -25,13 +26,88 @@ ARCHITECTURES = {
 }
 
 
+def is_covered(config: dict) -> bool:
+    """Whether FlashNorm has a model file for the config's model_type (any other
+    family mlx-lm loads runs as stock, its own class: `run_mode`)."""
+    return config.get("model_type") in ARCHITECTURES
+
+
+def covered_words() -> str:
+    return ", ".join(ARCHITECTURES)
+
+
+def check_runnable(config: dict) -> None:
+    """UnsupportedModel (one line) where neither FlashNorm covers the config's
+    model_type nor mlx-lm has a class for it."""
+    if is_covered(config):
+        return
+    import contextlib
+    import io
+
+    from ..mlx_lm_compat import MlxLmChanged, stock_classes, version
+
+    said = io.StringIO()  # mlx-lm's olmo prints what it lacks, then exits
+    try:
+        with contextlib.redirect_stdout(said):
+            stock_classes(config)
+    except MlxLmChanged:
+        raise
+    except (Exception, SystemExit) as e:
+        text = str(e).strip() if isinstance(e, Exception) else said.getvalue()
+        why = text.strip().splitlines()[0] if text.strip() else "it would not import"
+        raise UnsupportedModel(
+            f"unsupported model_type {config.get('model_type')!r}: mlx-lm "
+            f"{version()} cannot load it ({why}) and FlashNorm covers "
+            f"{covered_words()}"
+        ) from None
+
+
+def stock_note(config: dict, engine: Optional[str] = None) -> str:
+    """The one line a run of a family FlashNorm does not cover says; `engine`:
+    the one asked for (or the default), said where it is not the one it runs on
+    (eager: the compiled step is traced for the classes it knows)."""
+    eager = (
+        ", on the eager engine (the compiled one runs the covered families)"
+        if engine == "compiled"
+        else ""
+    )
+    return (
+        f"FlashNorm does not cover model_type {config.get('model_type')!r} yet: "
+        f"it runs as stock (mlx-lm's own class){eager}"
+    )
+
+
+def not_covered(
+    config: dict,
+    what: Optional[str] = None,
+    fix: str = "--mode stock runs it as mlx-lm's own class",
+) -> UnsupportedModel:
+    """The error for FlashNorm asked (`what`: how) of a family it does not
+    cover; `fix`: what the user can run instead."""
+    return UnsupportedModel(
+        (f"{what}: " if what else "") + "FlashNorm does not cover model_type "
+        f"{config.get('model_type')!r} yet (it covers {covered_words()}); {fix}"
+    )
+
+
+def run_mode(config: dict, mode: Optional[str]) -> str:
+    """The --mode a run takes: as asked, else (None) flashnorm where FlashNorm
+    covers the model_type and stock where it does not; flashnorm asked of a
+    family it does not cover is `not_covered`."""
+    if mode is None:
+        return "flashnorm" if is_covered(config) else "stock"
+    if mode == "flashnorm" and not is_covered(config):
+        raise not_covered(config, "--mode flashnorm")
+    return mode
+
+
 def model_module(config: dict) -> ModuleType:
+    """Our module for a covered model_type; `not_covered` (or, for a type mlx-lm
+    has no class for either, `check_runnable`'s error) otherwise."""
     mt = config.get("model_type")
     if mt not in ARCHITECTURES:
-        raise UnsupportedModel(
-            f"unsupported model_type {mt!r}: flashnorm-mlx runs "
-            f"{', '.join(ARCHITECTURES)}"
-        )
+        check_runnable(config)
+        raise not_covered(config)
     return importlib.import_module(f"{__name__}.{ARCHITECTURES[mt]}")
 
 
@@ -61,11 +137,12 @@ def architecture(config: dict) -> Architecture:
 def model_classes(config: dict, cls: str):
     """(Model, ModelArgs): mlx-lm's own classes for "stock", ours ("flashnorm")
     otherwise."""
-    module = model_module(config)
-    if cls == "stock":
+    if cls == "stock":  # any family mlx-lm loads, covered or not
         from ..mlx_lm_compat import stock_classes
 
+        check_runnable(config)
         return stock_classes(config)
+    module = model_module(config)
     return module.Model, module.ModelArgs
 
 

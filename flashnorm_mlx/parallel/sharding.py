@@ -261,14 +261,25 @@ def shard_layers(layers: List[nn.Module], group, arch=None) -> None:
 _OUR_MODELS = __package__.rpartition(".")[0] + ".models."
 
 
-def shard_model(model: nn.Module, group, name: str = "the model") -> None:
+def shard_model(
+    model: nn.Module, group, name: str = "the model", own: bool = False
+) -> None:
     """Split `model` over `group` in place: ours by its own `shard`, mlx-lm's
     (stock, nonorm) by `shard_layers`, as mlx-lm's own shard needs head counts
-    that divide. ShardError (one line) where it cannot be split."""
+    that divide. own: mlx-lm's class of a family FlashNorm does not cover,
+    whose layers may be of any shape: by the class's own `shard`, where it has
+    one. ShardError (one line) where it cannot be split."""
     size = group.size()
     ours = type(model).__module__.startswith(_OUR_MODELS)
     try:
-        if ours and hasattr(model, "shard"):
+        if own:
+            if not hasattr(model, "shard"):
+                raise ShardError(
+                    f"{name}: mlx-lm's {type(model).__module__} class has no "
+                    "tensor-parallel shard; run it in one process"
+                )
+            model.shard(group)
+        elif ours and hasattr(model, "shard"):
             model.shard(group)
         elif hasattr(model, "layers") and not ours:
             shard_layers(model.layers, group)
@@ -277,5 +288,5 @@ def shard_model(model: nn.Module, group, name: str = "the model") -> None:
                 f"{name}: {type(model).__module__}.{type(model).__name__} has no "
                 "tensor-parallel shard; run it in one process"
             )
-    except ValueError as e:  # mlx's own checks
+    except (ValueError, AssertionError) as e:  # mlx's and mlx-lm's own checks
         raise ShardError(f"cannot shard {name} over {size} ranks: {e}") from None

@@ -14,6 +14,7 @@ requests in flight wait for the comparison.
 import time
 from typing import Callable, List
 
+from ..errors import UnsupportedModel
 from .log import log
 from .schema import RequestError
 
@@ -27,12 +28,17 @@ def other_mode(mode: str) -> str:
 
 class Comparer:
     """The server's model against the other mode on the same weights.
-    build_other() -> that model, called once, on the generation thread."""
+    build_other() -> that model, called once, on the generation thread;
+    `settle` gives the server's mode once the model is read (serve's --mode
+    defaults by family)."""
 
-    def __init__(self, build_other: Callable[[], object], mode: str):
+    def __init__(self, build_other: Callable[[], object], mode: str = "flashnorm"):
         self.build_other = build_other
-        self.mode, self.other = mode, other_mode(mode)
+        self.settle(mode)
         self.model = None  # the other model, once built
+
+    def settle(self, mode: str) -> None:
+        self.mode, self.other = mode, other_mode(mode)
 
     def run(self, worker, prompt: List[int], n: int) -> dict:
         """On the generation thread: both models' decode speed on `prompt`."""
@@ -41,7 +47,10 @@ class Comparer:
         built_s = 0.0
         if self.model is None:
             start = time.perf_counter()
-            self.model = self.build_other()
+            try:
+                self.model = self.build_other()
+            except UnsupportedModel as e:  # a family FlashNorm does not cover
+                raise RequestError(f"nothing to compare: {e}") from None
             built_s = time.perf_counter() - start
         models = {self.mode: worker.model, self.other: self.model}
         r = compare_decode_speed(models, prompt, n)
