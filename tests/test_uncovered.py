@@ -267,6 +267,10 @@ def test_serve_answers_a_chat_completion_as_mlx_lm_would(folders):
         ids = ids[: next((i for i, t in enumerate(ids) if t in tok.eos_token_ids), 8)]
         want = tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
         assert r["choices"][0]["message"]["content"] == want, (r, want)
+        # The page's Compare has no FlashNorm model to build: a 400 saying so.
+        body = {"messages": messages, "max_tokens": 4}
+        status, r = s.request("POST", "/compare", body)
+        assert status == 400 and "nothing to compare" in str(r), (status, r)
     finally:
         s.kill()
 
