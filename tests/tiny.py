@@ -473,3 +473,48 @@ def f32_tol(base: float = 1e-4) -> float:
     4x stock's own measured error, since FlashNorm's matmuls have the same sizes
     and both sides carry their own error."""
     return max(base, 4 * stock_float32_error())
+
+
+# --- Qwen3-MoE (mixture of experts): Hugging Face's per-expert weight names ---------
+
+QWEN3_MOE = dict(
+    model_type="qwen3_moe",
+    head_dim=16,
+    num_hidden_layers=3,
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],  # a dense layer between two sparse ones
+    norm_topk_prob=True,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+)
+
+
+def qwen3_moe_config(**over) -> dict:
+    return {**LLAMA_BASE, **QWEN3_MOE, **over}
+
+
+def make_qwen3_moe(path: Path, seed: int = 0, tokenizer: bool = True, **over) -> Path:
+    """Routers with large weights (logits far apart, so routing visibly depends
+    on the token), expert weights of their own scale, the dense layer's MLP
+    on `intermediate_size`."""
+    cfg = qwen3_moe_config(**over)
+    w = llama_weights(cfg, seed)
+    rng = np.random.default_rng(seed + 2)
+    D, E, F = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
+    h = cfg["head_dim"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        w[f"{p}.self_attn.q_norm.weight"] = _gain(rng, h)
+        w[f"{p}.self_attn.k_norm.weight"] = _gain(rng, h)
+        if i in cfg["mlp_only_layers"] or (i + 1) % cfg["decoder_sparse_step"]:
+            continue
+        for n in ("gate", "up", "down"):
+            del w[f"{p}.mlp.{n}_proj.weight"]
+        w[f"{p}.mlp.gate.weight"] = 4 * _lin(rng, E, D)
+        for e in range(E):
+            for n, (o, i_) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+                w[f"{p}.mlp.experts.{e}.{n}_proj.weight"] = _lin(rng, o, i_)
+    return write_model(path, cfg, w, tokenizer)

@@ -20,6 +20,7 @@ one copy of the model.
 """
 
 import contextlib
+import math
 import copy
 import re
 import time
@@ -208,7 +209,8 @@ class Recipe:
 
 
 def _is_matrix(key: str, value: mx.array) -> bool:
-    return key.endswith(".weight") and value.ndim == 2
+    # A linear's weight: 2-D, or 3-D for stacked experts (experts, out, in).
+    return key.endswith(".weight") and value.ndim in (2, 3)
 
 
 def layer_groups(keys: List[str]) -> List[Tuple[str, List[str]]]:
@@ -403,7 +405,8 @@ def _module_output(recipe: Recipe, module: str, chunk_elements: int) -> Weights:
     temporaries stay near chunk_elements (a packed uint32 row holds <= 16 values)."""
     rows = recipe.rows(module)
     src = recipe.src[f"{module}.weight"]
-    per_row = src.shape[-1] * (16 if src.dtype == mx.uint32 else 1)
+    # A "row" is axis 0: an output row, or a whole expert of stacked experts.
+    per_row = math.prod(src.shape[1:]) * (16 if src.dtype == mx.uint32 else 1)
     step = max(1, chunk_elements // per_row)
     if rows <= step:
         out = recipe.module(module)

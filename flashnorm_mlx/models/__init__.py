@@ -20,6 +20,7 @@ ARCHITECTURES = {
     "openelm": "openelm",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
 }
 
 
@@ -54,6 +55,14 @@ def context_length(config: dict) -> Optional[int]:
 
 def architecture(config: dict) -> Architecture:
     return model_module(config).ARCH
+
+
+def stack_experts(config: dict, weights: dict) -> dict:
+    """A checkpoint's per-expert weights stacked into mlx-lm's 3-D experts
+    (`arch.MoE.stack`), so fold, quantization and convert see one module per
+    layer's experts, as mlx-lm's saved checkpoints hold them."""
+    moe = architecture(config).moe
+    return moe.stack(config, weights) if moe else weights
 
 
 def model_classes(config: dict, cls: str):
