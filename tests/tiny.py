@@ -507,6 +507,7 @@ def make_qwen3_moe(path: Path, seed: int = 0, tokenizer: bool = True, **over) ->
     h = cfg["head_dim"]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
+        del w[f"{p}.self_attn.rotary_emb.inv_freq"]  # mlx-lm's sanitize keeps it
         w[f"{p}.self_attn.q_norm.weight"] = _gain(rng, h)
         w[f"{p}.self_attn.k_norm.weight"] = _gain(rng, h)
         if i in cfg["mlp_only_layers"] or (i + 1) % cfg["decoder_sparse_step"]:

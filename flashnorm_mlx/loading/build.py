@@ -86,7 +86,8 @@ def build_model(
     fused = mode == "stock_fused"
     del source_weights, plan  # from here the model alone holds the (lazy) weights
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
-        sharding.shard_model(model, group, source.name)
+        moe = models.architecture(config).moe
+        sharding.shard_model(model, group, source.name, moe)
     share = bool(as_is) and group is None and not fused
     arch = models.architecture(config) if share else None
     # Layer by layer, so one layer's source and output tensors coexist at a

@@ -242,31 +242,86 @@ def shard_mlp(mlp: nn.Module, group, where: str = "") -> Tuple[int, int]:
     return a, b
 
 
-def shard_layers(layers: List[nn.Module], group) -> None:
+def _cut_rows(a: mx.array, ranges) -> mx.array:
+    """Rows (axis -2) of stacked experts' arrays (experts, rows, cols), copied."""
+    parts = [a[:, s:e] for s, e in ranges]
+    return mx.contiguous(parts[0] if len(parts) == 1 else mx.concatenate(parts, 1))
+
+
+def shard_experts(moe_module: nn.Module, moe, group, where: str = "") -> None:
+    """Split a mixture-of-experts feed-forward (`moe`: its `arch.MoE`) over
+    `group`: each expert's gate and up rows and down's input columns, the same
+    hidden columns of every expert on a rank (a quantized down on its group
+    boundaries); the router stays whole on every rank, so every rank routes
+    each token alike, and the block all-sums its output (its `sharding_group`,
+    as mlx-lm's Qwen3-MoE). Ours (gate|up fused) and mlx-lm's (split) alike."""
+    experts = moe_module[moe.experts.rpartition(".")[2]]
+    down = experts[moe.down]
+    cols = down.weight.shape[-1]
+    if "scales" in down:
+        cols = cols * 32 // down.bits
+    unit = down.group_size if "scales" in down else 1
+    label = f"{where} experts' {moe.down}".strip()
+    a, b = split_ffn(cols, unit, group.size(), label)[group.rank()]
+    keys = ("weight", "scales", "biases", "bias")
+    fused = moe.fused in experts
+    for name in (moe.fused,) if fused else moe.fed:
+        lin = experts[name]
+        rows = [(a, b), (cols + a, cols + b)] if fused else [(a, b)]
+        for key in keys:
+            if key in lin and lin[key] is not None:
+                lin[key] = (
+                    _cut(lin[key], rows, -1) if key == "bias" else _cut_rows(lin[key], rows)
+                )
+    if "scales" in down:
+        gs, bits = down.group_size, down.bits
+        if a % gs or b % gs or (a * bits) % 32:
+            raise ShardError(
+                f"cannot shard {label} over {group.size()} ranks: columns {a}-{b} "
+                f"do not fall on its quantization groups of {gs}"
+            )
+        down.weight = _cut(down.weight, [(a * bits // 32, b * bits // 32)], -1)
+        for key in ("scales", "biases"):
+            if key in down and down[key] is not None:
+                down[key] = _cut(down[key], [(a // gs, b // gs)], -1)
+    else:
+        down.weight = _cut(down.weight, [(a, b)], -1)
+    if "bias" in down and group.rank():  # added once, after the all-sum
+        down.bias = mx.zeros_like(down.bias)
+    moe_module.sharding_group = group
+
+
+def shard_layers(layers: List[nn.Module], group, moe=None) -> None:
     """Every block's attention and feed-forward, each layer by its own head
-    counts (OpenELM's vary); embedding, head and residual stay whole."""
+    counts (OpenELM's vary); embedding, head and residual stay whole. `moe`:
+    the architecture's `arch.MoE`, for layers whose feed-forward has experts."""
     for i, layer in enumerate(layers):
         attn = layer["self_attn"] if "self_attn" in layer else layer["attn"]
         ffn = layer["mlp"] if "mlp" in layer else layer["ffn"]
         shard_attention(attn, group, f"layer {i}")
-        shard_mlp(ffn, group, f"layer {i}")
+        router = moe.router.rpartition(".")[2] if moe else None
+        if router and router in ffn:
+            shard_experts(ffn, moe, group, f"layer {i}")
+        else:
+            shard_mlp(ffn, group, f"layer {i}")
 
 
 # Where our model classes live (models/): those shard themselves.
 _OUR_MODELS = __package__.rpartition(".")[0] + ".models."
 
 
-def shard_model(model: nn.Module, group, name: str = "the model") -> None:
+def shard_model(model: nn.Module, group, name: str = "the model", moe=None) -> None:
     """Split `model` over `group` in place: ours by its own `shard`, mlx-lm's
     (stock, nonorm) by `shard_layers`, as mlx-lm's own shard needs head counts
-    that divide. ShardError (one line) where it cannot be split."""
+    that divide (`moe`: the architecture's experts, `arch.MoE`). ShardError
+    (one line) where it cannot be split."""
     size = group.size()
     ours = type(model).__module__.startswith(_OUR_MODELS)
     try:
         if ours and hasattr(model, "shard"):
             model.shard(group)
         elif hasattr(model, "layers") and not ours:
-            shard_layers(model.layers, group)
+            shard_layers(model.layers, group, moe)
         else:
             raise ShardError(
                 f"{name}: {type(model).__module__}.{type(model).__name__} has no "

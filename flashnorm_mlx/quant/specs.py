@@ -87,9 +87,9 @@ def uniform_qspec(
     }
     router = _router_quant(config)
     if router:
-        r_bits, r_group = router
+        r_bits, r_group, name = router
         for m, w in widths.items():
-            if m.endswith(router[2]) and w % r_group == 0:
+            if m.endswith(name) and w % r_group == 0:
                 qspec[m] = {"group_size": r_group, "bits": r_bits, "mode": "affine"}
     if widths and not qspec:
         sizes = sorted(set(widths.values()))

@@ -1,0 +1,233 @@
+"""FlashNorm Qwen3-MoE against mlx-lm's own class on the same weights.
+
+Tiny random model (tests/tiny.py `make_qwen3_moe`): norm gains in [0.25, 4],
+QK-norm gains random, 6 experts, top-2, normalized top-k scores, layers 0 and 2
+sparse and layer 1 dense (`mlp_only_layers`), an untied head; routers with
+large weights, so the experts picked depend on the token and a wrong router
+scale changes them. The experts every token picks are recorded on both sides
+at every step and compared (docs/design.md section 2i).
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+import tiny
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from flashnorm_mlx import fold
+from flashnorm_mlx.convert import convert
+from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.models import moe
+from flashnorm_mlx.verify import compare
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
+SPARSE = (0, 2)  # the tiny model's layers with experts (layer 1 is dense)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return read_source(str(tiny.make_qwen3_moe(tmp_path_factory.mktemp("q3moe"))))
+
+
+@pytest.fixture(scope="module")
+def stock_q4(source, tmp_path_factory):
+    """mlx-lm's own `convert -q` of the tiny model (its router at 8 bits, as
+    its quant_predicate says), read back as a checkpoint."""
+    from mlx_lm.convert import convert as mlx_convert
+
+    out = tmp_path_factory.mktemp("q4") / "mlx-q4"
+    mlx_convert(source.name, str(out), quantize=True, q_group_size=32, q_bits=4)
+    return read_source(str(out))
+
+
+def rel(a, b) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+class Picks(nn.Module):
+    """Records the expert indices (B, L, k) its experts module is called with."""
+
+    def __init__(self, inner, log):
+        super().__init__()
+        self.inner = inner
+        self._log = log
+
+    def __call__(self, *args):
+        self._log.append(mx.sort(args[-1], axis=-1))
+        return self.inner(*args)
+
+
+def record_picks(model):
+    logs = {}
+    for i in SPARSE:
+        mlp = model.layers[i].mlp
+        logs[i] = []
+        mlp.switch_mlp = Picks(mlp.switch_mlp, logs[i])
+    return logs
+
+
+def picks_differ(ls, lf) -> list:
+    """(layer, call, token position) where the experts picked differ."""
+    out = []
+    for i in SPARSE:
+        for step, (a, b) in enumerate(zip(ls[i], lf[i])):
+            bad = mx.any(a != b, axis=-1).reshape(-1).tolist()
+            out += [(i, step, t) for t, x in enumerate(bad) if x]
+    return out
+
+
+def test_layers_experts_and_what_is_left_of_the_norms(source):
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    assert type(stock).__module__ == "mlx_lm.models.qwen3_moe"
+    assert type(flash).__module__ == "flashnorm_mlx.models.qwen3_moe"
+    kinds = [type(l.mlp).__name__ for l in flash.layers]
+    assert kinds == ["SparseMoE", "MLP", "SparseMoE"], kinds
+    assert [type(l.mlp).__name__ for l in stock.layers] == [
+        "Qwen3MoeSparseMoeBlock",
+        "MLP",
+        "Qwen3MoeSparseMoeBlock",
+    ]
+    norms = [n for n, m in flash.named_modules() if type(m).__name__ == "RMSNorm"]
+    assert norms == []  # untied head: every gain folded
+    gu = flash.layers[0].mlp.switch_mlp.gate_up_proj.weight
+    assert gu.shape == (6, 64, 64), gu.shape  # experts, gate|up rows, width
+
+
+def test_prompt_and_32_cached_steps_and_every_expert_pick_match_stock(source):
+    """Prefill, then 32 decode steps on stock's greedy tokens: every float32
+    logit row within 1e-4 relative, and at every step, in every sparse layer,
+    each token's top-2 experts are the ones stock picks. The routing depends
+    on the input: many distinct pairs, every expert used."""
+    stock, _ = build_model(source, "stock", dtype=mx.float32, engine="eager")
+    flash, _ = build_model(source, "flashnorm", dtype=mx.float32, engine="eager")
+    ls, lf = record_picks(stock), record_picks(flash)
+    cs, cf = make_prompt_cache(stock), make_prompt_cache(flash)
+    a, b = stock(mx.array([PROMPT]), cache=cs), flash(mx.array([PROMPT]), cache=cf)
+    errs = [rel(b, a)]
+    for _ in range(32):
+        t = mx.argmax(a[:, -1], axis=-1)[:, None]
+        a, b = stock(t, cache=cs), flash(t, cache=cf)
+        errs.append(rel(b, a))
+    bad = picks_differ(ls, lf)
+    assert len(ls[0]) == len(lf[0]) == 33
+    assert not bad, f"experts differ from stock's at (layer, step, token): {bad}"
+    assert max(errs) < tiny.f32_tol(), f"max rel logit diff {max(errs):.3e}: {errs}"
+    picks = mx.concatenate([p.reshape(-1, 2) for p in ls[0]]).tolist()
+    pairs = {tuple(p) for p in picks}
+    assert len(pairs) >= 6 and {e for p in pairs for e in p} == set(range(6)), pairs
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_verify_float32_and_stock_quantized_as_stored(source, stock_q4, engine):
+    """`verify`'s comparison: float32, and mlx-lm's own 4-bit checkpoint as
+    stored (experts QuantizedSwitchLinear, router 8-bit; the gains in the
+    kernels)."""
+    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    r = compare(stock_q4, PROMPT, horizon=32, engine=engine)
+    assert r["quantized"] and r["dtype"] == "float32", r
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+
+
+def greedy(model, n=64):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_64_greedy_tokens_identical_to_stock(source, stock_q4, quantized, engine):
+    src = stock_q4 if quantized else source
+    dtype = None if quantized else mx.float32
+    stock, _ = build_model(src, "stock", dtype=dtype, engine=engine)
+    flash, _ = build_model(src, "flashnorm", dtype=dtype, engine=engine)
+    if quantized:
+        sw = flash.layers[0].mlp.switch_mlp.gate_up_proj
+        assert type(sw).__name__ == "QuantizedSwitchLinear", type(sw)
+        assert flash.layers[0].mlp.gate.bits == 8  # the checkpoint's router bits
+        assert "post_attention_layernorm" in flash.layers[0]  # gains in kernels
+    want = greedy(stock)
+    assert len(want) == 64 and greedy(flash) == want
+
+
+def test_the_reference_sees_the_router_scale_and_each_experts_gain(
+    source, monkeypatch
+):
+    """What FlashNorm must get right shows far beyond the tolerance: drop the
+    deferred scale on the router's logits (the softmax weights change, the
+    picks too), or leave the gain out of one expert's gate and up."""
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    x = mx.array([PROMPT * 3])
+    ref = stock(x)
+    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    assert rel(flash(x), ref) < tiny.f32_tol()
+    with monkeypatch.context() as m:
+        m.setattr(moe.kernels, "deferred_scale", lambda ms, dt: mx.ones_like(ms))
+        assert rel(flash(x), ref) > 10 * tiny.f32_tol()
+    gain = source.weights["model.layers.2.post_attention_layernorm.weight"]
+    sw = flash.layers[2].mlp.switch_mlp.gate_up_proj
+    w = sw.weight
+    sw.weight = mx.concatenate([w[:3], w[3:4] / gain, w[4:]])  # expert 3 unfolded
+    assert rel(flash(x), ref) > 10 * tiny.f32_tol()
+
+
+def test_fold_twice_equals_fold_once_and_folds_router_and_experts(source):
+    once_w, once_c = fold.fold_norms(source.weights, source.config)
+    twice_w, twice_c = fold.fold_norms(once_w, once_c)
+    assert once_c == twice_c and once_w.keys() == twice_w.keys()
+    assert all(mx.array_equal(once_w[k], twice_w[k]).item() for k in once_w)
+    p = "model.layers.0"
+    g = source.weights[f"{p}.post_attention_layernorm.weight"]
+    for lin in ("mlp.gate", "mlp.switch_mlp.gate_proj", "mlp.switch_mlp.up_proj"):
+        want = source.weights[f"{lin.join([p + '.', '.weight'])}"] * g
+        assert mx.allclose(once_w[f"{p}.{lin}.weight"], want).item(), lin
+    down = f"{p}.mlp.switch_mlp.down_proj.weight"
+    assert mx.array_equal(once_w[down], source.weights[down]).item()
+
+
+def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
+    from mlx_lm.utils import load_model
+
+    out = tmp_path / "compat"
+    convert(source, out, compat=True, progress=False)
+    stock_on_folded, _ = load_model(out)
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ours, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
+    x = mx.array([PROMPT])
+    errs = {"mlx-lm on --compat": rel(stock_on_folded(x), ref(x))}
+    errs["flashnorm on --compat"] = rel(ours(x), ref(x))
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_convert_q_quantizes_every_expert_and_loads_in_mlx_lm(
+    source, tmp_path, method
+):
+    """-q: the experts' 3-D weights quantized (QuantizedSwitchLinear), the
+    router at mlx-lm's 8 bits; the --compat checkpoint loads in mlx-lm, whose
+    logits there equal ours on it; its error against float32 stock is of the
+    size of stock's own 4-bit one (router logits this large flip picks at 4
+    bits on either side)."""
+    from mlx_lm.utils import load_model
+
+    out = tmp_path / f"q4-{method}"
+    convert(
+        source, out, quantize=(4, 32), q_method=method, compat=True, progress=False
+    )
+    folded = read_source(str(out))
+    ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+    for i in SPARSE:
+        mlp = ours.layers[i].mlp
+        for lin in (mlp.switch_mlp.gate_up_proj, mlp.switch_mlp.down_proj):
+            assert type(lin).__name__ == "QuantizedSwitchLinear", (i, type(lin))
+        assert (mlp.gate.bits, mlp.gate.group_size) == (8, 64)
+    assert folded.config["quantization"]["bits"] == 4
+    theirs, _ = load_model(out)
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    x = mx.array([PROMPT])
+    assert rel(ours(x), theirs(x)) < tiny.f32_tol()
+    stock_q, _ = build_model(source, "stock", dtype=mx.float32, quantize=(4, 32))
+    errs = {"flashnorm -q": rel(ours(x), ref(x)), "stock -q": rel(stock_q(x), ref(x))}
+    assert errs["flashnorm -q"] < 1.5 * errs["stock -q"], errs
