@@ -28,6 +28,7 @@ PARTS = {
         "test_openelm.py",
         "test_qwen.py",
         "test_gemma3.py",
+        "test_moe.py",
         "test_gguf.py",
         "test_real_model.py",
         "test_stored.py",

@@ -176,13 +176,11 @@ class Recipe:
         if gptq_weight is not None:  # float32 in; rows are independent in GPTQ
             if module not in self._hinv:  # once per module, row chunks share it
                 self._hinv[module] = gptq.inverse_cholesky(self.hessians[module])
+            hinv = self._hinv[module]
+            if gptq_weight.ndim == 3:  # stacked experts: the rows are experts
+                hinv = hinv[rows]
             out = gptq.quantize_weight(
-                gptq_weight,
-                None,
-                q["bits"],
-                q["group_size"],
-                self.out_dtype,
-                self._hinv[module],
+                gptq_weight, None, q["bits"], q["group_size"], self.out_dtype, hinv
             )
         else:
             out = quant.rtn(part.pop(f"{module}.weight"), q)
