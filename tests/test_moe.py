@@ -281,3 +281,37 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(
     print(f"2 ranks in {secs:.1f} s; vs one process {errs}, vs stock {to_stock}")
     assert max(errs.values()) < tiny.f32_tol(1e-5), errs
     assert max(to_stock.values()) < tiny.f32_tol(), to_stock
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_stock_fused_stacks_each_experts_gate_and_up_and_is_stock(
+    source, stock_q4, quantized
+):
+    """stock_fused on the MoE layers: each expert's gate and up rows in one
+    gather matmul (and the dense layer's and attention's as before); its
+    logits are stock's, over a prompt long enough that mlx-lm sorts the rows
+    by expert, and a decode step."""
+    src = stock_q4 if quantized else source
+    stock, _ = build_model(src, "stock", dtype=mx.float32, engine="eager")
+    fused, _ = build_model(src, "stock_fused", dtype=mx.float32, engine="eager")
+    sw = fused.layers[0].mlp.switch_mlp
+    assert "gate_up_stacked" in sw and sw.gate_up_stacked.weight.shape[:2] == (6, 128)
+    assert "gate_up_stacked" in fused.layers[1].mlp  # the dense layer
+    cs, cf = make_prompt_cache(stock), make_prompt_cache(fused)
+    x = mx.array([PROMPT * 3])  # 36 tokens x top-2 >= 64 rows: sorted
+    errs = [rel(fused(x, cache=cf), stock(x, cache=cs))]
+    t = mx.array([[7]])
+    errs.append(rel(fused(t, cache=cf), stock(t, cache=cs)))
+    assert max(errs) < 1e-6, errs
+
+
+def test_bench_counts_fewer_launches_and_nonorm_runs(source):
+    from flashnorm_mlx import bench
+
+    r = bench.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
+    v = r["variants"]
+    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
+    assert v["nonorm"]["rms_norm_modules"] == 0, v["nonorm"]
+    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
+    print("launches per decode step:", gpu)
+    assert gpu["flashnorm"] < gpu["nonorm"] < gpu["stock_fused"] < gpu["stock"], gpu
