@@ -337,3 +337,91 @@ def test_generate_peaks_where_stock_does(tmp_path, quantized):
     peaks = {m: _generate_peak([str(path)], m) for m in ("stock", "flashnorm")}
     print(f"generate peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+
+
+# llama.cpp's qwen3moe tensor names (gguf-py constants, MODEL_ARCH.QWEN3MOE).
+GGUF_MOE = {
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+    "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps",
+}
+
+
+def write_qwen3moe_gguf(path, cfg, weights, qtype=None):
+    """A qwen3moe GGUF as llama.cpp's converter writes it (experts stacked
+    (experts, out, in), QK rows unpermuted), every 2-D and 3-D weight in
+    `qtype` where given, by the `gguf` package (llama.cpp's own)."""
+    import gguf
+    import numpy as np
+    from test_gguf import HF_TO_GGUF_GLOBAL, HF_TO_GGUF_LAYER, tiny_metadata
+
+    meta = tiny_metadata(cfg, arch="qwen3moe")
+    u32 = lambda x: mx.array(x, dtype=mx.uint32)  # noqa: E731
+    meta["qwen3moe.expert_count"] = u32(cfg["num_experts"])
+    meta["qwen3moe.expert_used_count"] = u32(cfg["num_experts_per_tok"])
+    meta["qwen3moe.expert_feed_forward_length"] = u32(cfg["moe_intermediate_size"])
+    tensors = {}
+    for k, v in weights.items():
+        module, _, suffix = k.rpartition(".")
+        if module in HF_TO_GGUF_GLOBAL:
+            name = HF_TO_GGUF_GLOBAL[module]
+        else:
+            _, _, layer, rest = module.split(".", 3)
+            name = f"blk.{layer}.{GGUF_MOE.get(rest) or HF_TO_GGUF_LAYER[rest]}"
+        tensors[f"{name}.{suffix}"] = np.array(v)
+    float_path = path.with_suffix(".f32.gguf")
+    mx.save_gguf(str(float_path), {k: mx.array(v) for k, v in tensors.items()}, meta)
+    if qtype is None:
+        return float_path
+    r = gguf.GGUFReader(str(float_path))
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        t = f.types
+        w.add_key_value(f.name, f.contents(), t[0], sub_type=t[1] if t[1:] else None)
+    for t in r.tensors:
+        data = np.array(t.data)
+        if data.ndim >= 2 and data.shape[-1] % 32 == 0:
+            w.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("qtype", [None, "Q4_0"], ids=["f32", "q4_0"])
+def test_llama_cpp_qwen3moe_gguf_runs_as_its_hf_checkpoint(tmp_path, qtype):
+    """llama.cpp's qwen3moe layout holds Qwen3-MoE exactly (every layer sparse,
+    top-k scores renormalized, as llama.cpp runs it): the float file reads back
+    as the stacked Hugging Face tensors and FlashNorm on it matches stock on
+    the folder; a Q4_0 file (experts 3-D Q4_0) runs as stored like stock."""
+    import gguf
+    import numpy as np
+
+    folder = tiny.make_qwen3_moe(tmp_path / "hf", mlp_only_layers=[])
+    src = read_source(str(folder))
+    cfg = src.config
+    kind = getattr(gguf.GGMLQuantizationType, qtype) if qtype else None
+    path = write_qwen3moe_gguf(tmp_path / "m.gguf", cfg, src.weights, kind)
+    got = read_source(str(path))
+    assert got.config["model_type"] == "qwen3_moe", got.config
+    for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        assert got.config[k] == cfg[k], k
+    if qtype is None:
+        assert sorted(got.weights) == sorted(src.weights)
+        for k, v in src.weights.items():
+            assert np.array_equal(np.array(got.weights[k]), np.array(v)), k
+        ids = mx.array([PROMPT])
+        ref, _ = build_model(src, "stock", dtype=mx.float32)
+        ours, _ = build_model(got, "flashnorm", dtype=mx.float32)
+        assert rel(ours(ids), ref(ids)) < tiny.f32_tol()
+    else:
+        assert got.weights["model.layers.0.mlp.switch_mlp.up_proj.scales"].ndim == 3
+        r = compare(got, PROMPT, horizon=16, dtype=mx.float32)
+        assert r["quantized"] and r["max_rel_logit_diff"] < tiny.f32_tol(), r
+        assert r["greedy_match"] == 16, r
