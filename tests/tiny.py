@@ -519,3 +519,39 @@ def make_qwen3_moe(path: Path, seed: int = 0, tokenizer: bool = True, **over) ->
             for n, (o, i_) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
                 w[f"{p}.mlp.experts.{e}.{n}_proj.weight"] = _lin(rng, o, i_)
     return write_model(path, cfg, w, tokenizer)
+
+
+# --- Mixtral (experts in every layer, `block_sparse_moe`, w1/w3/w2 per expert) -------
+
+MIXTRAL = dict(
+    model_type="mixtral",
+    num_local_experts=5,
+    num_experts_per_tok=2,
+    intermediate_size=64,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+)
+
+
+def mixtral_config(**over) -> dict:
+    return {**LLAMA_BASE, **MIXTRAL, **over}
+
+
+def make_mixtral(path: Path, seed: int = 0, tokenizer: bool = True, **over) -> Path:
+    """Routers with large weights (routing visibly depends on the token),
+    Hugging Face's per-expert names (w1 gate, w3 up, w2 down)."""
+    cfg = mixtral_config(**over)
+    w = llama_weights(cfg, seed)
+    rng = np.random.default_rng(seed + 3)
+    D, E, F = cfg["hidden_size"], cfg["num_local_experts"], cfg["intermediate_size"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        del w[f"{p}.self_attn.rotary_emb.inv_freq"]  # mlx-lm's sanitize keeps it
+        for n in ("gate", "up", "down"):
+            del w[f"{p}.mlp.{n}_proj.weight"]
+        m = f"{p}.block_sparse_moe"
+        w[f"{m}.gate.weight"] = 4 * _lin(rng, E, D)
+        for e in range(E):
+            for n, (o, i_) in (("w1", (F, D)), ("w3", (F, D)), ("w2", (D, F))):
+                w[f"{m}.experts.{e}.{n}.weight"] = _lin(rng, o, i_)
+    return write_model(path, cfg, w, tokenizer)

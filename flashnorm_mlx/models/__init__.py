@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "gemma3_text": "gemma3",
     "llama": "llama",
     "mistral": "llama",  # mlx-lm runs Mistral as Llama, sliding window included
+    "mixtral": "mixtral",
     "openelm": "openelm",
     "qwen2": "qwen2",
     "qwen3": "qwen3",

@@ -65,6 +65,8 @@ class MoE:
     down: str = "down_proj"
     fused: str = "gate_up_proj"  # our stacked gate|up (rows: axis -2)
     per_expert: str = "mlp.experts.{e}"  # Hugging Face's one module per expert
+    # Hugging Face's names of an expert's gate, up and down (Mixtral: w1, w3, w2).
+    per_expert_names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     count_key: str = "num_experts"  # config key: number of experts
     # mlx-lm's quant_predicate for the router (qwen3_moe: 8 bits, groups of 64).
     router_quant: Optional[Tuple[int, int]] = None  # (bits, group_size)
@@ -93,10 +95,10 @@ class MoE:
             if not sep or head in done:
                 continue
             done.add(head)
-            for lin in (*self.fed, self.down):
+            for hf, lin in zip(self.per_expert_names, (*self.fed, self.down)):
                 for suffix in ("weight", "scales", "biases", "bias"):
                     keys = [
-                        f"{head}.{self.per_expert.format(e=e)}.{lin}.{suffix}"
+                        f"{head}.{self.per_expert.format(e=e)}.{hf}.{suffix}"
                         for e in range(n)
                     ]
                     if keys[0] in out:

@@ -89,6 +89,24 @@ class SparseMoE(nn.Module):
         return y, ms
 
 
+class SoftmaxOfTopK(SparseMoE):
+    """Mixtral's routing: the top-k logits, then their softmax (mlx-lm's
+    MixtralSparseMoeBlock). Top-k of s * z is top-k of z (s > 0), so the picks
+    are taken on z as stock takes them on its logits; s scales the k picked
+    logits before their softmax."""
+
+    def __init__(self, dims: int, hidden: int, num_experts: int, top_k: int):
+        super().__init__(dims, hidden, num_experts, top_k, False)
+
+    def route(self, xs, ms):
+        z = self.gate(xs)
+        k = self.top_k
+        inds = mx.stop_gradient(mx.argpartition(-z, kth=k - 1, axis=-1)[..., :k])
+        picked = mx.take_along_axis(z, inds, axis=-1)
+        picked = (picked * kernels.deferred_scale(ms, xs.dtype)).astype(z.dtype)
+        return inds, mx.softmax(picked, axis=-1, precise=True)
+
+
 def fuse_experts(weights: dict, prefix: str, moe) -> dict:
     """The stacked experts' gate and up (`moe.fed`) -> one `moe.fused` weight,
     rows stacked per expert (axis -2; exact for quantized ones too: groups run

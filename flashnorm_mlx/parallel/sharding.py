@@ -295,15 +295,14 @@ def shard_layers(layers: List[nn.Module], group, moe=None) -> None:
     """Every block's attention and feed-forward, each layer by its own head
     counts (OpenELM's vary); embedding, head and residual stay whole. `moe`:
     the architecture's `arch.MoE`, for layers whose feed-forward has experts."""
+    at, _, router = moe.router.rpartition(".") if moe else ("", "", "")
     for i, layer in enumerate(layers):
         attn = layer["self_attn"] if "self_attn" in layer else layer["attn"]
-        ffn = layer["mlp"] if "mlp" in layer else layer["ffn"]
         shard_attention(attn, group, f"layer {i}")
-        router = moe.router.rpartition(".")[2] if moe else None
-        if router and router in ffn:
-            shard_experts(ffn, moe, group, f"layer {i}")
+        if at in layer and router in layer[at]:  # this layer's experts
+            shard_experts(layer[at], moe, group, f"layer {i}")
         else:
-            shard_mlp(ffn, group, f"layer {i}")
+            shard_mlp(layer["mlp"] if "mlp" in layer else layer["ffn"], group, f"layer {i}")
 
 
 # Where our model classes live (models/): those shard themselves.
