@@ -1,10 +1,13 @@
-"""FlashNorm Qwen3-MoE against mlx-lm's own class on the same weights.
+"""FlashNorm Qwen3-MoE and Mixtral against mlx-lm's own classes on the same weights.
 
-Tiny random model (tests/tiny.py `make_qwen3_moe`): norm gains in [0.25, 4],
-QK-norm gains random, 6 experts, top-2, normalized top-k scores, layers 0 and 2
-sparse and layer 1 dense (`mlp_only_layers`), an untied head; routers with
-large weights, so the experts picked depend on the token and a wrong router
-scale changes them. The experts every token picks are recorded on both sides
+Tiny random models (tests/tiny.py), norm gains in [0.25, 4], untied heads,
+top-2, routers with large weights, so the experts picked depend on the token
+and a wrong router scale changes them:
+- `make_qwen3_moe`: QK-norm gains random, 6 experts, softmax then top-k with
+  the scores renormalized, layers 0 and 2 sparse and layer 1 dense
+  (`mlp_only_layers`);
+- `make_mixtral`: 5 experts in both layers (`block_sparse_moe`, Hugging
+  Face's w1/w3/w2), top-k of the logits then their softmax. The experts every token picks are recorded on both sides
 at every step and compared (docs/design.md section 2i).
 """
 
@@ -22,11 +25,30 @@ from flashnorm_mlx.models import moe
 from flashnorm_mlx.verify import compare
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
-SPARSE = (0, 2)  # the tiny model's layers with experts (layer 1 is dense)
+# model_type -> maker, layers with experts, the feed-forward's name, experts,
+# the router's (bits, group) under mlx-lm's convert -q and ours.
+FAMILIES = {
+    "qwen3_moe": (tiny.make_qwen3_moe, (0, 2), "mlp", 6, (8, 64)),
+    "mixtral": (tiny.make_mixtral, (0, 1), "block_sparse_moe", 5, (4, 32)),
+}
+
+
+def fam(source):
+    return FAMILIES[source.config["model_type"]]
+
+
+def moe_of(model, source, i):
+    return model.layers[i][fam(source)[2]]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def source(request, tmp_path_factory):
+    make = FAMILIES[request.param][0]
+    return read_source(str(make(tmp_path_factory.mktemp(request.param))))
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def qwen(tmp_path_factory):
     return read_source(str(tiny.make_qwen3_moe(tmp_path_factory.mktemp("q3moe"))))
 
 
@@ -59,10 +81,10 @@ class Picks(nn.Module):
         return self.inner(*args)
 
 
-def record_picks(model):
+def record_picks(model, source):
     logs = {}
-    for i in SPARSE:
-        mlp = model.layers[i].mlp
+    for i in fam(source)[1]:
+        mlp = moe_of(model, source, i)
         logs[i] = []
         mlp.switch_mlp = Picks(mlp.switch_mlp, logs[i])
     return logs
@@ -71,16 +93,16 @@ def record_picks(model):
 def picks_differ(ls, lf) -> list:
     """(layer, call, token position) where the experts picked differ."""
     out = []
-    for i in SPARSE:
+    for i in ls:
         for step, (a, b) in enumerate(zip(ls[i], lf[i])):
             bad = mx.any(a != b, axis=-1).reshape(-1).tolist()
             out += [(i, step, t) for t, x in enumerate(bad) if x]
     return out
 
 
-def test_layers_experts_and_what_is_left_of_the_norms(source):
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+def test_layers_experts_and_what_is_left_of_the_norms(qwen):
+    stock, _ = build_model(qwen, "stock", dtype=mx.float32)
+    flash, _ = build_model(qwen, "flashnorm", dtype=mx.float32)
     assert type(stock).__module__ == "mlx_lm.models.qwen3_moe"
     assert type(flash).__module__ == "flashnorm_mlx.models.qwen3_moe"
     kinds = [type(l.mlp).__name__ for l in flash.layers]
@@ -103,7 +125,7 @@ def test_prompt_and_32_cached_steps_and_every_expert_pick_match_stock(source):
     on the input: many distinct pairs, every expert used."""
     stock, _ = build_model(source, "stock", dtype=mx.float32, engine="eager")
     flash, _ = build_model(source, "flashnorm", dtype=mx.float32, engine="eager")
-    ls, lf = record_picks(stock), record_picks(flash)
+    ls, lf = record_picks(stock, source), record_picks(flash, source)
     cs, cf = make_prompt_cache(stock), make_prompt_cache(flash)
     a, b = stock(mx.array([PROMPT]), cache=cs), flash(mx.array([PROMPT]), cache=cf)
     errs = [rel(b, a)]
@@ -112,12 +134,13 @@ def test_prompt_and_32_cached_steps_and_every_expert_pick_match_stock(source):
         a, b = stock(t, cache=cs), flash(t, cache=cf)
         errs.append(rel(b, a))
     bad = picks_differ(ls, lf)
-    assert len(ls[0]) == len(lf[0]) == 33
+    first, n = fam(source)[1][0], fam(source)[3]
+    assert len(ls[first]) == len(lf[first]) == 33
     assert not bad, f"experts differ from stock's at (layer, step, token): {bad}"
     assert max(errs) < tiny.f32_tol(), f"max rel logit diff {max(errs):.3e}: {errs}"
-    picks = mx.concatenate([p.reshape(-1, 2) for p in ls[0]]).tolist()
+    picks = mx.concatenate([p.reshape(-1, 2) for p in ls[first]]).tolist()
     pairs = {tuple(p) for p in picks}
-    assert len(pairs) >= 6 and {e for p in pairs for e in p} == set(range(6)), pairs
+    assert len(pairs) >= n and {e for p in pairs for e in p} == set(range(n)), pairs
 
 
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
@@ -144,17 +167,16 @@ def test_64_greedy_tokens_identical_to_stock(source, stock_q4, quantized, engine
     stock, _ = build_model(src, "stock", dtype=dtype, engine=engine)
     flash, _ = build_model(src, "flashnorm", dtype=dtype, engine=engine)
     if quantized:
-        sw = flash.layers[0].mlp.switch_mlp.gate_up_proj
+        moe_ = moe_of(flash, src, 0)
+        sw = moe_.switch_mlp.gate_up_proj
         assert type(sw).__name__ == "QuantizedSwitchLinear", type(sw)
-        assert flash.layers[0].mlp.gate.bits == 8  # the checkpoint's router bits
+        assert moe_.gate.bits == fam(src)[4][0]  # the checkpoint's router bits
         assert "post_attention_layernorm" in flash.layers[0]  # gains in kernels
     want = greedy(stock)
     assert len(want) == 64 and greedy(flash) == want
 
 
-def test_the_reference_sees_the_router_scale_and_each_experts_gain(
-    source, monkeypatch
-):
+def test_the_reference_sees_the_router_scale_and_each_experts_gain(source, monkeypatch):
     """What FlashNorm must get right shows far beyond the tolerance: drop the
     deferred scale on the router's logits (the softmax weights change, the
     picks too), or leave the gain out of one expert's gate and up."""
@@ -166,14 +188,16 @@ def test_the_reference_sees_the_router_scale_and_each_experts_gain(
     with monkeypatch.context() as m:
         m.setattr(moe.kernels, "deferred_scale", lambda ms, dt: mx.ones_like(ms))
         assert rel(flash(x), ref) > 10 * tiny.f32_tol()
-    gain = source.weights["model.layers.2.post_attention_layernorm.weight"]
-    sw = flash.layers[2].mlp.switch_mlp.gate_up_proj
+    last = fam(source)[1][-1]
+    gain = source.weights[f"model.layers.{last}.post_attention_layernorm.weight"]
+    sw = moe_of(flash, source, last).switch_mlp.gate_up_proj
     w = sw.weight
     sw.weight = mx.concatenate([w[:3], w[3:4] / gain, w[4:]])  # expert 3 unfolded
     assert rel(flash(x), ref) > 10 * tiny.f32_tol()
 
 
-def test_fold_twice_equals_fold_once_and_folds_router_and_experts(source):
+def test_fold_twice_equals_fold_once_and_folds_router_and_experts(qwen):
+    source = qwen
     once_w, once_c = fold.fold_norms(source.weights, source.config)
     twice_w, twice_c = fold.fold_norms(once_w, once_c)
     assert once_c == twice_c and once_w.keys() == twice_w.keys()
@@ -202,9 +226,7 @@ def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
-def test_convert_q_quantizes_every_expert_and_loads_in_mlx_lm(
-    source, tmp_path, method
-):
+def test_convert_q_quantizes_every_expert_and_loads_in_mlx_lm(source, tmp_path, method):
     """-q: the experts' 3-D weights quantized (QuantizedSwitchLinear), the
     router at mlx-lm's 8 bits; the --compat checkpoint loads in mlx-lm, whose
     logits there equal ours on it; its error against float32 stock is of the
@@ -213,20 +235,19 @@ def test_convert_q_quantizes_every_expert_and_loads_in_mlx_lm(
     from mlx_lm.utils import load_model
 
     out = tmp_path / f"q4-{method}"
-    convert(
-        source, out, quantize=(4, 32), q_method=method, compat=True, progress=False
-    )
+    convert(source, out, quantize=(4, 32), q_method=method, compat=True, progress=False)
     folded = read_source(str(out))
     ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
-    for i in SPARSE:
-        mlp = ours.layers[i].mlp
+    for i in fam(source)[1]:
+        mlp = moe_of(ours, source, i)
         for lin in (mlp.switch_mlp.gate_up_proj, mlp.switch_mlp.down_proj):
             assert type(lin).__name__ == "QuantizedSwitchLinear", (i, type(lin))
-        assert (mlp.gate.bits, mlp.gate.group_size) == (8, 64)
+        assert (mlp.gate.bits, mlp.gate.group_size) == fam(source)[4]
     assert folded.config["quantization"]["bits"] == 4
     # RTN is mx.quantize of the folded experts; GPTQ (each expert on the
     # Hessian of the rows routed to it) differs from it.
-    key = "model.layers.2.mlp.switch_mlp.up_proj"
+    last, ffn = fam(source)[1][-1], fam(source)[2]
+    key = f"model.layers.{last}.{ffn}.switch_mlp.up_proj"
     folded_w, _ = fold.fold_norms(source.weights, source.config)
     rtn_w = mx.quantize(folded_w[f"{key}.weight"], group_size=32, bits=4)[0]
     same = mx.array_equal(folded.weights[f"{key}.weight"], rtn_w).item()
@@ -294,9 +315,13 @@ def test_stock_fused_stacks_each_experts_gate_and_up_and_is_stock(
     src = stock_q4 if quantized else source
     stock, _ = build_model(src, "stock", dtype=mx.float32, engine="eager")
     fused, _ = build_model(src, "stock_fused", dtype=mx.float32, engine="eager")
-    sw = fused.layers[0].mlp.switch_mlp
-    assert "gate_up_stacked" in sw and sw.gate_up_stacked.weight.shape[:2] == (6, 128)
-    assert "gate_up_stacked" in fused.layers[1].mlp  # the dense layer
+    sw = moe_of(fused, src, 0).switch_mlp
+    assert "gate_up_stacked" in sw and sw.gate_up_stacked.weight.shape[:2] == (
+        fam(src)[3],
+        128,
+    )
+    if src.config["model_type"] == "qwen3_moe":
+        assert "gate_up_stacked" in fused.layers[1].mlp  # the dense layer
     cs, cf = make_prompt_cache(stock), make_prompt_cache(fused)
     x = mx.array([PROMPT * 3])  # 36 tokens x top-2 >= 64 rows: sorted
     errs = [rel(fused(x, cache=cf), stock(x, cache=cs))]
@@ -314,7 +339,10 @@ def test_bench_counts_fewer_launches_and_nonorm_runs(source):
     assert v["nonorm"]["rms_norm_modules"] == 0, v["nonorm"]
     gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
     print("launches per decode step:", gpu)
-    assert gpu["flashnorm"] < gpu["nonorm"] < gpu["stock_fused"] < gpu["stock"], gpu
+    # nonorm (norms gone, projections apart) and stock_fused (norms kept,
+    # fused) each below stock, FlashNorm (both) below either.
+    assert gpu["flashnorm"] < min(gpu["nonorm"], gpu["stock_fused"]), gpu
+    assert max(gpu["nonorm"], gpu["stock_fused"]) < gpu["stock"], gpu
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import quant
 from ..errors import LoadError
-from . import gguf_gemma3
+from . import gguf_gemma3, gguf_moe
 from .checks import check_gguf
 from .gguf_rope import llama3_scaling
 
@@ -47,24 +47,15 @@ _LAYER_NAMES = {
     "post_attention_norm": "post_attention_norm",  # Gemma 3's sandwich norms,
     "post_ffw_norm": "post_feedforward_layernorm",  # named by gguf_gemma3.py
 }
-# llama.cpp's Qwen3-MoE: router and experts stacked (experts, out, in) as
-# mlx-lm's sanitize stacks them (docs/design.md section 2i).
-_MOE_NAMES = {
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
-    "ffn_up_exps": "mlp.switch_mlp.up_proj",
-    "ffn_down_exps": "mlp.switch_mlp.down_proj",
-}
+
 # general.architecture -> the Hugging Face architectures entry (model_type = key).
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
-    "qwen3moe": "Qwen3MoeForCausalLM",
+    gguf_moe.ARCH: "Qwen3MoeForCausalLM",
 }
-# general.architecture -> model_type, where they differ.
-_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
 _SUFFIXES = ("weight", "scales", "biases", "bias")
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), applied one after the
@@ -182,11 +173,7 @@ def gguf_config(
 ) -> dict:
     """A Hugging Face config.json dict from `<arch>.*` metadata."""
     a = arch
-    experts = int(_value(meta, f"{a}.expert_count", 0) or 0)
-    if experts and a != "qwen3moe":
-        raise LoadError(
-            f"{path}: mixture-of-experts GGUF files are read for qwen3moe only"
-        )
+    moe = gguf_moe.moe_config(meta, a, path)  # {} where the file has no experts
     n_heads = int(_required(meta, f"{a}.attention.head_count", path))
     n_kv = int(_value(meta, f"{a}.attention.head_count_kv", n_heads))
     hidden = int(_required(meta, f"{a}.embedding_length", path))
@@ -202,18 +189,12 @@ def gguf_config(
     vocab = len(tokens) if isinstance(tokens, list) else _value(meta, f"{a}.vocab_size")
     if "token_embd.weight" in tensors:  # the embedding rows are what the model needs
         vocab = tensors["token_embd.weight"].shape[0]
-    if experts:  # every layer sparse, scores renormalized: llama.cpp's Qwen3-MoE
-        moe_ffn = int(_required(meta, f"{a}.expert_feed_forward_length", path))
     config = {
-        "model_type": _MODEL_TYPES.get(arch, arch),
+        "model_type": gguf_moe.MODEL_TYPE if moe else arch,
         "architectures": [ARCHITECTURES[arch]],
         "hidden_size": hidden,
         "num_hidden_layers": int(_required(meta, f"{a}.block_count", path)),
-        "intermediate_size": int(
-            _value(meta, f"{a}.feed_forward_length", 0) or moe_ffn
-            if experts
-            else _required(meta, f"{a}.feed_forward_length", path)
-        ),
+        "intermediate_size": int(_required(meta, f"{a}.feed_forward_length", path)),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
@@ -227,15 +208,7 @@ def gguf_config(
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "mlp_bias": "blk.0.ffn_up.bias" in tensors,
     }
-    if experts:
-        config.update(
-            num_experts=experts,
-            num_experts_per_tok=int(_required(meta, f"{a}.expert_used_count", path)),
-            moe_intermediate_size=moe_ffn,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-        )
+    config.update(moe)
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
         tid = _value(meta, f"tokenizer.ggml.{name}_token_id")
         if tid is not None:
@@ -282,9 +255,9 @@ def hf_name(gguf_name: str) -> Optional[str]:
         len(parts) == 3
         and parts[0] == "blk"
         and parts[1].isdigit()
-        and parts[2] in {**_LAYER_NAMES, **_MOE_NAMES}
+        and parts[2] in {**_LAYER_NAMES, **gguf_moe.NAMES}
     ):
-        module = {**_LAYER_NAMES, **_MOE_NAMES}[parts[2]]
+        module = {**_LAYER_NAMES, **gguf_moe.NAMES}[parts[2]]
         return f"model.layers.{parts[1]}.{module}.{suffix}"
     return None
 
@@ -357,13 +330,10 @@ def _expected(config: dict) -> List[str]:
     if not config["tie_word_embeddings"]:
         names.append("lm_head.weight")
     qk, post = ("attn_q_norm", "attn_k_norm"), ("post_attention_norm", "post_ffw_norm")
-    extra = {"qwen3": qk, "qwen3_moe": qk, gguf_gemma3.MODEL_TYPE: qk + post}.get(
-        config["model_type"], ()
-    )
+    extra = {"qwen3": qk, gguf_moe.MODEL_TYPE: qk, gguf_gemma3.MODEL_TYPE: qk + post}
+    extra = extra.get(config["model_type"], ())
     layer = [m for g, m in _LAYER_NAMES.items() if g not in qk + post or g in extra]
-    if config.get("num_experts"):  # the experts in place of the dense GLU
-        layer = [m for m in layer if not m.startswith("mlp.")]
-        layer += list(_MOE_NAMES.values())
+    layer = gguf_moe.layer_modules(config, layer)
     for i in range(config["num_hidden_layers"]):
         names += [f"model.layers.{i}.{m}.weight" for m in layer]
         if config["model_type"] == "qwen2":

@@ -20,8 +20,8 @@ one copy of the model.
 """
 
 import contextlib
-import math
 import copy
+import math
 import re
 import time
 from typing import Callable, Dict, List, Optional, Tuple

@@ -63,7 +63,11 @@ class SparseMoE(nn.Module):
 
     def __init__(self, dims: int, hidden: int, num_experts: int, top_k: int, norm_topk):
         super().__init__()
-        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk
+        self.num_experts, self.top_k, self.norm_topk_prob = (
+            num_experts,
+            top_k,
+            norm_topk,
+        )
         self.gate = nn.Linear(dims, num_experts, bias=False)
         self.switch_mlp = SwitchGLU(dims, hidden, num_experts)
         self.sharding_group: Optional[mx.distributed.Group] = None

@@ -174,7 +174,11 @@ def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
     or three linears (mlx-lm's Llama, Qwen2, Qwen3), and the o_proj/out_proj
     columns that read its query heads; the local head counts set. The same for
     FlashNorm, stock and nonorm, which share these names."""
-    hq, hkv = attn.n_heads, attn.n_kv_heads
+    # mlx-lm's Mixtral names its head counts num_heads / num_key_value_heads.
+    counts = ("n_heads", "n_kv_heads")
+    if not hasattr(attn, "n_heads"):
+        counts = ("num_heads", "num_key_value_heads")
+    hq, hkv = (getattr(attn, c) for c in counts)
     mine = split_heads(hq, hkv, group.size(), where)[group.rank()]
     fused = "qkv_proj" in attn
     if fused:  # (rows are output features, quantized or not)
@@ -197,7 +201,8 @@ def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
     out = "o_proj" if "o_proj" in attn else "out_proj"
     label = f"{where} {out}".strip()
     setattr(attn, out, sum_columns(attn[out], q[0], group, label))
-    attn.n_heads, attn.n_kv_heads = mine.n_heads, mine.n_kv_heads
+    setattr(attn, counts[0], mine.n_heads)
+    setattr(attn, counts[1], mine.n_kv_heads)
     return mine
 
 
@@ -271,7 +276,9 @@ def shard_experts(moe_module: nn.Module, moe, group, where: str = "") -> None:
         for key in keys:
             if key in lin and lin[key] is not None:
                 lin[key] = (
-                    _cut(lin[key], rows, -1) if key == "bias" else _cut_rows(lin[key], rows)
+                    _cut(lin[key], rows, -1)
+                    if key == "bias"
+                    else _cut_rows(lin[key], rows)
                 )
     if "scales" in down:
         gs, bits = down.group_size, down.bits
@@ -288,7 +295,25 @@ def shard_experts(moe_module: nn.Module, moe, group, where: str = "") -> None:
         down.weight = _cut(down.weight, [(a, b)], -1)
     if "bias" in down and group.rank():  # added once, after the all-sum
         down.bias = mx.zeros_like(down.bias)
-    moe_module.sharding_group = group
+    if hasattr(moe_module, "sharding_group"):  # ours, mlx-lm's Qwen3-MoE: it sums
+        moe_module.sharding_group = group
+    else:  # mlx-lm's Mixtral: each expert's output summed before the weighting
+        name = moe.experts.rpartition(".")[2]
+        setattr(moe_module, name, _SummedExperts(experts, group))
+
+
+class _SummedExperts(nn.Module):
+    """A rank's share of the experts (B, L, k, D), all-summed over the group:
+    the weighted sum of the k experts after it is linear, so exact."""
+
+    def __init__(self, experts: nn.Module, group):
+        super().__init__()
+        self.experts = experts
+        self.group = group
+
+    def __call__(self, *args, **kwargs):
+        y = self.experts(*args, **kwargs)
+        return mx.distributed.all_sum(y, group=self.group)
 
 
 def shard_layers(layers: List[nn.Module], group, moe=None) -> None:
@@ -302,7 +327,9 @@ def shard_layers(layers: List[nn.Module], group, moe=None) -> None:
         if at in layer and router in layer[at]:  # this layer's experts
             shard_experts(layer[at], moe, group, f"layer {i}")
         else:
-            shard_mlp(layer["mlp"] if "mlp" in layer else layer["ffn"], group, f"layer {i}")
+            shard_mlp(
+                layer["mlp"] if "mlp" in layer else layer["ffn"], group, f"layer {i}"
+            )
 
 
 # Where our model classes live (models/): those shard themselves.
