@@ -453,3 +453,20 @@ def test_llama_cpp_qwen3moe_gguf_runs_as_its_hf_checkpoint(tmp_path, qtype):
         r = compare(got, PROMPT, horizon=16, dtype=mx.float32)
         assert r["quantized"] and r["max_rel_logit_diff"] < tiny.f32_tol(), r
         assert r["greedy_match"] == 16, r
+
+
+def test_a_mixtral_gguf_is_refused_in_one_line(tmp_path, capsys):
+    """llama.cpp writes Mixtral as `llama` with experts; its reader (ours)
+    takes experts from qwen3moe files only: one line, exit 1."""
+    from test_gguf import tiny_metadata
+
+    from flashnorm_mlx.cli import main
+
+    cfg = tiny.mixtral_config()
+    meta = tiny_metadata(cfg)
+    meta["llama.expert_count"] = mx.array(5, dtype=mx.uint32)
+    path = tmp_path / "mixtral.gguf"
+    mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((300, 64))}, meta)
+    assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "qwen3moe only" in err, err
