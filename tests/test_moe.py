@@ -222,7 +222,23 @@ def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
     x = mx.array([PROMPT])
     errs = {"mlx-lm on --compat": rel(stock_on_folded(x), ref(x))}
     errs["flashnorm on --compat"] = rel(ours(x), ref(x))
+    # Without --compat: `--mode stock` restores the unit gains itself.
+    plain = tmp_path / "folded"
+    convert(source, plain, progress=False)
+    folded = read_source(str(plain))
+    assert "model.layers.0.post_attention_layernorm.weight" not in folded.weights
+    stock_on_folded, _ = build_model(folded, "stock", dtype=mx.float32)
+    errs["stock on folded"] = rel(stock_on_folded(x), ref(x))
     assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def test_perplexity_agrees_in_float32(source):
+    from flashnorm_mlx.perplexity import default_text, perplexity
+
+    r = perplexity(
+        source, text=default_text()[:3000], seq_len=32, num_seqs=2, dtype=mx.float32
+    )
+    assert abs(r["diff_rel"]) < tiny.f32_tol(), r
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
