@@ -555,3 +555,62 @@ def make_mixtral(path: Path, seed: int = 0, tokenizer: bool = True, **over) -> P
             for n, (o, i_) in (("w1", (F, D)), ("w3", (F, D)), ("w2", (D, F))):
                 w[f"{m}.experts.{e}.{n}.weight"] = _lin(rng, o, i_)
     return write_model(path, cfg, w, tokenizer)
+
+
+# --- gpt-oss: biases everywhere, sinks, alternating windows, clamped SwiGLU ----------
+
+GPT_OSS = dict(
+    model_type="gpt_oss",
+    num_hidden_layers=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    intermediate_size=64,
+    head_dim=16,
+    sliding_window=5,  # shorter than the tests' prompts
+    rope_theta=150000,  # an int, as mlx-lm's ModelArgs types it
+    layer_types=["sliding_attention", "full_attention"],
+)
+
+
+def gpt_oss_config(**over) -> dict:
+    cfg = {**LLAMA_BASE, **GPT_OSS, **over}
+    cfg.pop("tie_word_embeddings")  # gpt-oss configs have none: untied
+    return cfg
+
+
+def make_gpt_oss(path: Path, seed: int = 0, tokenizer: bool = True, **over) -> Path:
+    """mlx-lm's sanitized layout (as mlx-community checkpoints hold it): stacked
+    experts' gate/up/down with biases, router with bias, q/k/v/o biases,
+    sinks; biases of either sign and size ~1, so they matter."""
+    cfg = gpt_oss_config(**over)
+    rng = np.random.default_rng(seed)
+    D, V, E = cfg["hidden_size"], cfg["vocab_size"], cfg["num_local_experts"]
+    F, h = cfg["intermediate_size"], cfg["head_dim"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def bias(*shape):
+        return rng.uniform(-1.0, 1.0, shape).astype(np.float32)
+
+    w = {
+        "model.embed_tokens.weight": rng.standard_normal((V, D)).astype(np.float32),
+        "model.norm.weight": _gain(rng, D),
+        "lm_head.weight": _lin(rng, V, D),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = _gain(rng, D)
+        w[f"{p}.post_attention_layernorm.weight"] = _gain(rng, D)
+        a = f"{p}.self_attn"
+        for n, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
+            w[f"{a}.{n}_proj.weight"] = _lin(rng, out, D)
+            w[f"{a}.{n}_proj.bias"] = bias(out)
+        w[f"{a}.o_proj.weight"] = _lin(rng, D, hq * h)
+        w[f"{a}.o_proj.bias"] = bias(D)
+        w[f"{a}.sinks"] = rng.uniform(-2.0, 2.0, hq).astype(np.float32)
+        w[f"{p}.mlp.router.weight"] = 4 * _lin(rng, E, D)
+        w[f"{p}.mlp.router.bias"] = bias(E)
+        x = f"{p}.mlp.experts"
+        for n, (o, i_) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            w[f"{x}.{n}_proj.weight"] = np.stack([_lin(rng, o, i_) for _ in range(E)])
+            w[f"{x}.{n}_proj.bias"] = bias(E, o)
+    return write_model(path, cfg, w, tokenizer)

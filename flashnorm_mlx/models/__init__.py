@@ -15,6 +15,7 @@ from .arch import Architecture
 # config model_type -> module in flashnorm_mlx.models
 ARCHITECTURES = {
     "gemma3_text": "gemma3",
+    "gpt_oss": "gpt_oss",
     "llama": "llama",
     "mistral": "llama",  # mlx-lm runs Mistral as Llama, sliding window included
     "mixtral": "mixtral",

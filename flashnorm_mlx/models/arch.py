@@ -124,6 +124,7 @@ class Architecture:
     post_norms: Tuple[PostNorm, ...] = ()  # per layer, unfoldable
     embed_scale: bool = False  # embeddings times sqrt(width) (Gemma)
     moe: Optional[MoE] = None  # a mixture-of-experts feed-forward, where any
+    tied_default: bool = True  # the head is tied where the config does not say
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -145,7 +146,7 @@ class Architecture:
         return config[self.layers_key]
 
     def is_tied(self, config: dict) -> bool:
-        return bool(config.get(self.tie_key, True))
+        return bool(config.get(self.tie_key, self.tied_default))
 
     def layer_prefixes(self, config: dict) -> Iterator[str]:
         for i in range(self.n_layers(config)):

@@ -43,18 +43,22 @@ class SwitchGLU(nn.Module):
             inv_order = mx.argsort(order)
             x = x.flatten(0, -3)[order // k]  # (N, 1, D)
             idx = flat[order]
-            ms_rows = ms.flatten()[order // k]
+            ms_rows = ms.flatten()[order // k][:, None]  # (N, 1)
         else:
             ms_rows = mx.broadcast_to(ms[..., None, :], (*indices.shape, 1))
         gu = self.gate_up_proj(x, idx, sorted_indices=do_sort)  # (..., 1, 2F)
-        n = ms_rows.size  # rows of (token, expert): the GLU kernel's (1, n, .) view
-        act = kernels.deferred_glu(
-            gu.reshape(1, n, gu.shape[-1]), ms_rows.reshape(1, n, 1)
-        ).reshape(*gu.shape[:-1], gu.shape[-1] // 2)
-        y = self.down_proj(act, idx, sorted_indices=do_sort)
+        y = self.down_proj(self.glu(gu, ms_rows, idx), idx, sorted_indices=do_sort)
         if do_sort:
             y = mx.unflatten(y[inv_order], 0, indices.shape)
         return y.squeeze(-2)
+
+    def glu(self, gu, ms_rows, idx):
+        """act(s * gate) * up of each (token, expert) row; up's s is owed."""
+        n = ms_rows.size  # rows of (token, expert): the GLU kernel's (1, n, .) view
+        act = kernels.deferred_glu(
+            gu.reshape(1, n, gu.shape[-1]), ms_rows.reshape(1, n, 1)
+        )
+        return act.reshape(*gu.shape[:-1], gu.shape[-1] // 2)
 
 
 class SparseMoE(nn.Module):

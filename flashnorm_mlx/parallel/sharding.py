@@ -176,8 +176,9 @@ def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
     FlashNorm, stock and nonorm, which share these names."""
     # mlx-lm's Mixtral names its head counts num_heads / num_key_value_heads.
     counts = ("n_heads", "n_kv_heads")
-    if not hasattr(attn, "n_heads"):
-        counts = ("num_heads", "num_key_value_heads")
+    if not hasattr(attn, "n_heads"):  # mlx-lm's gpt-oss: num_attention_heads
+        q_name = "num_heads" if hasattr(attn, "num_heads") else "num_attention_heads"
+        counts = (q_name, "num_key_value_heads")
     hq, hkv = (getattr(attn, c) for c in counts)
     mine = split_heads(hq, hkv, group.size(), where)[group.rank()]
     fused = "qkv_proj" in attn
@@ -201,6 +202,8 @@ def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
     out = "o_proj" if "o_proj" in attn else "out_proj"
     label = f"{where} {out}".strip()
     setattr(attn, out, sum_columns(attn[out], q[0], group, label))
+    if "sinks" in attn:  # one per query head (gpt-oss)
+        attn.sinks = _cut(attn.sinks, [(mine.q0, mine.q1)])
     setattr(attn, counts[0], mine.n_heads)
     setattr(attn, counts[1], mine.n_kv_heads)
     return mine
@@ -293,6 +296,10 @@ def shard_experts(moe_module: nn.Module, moe, group, where: str = "") -> None:
                 down[key] = _cut(down[key], [(a // gs, b // gs)], -1)
     else:
         down.weight = _cut(down.weight, [(a, b)], -1)
+    if "gate_up_bias" in experts:  # ours, added after the deferred scale
+        experts.gate_up_bias = _cut(
+            experts.gate_up_bias, [(a, b), (cols + a, cols + b)], -1
+        )
     if "bias" in down and group.rank():  # added once, after the all-sum
         down.bias = mx.zeros_like(down.bias)
     if hasattr(moe_module, "sharding_group"):  # ours, mlx-lm's Qwen3-MoE: it sums
