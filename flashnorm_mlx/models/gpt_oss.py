@@ -63,11 +63,11 @@ class Attention(llama.Attention):
     def attend(self, q, k, v, mask, cache):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        if getattr(cache, "fixed_capacity", False):  # the compiled whole step's
-            # cache: its unwritten positions masked out here (decode_attention,
-            # which reads the length alone, takes no sinks).
-            mask = mx.arange(k.shape[2]) < cache.offset + q.shape[2]
-            cache = None
+        if getattr(cache, "fixed_capacity", False):
+            # The compiled whole step's cache (all plain KVCaches) never comes
+            # here: gpt-oss's sliding layers rotate, and mlx-lm's class needs
+            # one; its `decode_attention` takes no sinks.
+            raise ValueError("gpt-oss attention sinks need mlx-lm's attention")
         sinks = self.sinks.astype(q.dtype)
         return kernels.scaled_dot_product_attention(
             q, k, v, cache, 1.0, mask, sinks=sinks
