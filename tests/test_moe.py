@@ -381,11 +381,12 @@ def test_bench_counts_fewer_launches_and_nonorm_runs(source):
     gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
     print("launches per decode step:", gpu)
     # nonorm (norms gone, projections apart) and stock_fused (norms kept,
-    # fused) each below stock, FlashNorm (both) below either. gpt-oss: level
-    # with stock_fused, whose router bias rides in its matmul (addmm), where
-    # ours must take s between the matmul and the bias.
+    # fused) each below stock, FlashNorm (both) below either. gpt-oss: below
+    # stock and nonorm, above stock_fused (63 against 59 on the tiny model):
+    # s goes between each matmul and its bias (router, experts' gate|up),
+    # where stock's router bias rides in its matmul (docs/design.md 2i).
     if source.config["model_type"] == "gpt_oss":
-        assert gpu["flashnorm"] <= gpu["stock_fused"] < gpu["nonorm"], gpu
+        assert gpu["flashnorm"] < min(gpu["nonorm"], gpu["stock"]), gpu
     else:
         assert gpu["flashnorm"] < min(gpu["nonorm"], gpu["stock_fused"]), gpu
     assert max(gpu["nonorm"], gpu["stock_fused"]) < gpu["stock"], gpu

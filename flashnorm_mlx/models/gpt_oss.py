@@ -10,7 +10,6 @@ Weights are mlx-lm's sanitized layout (`mlp.experts.{gate,up,down}_proj`).
 """
 
 import dataclasses
-from functools import partial
 from types import SimpleNamespace
 from typing import Optional
 
@@ -74,17 +73,10 @@ class Attention(llama.Attention):
         )
 
 
-@mx.compile  # per shape: a split's sizes are not shapeless
 def _scaled_glu(gu, s, bias):
-    """mlx-lm's clamped SwiGLU of (s * gate|up) + bias, one fused kernel where
-    the backend fuses (as mlx-lm compiles its swiglu_oai)."""
+    """mlx-lm's clamped SwiGLU (compiled by mlx-lm) of (s * gate|up) + bias."""
     gate, up = mx.split((gu * s).astype(gu.dtype) + bias, 2, axis=-1)
     return swiglu_oai(gate, up)
-
-
-@partial(mx.compile, shapeless=True)
-def _scaled_logits(z, s, bias):
-    return (z * s).astype(z.dtype) + bias
 
 
 class ClampedGLU(SwitchGLU):
@@ -114,7 +106,8 @@ class ExpertsMoE(SparseMoE):
 
     def route(self, xs, ms):
         s = kernels.deferred_scale(ms, xs.dtype)
-        z = _scaled_logits(self.router(xs), s, self.router_bias)
+        z = self.router(xs)
+        z = (z * s).astype(z.dtype) + self.router_bias
         k = self.top_k
         inds = mx.stop_gradient(mx.argpartition(z, kth=-k, axis=-1)[..., -k:])
         picked = mx.take_along_axis(z, inds, axis=-1)
