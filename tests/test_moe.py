@@ -169,7 +169,10 @@ def test_prompt_and_32_cached_steps_and_every_expert_pick_match_stock(source):
     assert len(pairs) >= n and {e for p in pairs for e in p} == set(range(n)), pairs
 
 
-@pytest.mark.parametrize("engine", ["eager", "compiled"])
+# The first compiled run of a process builds MLX's CPU kernels (~1 min here).
+@pytest.mark.parametrize(
+    "engine", ["eager", pytest.param("compiled", marks=pytest.mark.slow)]
+)
 def test_verify_float32_and_stock_quantized_as_stored(source, stock_q4, engine):
     """`verify`'s comparison: float32, and mlx-lm's own 4-bit checkpoint as
     stored (experts QuantizedSwitchLinear, router 8-bit; the gains in the
