@@ -256,7 +256,7 @@ def _parts_class(cls: type) -> type:
         if isinstance(offset, int):  # an int would be a new constant every step
             offset = mx.array([offset], dtype=mx.int32)
         q, k, v = parts["heads"](xs, ms, offset)
-        o = attend_cached(q, k, v, mask, cache)
+        o = getattr(self[self.ATTENTION], "attend", attend_cached)(q, k, v, mask, cache)
         close = parts.get(final)
         if close is None:
             close = parts[final] = CompiledOnce(_closer(self, final))

@@ -29,6 +29,7 @@ PARTS = {
         "test_openelm.py",
         "test_qwen.py",
         "test_gemma3.py",
+        "test_moe.py",
         "test_gguf.py",
         "test_gguf_kquant.py",
         "test_real_model.py",

@@ -538,3 +538,144 @@ def f32_tol(base: float = 1e-4) -> float:
     4x stock's own measured error, since FlashNorm's matmuls have the same sizes
     and both sides carry their own error."""
     return max(base, 4 * stock_float32_error())
+
+
+# --- Qwen3-MoE (mixture of experts): Hugging Face's per-expert weight names ---------
+
+QWEN3_MOE = dict(
+    model_type="qwen3_moe",
+    head_dim=16,
+    num_hidden_layers=3,
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,  # two groups of 32: a 4-bit down splits over 2 ranks
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],  # a dense layer between two sparse ones
+    norm_topk_prob=True,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+)
+
+
+def qwen3_moe_config(**over) -> dict:
+    return {**LLAMA_BASE, **QWEN3_MOE, **over}
+
+
+def make_qwen3_moe(path: Path, seed: int = 0, tokenizer: bool = True, **over) -> Path:
+    """Routers with large weights (logits far apart, so routing visibly depends
+    on the token), expert weights of their own scale, the dense layer's MLP
+    on `intermediate_size`."""
+    cfg = qwen3_moe_config(**over)
+    w = llama_weights(cfg, seed)
+    rng = np.random.default_rng(seed + 2)
+    D, E, F = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
+    h = cfg["head_dim"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        del w[f"{p}.self_attn.rotary_emb.inv_freq"]  # mlx-lm's sanitize keeps it
+        w[f"{p}.self_attn.q_norm.weight"] = _gain(rng, h)
+        w[f"{p}.self_attn.k_norm.weight"] = _gain(rng, h)
+        if i in cfg["mlp_only_layers"] or (i + 1) % cfg["decoder_sparse_step"]:
+            continue
+        for n in ("gate", "up", "down"):
+            del w[f"{p}.mlp.{n}_proj.weight"]
+        w[f"{p}.mlp.gate.weight"] = 4 * _lin(rng, E, D)
+        for e in range(E):
+            for n, (o, i_) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+                w[f"{p}.mlp.experts.{e}.{n}_proj.weight"] = _lin(rng, o, i_)
+    return write_model(path, cfg, w, tokenizer)
+
+
+# --- Mixtral (experts in every layer, `block_sparse_moe`, w1/w3/w2 per expert) -------
+
+MIXTRAL = dict(
+    model_type="mixtral",
+    num_local_experts=5,
+    num_experts_per_tok=2,
+    intermediate_size=64,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+)
+
+
+def mixtral_config(**over) -> dict:
+    return {**LLAMA_BASE, **MIXTRAL, **over}
+
+
+def make_mixtral(path: Path, seed: int = 0, tokenizer: bool = True, **over) -> Path:
+    """Routers with large weights (routing visibly depends on the token),
+    Hugging Face's per-expert names (w1 gate, w3 up, w2 down)."""
+    cfg = mixtral_config(**over)
+    w = llama_weights(cfg, seed)
+    rng = np.random.default_rng(seed + 3)
+    D, E, F = cfg["hidden_size"], cfg["num_local_experts"], cfg["intermediate_size"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        del w[f"{p}.self_attn.rotary_emb.inv_freq"]  # mlx-lm's sanitize keeps it
+        for n in ("gate", "up", "down"):
+            del w[f"{p}.mlp.{n}_proj.weight"]
+        m = f"{p}.block_sparse_moe"
+        w[f"{m}.gate.weight"] = 4 * _lin(rng, E, D)
+        for e in range(E):
+            for n, (o, i_) in (("w1", (F, D)), ("w3", (F, D)), ("w2", (D, F))):
+                w[f"{m}.experts.{e}.{n}.weight"] = _lin(rng, o, i_)
+    return write_model(path, cfg, w, tokenizer)
+
+
+# --- gpt-oss: biases everywhere, sinks, alternating windows, clamped SwiGLU ----------
+
+GPT_OSS = dict(
+    model_type="gpt_oss",
+    num_hidden_layers=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    intermediate_size=64,
+    head_dim=16,
+    sliding_window=5,  # shorter than the tests' prompts
+    rope_theta=150000,  # an int, as mlx-lm's ModelArgs types it
+    layer_types=["sliding_attention", "full_attention"],
+)
+
+
+def gpt_oss_config(**over) -> dict:
+    cfg = {**LLAMA_BASE, **GPT_OSS, **over}
+    cfg.pop("tie_word_embeddings")  # gpt-oss configs have none: untied
+    return cfg
+
+
+def make_gpt_oss(path: Path, seed: int = 0, tokenizer: bool = True, **over) -> Path:
+    """mlx-lm's sanitized layout (as mlx-community checkpoints hold it): stacked
+    experts' gate/up/down with biases, router with bias, q/k/v/o biases,
+    sinks; biases of either sign and size ~1, so they matter."""
+    cfg = gpt_oss_config(**over)
+    rng = np.random.default_rng(seed)
+    D, V, E = cfg["hidden_size"], cfg["vocab_size"], cfg["num_local_experts"]
+    F, h = cfg["intermediate_size"], cfg["head_dim"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def bias(*shape):
+        return rng.uniform(-1.0, 1.0, shape).astype(np.float32)
+
+    w = {
+        "model.embed_tokens.weight": rng.standard_normal((V, D)).astype(np.float32),
+        "model.norm.weight": _gain(rng, D),
+        "lm_head.weight": _lin(rng, V, D),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = _gain(rng, D)
+        w[f"{p}.post_attention_layernorm.weight"] = _gain(rng, D)
+        a = f"{p}.self_attn"
+        for n, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
+            w[f"{a}.{n}_proj.weight"] = _lin(rng, out, D)
+            w[f"{a}.{n}_proj.bias"] = bias(out)
+        w[f"{a}.o_proj.weight"] = _lin(rng, D, hq * h)
+        w[f"{a}.o_proj.bias"] = bias(D)
+        w[f"{a}.sinks"] = rng.uniform(-2.0, 2.0, hq).astype(np.float32)
+        w[f"{p}.mlp.router.weight"] = 4 * _lin(rng, E, D)
+        w[f"{p}.mlp.router.bias"] = bias(E)
+        x = f"{p}.mlp.experts"
+        for n, (o, i_) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            w[f"{x}.{n}_proj.weight"] = np.stack([_lin(rng, o, i_) for _ in range(E)])
+            w[f"{x}.{n}_proj.bias"] = bias(E, o)
+    return write_model(path, cfg, w, tokenizer)

@@ -103,7 +103,8 @@ def build_model(
     fused = mode == "stock_fused"
     del source_weights, plan  # from here the model alone holds the (lazy) weights
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
-        sharding.shard_model(model, group, source.name, own=not covered)
+        arch = models.architecture(config) if covered else None
+        sharding.shard_model(model, group, source.name, own=not covered, arch=arch)
     share = bool(as_is) and group is None and not fused and covered
     arch = models.architecture(config) if share else None
     # Layer by layer, so one layer's source and output tensors coexist at a
@@ -182,7 +183,7 @@ def _own_handles(source: Source) -> dict:
     if source.folder is None or source.adapter is not None:  # not the files'
         return source.weights
     try:
-        fresh = folder_weights(source.folder)
+        fresh = models.stack_experts(source.config, folder_weights(source.folder))
     except LoadError:
         return source.weights
     same = fresh.keys() == source.weights.keys() and all(

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import models, quant
 from ..errors import LoadError, UnsupportedModel
-from . import gguf_gemma3, gguf_kquant
+from . import gguf_gemma3, gguf_kquant, gguf_moe
 from .checks import check_gguf
 from .gguf_rope import llama3_scaling
 
@@ -49,12 +49,14 @@ _LAYER_NAMES = {
     "post_attention_norm": "post_attention_norm",  # Gemma 3's sandwich norms,
     "post_ffw_norm": "post_feedforward_layernorm",  # named by gguf_gemma3.py
 }
+
 # general.architecture -> the Hugging Face architectures entry (model_type = key).
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    gguf_moe.ARCH: "Qwen3MoeForCausalLM",
 }
 _SUFFIXES = ("weight", "scales", "biases", "bias")
 
@@ -190,8 +192,7 @@ def gguf_config(
 ) -> dict:
     """A Hugging Face config.json dict from `<arch>.*` metadata."""
     a = arch
-    if _value(meta, f"{a}.expert_count", 0):
-        raise LoadError(f"{path}: mixture-of-experts GGUF files are not supported")
+    moe = gguf_moe.moe_config(meta, a, path)  # {} where the file has no experts
     n_heads = int(_required(meta, f"{a}.attention.head_count", path))
     n_kv = int(_value(meta, f"{a}.attention.head_count_kv", n_heads))
     hidden = int(_required(meta, f"{a}.embedding_length", path))
@@ -208,7 +209,7 @@ def gguf_config(
     if "token_embd.weight" in tensors:  # the embedding rows are what the model needs
         vocab = tensors["token_embd.weight"].shape[0]
     config = {
-        "model_type": arch,
+        "model_type": gguf_moe.MODEL_TYPE if moe else arch,
         "architectures": [ARCHITECTURES[arch]],
         "hidden_size": hidden,
         "num_hidden_layers": int(_required(meta, f"{a}.block_count", path)),
@@ -226,6 +227,7 @@ def gguf_config(
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "mlp_bias": "blk.0.ffn_up.bias" in tensors,
     }
+    config.update(moe)
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
         tid = _value(meta, f"tokenizer.ggml.{name}_token_id")
         if tid is not None:
@@ -272,9 +274,10 @@ def hf_name(gguf_name: str) -> Optional[str]:
         len(parts) == 3
         and parts[0] == "blk"
         and parts[1].isdigit()
-        and parts[2] in _LAYER_NAMES
+        and parts[2] in {**_LAYER_NAMES, **gguf_moe.NAMES}
     ):
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+        module = {**_LAYER_NAMES, **gguf_moe.NAMES}[parts[2]]
+        return f"model.layers.{parts[1]}.{module}.{suffix}"
     return None
 
 
@@ -346,10 +349,10 @@ def _expected(config: dict) -> List[str]:
     if not config["tie_word_embeddings"]:
         names.append("lm_head.weight")
     qk, post = ("attn_q_norm", "attn_k_norm"), ("post_attention_norm", "post_ffw_norm")
-    extra = {"qwen3": qk, gguf_gemma3.MODEL_TYPE: qk + post}.get(
-        config["model_type"], ()
-    )
+    extra = {"qwen3": qk, gguf_moe.MODEL_TYPE: qk, gguf_gemma3.MODEL_TYPE: qk + post}
+    extra = extra.get(config["model_type"], ())
     layer = [m for g, m in _LAYER_NAMES.items() if g not in qk + post or g in extra]
+    layer = gguf_moe.layer_modules(config, layer)
     for i in range(config["num_hidden_layers"]):
         names += [f"model.layers.{i}.{m}.weight" for m in layer]
         if config["model_type"] == "qwen2":

@@ -21,6 +21,7 @@ one copy of the model.
 
 import contextlib
 import copy
+import math
 import re
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -176,13 +177,11 @@ class Recipe:
         if gptq_weight is not None:  # float32 in; rows are independent in GPTQ
             if module not in self._hinv:  # once per module, row chunks share it
                 self._hinv[module] = gptq.inverse_cholesky(self.hessians[module])
+            hinv = self._hinv[module]
+            if gptq_weight.ndim == 3:  # stacked experts: the rows are experts
+                hinv = hinv[rows]
             out = gptq.quantize_weight(
-                gptq_weight,
-                None,
-                q["bits"],
-                q["group_size"],
-                self.out_dtype,
-                self._hinv[module],
+                gptq_weight, None, q["bits"], q["group_size"], self.out_dtype, hinv
             )
         else:
             out = quant.rtn(part.pop(f"{module}.weight"), q)
@@ -209,7 +208,8 @@ class Recipe:
 
 
 def _is_matrix(key: str, value: mx.array) -> bool:
-    return key.endswith(".weight") and value.ndim == 2
+    # A linear's weight: 2-D, or 3-D for stacked experts (experts, out, in).
+    return key.endswith(".weight") and value.ndim in (2, 3)
 
 
 def _packs_matrix(key: str, out: Weights) -> bool:
@@ -412,7 +412,8 @@ def _module_output(recipe: Recipe, module: str, chunk_elements: int) -> Weights:
     temporaries stay near chunk_elements (a packed uint32 row holds <= 16 values)."""
     rows = recipe.rows(module)
     src = recipe.src[f"{module}.weight"]
-    per_row = src.shape[-1] * (16 if src.dtype == mx.uint32 else 1)
+    # A "row" is axis 0: an output row, or a whole expert of stacked experts.
+    per_row = math.prod(src.shape[1:]) * (16 if src.dtype == mx.uint32 else 1)
     step = max(1, chunk_elements // per_row)
     if rows <= step:
         out = recipe.module(module)

@@ -164,7 +164,8 @@ def _read_folder(path: Path, name: str) -> Source:
         models.check_runnable(config)
     except ValueError as e:
         raise LoadError(f"{config_file}: {e}") from None
-    return Source(name, config, folder_weights(path), folder=path)
+    weights = models.stack_experts(config, folder_weights(path))
+    return Source(name, config, weights, folder=path)
 
 
 def folder_weights(path: Path) -> dict:

@@ -12,6 +12,10 @@ The stock classes call q_proj(x), k_proj(x), v_proj(x) on one x: each part
 becomes a view of one stacked matmul computed once for that x. Which parts
 stack is the family's `ARCH.pairs` (`groups`); a checkpoint that stores them
 fused already (Phi-3, OpenELM) has none, and stock_fused is stock there.
+Stacked experts (mlx-lm's SwitchGLU: gate_proj(x, indices), up_proj(x,
+indices), each weight (experts, out, in)) stack each expert's rows (axis -2)
+into one gather matmul computed once for that x and those indices; a bias's
+rows are its last axis.
 """
 
 from typing import List, Optional, Tuple
@@ -35,14 +39,22 @@ def groups(arch) -> Tuple[Tuple[str, ...], ...]:
 _ARRAYS = ("weight", "scales", "biases", "bias")
 
 
+def _axis(key: str) -> int:
+    # The rows' axis: a weight's (and its scales') -2, a bias's -1; 2-D or 3-D.
+    return -1 if key == "bias" else -2
+
+
 class Stacked(nn.Module):
-    """The parts' rows stacked into one (quantized) linear, computed once per input."""
+    """The parts' rows stacked into one (quantized) linear, computed once per
+    input (and, for stacked experts, per indices)."""
 
     def __init__(self, parts: List[nn.Module]):
         super().__init__()
         for key in _ARRAYS:
             if key in parts[0]:
-                setattr(self, key, mx.concatenate([p[key] for p in parts], axis=0))
+                stacked = mx.concatenate([p[key] for p in parts], axis=_axis(key))
+                setattr(self, key, stacked)
+        self.experts = parts[0].weight.ndim == 3
         p0 = parts[0]
         self.quant = (
             (p0.group_size, p0.bits, getattr(p0, "mode", "affine"))
@@ -50,12 +62,42 @@ class Stacked(nn.Module):
             else None
         )
         # The last (input, output): the parts call with the same x in turn.
-        object.__setattr__(self, "_last", (None, None))
+        object.__setattr__(self, "_last", ((None,), None))
 
-    def cached(self, x: mx.array) -> mx.array:
-        if self._last[0] is not x:
-            object.__setattr__(self, "_last", (x, self._matmul(x)))
+    def cached(self, x: mx.array, *args, **kwargs) -> mx.array:
+        key = (x, *args, *kwargs.values())
+        last = self._last[0]
+        if len(last) != len(key) or any(a is not b for a, b in zip(last, key)):
+            out = self._gather(x, *args, **kwargs) if self.experts else self._matmul(x)
+            object.__setattr__(self, "_last", (key, out))
         return self._last[1]
+
+    def _gather(self, x, indices, sorted_indices=False):
+        """As mlx-lm's (Quantized)SwitchLinear: each row through its expert."""
+        if self.quant is None:
+            y = mx.gather_mm(
+                x,
+                self.weight.swapaxes(-1, -2),
+                rhs_indices=indices,
+                sorted_indices=sorted_indices,
+            )
+        else:
+            group_size, bits, mode = self.quant
+            y = mx.gather_qmm(
+                x,
+                self.weight,
+                self.scales,
+                self.get("biases"),
+                rhs_indices=indices,
+                transpose=True,
+                group_size=group_size,
+                bits=bits,
+                mode=mode,
+                sorted_indices=sorted_indices,
+            )
+        if "bias" in self:
+            y = y + mx.expand_dims(self.bias[indices], -2)
+        return y
 
     def _matmul(self, x):
         if self.quant is None:  # as nn.Linear: a bias rides in the same launch
@@ -85,8 +127,8 @@ class Part(nn.Module):
         object.__setattr__(self, "_stacked", stacked)  # not a child: counted once
         self.start, self.stop = start, stop
 
-    def __call__(self, x):
-        return self._stacked.cached(x)[..., self.start : self.stop]
+    def __call__(self, x, *args, **kwargs):
+        return self._stacked.cached(x, *args, **kwargs)[..., self.start : self.stop]
 
 
 def _signature(m: nn.Module) -> Optional[Tuple]:
@@ -94,7 +136,13 @@ def _signature(m: nn.Module) -> Optional[Tuple]:
     the quantization; None for a module that is not a plain (quantized) linear."""
     if "weight" not in m or any(k not in _ARRAYS for k, _ in m.parameters().items()):
         return None
-    shapes = tuple((k, m[k].shape[1:], m[k].dtype) for k in _ARRAYS if k in m)
+    if m.get("global_scale") is not None:  # nvfp4 experts' own scales: not stacked
+        return None
+
+    def others(a: mx.array, key: str):  # the shape but the rows' axis
+        return tuple(n for i, n in enumerate(a.shape) if i != a.ndim + _axis(key))
+
+    shapes = tuple((k, others(m[k], k), m[k].dtype) for k in _ARRAYS if k in m)
     quant = (m.group_size, m.bits, getattr(m, "mode", "affine")) if "scales" in m else 0
     return shapes, quant
 
@@ -119,7 +167,7 @@ def fuse_projections(model: nn.Module, stacks=GROUPS) -> int:
         setattr(module, "_".join(n.split("_")[0] for n in names) + "_stacked", stacked)
         start = 0
         for name, part in zip(names, parts):
-            stop = start + part.weight.shape[0]
+            stop = start + part.weight.shape[-2]
             setattr(module, name, Part(stacked, start, stop))
             start = stop
         done += 1

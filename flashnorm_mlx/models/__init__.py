@@ -16,12 +16,15 @@ from .arch import Architecture
 # config model_type -> module in flashnorm_mlx.models
 ARCHITECTURES = {
     "gemma3_text": "gemma3",
+    "gpt_oss": "gpt_oss",
     "llama": "llama",
     "mistral": "llama",  # mlx-lm runs Mistral as Llama, sliding window included
+    "mixtral": "mixtral",
     "openelm": "openelm",
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
     "smollm3": "smollm3",
 }
 
@@ -132,6 +135,14 @@ def context_length(config: dict) -> Optional[int]:
 
 def architecture(config: dict) -> Architecture:
     return model_module(config).ARCH
+
+
+def stack_experts(config: dict, weights: dict) -> dict:
+    """A checkpoint's per-expert weights stacked into mlx-lm's 3-D experts
+    (`arch.MoE.stack`), so fold, quantization and convert see one module per
+    layer's experts, as mlx-lm's saved checkpoints hold them."""
+    moe = architecture(config).moe
+    return moe.stack(config, weights) if moe else weights
 
 
 def model_classes(config: dict, cls: str):

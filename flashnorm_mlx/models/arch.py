@@ -13,6 +13,9 @@ Beyond the Llama shape (docs/design.md section 2h), an architecture states:
 - `post_norms`: norms on a sublayer's output before the residual add, which
   cannot fold (nonorm folds its constant into the rows of the linear before);
 - `embed_scale`: the embeddings are scaled by sqrt(width) before the blocks;
+- `moe`: a mixture-of-experts feed-forward (`MoE`) in the layers that have one:
+  its router and stacked experts, which the norm feeds in place of the dense
+  pair's gate and up (docs/design.md section 2j).
 - `cannot`: what the family does not do (a variant such as "nonorm", or
   "gguf"), each with why; `require` turns asking for it into one line.
 The block and sublayer names (`norms`, `attention`, `feed_forward`) come from
@@ -20,7 +23,7 @@ The block and sublayer names (`norms`, `attention`, `feed_forward`) come from
 """
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -58,6 +61,64 @@ class PostNorm:
 
 
 @dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts feed-forward, names relative to a layer: one router
+    (a linear, width -> experts) and the experts stacked expert-major, each a
+    3-D (experts, out, in) weight as mlx-lm's `sanitize` leaves them (its
+    SwitchLinear's), read by `norm` like the dense pair it replaces.
+
+    Sharding, nonorm, stock_fused, quantization and GGUF read it from here."""
+
+    norm: str  # the norm that feeds router and experts
+    router: str  # e.g. "mlp.gate"
+    experts: str  # the stacked experts' module, e.g. "mlp.switch_mlp"
+    fed: Tuple[str, ...] = ("gate_proj", "up_proj")  # the experts' norm-fed linears
+    down: str = "down_proj"
+    fused: str = "gate_up_proj"  # our stacked gate|up (rows: axis -2)
+    per_expert: str = "mlp.experts.{e}"  # Hugging Face's one module per expert
+    # Hugging Face's names of an expert's gate, up and down (Mixtral: w1, w3, w2).
+    per_expert_names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    count_key: str = "num_experts"  # config key: number of experts
+    # mlx-lm's quant_predicate for the router (qwen3_moe: 8 bits, groups of 64).
+    router_quant: Optional[Tuple[int, int]] = None  # (bits, group_size)
+
+    def linears(self, prefix: str, weights: Dict) -> List[str]:
+        """The router and the experts' norm-fed linears of one layer, as
+        `weights` name them (fused or split); [] where the layer is dense."""
+        if f"{prefix}.{self.router}.weight" not in weights:
+            return []
+        fused = f"{prefix}.{self.experts}.{self.fused}"
+        if f"{fused}.weight" in weights:
+            return [f"{prefix}.{self.router}", fused]
+        parts = [f"{prefix}.{self.experts}.{f}" for f in self.fed]
+        return [f"{prefix}.{self.router}"] + parts
+
+    def stack(self, config: dict, weights: Dict) -> Dict:
+        """Hugging Face's per-expert weights (`per_expert`) stacked into the
+        3-D ones mlx-lm's `sanitize` makes (lazily: nothing is computed)."""
+        n = config.get(self.count_key, 0)
+        first = self.per_expert.format(e=0)
+        if not n or not any(f".{first}." in k for k in weights):
+            return weights
+        out, done = dict(weights), set()
+        for k in weights:
+            head, sep, _ = k.partition(f".{first}.")
+            if not sep or head in done:
+                continue
+            done.add(head)
+            for hf, lin in zip(self.per_expert_names, (*self.fed, self.down)):
+                for suffix in ("weight", "scales", "biases", "bias"):
+                    keys = [
+                        f"{head}.{self.per_expert.format(e=e)}.{hf}.{suffix}"
+                        for e in range(n)
+                    ]
+                    if keys[0] in out:
+                        stacked = mx.stack([out.pop(key) for key in keys])
+                        out[f"{head}.{self.experts}.{lin}.{suffix}"] = stacked
+        return out
+
+
+@dataclass(frozen=True)
 class Architecture:
     layers_key: str  # config key: number of layers
     layer: str  # weight prefix of layer i, "{i}" formatted
@@ -76,6 +137,7 @@ class Architecture:
     tie_default: bool = True  # a config without tie_key (stock's default)
     # (what, why) the family cannot do: a variant ("nonorm", ...) or "gguf".
     cannot: Tuple[Tuple[str, str], ...] = ()
+    moe: Optional[MoE] = None  # a mixture-of-experts feed-forward, where any
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -136,8 +198,11 @@ class Architecture:
         when the head is untied; the fused or split names, as `weights` has them."""
         out = []
         for p in self.layer_prefixes(config):
+            experts = self.moe.linears(p, weights) if self.moe else []
             for pair in self.pairs:
-                if f"{p}.{pair.fused}.weight" in weights:
+                if experts and pair.norm == self.moe.norm:  # this layer's MoE
+                    linears = experts
+                elif f"{p}.{pair.fused}.weight" in weights:
                     linears = [f"{p}.{pair.fused}"]
                 else:
                     linears = [f"{p}.{part}" for part in pair.parts]

@@ -102,7 +102,12 @@ class FusedAttention(nn.Module):
         of the block input x, (B, L, 1) float32."""
         offset = cache.offset if cache is not None else 0
         q, k, v = self.heads(xs, ms, offset)
-        return self.project_out(attend_cached(q, k, v, mask, cache))
+        return self.project_out(self.attend(q, k, v, mask, cache))
+
+    def attend(self, q, k, v, mask, cache):
+        """The KV cache update and attention (engine.py's compiled parts call it
+        too); an attention with more inputs (gpt-oss's sinks) overrides it."""
+        return attend_cached(q, k, v, mask, cache)
 
     def heads(self, xs, ms, offset):
         """q', k', v' (B, H, L, h) of the block input, RoPE at `offset`."""

@@ -174,7 +174,12 @@ def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
     or three linears (mlx-lm's Llama, Qwen2, Qwen3), and the o_proj/out_proj
     columns that read its query heads; the local head counts set. The same for
     FlashNorm, stock and nonorm, which share these names."""
-    hq, hkv = attn.n_heads, attn.n_kv_heads
+    # mlx-lm's Mixtral names its head counts num_heads / num_key_value_heads.
+    counts = ("n_heads", "n_kv_heads")
+    if not hasattr(attn, "n_heads"):  # mlx-lm's gpt-oss: num_attention_heads
+        q_name = "num_heads" if hasattr(attn, "num_heads") else "num_attention_heads"
+        counts = (q_name, "num_key_value_heads")
+    hq, hkv = (getattr(attn, c) for c in counts)
     mine = split_heads(hq, hkv, group.size(), where)[group.rank()]
     fused = "qkv_proj" in attn
     if fused:  # (rows are output features, quantized or not)
@@ -197,7 +202,10 @@ def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
     out = "o_proj" if "o_proj" in attn else "out_proj"
     label = f"{where} {out}".strip()
     setattr(attn, out, sum_columns(attn[out], q[0], group, label))
-    attn.n_heads, attn.n_kv_heads = mine.n_heads, mine.n_kv_heads
+    if "sinks" in attn:  # one per query head (gpt-oss)
+        attn.sinks = _cut(attn.sinks, [(mine.q0, mine.q1)])
+    setattr(attn, counts[0], mine.n_heads)
+    setattr(attn, counts[1], mine.n_kv_heads)
     return mine
 
 
@@ -242,19 +250,100 @@ def shard_mlp(mlp: nn.Module, group, where: str = "") -> Tuple[int, int]:
     return a, b
 
 
+def _cut_rows(a: mx.array, ranges) -> mx.array:
+    """Rows (axis -2) of stacked experts' arrays (experts, rows, cols), copied."""
+    parts = [a[:, s:e] for s, e in ranges]
+    return mx.contiguous(parts[0] if len(parts) == 1 else mx.concatenate(parts, 1))
+
+
+def shard_experts(moe_module: nn.Module, moe, group, where: str = "") -> None:
+    """Split a mixture-of-experts feed-forward (`moe`: its `arch.MoE`) over
+    `group`: each expert's gate and up rows and down's input columns, the same
+    hidden columns of every expert on a rank (a quantized down on its group
+    boundaries); the router stays whole on every rank, so every rank routes
+    each token alike, and the block all-sums its output (its `sharding_group`,
+    as mlx-lm's Qwen3-MoE). Ours (gate|up fused) and mlx-lm's (split) alike."""
+    experts = moe_module[moe.experts.rpartition(".")[2]]
+    down = experts[moe.down]
+    cols = down.weight.shape[-1]
+    if "scales" in down:
+        cols = cols * 32 // down.bits
+    unit = down.group_size if "scales" in down else 1
+    label = f"{where} experts' {moe.down}".strip()
+    a, b = split_ffn(cols, unit, group.size(), label)[group.rank()]
+    keys = ("weight", "scales", "biases", "bias")
+    fused = moe.fused in experts
+    for name in (moe.fused,) if fused else moe.fed:
+        lin = experts[name]
+        rows = [(a, b), (cols + a, cols + b)] if fused else [(a, b)]
+        for key in keys:
+            if key in lin and lin[key] is not None:
+                lin[key] = (
+                    _cut(lin[key], rows, -1)
+                    if key == "bias"
+                    else _cut_rows(lin[key], rows)
+                )
+    if "scales" in down:
+        gs, bits = down.group_size, down.bits
+        if a % gs or b % gs or (a * bits) % 32:
+            raise ShardError(
+                f"cannot shard {label} over {group.size()} ranks: columns {a}-{b} "
+                f"do not fall on its quantization groups of {gs}"
+            )
+        down.weight = _cut(down.weight, [(a * bits // 32, b * bits // 32)], -1)
+        for key in ("scales", "biases"):
+            if key in down and down[key] is not None:
+                down[key] = _cut(down[key], [(a // gs, b // gs)], -1)
+    else:
+        down.weight = _cut(down.weight, [(a, b)], -1)
+    if "gate_up_bias" in experts:  # ours, added after the deferred scale
+        experts.gate_up_bias = _cut(
+            experts.gate_up_bias, [(a, b), (cols + a, cols + b)], -1
+        )
+    if "bias" in down and group.rank():  # added once, after the all-sum
+        down.bias = mx.zeros_like(down.bias)
+    if hasattr(moe_module, "sharding_group"):  # ours, mlx-lm's Qwen3-MoE: it sums
+        moe_module.sharding_group = group
+    else:  # mlx-lm's Mixtral: each expert's output summed before the weighting
+        name = moe.experts.rpartition(".")[2]
+        setattr(moe_module, name, _SummedExperts(experts, group))
+
+
+class _SummedExperts(nn.Module):
+    """A rank's share of the experts (B, L, k, D), all-summed over the group:
+    the weighted sum of the k experts after it is linear, so exact."""
+
+    def __init__(self, experts: nn.Module, group):
+        super().__init__()
+        self.experts = experts
+        self.group = group
+
+    def __call__(self, *args, **kwargs):
+        y = self.experts(*args, **kwargs)
+        return mx.distributed.all_sum(y, group=self.group)
+
+
 def shard_layers(layers: List[nn.Module], group, arch=None) -> None:
     """Every block's attention and feed-forward, each layer by its own head
     counts (OpenELM's vary); embedding, head and residual stay whole. `arch`
-    (models/arch.py) names the two modules; without it (mlx-lm's classes)
-    they are found under Llama's or OpenELM's names."""
+    (models/arch.py) names the modules, its `moe` the layers with experts;
+    without it (mlx-lm's classes) they are found under Llama's or OpenELM's names."""
+    moe = arch.moe if arch is not None else None
+    at, _, router = moe.router.rpartition(".") if moe else ("", "", "")
     for i, layer in enumerate(layers):
         if arch is not None:
-            attn, ffn = layer[arch.attention], layer[arch.feed_forward]
+            attn = layer[arch.attention]
         else:
             attn = layer["self_attn"] if "self_attn" in layer else layer["attn"]
-            ffn = layer["mlp"] if "mlp" in layer else layer["ffn"]
         shard_attention(attn, group, f"layer {i}")
-        shard_mlp(ffn, group, f"layer {i}")
+        if at in layer and router in layer[at]:  # this layer's experts
+            shard_experts(layer[at], moe, group, f"layer {i}")
+        elif arch is not None:
+            shard_mlp(layer[arch.feed_forward], group, f"layer {i}")
+        else:
+            shard_mlp(
+                layer["mlp"] if "mlp" in layer else layer["ffn"], group, f"layer {i}"
+            )
 
 
 # Where our model classes live (models/): those shard themselves.
@@ -262,13 +351,14 @@ _OUR_MODELS = __package__.rpartition(".")[0] + ".models."
 
 
 def shard_model(
-    model: nn.Module, group, name: str = "the model", own: bool = False
+    model: nn.Module, group, name: str = "the model", own: bool = False, arch=None
 ) -> None:
     """Split `model` over `group` in place: ours by its own `shard`, mlx-lm's
-    (stock, nonorm) by `shard_layers`, as mlx-lm's own shard needs head counts
-    that divide. own: mlx-lm's class of a family FlashNorm does not cover,
-    whose layers may be of any shape: by the class's own `shard`, where it has
-    one. ShardError (one line) where it cannot be split."""
+    (stock, nonorm) by `shard_layers` (`arch`: the family's contract, its
+    experts included), as mlx-lm's own shard needs head counts that divide.
+    own: mlx-lm's class of a family FlashNorm does not cover, whose layers may
+    be of any shape: by the class's own `shard`, where it has one. ShardError
+    (one line) where it cannot be split."""
     size = group.size()
     ours = type(model).__module__.startswith(_OUR_MODELS)
     try:
@@ -282,7 +372,7 @@ def shard_model(
         elif ours and hasattr(model, "shard"):
             model.shard(group)
         elif hasattr(model, "layers") and not ours:
-            shard_layers(model.layers, group)
+            shard_layers(model.layers, group, arch)
         else:
             raise ShardError(
                 f"{name}: {type(model).__module__}.{type(model).__name__} has no "

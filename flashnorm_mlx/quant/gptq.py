@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.quant.gptq import Catcher
 from mlx_lm.quant.gptq import quantize as pack
 
@@ -54,6 +55,31 @@ def check_qspec(qspec: dict) -> None:
 
 
 Hessians = Dict[str, mx.array]
+
+
+class ExpertCatcher(nn.Module):
+    """Each expert's own Hessian (experts, in, in) of a stacked-experts linear
+    (mlx-lm's SwitchLinear), from the rows routed to that expert alone
+    (mlx-lm's GPTQ pools every expert's rows into one)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        n, _, d = module.weight.shape
+        self.H = mx.zeros((n, d, d))
+
+    def __call__(self, x, indices, *args, **kwargs):
+        # x (..., 1, d) per token or per (token, expert); indices the experts.
+        rows = mx.broadcast_to(x.squeeze(-2), (*indices.shape, x.shape[-1]))
+        rows, idx = rows.reshape(-1, x.shape[-1]), np.array(indices).reshape(-1)
+        order = np.argsort(idx, kind="stable")
+        bounds = np.searchsorted(idx[order], np.arange(self.H.shape[0] + 1))
+        parts = []
+        for e in range(self.H.shape[0]):
+            sel = rows[mx.array(order[bounds[e] : bounds[e + 1]])]
+            parts.append(sel.T @ sel if sel.shape[0] else mx.zeros(self.H.shape[1:]))
+        self.H = self.H + mx.stack(parts)
+        return self.module(x, indices, *args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -91,9 +117,9 @@ def hessians(
     weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
     model = models.instantiate(config, weights, "stock")
     catchers = [
-        (name, Catcher(m))
+        (name, Catcher(m) if type(m) is nn.Linear else ExpertCatcher(m))
         for name, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
-        if type(m) is nn.Linear
+        if type(m) in (nn.Linear, SwitchLinear)
     ]
     model.update_modules(tree_unflatten(catchers))
     for s in range(0, data.shape[0], batch_size):
@@ -112,7 +138,10 @@ def hessians(
 
 def inverse_cholesky(H: mx.array) -> mx.array:
     """Upper Cholesky factor of H^-1 (damped), as GPTQ uses it; in float64 with
-    numpy's LAPACK (MLX's CPU linalg took seconds for a 1536-wide H here)."""
+    numpy's LAPACK (MLX's CPU linalg took seconds for a 1536-wide H here).
+    Stacked experts' (experts, in, in): each expert's own."""
+    if H.ndim == 3:
+        return mx.stack([inverse_cholesky(h) for h in H])
     h = np.array(H, dtype=np.float64)
     # Damped, and never singular (a linear that calibration never reached).
     h[np.diag_indices_from(h)] += max(DAMPING * np.mean(np.diag(h)), 1e-6)
@@ -128,15 +157,22 @@ def quantize_weight(
     dtype: mx.Dtype,
     hinv: Optional[mx.array] = None,
 ) -> Dict[str, mx.array]:
-    """GPTQ of one (out, in) weight: {"weight" (packed), "scales", "biases"}.
+    """GPTQ of one (out, in) weight: {"weight" (packed), "scales", "biases"};
+    of stacked experts' (experts, out, in), each expert on its own Hessian.
 
     Scales and biases are rounded to `dtype` (what the checkpoint stores) before
     the columns are quantized against them. Rows are independent, so any row
     range of a weight gives the same rows as the whole (`hinv`: the
     `inverse_cholesky(H)` of an earlier range, to reuse).
     """
-    W = w.astype(mx.float32)
     Hinv = inverse_cholesky(H) if hinv is None else hinv
+    if w.ndim == 3:
+        each = [
+            quantize_weight(w[e], None, bits, group_size, dtype, Hinv[e])
+            for e in range(w.shape[0])
+        ]
+        return {k: mx.stack([q[k] for q in each]) for k in each[0]}
+    W = w.astype(mx.float32)
     n_bins = 2**bits - 1
     all_scales, all_biases = [], []
     for i in range(0, W.shape[1], group_size):

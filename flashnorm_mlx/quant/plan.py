@@ -103,7 +103,9 @@ def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan
     # nearest MLX setting (kquant.py), as the quantized ones.
     floats = kquant.requantize_spec(config) if quantized_way == "requantize" else {}
     if not is_quantized(weights):
-        qspec = uniform_qspec(weights, *quantize) if quantize else (floats or None)
+        qspec = (
+            uniform_qspec(weights, *quantize, config) if quantize else (floats or None)
+        )
         return WeightPlan(weights, config, dtype, qspec)
     if quantize is None and quantized_way == "stored":
         # The file's own function and bytes, as the user asked: nothing to say.
@@ -115,7 +117,7 @@ def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan
     note = _changed_note(weights, config, dtype, quantize, quantized_way)
     weights, config = dequantize_weights(weights, config, mx.float32)
     if quantize:
-        qspec = uniform_qspec(weights, *quantize)
+        qspec = uniform_qspec(weights, *quantize, config)
     return WeightPlan(weights, config, dtype, qspec, note=note)
 
 
@@ -236,5 +238,5 @@ def _plan_folded(weights, config, dtype, given_dtype, quantize, quantized_way, o
             "source is already folded (config.json has 'flashnorm'); "
             "pass -q or --dtype to quantize or cast it"
         )
-    qspec = uniform_qspec(weights, *quantize) if quantize else None
+    qspec = uniform_qspec(weights, *quantize, config) if quantize else None
     return WeightPlan(weights, config, dtype, qspec)

@@ -68,19 +68,29 @@ def dequantize_weights(
     return out, config
 
 
-def uniform_qspec(weights: Weights, bits: int, group_size: int) -> dict:
-    """Quantize every 2-D weight whose input width the group size divides, as
-    mlx-lm does; LoadError where that is none of them (-q would do nothing)."""
+def uniform_qspec(
+    weights: Weights, bits: int, group_size: int, config: Optional[dict] = None
+) -> dict:
+    """Quantize every linear weight (2-D, or 3-D stacked experts) whose input
+    width the group size divides, as mlx-lm does, a mixture-of-experts router
+    at the bits mlx-lm's quant_predicate gives it (`Architecture.moe`);
+    LoadError where that is none of them (-q would do nothing)."""
     widths = {
         k[: -len(".weight")]: v.shape[-1]
         for k, v in weights.items()
-        if k.endswith(".weight") and v.ndim == 2
+        if k.endswith(".weight") and v.ndim in (2, 3)
     }
     qspec = {
         m: {"group_size": group_size, "bits": bits, "mode": "affine"}
         for m, w in widths.items()
         if w % group_size == 0
     }
+    router = _router_quant(config)
+    if router:
+        r_bits, r_group, name = router
+        for m, w in widths.items():
+            if m.endswith(name) and w % r_group == 0:
+                qspec[m] = {"group_size": r_group, "bits": r_bits, "mode": "affine"}
     if widths and not qspec:
         sizes = sorted(set(widths.values()))
         fits = [g for g in GROUP_SIZES if any(w % g == 0 for w in sizes)]
@@ -94,6 +104,21 @@ def uniform_qspec(weights: Weights, bits: int, group_size: int) -> dict:
             )
         )
     return qspec
+
+
+def _router_quant(config: Optional[dict]):
+    """(bits, group_size, ".router name") of a mixture-of-experts router, or None."""
+    if not config:
+        return None
+    from .. import models
+
+    try:
+        moe = models.architecture(config).moe
+    except Exception:  # not a model this package builds: no router to set
+        return None
+    if moe is None or moe.router_quant is None:
+        return None
+    return (*moe.router_quant, f".{moe.router}")
 
 
 def source_qspec(weights: Weights, config: dict) -> dict:
