@@ -73,11 +73,11 @@ def test_the_seed_range_is_mlxs():
 
 def test_the_loader_and_the_flags_take_the_same_quantization_settings():
     """-q's --q-bits/--q-group-size offer what a checkpoint's config may say
-    (loading/checks.py), and the refusal names that list."""
+    (loading/config_checks.py), and the refusal names that list."""
     from flashnorm_mlx.cli import generate
     from flashnorm_mlx.errors import LoadError
     from flashnorm_mlx.limits import GROUP_SIZES, WEIGHT_BITS
-    from flashnorm_mlx.loading.checks import check_config
+    from flashnorm_mlx.loading.config_checks import check_config
 
     choices = {a.dest: a.choices for a in generate.setup_arg_parser()._actions}
     assert tuple(choices["q_bits"]) == WEIGHT_BITS, choices["q_bits"]

