@@ -24,7 +24,8 @@ FlashNorm builder), answers errors as {"error": "text"}, and has no API key.
 """
 
 from .auth import API_KEY_ENV, bind_warning, key_matches
-from .http import ApiServer, run_until_signal
+from .connections import run_until_signal
+from .http import ApiServer
 from .schema import Settings
 from .service import Service
 

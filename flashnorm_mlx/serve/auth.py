@@ -1,6 +1,7 @@
 """serve's access rules: the API key (compared in constant time) and the
 warning for a server other machines can reach without one."""
 
+import hashlib
 import hmac
 import ipaddress
 from typing import Optional
@@ -34,3 +35,15 @@ def key_matches(header: Optional[str], api_key: str) -> bool:
     if scheme.lower() != "bearer" or not given.strip():
         return False
     return hmac.compare_digest(given.strip().encode(), api_key.encode())
+
+
+def key_scope(header: Optional[str], api_key: Optional[str]) -> Optional[str]:
+    """The prompt-cache scope of the key a request sent: a digest of the one of
+    `api_key`'s comma-separated keys it matches (every key checked, in
+    constant time each), None when it matches none. Requests under different
+    keys never share cached prefixes (scheduler.py)."""
+    found = None
+    for key in (k.strip() for k in (api_key or "").split(",")):
+        if key and key_matches(header, key):
+            found = "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    return found

@@ -209,6 +209,7 @@ async function send() {
   const body = {
     messages: system ? [{ role: "system", content: system }, ...history] : history,
     stream: true,
+    stream_options: { include_usage: true }, // usage comes in the last chunk
     ...requestFields(),
   };
   const reply = { role: "assistant", content: "", stats: "" };
