@@ -363,9 +363,9 @@ def test_prefill_pace_sizes_chunks_by_time():
     slow.measured(4, 10.0)  # a step's cost over the budget: still 4 a step
     assert slow.step(1) == FIRST_CHUNK and slow.step(8) == 1
     # A forward pass costs 1 s whatever it reads, a token 0.1 s more: chunks
-    # of 10 (1 s of tokens, as long as the fixed cost), not 5.
+    # of 5 (0.5 s of tokens beyond the pass), not 4 (1.4 s / 4 a token).
     busy = PrefillPace(seconds=0.5, most=512)
     for _ in range(6):
         n = busy.step(1)
         busy.measured(n, 1.0 + 0.1 * n, fixed=1.0)
-    assert busy.step(1) == 10, busy.last
+    assert busy.step(1) == 5, busy.last

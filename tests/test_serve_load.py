@@ -2,8 +2,8 @@
 15 MB prompt is refused from its size before it is tokenized, and a 600-token
 prompt is prefilled in timed chunks between the stream's steps, so the stream
 never waits long between chunks. Runs on the embedded SmolLM2 on 127.0.0.1;
-the bounds hold with margin on a busy 2-core CPU (the default
---prefill-chunk-seconds 0.5: a chunk plus a decode step is about a second)."""
+--prefill-chunk-seconds 0.25 keeps a step (a decode pass and a chunk) well
+under the bound on a busy 2-core CPU, where one forward pass may take a second."""
 
 import http.client
 import json
@@ -20,7 +20,7 @@ REFUSE_S = 3.0
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server()
+    s = Server("--prefill-chunk-seconds", "0.25")
     yield s
     s.kill()
 

@@ -54,7 +54,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--prefill-step-size",
         type=int,
         default=512,
-        help="prompt tokens per turn; other requests get turns between chunks",
+        help="most prompt tokens per step; while streams decode, steps are "
+        "shorter (--prefill-chunk-seconds)",
     )
     p.add_argument(
         "--prompt-cache-size",

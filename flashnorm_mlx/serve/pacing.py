@@ -7,10 +7,10 @@ time, which on a slow machine is a minute for 512 tokens. Here the chunk is
 sized by time, as chat's prefill (flashnorm_mlx/chat.py) sizes its own: the
 rate measured on the last chunk sets the next one to about `seconds`, at most
 twice the last and never over `most` (--prefill-step-size). A chunk's cost is
-what its pass takes beyond the step's decode pass (the cost of any forward pass,
-large on a busy CPU); where that fixed cost exceeds `seconds`, chunks cost as
-much again, so a prompt is read at half speed or better. With no stream
-decoding, nobody waits, and prompts are read `most` tokens a step.
+what its pass takes beyond the step's decode pass (the cost of any forward
+pass as such, large on a busy CPU), and a step reads FIRST_CHUNK tokens at
+least. With no stream decoding, nobody waits: prompts are read `most` tokens
+a step.
 """
 
 FIRST_CHUNK = 4  # tokens, before any chunk was timed (chat.PREFILL_FIRST_CHUNK)
@@ -20,7 +20,6 @@ class PrefillPace:
     def __init__(self, seconds: float, most: int):
         self.seconds, self.most = seconds, most
         self.per_token = None  # seconds per prompt token, last measured
-        self.fixed = 0.0  # seconds of a step's forward pass that any chunk costs
         self.last = FIRST_CHUNK
 
     def step(self, prompting: int, decoding: bool = True) -> int:
@@ -31,10 +30,7 @@ class PrefillPace:
             return self.most
         if self.per_token is None:
             return min(FIRST_CHUNK, self.most)
-        # Where a forward pass's fixed cost is over `seconds` (a slow, busy
-        # CPU), a chunk as long again: prefill still runs at half speed or more.
-        aim = max(self.seconds, self.fixed)
-        fit = aim / (self.per_token * max(prompting, 1))
+        fit = self.seconds / (self.per_token * max(prompting, 1))
         least = -(-FIRST_CHUNK // max(prompting, 1))
         self.last = max(least, min(int(fit), 2 * self.last, self.most))
         return self.last
@@ -45,4 +41,3 @@ class PrefillPace:
         if tokens > 0 and seconds > 0:
             # The chunk's own cost: what its pass took beyond a decode pass.
             self.per_token = max(seconds - fixed, seconds / 4) / tokens
-            self.fixed = fixed
