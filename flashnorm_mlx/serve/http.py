@@ -177,9 +177,9 @@ class Handler(BaseHTTPRequestHandler):
         """With an API key, every route but /health and the page's files needs
         it (401 otherwise)."""
         key = self.service.settings.api_key
-        self.key_scope = None  # the prompt cache's scope (auth.key_scope)
+        # The prompt cache's scope (auth.key_scope), for this thread's requests.
+        self.key_scope = key_scope(self.headers.get("Authorization"), key)
         if key and path not in public_paths():
-            self.key_scope = key_scope(self.headers.get("Authorization"), key)
             if self.key_scope is None:
                 self.close_connection = True  # a body, if any, is left unread
                 raise RequestError(

@@ -7,6 +7,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional
 
+from .auth import current_scope
 from .bounds import bytes_per_token, check_fits
 from .prompts import read_messages, read_prompts, read_template_kwargs
 from .scheduler import Worker
@@ -83,8 +84,9 @@ class Service:
         """The body's Requests (parse), handed to the worker while the caller
         answers them; on leaving, those not finished are cancelled (their
         client left) and the body no longer counts as in flight. key_scope:
-        the API key's (auth.key_scope), the prompt cache's scope."""
-        requests = self.parse(kind, body, key_scope)
+        the API key's (auth.key_scope), the prompt cache's scope; None: the
+        one this HTTP thread's key check found."""
+        requests = self.parse(kind, body, key_scope or current_scope())
         self.track(+1)
         try:
             for request in requests:
