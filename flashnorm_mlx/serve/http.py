@@ -50,6 +50,9 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive for JSON; streams close at the end
     server_version = "flashnorm-mlx"
     timeout = 15  # seconds a connection may sit idle (or stall a body)
+    # TCP_NODELAY, as uvicorn sets: headers and body are two writes, and Nagle
+    # may hold the second until the client's delayed ACK (up to 40 ms).
+    disable_nagle_algorithm = True
 
     def log_message(self, format, *args):
         pass  # the generation thread logs one line per answered request
