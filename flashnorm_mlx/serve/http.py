@@ -2,7 +2,8 @@
 
 The standard library's ThreadingHTTPServer reads, checks and tokenizes each
 request on its own thread, then hands Requests to the generation worker
-(scheduler.py) and streams or collects what it sends back.
+(scheduler.py) and streams or collects what it sends back. Checks: guard.py;
+the connection cap: connections.py; why not uvicorn+starlette: docs/serve.md.
 """
 
 import ipaddress
