@@ -249,13 +249,14 @@ def keyed():
 
 
 def _cached(s, key, **extra) -> int:
-    r = s.client(key=key).chat.completions.create(
-        model="default",
-        messages=[{"role": "user", "content": "The PIN is 4417. Repeat it back."}],
-        max_tokens=1,
-        temperature=0,
-        **({"extra_body": extra} if extra else {}),
-    )
+    with s.client(key=key) as client:  # its keep-alive connection closed after
+        r = client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": "The PIN is 4417. Repeat it back."}],
+            max_tokens=1,
+            temperature=0,
+            **({"extra_body": extra} if extra else {}),
+        )
     return r.usage.prompt_tokens_details.cached_tokens
 
 
@@ -268,8 +269,9 @@ def test_api_keys_and_cache_salts_share_no_cached_prefixes(keyed):
     print(first, other_key, same_key, salted, salted_again)
     assert other_key == 0 and salted == 0, (other_key, salted)
     assert same_key > 0 and salted_again > 0, (same_key, salted_again)
-    with pytest.raises(openai.AuthenticationError):
-        keyed.client(key="key-c").models.list()
+    with keyed.client(key="key-c") as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
 
 
 def test_connections_past_the_cap_get_a_503(keyed):
