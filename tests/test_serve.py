@@ -69,21 +69,31 @@ def test_chat_streams_the_same_answer_ending_done(server):
     body = {"messages": PARIS, "temperature": 0, "max_tokens": 10}
     status, plain = server.request("POST", "/v1/chat/completions", body)
     assert status == 200, plain
-    conn, resp = open_stream(server.port, "/v1/chat/completions", body)
-    events = list(sse_events(resp))
-    conn.close()
-    print(events)
-    assert events[-1] == "[DONE]", events
-    chunks = [json.loads(e) for e in events[:-1]]
-    assert all(c["object"] == "chat.completion.chunk" for c in chunks), chunks
-    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-    assert text == plain["choices"][0]["message"]["content"] and "Paris" in text
-    last = chunks[-1]
-    assert last["choices"][0]["finish_reason"] == "stop", last
-    assert last["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    # OpenAI's shape (#48 item 6): usage in no chunk without include_usage,
+    # in exactly one, the last (no choices), with it.
+    for include in (False, True):
+        asked = {**body, "stream_options": {"include_usage": include}}
+        conn, resp = open_stream(server.port, "/v1/chat/completions", asked)
+        events = list(sse_events(resp))
+        conn.close()
+        print(include, events)
+        assert events[-1] == "[DONE]", events
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks), chunks
+        with_usage = [i for i, c in enumerate(chunks) if "usage" in c]
+        assert with_usage == ([len(chunks) - 1] if include else []), with_usage
+        text = "".join(
+            c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]
+        )
+        assert text == plain["choices"][0]["message"]["content"] and "Paris" in text
+        finish = chunks[-2] if include else chunks[-1]
+        assert finish["choices"][0]["finish_reason"] == "stop", finish
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [], chunks[-1]
+    assert usage["completion_tokens"] == plain["usage"]["completion_tokens"]
     # The same prompt again: all but its last token come from the prompt cache.
-    cached = last["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached == last["usage"]["prompt_tokens"] - 1, last["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached == usage["prompt_tokens"] - 1, usage
 
 
 def test_openai_client_stream_with_usage(server):
@@ -342,9 +352,9 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(server):
 
     # No Content-Length, and a body larger than allowed.
     for head, status in [
-        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 411),
+        (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 411),
         (
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n",
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 999999999\r\n\r\n",
             413,
         ),
     ]:

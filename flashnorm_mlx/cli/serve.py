@@ -54,7 +54,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--prefill-step-size",
         type=int,
         default=512,
-        help="prompt tokens per turn; other requests get turns between chunks",
+        help="most prompt tokens per step; while streams decode, steps are "
+        "shorter (--prefill-chunk-seconds)",
     )
     p.add_argument(
         "--prompt-cache-size",
@@ -86,21 +87,47 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health "
+        help="require 'Authorization: Bearer KEY' on every route but /health; "
+        "several keys comma-separated, each with a prompt cache of its own "
         f"(default: ${API_KEY_ENV} if set, else no key; the variable keeps the "
         "key out of ps)",
     )
     p.add_argument(
         "--allowed-origins",
-        type=lambda x: [o.strip() for o in x.split(",") if o.strip()],
-        default=["*"],
+        type=_names,
+        default=None,
         help="web page origins allowed to call the API from a browser (CORS), "
-        "comma-separated, e.g. http://localhost:3000 (default: *, any; as mlx_lm.server)",
+        "comma-separated, e.g. https://app.example (default: loopback origins "
+        "only, such as http://localhost:3000; '*': any, as mlx_lm.server's default)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        type=_names,
+        default=None,
+        help="Host names served besides localhost, 127.0.0.1 and [::1], "
+        "comma-separated ('*': any); others get a 403 (DNS rebinding)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=128,
+        help="connections open at once; more get a 503",
+    )
+    p.add_argument(
+        "--prefill-chunk-seconds",
+        type=float,
+        default=0.5,
+        help="seconds a prompt's prefill chunk aims at: running streams wait "
+        "about this long between tokens while a new prompt is read",
     )
     add_trust_remote_code_arg(p)
     add_draft_args(p)
     add_kv_cache_args(p)
     return p
+
+
+def _names(text: str) -> list:
+    return [o.strip() for o in text.split(",") if o.strip()]
 
 
 def _sampler_defaults() -> tuple:
@@ -121,11 +148,19 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be from 0 to 65535, not {args.port}")
-    for flag in ("prefill_step_size", "prompt_cache_size", "decode_concurrency"):
+    for flag in (
+        "prefill_step_size",
+        "prompt_cache_size",
+        "decode_concurrency",
+        "max_connections",
+    ):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if not args.allowed_origins:
-        parser.error("--allowed-origins needs at least one origin (or *)")
+    if not args.prefill_chunk_seconds > 0:
+        parser.error("--prefill-chunk-seconds must be more than 0")
+    for flag in ("allowed_origins", "allowed_hosts"):
+        if getattr(args, flag) == []:  # given, but only commas and spaces
+            parser.error(f"--{flag.replace('_', '-')} needs at least one name (or *)")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():
         parser.error(f"the API key (--api-key or ${API_KEY_ENV}) must not be empty")
@@ -141,7 +176,13 @@ def main(argv=None):
     set_level(args.log_level)
     # Bind first: a port in use is one line before a long model load.
     try:
-        server = ApiServer(args.host, args.port, args.allowed_origins)
+        server = ApiServer(
+            args.host,
+            args.port,
+            args.allowed_origins or (),
+            args.allowed_hosts or (),
+            args.max_connections,
+        )
     except (OSError, OverflowError) as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e}") from None
     warning = bind_warning(args.host, api_key)

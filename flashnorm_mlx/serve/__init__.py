@@ -17,14 +17,18 @@ and prompts as token ids; `schema`, what a request may hold and the one
 `Request` record each prompt becomes; `scheduler`, the generation thread,
 which decodes every request in flight together with mlx-lm's
 BatchGenerator; `text`, a reply's text token by token; `logprobs`, scored
-and shaped as OpenAI's; `log`, the server's log line.
+and shaped as OpenAI's; `log`, the server's log line; `guard`, the Host,
+Origin and Content-Type checks; `connections`, the connection cap and the
+server's run; `bounds`, prompts refused from their size before tokenizing;
+`pacing`, prefill chunks sized by time.
 
 Why not mlx_lm.server itself: it loads models with `mlx_lm.load` (not our
 FlashNorm builder), answers errors as {"error": "text"}, and has no API key.
 """
 
 from .auth import API_KEY_ENV, bind_warning, key_matches
-from .http import ApiServer, run_until_signal
+from .connections import run_until_signal
+from .http import ApiServer
 from .schema import Settings
 from .service import Service
 

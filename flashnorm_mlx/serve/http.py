@@ -2,22 +2,22 @@
 
 The standard library's ThreadingHTTPServer reads, checks and tokenizes each
 request on its own thread, then hands Requests to the generation worker
-(scheduler.py) and streams or collects what it sends back.
+(scheduler.py) and streams or collects what it sends back. Checks: guard.py;
+the connection cap: connections.py; why not uvicorn+starlette: docs/serve.md.
 """
 
+import ipaddress
 import json
 import select
-import signal
 import socket
-import threading
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from queue import Empty
 from typing import List, Optional
 
-import mlx.core as mx
-
-from .auth import key_matches
+from .auth import key_scope
+from .connections import CappedServer
+from .guard import has_body, is_json, origin_allowed, refusal
 from .log import log
 from .logprobs import chat_logprobs, text_logprobs
 from .routes import extra_routes, public_paths
@@ -50,7 +50,10 @@ def _total_usage(usages: List[dict]) -> dict:
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive for JSON; streams close at the end
     server_version = "flashnorm-mlx"
-    timeout = 300  # idle keep-alive connections are let go
+    timeout = 15  # seconds a connection may sit idle (or stall a body)
+    # TCP_NODELAY, as uvicorn sets: headers and body are two writes, and Nagle
+    # may hold the second until the client's delayed ACK (up to 40 ms).
+    disable_nagle_algorithm = True
 
     def log_message(self, format, *args):
         pass  # the generation thread logs one line per answered request
@@ -65,6 +68,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_OPTIONS(self):
         """A CORS preflight: no key needed (browsers send none), no body."""
+        refused = refusal(self.headers, self.server, preflight=True)
+        if refused:  # a foreign Host; a foreign Origin just gets no grant
+            self.close_connection = True
+            return self._send_json(refused.status, refused.body())
         self.send_response(204)
         self._cors_headers()
         self.send_header("Access-Control-Max-Age", "600")
@@ -101,7 +108,7 @@ class Handler(BaseHTTPRequestHandler):
         origin = headers.get("Origin") if headers else None
         if "*" in allowed:
             self.send_header("Access-Control-Allow-Origin", "*")
-        elif origin in allowed:
+        elif origin and origin_allowed(origin, headers.get("Host"), allowed):
             self.send_header("Access-Control-Allow-Origin", origin)
             self.send_header("Vary", "Origin")
         else:
@@ -118,7 +125,14 @@ class Handler(BaseHTTPRequestHandler):
     def _dispatch(self):
         self._sent = False
         path = self.path.split("?", 1)[0].rstrip("/")
+        # A body left unread would be read as the next request: until a route
+        # reads it (_read_json), every reply closes the connection.
+        self._keep_open = not self.close_connection
+        self.close_connection |= has_body(self.headers)
         try:
+            refused = refusal(self.headers, self.server)  # Host, Origin: guard.py
+            if refused:
+                raise refused
             self._check_key(path)
             routes = {
                 "/health": ("GET", self._health),
@@ -144,24 +158,33 @@ class Handler(BaseHTTPRequestHandler):
                 )
             handle()
         except RequestError as e:
-            self._send_json(e.status, e.body())
+            try:
+                self._send_json(e.status, e.body())
+            except OSError as gone:  # the client left before its answer
+                self.close_connection = True
+                log(f"{self.command} {path}: client left ({gone})")
         except (_ClientGone, OSError):  # the client left, reset or stalled
             self.close_connection = True
         except Exception as e:  # a bug answering one request: log it, answer 500
             log(f"internal error: {e}\n{traceback.format_exc()}", "ERROR")
+            self.close_connection = True
             if not self._sent:
                 err = RequestError(
                     f"internal error: {e}", status=500, kind="server_error"
                 )
-                self._send_json(500, err.body())
-            self.close_connection = True
+                try:
+                    self._send_json(500, err.body())
+                except OSError:  # the client left too: the log has the error
+                    pass
 
     def _check_key(self, path: str) -> None:
         """With an API key, every route but /health and the page's files needs
         it (401 otherwise)."""
         key = self.service.settings.api_key
+        # The prompt cache's scope (auth.key_scope), for this thread's requests.
+        self.key_scope = key_scope(self.headers.get("Authorization"), key)
         if key and path not in public_paths():
-            if not key_matches(self.headers.get("Authorization"), key):
+            if self.key_scope is None:
                 self.close_connection = True  # a body, if any, is left unread
                 raise RequestError(
                     "invalid or missing API key: send 'Authorization: Bearer KEY'",
@@ -236,18 +259,32 @@ class Handler(BaseHTTPRequestHandler):
                 status=413,
                 code="body_too_large",
             )
+        kind = self.headers.get("Content-Type")
+        if not is_json(kind):  # a page's form or text/plain POST (guard.py)
+            raise RequestError(
+                f"the body must be JSON (Content-Type: application/json), not {kind}",
+                status=415,
+                code="unsupported_media_type",
+            )
         raw = self.rfile.read(int(length))
+        if len(raw) < int(length):
+            raise _ClientGone()
+        self.close_connection = not self._keep_open  # the body is read
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise RequestError(f"invalid JSON in the body: {e}", code="invalid_json")
+        except RecursionError:  # nesting deeper than Python's stack
+            raise RequestError(
+                "invalid JSON in the body: nested too deeply", code="invalid_json"
+            )
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object", code="invalid_json")
         return body
 
     def _complete(self, kind: str):
         body = self._read_json()
-        with self.service.submitted(kind, body) as requests:
+        with self.service.submitted(kind, body, self.key_scope) as requests:
             # tools.py: a chat reply's tool calls cut out of its text (None: none).
             self._tools = tool_calls_for(self.service, kind, body, requests[0].stream)
             try:
@@ -411,14 +448,15 @@ class Handler(BaseHTTPRequestHandler):
                         self._event(self._chunk(request, rest, calls=calls))
                     finish = self._tools.finish_reason(finish)
                 last = self._chunk(request, None, finish=finish)
-                last.update(usage=value["usage"], timings=value["timings"])
+                last.update(timings=value["timings"])
                 self._event(last)
-                if request.include_usage:
+                if request.include_usage:  # OpenAI's shape: usage once, last
                     self._event(
                         {
                             **self._head(request, True),
                             "choices": [],
                             "usage": value["usage"],
+                            "timings": value["timings"],
                         }
                     )
                 break
@@ -426,17 +464,28 @@ class Handler(BaseHTTPRequestHandler):
         self._event("[DONE]")
 
 
-class ApiServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer bound to (host, port), IPv6 when the host is one."""
+class ApiServer(CappedServer, ThreadingHTTPServer):
+    """ThreadingHTTPServer bound to (host, port), IPv6 when the host is one;
+    at most max_connections open at once (connections.py)."""
 
     daemon_threads = True
     request_queue_size = 128  # the listen backlog (socketserver's 5 resets bursts)
 
-    def __init__(self, host: str, port: int, allowed_origins=("*",)):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        allowed_origins=(),
+        allowed_hosts=(),
+        max_connections: int = 128,
+    ):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), Handler)
         self.service: Optional[Service] = None
-        self.allowed_origins = tuple(allowed_origins)  # CORS; "*": any
+        self.allowed_origins = tuple(allowed_origins)  # CORS; "*": any (guard.py)
+        self.allowed_hosts = tuple(allowed_hosts)
+        self.loopback = ipaddress.ip_address(self.server_address[0]).is_loopback
+        self.max_connections = max_connections
 
     @property
     def url(self) -> str:
@@ -448,28 +497,3 @@ class ApiServer(ThreadingHTTPServer):
         """Start `service` (builds the model) and answer requests with it."""
         service.start()
         self.service = service
-
-
-def run_until_signal(server: ApiServer) -> None:
-    """Serve until SIGINT (Ctrl-C) or SIGTERM, then stop cleanly: requests in
-    flight get an error, the generation thread ends, the socket closes."""
-    stopping = threading.Event()
-
-    def stop(signum, frame):
-        if not stopping.is_set():
-            stopping.set()
-            log(f"{signal.Signals(signum).name}: stopping")
-            # shutdown() waits for serve_forever, which runs on this thread.
-            threading.Thread(target=server.shutdown, daemon=True).start()
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.serve_forever(poll_interval=0.2)
-    finally:
-        server.service.worker.close()
-        server.service.wait_idle(5.0)
-        server.server_close()
-        mx.clear_streams()  # this thread's too (mlx_lm's generation stream)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        log("stopped")

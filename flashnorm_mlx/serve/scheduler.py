@@ -5,19 +5,22 @@ decodes one token for each request in flight in one forward pass (a
 `BatchKVCache` with per-sequence offsets; prompts of different lengths are
 left-padded and masked) and prefills a chunk of newly arrived prompts. Requests
 join as they arrive, up to `decode_concurrency`, and leave as they finish, hit
-a stop string, or their client goes. Each has its own sampler (temperature,
+a stop string, or their client goes. A prompt is read in chunks timed to about
+--prefill-chunk-seconds each (pacing.py), so running streams wait one chunk. Each has its own sampler (temperature,
 top-p, min-p, top-k and a random key of its own), logits processors (logit
 bias, penalties), max tokens and stop strings. Finished caches go to mlx-lm's
 `LRUPromptCache`, and a new request starts from the longest cached prefix of
-its prompt.
+its prompt within its own scope (its API key's and its cache_salt's).
 
 Text is the exact decoding of the tokens in context (text.Detokenizer): the
 reply is decode(prompt + reply)[len(decode(prompt)):], grown a piece per token.
 
-The tokenizer lock is taken only to turn tokens into text, never across a
-forward pass.
+This thread turns tokens into text with a copy of the tokenizer of its own
+(`decoder`): the HTTP threads tokenize with the other one, and a long prompt
+being tokenized there never holds up a step here.
 """
 
+import copy
 import threading
 import time
 import traceback
@@ -30,6 +33,7 @@ import mlx.core as mx
 
 from .log import log
 from .logprobs import TokenLogprob, score_prompt, top_logprobs
+from .pacing import PrefillPace
 from .schema import Request, RequestError, Settings
 from .text import Detokenizer, StopText
 
@@ -95,6 +99,9 @@ class Worker:
         self.model = self.tokenizer = self.config = self.build_error = None
         self.ready = threading.Event()
         self.lock = tokenizer_lock
+        self.pace = PrefillPace(
+            settings.prefill_chunk_seconds, settings.prefill_step_size
+        )
         self.queue: Queue = Queue()
         self.calls: Queue = Queue()  # (fn, Future): call() on this thread
         self.active = 0
@@ -137,6 +144,7 @@ class Worker:
     def _main(self):
         try:
             self.model, self.tokenizer, self.config = self.build()
+            self.decoder = copy.deepcopy(self.tokenizer)  # this thread's alone
         except BaseException as e:  # handed to Service.start on the main thread
             self.build_error = e
         if self.build_error is None:
@@ -173,7 +181,7 @@ class Worker:
             self.settings.prompt_cache_size, **({"max_bytes": limit} if limit else {})
         )
         # End of sequence by token id; stop strings are matched on text (StopText).
-        self.eos = make_stop_sequences(self.tokenizer)
+        self.eos = make_stop_sequences(self.decoder)
         self.gen = self._new_generator()
         self.runs: Dict[int, _Run] = {}
         while not self.stopping.is_set():
@@ -256,7 +264,7 @@ class Worker:
             rest, run.cached = request.prompt[-1:], 0
             last = len(request.prompt) - 1
             with self.lock:  # the prompt's text, token by token as the reply's
-                run.detokenizer = Detokenizer(self.tokenizer.decode)
+                run.detokenizer = Detokenizer(self.decoder.decode)
                 pieces = [
                     self._add(
                         run, t, score, final=request.max_tokens == 0 and i == last
@@ -271,14 +279,16 @@ class Worker:
             if request.max_tokens == 0:  # nothing to generate: answered now
                 run.batch_max, run.finish_reason = 1, "length"
                 run.first = run.last = time.perf_counter()
-                self._keep(cache, request.prompt[:-1])
+                self._keep(cache, request.prompt[:-1], request)
                 self._finish(run)
                 return
             fed = request.prompt[:-1]
         else:
             with self.lock:  # the reply's text follows the prompt's
-                run.detokenizer = Detokenizer(self.tokenizer.decode, request.prompt)
-            cache, rest = self.pool.fetch_nearest_cache(MODEL_KEY, request.prompt)
+                run.detokenizer = Detokenizer(self.decoder.decode, request.prompt)
+            cache, rest = self.pool.fetch_nearest_cache(
+                (MODEL_KEY, request.cache_scope), request.prompt
+            )
             if cache is not None and not rest:
                 # The whole prompt is cached: feed its last token again for logits.
                 rest = request.prompt[-1:] if trim_prompt_cache(cache, 1) == 1 else None
@@ -309,7 +319,16 @@ class Worker:
     def _step(self) -> None:
         """One BatchGenerator step: a token for every sequence decoding, a
         prefill chunk for those still reading their prompts."""
-        _, responses = self.gen.next()
+        stats = getattr(self.gen, "stats", None)  # the BatchGenerator's
+        if stats is None:
+            _, responses = self.gen.next()
+        else:
+            prompting = sum(r.first is None for r in self.runs.values())
+            decoding = len(self.runs) > prompting
+            self.gen.prefill_step_size = self.pace.step(min(prompting, 8), decoding)
+            with stats() as did:
+                _, responses = self.gen.next()
+            self.pace.measured(did.prompt_tokens, did.prompt_time, did.decode_time)
         now = time.perf_counter()
         n = len(responses)
         runs = [self.runs[r.uid] for r in responses]
@@ -357,7 +376,7 @@ class Worker:
             del self.runs[run.uid]
         self.active = len(self.runs)  # counted out before their answers go out
         for run, cache, tokens in done:
-            self._keep(cache, tokens)
+            self._keep(cache, tokens, run.request)
             self._finish(run)
 
     def _leave(self, uids: List[int]) -> None:
@@ -366,13 +385,15 @@ class Worker:
             return
         caches = self.gen.remove(uids, return_prompt_caches=True)
         for uid in uids:
-            del self.runs[uid]
-            self._keep(*caches.get(uid, (None, None)))
+            request = self.runs.pop(uid).request
+            self._keep(*caches.get(uid, (None, None)), request)
 
-    def _keep(self, cache, tokens) -> None:
-        """Into the prompt cache, if it holds exactly `tokens`."""
+    def _keep(self, cache, tokens, request: Request) -> None:
+        """Into the prompt cache, in the request's scope, if it holds exactly
+        `tokens`."""
         if cache and tokens and int(getattr(cache[0], "offset", -1)) == len(tokens):
-            self.pool.insert_cache(MODEL_KEY, list(tokens), cache)
+            key = (MODEL_KEY, request.cache_scope)
+            self.pool.insert_cache(key, list(tokens), cache)
 
     @staticmethod
     def _add(run: _Run, token: int, score, final=False, add=True):

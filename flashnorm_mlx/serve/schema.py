@@ -33,7 +33,8 @@ class Settings:
     min_p: float = 0.0  # 0: off
     min_tokens_to_keep: int = 1
     seed: Optional[int] = None  # seeds the per-request seeds of unseeded requests
-    prefill_step_size: int = 512  # prompt tokens per step of the generation thread
+    prefill_step_size: int = 512  # most prompt tokens per step of the generation thread
+    prefill_chunk_seconds: float = 0.5  # what a step's prompt chunk aims at (pacing.py)
     prompt_cache_size: int = 10  # conversations whose KV caches are kept
     prompt_cache_bytes: Optional[int] = None  # their most bytes; None: no limit
     decode_concurrency: int = 32  # requests decoded together; the rest wait
@@ -190,6 +191,8 @@ FIELDS = (
         kinds=("text",),
     ),
     Field("echo", _is_bool, "true or false", default=False, kinds=("text",)),
+    # vLLM's: requests share cached prompt prefixes only under the same salt.
+    Field("cache_salt", _is_str, "a string"),
 )
 
 
@@ -287,6 +290,7 @@ class Request:
     top_logprobs: Optional[int] = None  # None: no logprobs; else how many
     echo: bool = False  # completions: the prompt comes back, scored
     processors: Optional[dict] = None  # make_logits_processors' arguments
+    cache_scope: tuple = ()  # (API key scope, cache_salt): who shares cached prefixes
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
     submitted: float = field(default_factory=time.perf_counter)
@@ -303,6 +307,7 @@ def read_requests(
     model: str,
     vocab_size: int,
     draw_seed: Callable[[], int],
+    key_scope: Optional[str] = None,
 ) -> List[Request]:
     """The Requests of a /v1/chat/completions ("chat") or /v1/completions
     ("text") body, one per prompt (token ids, from body[param]): its FIELDS
@@ -370,6 +375,7 @@ def read_requests(
             top_logprobs=top,
             echo=bool(got.get("echo")),
             processors=processors,
+            cache_scope=(key_scope, got["cache_salt"]),
         )
         for prompt in prompts
     ]

@@ -5,8 +5,10 @@ import random
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, List
+from typing import Callable, Iterator, List, Optional
 
+from .auth import current_scope
+from .bounds import bytes_per_token, check_fits
 from .prompts import read_messages, read_prompts, read_template_kwargs
 from .scheduler import Worker
 from .schema import Request, RequestError, Settings, read_requests
@@ -34,13 +36,15 @@ class Service:
         self.model_id, self.mode, self.settings = model_id, mode, settings
         self.started = int(time.time())
         # HF fast tokenizers refuse concurrent use ("Already borrowed"): HTTP
-        # threads tokenize and the worker detokenizes, each under this lock.
+        # threads tokenize under this lock; the worker decodes with a copy of
+        # its own, under a lock of its own, so a long tokenization here never
+        # holds up a generation step.
         self.tokenizer_lock = threading.Lock()
         self._seeds = random.Random(settings.seed)
         self._seeds_lock = threading.Lock()
         # Worker: mlx-lm's BatchGenerator; sequential.SequentialWorker with a
         # draft or KV cache options (docs/design.md section 3f).
-        self.worker = worker(build, settings, self.tokenizer_lock)
+        self.worker = worker(build, settings, threading.Lock())
         self.comparer = comparer  # the page's Compare (compare.Comparer) or None
         self.in_flight = 0  # completion requests being answered
         self.idle = threading.Condition()
@@ -71,15 +75,20 @@ class Service:
         # What the chat page's header names (routes.props).
         self.engine, self.device = engine_of(w.model), device_info()["name"]
         self.vocab_size = len(self.tokenizer.get_vocab())
+        self.bytes_per_token = bytes_per_token(self.tokenizer)  # bounds.py
         if self.settings.max_context is None:
             self.settings.max_context = context_length(w.config)
 
     @contextmanager
-    def submitted(self, kind: str, body: dict) -> Iterator[List[Request]]:
+    def submitted(
+        self, kind: str, body: dict, key_scope: Optional[str] = None
+    ) -> Iterator[List[Request]]:
         """The body's Requests (parse), handed to the worker while the caller
         answers them; on leaving, those not finished are cancelled (their
-        client left) and the body no longer counts as in flight."""
-        requests = self.parse(kind, body)
+        client left) and the body no longer counts as in flight. key_scope:
+        the API key's (auth.key_scope), the prompt cache's scope; None: the
+        one this HTTP thread's key check found."""
+        requests = self.parse(kind, body, key_scope or current_scope())
         self.track(+1)
         try:
             for request in requests:
@@ -90,7 +99,9 @@ class Service:
                 request.cancelled.set()
             self.track(-1)
 
-    def parse(self, kind: str, body: dict) -> List[Request]:
+    def parse(
+        self, kind: str, body: dict, key_scope: Optional[str] = None
+    ) -> List[Request]:
         """The Requests of a /v1/chat/completions ("chat") or /v1/completions
         ("text") body: its prompts as token ids, then one Request per prompt
         (a completions request may hold several), made by schema.py."""
@@ -104,7 +115,15 @@ class Service:
             model=self.model_id,
             vocab_size=self.vocab_size,
             draw_seed=self._draw_seed,
+            key_scope=key_scope,
         )
+
+    def fits(self, texts: List[str], param: str, each: int = 0) -> None:
+        """400 before tokenizing for texts that cannot fit the context
+        (bounds.py); each=1: every text is a prompt of its own."""
+        limit, per = self.settings.max_context, self.bytes_per_token
+        for group in [[t] for t in texts] if each else [texts]:
+            check_fits(group, per, limit, param)
 
     def _draw_seed(self) -> int:
         """A seed for a request that names none (--seed seeds these draws)."""
@@ -126,6 +145,7 @@ class Service:
             extra.update({"tools": tools} if tools else {}, add_generation_prompt=True)
             if tools:
                 messages = with_tool_history(messages, body)
+            self.fits([m["content"] for m in messages], "messages")
             with self.tokenizer_lock:
                 try:
                     ids = self.tokenizer.apply_chat_template(messages, **extra)
@@ -136,6 +156,10 @@ class Service:
                     ) from None
             prompts, param = [[int(i) for i in ids]], "messages"
         else:
+            prompt = body.get("prompt")
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            if isinstance(texts, list):
+                self.fits([p for p in texts if isinstance(p, str)], "prompt", 1)
             with self.tokenizer_lock:
                 prompts = read_prompts(body, self.tokenizer.encode, self.vocab_size)
             param = "prompt"

@@ -231,7 +231,7 @@ async function generate(c) {
   const body = {
     messages: history(c, c.messages.length),
     stream: true,
-    stream_options: { include_usage: true },
+    stream_options: { include_usage: true }, // usage comes in the last chunk
     ...requestFields(),
   };
   const reply = { role: "assistant", content: "", stats: "" };

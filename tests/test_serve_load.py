@@ -1,0 +1,120 @@
+"""`flashnorm-mlx serve` under load (#48 items 1-2): while a stream decodes, a
+15 MB prompt is refused from its size before it is tokenized, and a 600-token
+prompt is prefilled in timed chunks between the stream's steps, so the stream
+never waits long between chunks. Runs on the embedded SmolLM2 on 127.0.0.1;
+--prefill-chunk-seconds 0.25 keeps a step (a decode pass and a chunk) well
+under the bound on a busy 2-core CPU, where one forward pass may take a second."""
+
+import http.client
+import json
+import random
+import threading
+import time
+
+import pytest
+from serve_process import Server
+
+MAX_GAP_S = 5.0  # the acceptance bound on this CPU
+REFUSE_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--prefill-chunk-seconds", "0.25")
+    yield s
+    s.kill()
+
+
+class Stream:
+    """A long completions stream, read on a thread; the arrival time of
+    each chunk kept. `started` is set at its first chunk (the ready mark)."""
+
+    def __init__(self, port):
+        body = {
+            "prompt": "Count slowly from one to a thousand: one, two,",
+            "max_tokens": 4000,
+            "temperature": 0,
+            "logit_bias": {"0": -100, "2": -100},  # no end of text: it runs on
+            "stream": True,
+        }
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        self.conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(body),
+            {"Content-Type": "application/json"},
+        )
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200, self.resp.read()
+        self.times, self.started = [], threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        try:
+            for line in self.resp:
+                if line.startswith(b"data: {"):
+                    self.times.append(time.monotonic())
+                    self.started.set()
+                if self.stop.is_set():
+                    break
+        except OSError:
+            pass
+        self.started.set()
+
+    def close(self):
+        self.stop.set()
+        self.conn.close()  # the server notices and cancels it
+        self.resp.close()
+        self.thread.join(30)
+
+    def gaps(self, since, until):
+        """Waits between chunks from `since` to `until`, both ends counted."""
+        before = [x for x in self.times if x < since][-1:]
+        t = before + [x for x in self.times if since <= x <= until] + [until]
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+@pytest.mark.slow
+def test_a_running_stream_keeps_going_past_huge_and_long_prompts(server):
+    stream = Stream(server.port)
+    try:
+        assert stream.started.wait(120) and stream.times, server.log()
+        begin = time.monotonic()
+        # 15 MB of text: refused from its size, before the tokenizer sees it.
+        huge = json.dumps({"prompt": "lorem ipsum " * 1_250_000, "max_tokens": 1})
+        t = time.monotonic()
+        status, body = server.request(
+            "POST",
+            "/v1/completions",
+            huge.encode(),
+            {"Content-Type": "application/json"},
+        )
+        refused = time.monotonic() - t
+        print(f"15 MB prompt: {status} in {refused:.2f} s: {str(body)[:200]}")
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+        assert refused < REFUSE_S, refused
+        # 600 prompt tokens, none cached: prefilled while the stream goes on.
+        ids = random.Random(48).choices(range(1000, 40000), k=600)
+        t = time.monotonic()
+        status, body = server.request(
+            "POST", "/v1/completions", {"prompt": ids, "max_tokens": 1}, timeout=600
+        )
+        long_s = time.monotonic() - t
+        end = time.monotonic()
+        assert status == 200, body
+        print("600-token prompt:", body["timings"])
+        usage = body["usage"]
+        assert usage["prompt_tokens"] == 600, usage
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0, usage
+        gaps = stream.gaps(begin, end)
+        print(
+            f"600-token prompt answered in {long_s:.1f} s; the stream sent "
+            f"{len(gaps) + 1} chunks meanwhile, largest gap {max(gaps):.2f} s, "
+            f"mean {sum(gaps) / len(gaps):.2f} s"
+        )
+        assert len(gaps) >= 4, gaps  # it did decode during the prefill
+        assert max(gaps) < MAX_GAP_S, sorted(gaps)[-5:]
+    finally:
+        stream.close()
