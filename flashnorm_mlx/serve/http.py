@@ -17,6 +17,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from . import anthropic
 from .auth import key_matches
 from .log import log
 from .logprobs import chat_logprobs, text_logprobs
@@ -143,8 +144,9 @@ class Handler(BaseHTTPRequestHandler):
                     code="method_not_allowed",
                 )
             handle()
-        except RequestError as e:
-            self._send_json(e.status, e.body())
+        except RequestError as e:  # Anthropic's route answers in its own shape
+            anth = path == anthropic.PATH
+            self._send_json(e.status, anthropic.error_body(e) if anth else e.body())
         except (_ClientGone, OSError):  # the client left, reset or stalled
             self.close_connection = True
         except Exception as e:  # a bug answering one request: log it, answer 500
@@ -161,7 +163,9 @@ class Handler(BaseHTTPRequestHandler):
         it (401 otherwise)."""
         key = self.service.settings.api_key
         if key and path not in public_paths():
-            if not key_matches(self.headers.get("Authorization"), key):
+            given = self.headers.get("x-api-key")  # Anthropic's SDKs send this
+            given = f"Bearer {given}" if given else self.headers.get("Authorization")
+            if not key_matches(given, key):
                 self.close_connection = True  # a body, if any, is left unread
                 raise RequestError(
                     "invalid or missing API key: send 'Authorization: Bearer KEY'",
@@ -348,6 +352,7 @@ class Handler(BaseHTTPRequestHandler):
             "created": request.created,
             "model": request.model,
             "system_fingerprint": f"flashnorm-mlx-{self.service.mode}",
+            **({"warning": request.warning} if request.warning else {}),
         }
 
     def _chunk(

@@ -12,6 +12,7 @@ from importlib import resources
 from typing import Callable, Dict, Tuple
 
 from ..mlx_lm_compat import inner_tokenizer
+from . import anthropic, responses
 from .schema import RequestError
 
 # The page's files (package data, flashnorm_mlx/serve/web): name -> MIME type.
@@ -29,6 +30,10 @@ def extra_routes(h) -> Dict[str, Tuple[str, Callable[[], None]]]:
         "/tokenize": ("POST", lambda: tokenize(h)),
         "/detokenize": ("POST", lambda: detokenize(h)),
         "/props": ("GET", lambda: props(h)),
+        # mlx_lm.server's path without /v1; Anthropic's and OpenAI's agent APIs.
+        "/chat/completions": ("POST", lambda: h._complete("chat")),
+        "/v1/messages": ("POST", lambda: anthropic.messages(h)),
+        "/v1/responses": ("POST", lambda: responses.responses(h)),
         "": ("GET", lambda: page_file(h, "index.html")),  # "/", its "/" stripped
     }
     for name in PAGE_FILES:

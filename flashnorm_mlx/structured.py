@@ -1,0 +1,180 @@
+"""Structured output: JSON, or JSON that fits a schema, with llguidance
+(docs/design.md section 5g).
+
+Each request gets its own llguidance matcher, wrapped as an mlx-lm logits
+processor (GrammarProcessor): before each token it advances the matcher on
+the tokens its own sequence has generated since the last call, read from the
+token history mlx-lm hands every processor, then masks the logits to what
+the grammar allows. It never counts calls or batch rows, so a batch that grows
+or shrinks around it cannot put it out of step. serve and generate use it.
+"""
+
+import json
+import threading
+from typing import List, Optional
+
+# Compact JSON, one way to write it: no runs of whitespace for a small model to
+# loop in, and the separators models write anyway.
+JSON_OPTIONS = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+class GrammarError(ValueError):
+    """A schema or grammar llguidance cannot compile; the message says why."""
+
+
+def json_grammar(schema: Optional[dict]) -> str:
+    """llguidance's grammar for JSON that fits `schema` (None: any JSON object)."""
+    from llguidance import LLMatcher
+
+    if schema is None:
+        schema = {"type": "object"}
+    if not isinstance(schema, dict):
+        raise GrammarError("the schema must be a JSON object")
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as e:
+        raise GrammarError(str(e)) from None
+
+
+def tool_call_grammar(tools: List[dict], start: str, end: str) -> str:
+    """A reply of plain text (never holding `start`), or text then tool calls
+    between `start` and `end` whose JSON is {"name", "arguments"} with the
+    arguments fitting that tool's `parameters` (mlx-lm's json_tools format)."""
+    calls = []
+    for t in tools:
+        fn = t["function"]
+        params = fn.get("parameters") or {"type": "object"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    call = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    call = {**call, "x-guidance": JSON_OPTIONS}
+    s, e = _lark_regex(start), json.dumps(end)
+    return _lark(
+        f'start: TEXT | (before "\\n"? call "\\n"? {e})+\n'
+        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{s}(.|\\n)*/\n"
+        f"before[lazy]: /(.|\\n)*{s}/\n"
+        f"call: %json {json.dumps(call)}\n"
+    )
+
+
+def _lark_regex(text: str) -> str:
+    """`text` as a literal inside a lark /regex/."""
+    import re
+
+    return re.escape(text).replace("/", "\\/")
+
+
+def _lark(source: str) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_lark(source)
+
+
+class Grammars:
+    """llguidance's view of one tokenizer (built once, ~1 s, on first use)
+    and the matchers made from it."""
+
+    def __init__(self, tokenizer, lock: Optional[threading.Lock] = None):
+        self.tokenizer = tokenizer
+        self.lock = lock or threading.Lock()  # the tokenizer's, where shared
+        self._ll = None
+        self._build = threading.Lock()
+
+    @property
+    def ll(self):
+        with self._build:
+            if self._ll is None:
+                import llguidance.hf
+
+                from .mlx_lm_compat import inner_tokenizer
+
+                eos = sorted(getattr(self.tokenizer, "eos_token_ids", None) or [])
+                with self.lock:
+                    self._ll = llguidance.hf.from_tokenizer(
+                        inner_tokenizer(self.tokenizer), eos_token=eos or None
+                    )
+            return self._ll
+
+    def check(self, grammar: str) -> None:
+        """GrammarError naming what llguidance cannot compile in `grammar`."""
+        from llguidance import LLMatcher
+
+        message = LLMatcher.validate_grammar(grammar, self.ll)
+        if message:
+            raise GrammarError(message)
+
+    def processor(self, grammar: str, prompt_len: int) -> "GrammarProcessor":
+        """A fresh processor for one sequence whose prompt is `prompt_len`
+        tokens long; GrammarError if the grammar does not compile."""
+        from llguidance import LLMatcher
+
+        self.check(grammar)
+        matcher = LLMatcher(self.ll, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        eos = getattr(self.tokenizer, "eos_token_ids", None) or []
+        return GrammarProcessor(matcher, prompt_len, self.ll.vocab_size, eos)
+
+
+class GrammarProcessor:
+    """An mlx-lm logits processor: processor(tokens, logits) -> logits, where
+    `tokens` is the sequence's history (prompt, then what it generated) and
+    logits (1, vocab). Tokens past the prompt that the matcher has not seen
+    are consumed; ones it saw that the history no longer holds (a draft's
+    rejected tokens) are rolled back."""
+
+    def __init__(self, matcher, prompt_len: int, vocab_size: int, eos_ids=()):
+        self.matcher, self.prompt_len, self.vocab_size = matcher, prompt_len, vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self.fed: List[int] = []  # the generated tokens the matcher has consumed
+        self.failed: Optional[str] = None  # why the matcher stopped agreeing
+
+    def advance(self, generated: List[int]) -> None:
+        """Bring the matcher to `generated` (this sequence's tokens so far)."""
+        k = 0
+        n = min(len(self.fed), len(generated))
+        while k < n and self.fed[k] == generated[k]:
+            k += 1
+        if k < len(self.fed):
+            self.matcher.rollback(len(self.fed) - k)
+            del self.fed[k:]
+        for t in generated[k:]:
+            self.fed.append(t)
+            if not self.matcher.consume_token(t) and self.failed is None:
+                self.failed = self.matcher.get_error() or f"token {t} refused"
+
+    def allowed(self, n_logits: int):
+        """(n_logits,) bool mx.array of the tokens the grammar allows next; an
+        errored matcher allows end of sequence only."""
+        import mlx.core as mx
+        import numpy as np
+
+        m = self.matcher
+        if m.is_error():
+            bits = np.zeros(self.vocab_size, dtype=bool)
+            bits[list(self.eos_ids)] = True
+        else:
+            raw = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+            bits = np.unpackbits(raw, bitorder="little")[: self.vocab_size]
+            bits = bits.astype(bool)
+        if len(bits) < n_logits:  # a model's padded vocabulary: never sampled
+            bits = np.concatenate([bits, np.zeros(n_logits - len(bits), dtype=bool)])
+        return mx.array(bits[:n_logits])
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        generated = tokens[self.prompt_len :].tolist() if len(tokens) else []
+        self.advance(generated)
+        mask = self.allowed(logits.shape[-1])
+        return mx.where(mask, logits, mx.array(-float("inf"), logits.dtype))

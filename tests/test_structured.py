@@ -1,0 +1,168 @@
+"""Structured output's grammar processor (flashnorm_mlx/structured.py) inside
+mlx-lm's BatchGenerator, in-process on a tiny random Llama with a byte-level
+tokenizer: requests with different schemas join and leave one batch at
+different steps, sample at temperature 1 with their own seeds, and each
+reply must still parse and fit its own schema (the reference: the
+`jsonschema` package). A processor that counted calls or batch rows, not its
+own sequence's tokens, would mask one request with another's state."""
+
+import json
+
+import jsonschema
+import mlx.core as mx
+import pytest
+import tiny
+from mlx_lm.generate import BatchGenerator, make_stop_sequences
+from mlx_lm.utils import load_tokenizer
+
+from flashnorm_mlx import load
+from flashnorm_mlx.serve.scheduler import make_seeded_sampler
+from flashnorm_mlx.structured import (
+    GrammarError,
+    Grammars,
+    json_grammar,
+    tool_call_grammar,
+)
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
+            "s": {"type": "string", "maxLength": 6},
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 4},
+                "maxItems": 3,
+            },
+        },
+        "required": ["n", "s", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    {"enum": ["red", "green", "blue"]},
+]
+JOIN_AT = [
+    0,
+    2,
+    3,
+    7,
+]  # the batch grows at steps 2, 3, 7; replies end at their own steps
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tiny.make_llama(tmp_path_factory.mktemp("structured"), "gqa_untied")
+    model, _ = load(str(path))
+    return model, load_tokenizer(path)
+
+
+def run_batch(model, tokenizer, schemas, join_at, seeds, max_tokens=60):
+    """Each schema's reply text, request i joining the batch at step join_at[i]."""
+    grammars = Grammars(tokenizer)
+    prompt = tokenizer.encode("JSON please: ")
+    gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    uids, out, step, eos = {}, {}, 0, list(tokenizer.eos_token_ids)
+    try:
+        while step <= max(join_at) or gen._generation_batch or gen._prompt_batch.uids:
+            for i, at in enumerate(join_at):
+                if at == step:
+                    p = grammars.processor(json_grammar(schemas[i]), len(prompt))
+                    (uid,) = gen.insert(
+                        [prompt],
+                        max_tokens=[max_tokens],
+                        samplers=[make_seeded_sampler(1.0, 1.0, seeds[i])],
+                        logits_processors=[[p]],
+                        stop_sequences=[make_stop_sequences(tokenizer)],
+                    )
+                    uids[uid] = i
+            _, responses = gen.next()
+            for r in responses:
+                ids, _ = out.setdefault(uids[r.uid], ([], None))
+                ids.append(r.token)
+                if r.finish_reason:
+                    out[uids[r.uid]] = (ids, r.finish_reason)
+            step += 1
+            assert step < 400, "the schedule did not finish"
+    finally:
+        gen.close()
+    replies = []
+    for i in range(len(schemas)):
+        ids, finish = out[i]
+        ids = [t for t in ids if t not in eos]
+        replies.append((tokenizer.decode(ids), finish))
+    return replies
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_request_fits_its_schema_while_the_batch_changes(tiny_model, seed):
+    model, tok = tiny_model
+    seeds = [seed * 10 + i for i in range(4)]
+    replies = run_batch(model, tok, SCHEMAS, JOIN_AT, seeds)
+    for schema, (text, finish) in zip(SCHEMAS, replies):
+        print(finish, repr(text))
+        assert finish == "stop", (finish, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_without_the_grammar_the_tiny_model_writes_no_json(tiny_model):
+    """The reference that the test above can fail: unconstrained, the random
+    model's bytes do not parse."""
+    model, tok = tiny_model
+    from mlx_lm import generate
+
+    text = generate(
+        model,
+        tok,
+        "JSON please: ",
+        max_tokens=20,
+        sampler=make_seeded_sampler(1.0, 1.0, 0),
+    )
+    with pytest.raises(ValueError):
+        json.loads(text)
+
+
+def test_schemas_llguidance_cannot_compile_name_the_reason(tiny_model):
+    g = Grammars(tiny_model[1])
+    for schema, word in [
+        ({"type": "object", "if": {}, "then": {}}, "if"),
+        ({"type": "wrong"}, "wrong"),
+        ({"$ref": "#/nowhere"}, "nowhere"),
+    ]:
+        with pytest.raises(GrammarError) as e:
+            g.processor(json_grammar(schema), 3)
+        assert word in str(e.value), (schema, str(e.value))
+
+
+def test_tool_call_grammar_holds_arguments_to_the_parameters(tiny_model):
+    """A reply with text, then a call whose arguments must fit `parameters`."""
+    tok = tiny_model[1]
+    params = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    ]
+    g = Grammars(tok)
+    grammar = tool_call_grammar(tools, "<tool_call>", "</tool_call>")
+    good = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    bad = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}'
+    for text, fits in [(good, True), (bad, False), ("No call at all.", True)]:
+        p = g.processor(grammar, 0)
+        p.advance(tok.encode(text))
+        print(repr(text), p.failed)
+        assert (p.failed is None) == fits, (text, p.failed)
