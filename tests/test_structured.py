@@ -166,3 +166,46 @@ def test_tool_call_grammar_holds_arguments_to_the_parameters(tiny_model):
         p.advance(tok.encode(text))
         print(repr(text), p.failed)
         assert (p.failed is None) == fits, (text, p.failed)
+
+
+# --- generate --json-schema / --json (the embedded SmolLM2) --------------------
+
+
+def _generate(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "flashnorm_mlx", "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_generate_refuses_a_bad_schema_in_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"type": "object", "if": {}, "then": {}}))
+    for path, word in [(bad, "if"), (tmp_path / "missing.json", "missing.json")]:
+        r = _generate("--json-schema", str(path), "-p", "x")
+        print(r.stderr)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and word in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_generate_json_schema_fits_at_temperature_0_7(tmp_path):
+    schema = SCHEMAS[0]
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for flags, check in [
+        (["--json-schema", str(path)], lambda v: jsonschema.validate(v, schema)),
+        (["--json"], lambda v: isinstance(v, dict) or pytest.fail(repr(v))),
+    ]:
+        r = _generate(
+            *flags, "-p", "A cat as JSON.", "--temp", "0.7", "--seed", "3", "-m", "80"
+        )
+        print(r.stdout, r.stderr[-500:])
+        assert r.returncode == 0, r.stderr
+        text = r.stdout.split("\n==========")[0].strip()
+        check(json.loads(text))

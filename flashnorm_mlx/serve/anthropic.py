@@ -147,11 +147,13 @@ def to_chat(body: dict) -> dict:
 
 
 def _usage(result: dict) -> dict:
+    """Anthropic's usage: input_tokens counts the prompt not read from cache."""
     u = result["usage"]
+    cached = u["prompt_tokens_details"]["cached_tokens"]
     return {
-        "input_tokens": u["prompt_tokens"],
+        "input_tokens": u["prompt_tokens"] - cached,
         "output_tokens": u["completion_tokens"],
-        "cache_read_input_tokens": u["prompt_tokens_details"]["cached_tokens"],
+        "cache_read_input_tokens": cached,
     }
 
 
@@ -288,7 +290,7 @@ def _stream(h, reply, message: dict, request) -> None:
                     {
                         "type": "message_delta",
                         "delta": {"stop_reason": reason, "stop_sequence": hit},
-                        "usage": {"output_tokens": value["usage"]["completion_tokens"]},
+                        "usage": _usage(value),  # the final counts, all of them
                     },
                 )
                 send_event(h, "message_stop", {"type": "message_stop"})
