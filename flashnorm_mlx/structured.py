@@ -40,10 +40,12 @@ def json_grammar(schema: Optional[dict]) -> str:
         raise GrammarError(str(e)) from None
 
 
-def tool_call_grammar(tools: List[dict], start: str, end: str) -> str:
+def tool_call_grammar(tools: List[dict], start: str, end: str, special=None) -> str:
     """A reply of plain text (never holding `start`), or text then tool calls
     between `start` and `end` whose JSON is {"name", "arguments"} with the
-    arguments fitting that tool's `parameters` (mlx-lm's json_tools format)."""
+    arguments fitting that tool's `parameters` (mlx-lm's json_tools format).
+    special(marker): llguidance's "<[id]>" where the marker is one special
+    token (never text to the matcher), else None."""
     calls = []
     for t in tools:
         fn = t["function"]
@@ -58,12 +60,21 @@ def tool_call_grammar(tools: List[dict], start: str, end: str) -> str:
         )
     call = {"anyOf": calls} if len(calls) > 1 else calls[0]
     call = {**call, "x-guidance": JSON_OPTIONS}
-    s, e = _lark_regex(start), json.dumps(end)
+    special = special or (lambda marker: None)
+    s_tok, e_tok = special(start), special(end)
+    if s_tok:  # a special token: text can never hold it
+        text = "TEXT: /(.|\\n)*/\n"
+        before = f"before: TEXT {s_tok}\n"
+    else:  # text up to the first marker, which text alone may not hold
+        s = _lark_regex(start)
+        text = f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{s}(.|\\n)*/\n"
+        before = f"before[lazy]: /(.|\\n)*{s}/\n"
+    e = e_tok or json.dumps(end)
     return _lark(
         f'start: TEXT | (before "\\n"? call "\\n"? {e})+\n'
-        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{s}(.|\\n)*/\n"
-        f"before[lazy]: /(.|\\n)*{s}/\n"
-        f"call: %json {json.dumps(call)}\n"
+        + text
+        + before
+        + f"call: %json {json.dumps(call)}\n"
     )
 
 
@@ -104,6 +115,15 @@ class Grammars:
                         inner_tokenizer(self.tokenizer), eos_token=eos or None
                     )
             return self._ll
+
+    def special(self, marker: str) -> Optional[str]:
+        """llguidance's "<[id]>" for a marker that is one special token to
+        it (an added token such as <tool_call>), else None."""
+        with self.lock:
+            ids = self.tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) == 1 and self.ll.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return None
 
     def check(self, grammar: str) -> None:
         """GrammarError naming what llguidance cannot compile in `grammar`."""

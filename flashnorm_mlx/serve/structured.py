@@ -57,7 +57,7 @@ def strict_tools(body: dict, tools: Optional[List[dict]]) -> List[dict]:
     ]
 
 
-def tools_grammar(tokenizer, tools: List[dict]) -> str:
+def tools_grammar(tokenizer, tools: List[dict], special) -> str:
     """The grammar that holds a reply's tool calls to the strict tools'
     parameters; a 400 where the model's tool-call format is not JSON."""
     parser = getattr(tokenizer, "tool_parser", None)
@@ -71,7 +71,7 @@ def tools_grammar(tokenizer, tools: List[dict]) -> str:
         )
     try:
         return tool_call_grammar(
-            tools, tokenizer.tool_call_start, tokenizer.tool_call_end
+            tools, tokenizer.tool_call_start, tokenizer.tool_call_end, special
         )
     except GrammarError as e:
         raise _bad(f"'tools' parameters cannot be used: {e}", "tools", "invalid_schema")
@@ -86,7 +86,8 @@ def constrain(service, body: dict, tools, requests: List[Request]) -> None:
     if strict:
         if grammar is not None:
             raise _bad("'response_format' and strict tools cannot be combined", param)
-        grammar, param = tools_grammar(service.tokenizer, strict), "tools"
+        grammar = tools_grammar(service.tokenizer, strict, service.grammars.special)
+        param = "tools"
     if grammar is None:
         return
     for r in requests:
