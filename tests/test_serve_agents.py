@@ -58,8 +58,8 @@ def fmt(schema):
     return {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
 
 
-def chat(server, **body):
-    return server.client().chat.completions.create(
+def chat(server, timeout=120, **body):
+    return server.client(timeout=timeout).chat.completions.create(
         model="smol", **{"messages": HI, "max_tokens": 12, "temperature": 0, **body}
     )
 
@@ -78,7 +78,7 @@ def parallel(fn, args):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(600)
+        t.join(1200)
     return out
 
 
@@ -88,6 +88,7 @@ def parallel(fn, args):
 def _json_reply(server, response_format, seed, max_tokens=80, messages=ASK):
     r = chat(
         server,
+        timeout=900,  # ten at once on a busy 2-core CPU
         messages=messages,
         max_tokens=max_tokens,
         temperature=0.7,
@@ -134,7 +135,7 @@ def test_four_schemas_concurrently_joining_at_different_times(server):
     def run(i):
         if i:
             started[i - 1].wait(300)
-        stream = server.client().chat.completions.create(
+        stream = server.client(timeout=600).chat.completions.create(
             model="smol",
             messages=ASK,
             max_tokens=80,
