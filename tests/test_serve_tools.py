@@ -329,3 +329,103 @@ def test_model_is_the_folders_name_not_its_path(server, model_dir):
     assert status == 200 and r["model"] == model_dir[0].name, r["model"]
     status, r = server.request("GET", "/v1/models")
     assert r["data"][0]["id"] == model_dir[0].name, r
+
+
+# --- the same calls through Anthropic's and OpenAI's agent APIs (#47) ----------
+
+
+def test_anthropic_tool_use_and_tool_result_blocks(server, model_dir):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    tool = {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "input_schema": TOOLS[0]["function"]["parameters"],
+    }
+    f = forced(model_dir[1])
+    m = client.messages.create(
+        model="tiny",
+        max_tokens=f["max_tokens"],
+        messages=ASK,
+        tools=[tool],
+        extra_body={k: f[k] for k in f if k != "max_tokens"},
+    )
+    print(m)
+    assert m.stop_reason == "tool_use", m
+    text, use = m.content
+    assert text.text == SCRIPT[0] and use.type == "tool_use", m.content
+    assert use.name == "get_weather" and use.input == {"city": "Paris"}, use
+    with client.messages.stream(
+        model="tiny",
+        max_tokens=f["max_tokens"],
+        messages=ASK,
+        tools=[tool],
+        extra_body={k: f[k] for k in f if k != "max_tokens"},
+    ) as s:
+        final = s.get_final_message()
+    assert final.content[1].input == {"city": "Paris"}, final
+    assert final.stop_reason == "tool_use", final
+    # The call and its result go back as blocks, rendered by the template.
+    turns = ASK + [
+        {"role": "assistant", "content": [use.model_dump()]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny"}
+            ],
+        },
+    ]
+    more = client.messages.create(model="tiny", max_tokens=2, messages=turns)
+    assert more.usage.input_tokens + more.usage.cache_read_input_tokens > len(
+        "Sunny"
+    ), more.usage
+
+
+def test_responses_function_call_items(server, model_dir):
+    f = forced(model_dir[1])
+    fn = TOOLS[0]["function"]
+    r = server.client().responses.create(
+        model="tiny",
+        input=ASK,
+        max_output_tokens=f["max_tokens"],
+        tools=[{"type": "function", **fn}],
+        extra_body={k: f[k] for k in f if k != "max_tokens"},
+    )
+    print(r)
+    message, call = r.output
+    assert message.content[0].text == SCRIPT[0], r.output
+    assert call.type == "function_call" and call.name == "get_weather", call
+    assert json.loads(call.arguments) == {"city": "Paris"}, call
+    events = list(
+        server.client().responses.create(
+            model="tiny",
+            input=ASK,
+            max_output_tokens=f["max_tokens"],
+            tools=[{"type": "function", **fn}],
+            extra_body={k: f[k] for k in f if k != "max_tokens"},
+            stream=True,
+        )
+    )
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["message", "function_call"], done
+    assert json.loads(done[1].arguments) == {"city": "Paris"}, done
+    # The call and its output go back as items.
+    status, r2 = server.request(
+        "POST",
+        "/v1/responses",
+        {
+            "input": ASK
+            + [
+                {
+                    "type": "function_call",
+                    "call_id": "c1",
+                    "name": "get_weather",
+                    "arguments": '{"city": "Paris"}',
+                },
+                {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
+            ],
+            "max_output_tokens": 2,
+        },
+    )
+    assert status == 200 and r2["status"] in ("completed", "incomplete"), r2

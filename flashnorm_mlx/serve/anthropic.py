@@ -7,6 +7,7 @@ import json
 
 from ..limits import is_int, is_number
 from .replies import (
+    SAMPLER_EXTRAS,
     call_arguments,
     chain,
     chat_reply,
@@ -106,7 +107,7 @@ def to_chat(body: dict) -> dict:
             body, "max_tokens", lambda v: is_int(v) and v >= 1, "an integer >= 1"
         ),
     }
-    for name in ("model", "temperature", "top_p", "top_k"):
+    for name in ("model", "temperature", "top_p", *SAMPLER_EXTRAS):
         if body.get(name) is not None:
             chat[name] = body[name]
     if body.get("temperature") is not None:

@@ -10,6 +10,19 @@ from typing import Iterator, Tuple
 from .schema import RequestError
 from .tools import tool_calls_for
 
+# Chat completions' sampler fields these APIs lack, taken as they are (an SDK's
+# extra_body) and checked by the chat route.
+SAMPLER_EXTRAS = (
+    "seed",
+    "top_k",
+    "min_p",
+    "logit_bias",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
 
 def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]

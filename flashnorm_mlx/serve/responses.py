@@ -7,7 +7,15 @@ import json
 import time
 
 from ..limits import is_int
-from .replies import chain, chat_reply, need, new_id, send_event, start_events
+from .replies import (
+    SAMPLER_EXTRAS,
+    chain,
+    chat_reply,
+    need,
+    new_id,
+    send_event,
+    start_events,
+)
 from .schema import RequestError
 
 
@@ -106,7 +114,7 @@ def to_chat(body: dict) -> dict:
         chat["max_tokens"] = need(
             body, "max_output_tokens", lambda v: is_int(v) and v >= 1, "an integer >= 1"
         )
-    for name in ("model", "temperature", "top_p", "seed"):
+    for name in ("model", "temperature", "top_p", *SAMPLER_EXTRAS):
         if body.get(name) is not None:
             chat[name] = body[name]
     fmt = _format(body)
@@ -199,7 +207,7 @@ def responses(h) -> None:
         _, request = next(reply)
         rid, mid = new_id("resp_"), new_id("msg_")
         if body.get("stream") is True:
-            _stream(h, body, reply, rid, mid, request.model)
+            _stream(h, body, reply, rid, request.model)
             return
         text, output, result = "", [], None
         for what, value in reply:
@@ -225,7 +233,13 @@ def _finished(body, rid, model, output, result) -> dict:
     return r
 
 
-def _stream(h, body, reply, rid, mid, model) -> None:
+def _part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _stream(h, body, reply, rid, model) -> None:
+    """Responses' events: a message item open while text arrives, closed
+    before a function_call item (each whole), then response.completed."""
     first = next(reply)  # errors before the first piece are still a JSON error
     start_events(h)
     seq = iter(range(1 << 30))
@@ -236,45 +250,53 @@ def _stream(h, body, reply, rid, mid, model) -> None:
     started = _response(body, rid, model, "in_progress", [])
     event("response.created", response=started)
     event("response.in_progress", response=started)
-    text, output, at = (
-        "",
-        [],
-        {"item_id": mid, "output_index": None, "content_index": 0},
-    )
+    output, msg = [], {}  # msg: the open message's place and text
 
     def open_message():
-        at["output_index"] = len(output)
-        output.append(_message(mid, "", "in_progress"))
+        msg.update(item_id=new_id("msg_"), output_index=len(output), content_index=0)
+        output.append(_message(msg["item_id"], "", "in_progress"))
         event(
             "response.output_item.added", output_index=len(output) - 1, item=output[-1]
         )
-        part = {"type": "output_text", "text": "", "annotations": []}
-        event("response.content_part.added", **at, part=part)
+        event("response.content_part.added", **_at(msg), part=_part(""))
+
+    def close_message():
+        if not msg:
+            return
+        at, text = _at(msg), msg.get("text", "")
+        event("response.output_text.done", **at, text=text, logprobs=[])
+        event("response.content_part.done", **at, part=_part(text))
+        output[at["output_index"]] = _message(at["item_id"], text)
+        event(
+            "response.output_item.done",
+            output_index=at["output_index"],
+            item=output[at["output_index"]],
+        )
+        msg.clear()
 
     try:
         for what, value in chain(first, reply):
             if what == "text":
-                if at["output_index"] is None:
+                if not msg:
                     open_message()
-                text += value
-                event("response.output_text.delta", **at, delta=value, logprobs=[])
-            elif what == "call":
-                item, i = _call(value), len(output)
+                msg["text"] = msg.get("text", "") + value
                 event(
-                    "response.output_item.added",
-                    output_index=i,
-                    item={**item, "arguments": "", "status": "in_progress"},
+                    "response.output_text.delta", **_at(msg), delta=value, logprobs=[]
                 )
+            elif what == "call":
+                close_message()
+                item, i = _call(value), len(output)
+                opened = {**item, "arguments": "", "status": "in_progress"}
+                event("response.output_item.added", output_index=i, item=opened)
+                args = dict(item_id=item["id"], output_index=i)
                 event(
                     "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=i,
+                    **args,
                     delta=item["arguments"],
                 )
                 event(
                     "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=i,
+                    **args,
                     arguments=item["arguments"],
                 )
                 event("response.output_item.done", output_index=i, item=item)
@@ -282,19 +304,16 @@ def _stream(h, body, reply, rid, mid, model) -> None:
             else:
                 if not output:
                     open_message()
-                i = at["output_index"]
-                if i is not None:
-                    event("response.output_text.done", **at, text=text, logprobs=[])
-                    part = {"type": "output_text", "text": text, "annotations": []}
-                    event("response.content_part.done", **at, part=part)
-                    output[i] = _message(mid, text)
-                    event("response.output_item.done", output_index=i, item=output[i])
+                close_message()
                 done = _finished(body, rid, model, output, value)
-                kind = (
-                    "response.incomplete"
-                    if done["status"] == "incomplete"
-                    else "response.completed"
+                incomplete = done["status"] == "incomplete"
+                event(
+                    "response.incomplete" if incomplete else "response.completed",
+                    response=done,
                 )
-                event(kind, response=done)
     except RequestError as e:
         event("error", code=e.code, message=e.message, param=e.param)
+
+
+def _at(msg: dict) -> dict:
+    return {k: msg[k] for k in ("item_id", "output_index", "content_index")}
