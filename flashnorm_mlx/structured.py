@@ -133,9 +133,9 @@ class Grammars:
         if message:
             raise GrammarError(message)
 
-    def processor(self, grammar: str, prompt_len: int) -> "GrammarProcessor":
-        """A fresh processor for one sequence whose prompt is `prompt_len`
-        tokens long; GrammarError if the grammar does not compile."""
+    def processor(self, grammar: str) -> "GrammarProcessor":
+        """A fresh processor for one sequence; GrammarError if the grammar
+        does not compile."""
         from llguidance import LLMatcher
 
         self.check(grammar)
@@ -143,35 +143,43 @@ class Grammars:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         eos = getattr(self.tokenizer, "eos_token_ids", None) or []
-        return GrammarProcessor(matcher, prompt_len, self.ll.vocab_size, eos)
+        return GrammarProcessor(matcher, self.ll.vocab_size, eos)
 
 
 class GrammarProcessor:
     """An mlx-lm logits processor: processor(tokens, logits) -> logits, where
-    `tokens` is the sequence's history (prompt, then what it generated) and
-    logits (1, vocab). Tokens past the prompt that the matcher has not seen
+    `tokens` is the sequence's history (the prompt or its end, then what it
+    generated) and logits (1, vocab). Reply tokens the matcher has not seen
     are consumed; ones it saw that the history no longer holds (a draft's
     rejected tokens) are rolled back."""
 
-    def __init__(self, matcher, prompt_len: int, vocab_size: int, eos_ids=()):
-        self.matcher, self.prompt_len, self.vocab_size = matcher, prompt_len, vocab_size
+    def __init__(self, matcher, vocab_size: int, eos_ids=()):
+        self.matcher, self.vocab_size = matcher, vocab_size
+        # The history's length at the first call, which comes before any reply
+        # token: the whole prompt (generate_step, BatchGenerator) or its last
+        # token only (mlx-lm's speculative step). The reply follows it.
+        self.start: Optional[int] = None
         self.eos_ids = sorted(eos_ids)
-        self.fed: List[int] = []  # the generated tokens the matcher has consumed
+        self.fed: List[int] = []  # the reply tokens the matcher has seen
+        self.took: List[bool] = []  # whether it consumed each (not once stopped)
         self.failed: Optional[str] = None  # why the matcher stopped agreeing
 
     def advance(self, generated: List[int]) -> None:
-        """Bring the matcher to `generated` (this sequence's tokens so far)."""
+        """Bring the matcher to `generated` (this sequence's tokens so far).
+        Tokens after the grammar stopped (a draft's past end of sequence) are
+        not fed to it, so a rollback undoes only what it consumed."""
         k = 0
         n = min(len(self.fed), len(generated))
         while k < n and self.fed[k] == generated[k]:
             k += 1
         if k < len(self.fed):
-            self.matcher.rollback(len(self.fed) - k)
-            del self.fed[k:]
+            self.matcher.rollback(sum(self.took[k:]))
+            del self.fed[k:], self.took[k:]
         for t in generated[k:]:
             self.fed.append(t)
-            if not self.matcher.consume_token(t) and self.failed is None:
-                self.failed = self.matcher.get_error() or f"token {t} refused"
+            self.took.append(not self.matcher.is_stopped())
+            if self.took[-1] and not self.matcher.consume_token(t):
+                self.failed = self.failed or self.matcher.get_error() or f"{t} refused"
 
     def allowed(self, n_logits: int):
         """(n_logits,) bool mx.array of the tokens the grammar allows next; an
@@ -194,7 +202,10 @@ class GrammarProcessor:
     def __call__(self, tokens, logits):
         import mlx.core as mx
 
-        generated = tokens[self.prompt_len :].tolist() if len(tokens) else []
+        n = len(tokens) if tokens is not None else 0
+        if self.start is None:
+            self.start = n
+        generated = tokens[self.start :].tolist() if n > self.start else []
         self.advance(generated)
         mask = self.allowed(logits.shape[-1])
         return mx.where(mask, logits, mx.array(-float("inf"), logits.dtype))

@@ -40,7 +40,7 @@ def main():
     prompt = tok.apply_chat_template(msgs, add_generation_prompt=True)
     grammars = Grammars(tok)
     grammar = json_grammar(schema)
-    grammars.processor(grammar, len(prompt))  # builds llguidance's tokenizer once
+    grammars.processor(grammar)  # builds llguidance's tokenizer once
 
     def run(processors):
         steps = generate_step(
@@ -60,7 +60,7 @@ def main():
     rows = []
     for _ in range(args.rounds):
         plain, n0 = run(None)
-        p = grammars.processor(grammar, len(prompt))
+        p = grammars.processor(grammar)
         calls = []
 
         def timed(tokens, logits):

@@ -78,7 +78,7 @@ def run_batch(model, tokenizer, schemas, join_at, seeds, max_tokens=60):
         while step <= max(join_at) or gen._generation_batch or gen._prompt_batch.uids:
             for i, at in enumerate(join_at):
                 if at == step:
-                    p = grammars.processor(json_grammar(schemas[i]), len(prompt))
+                    p = grammars.processor(json_grammar(schemas[i]))
                     (uid,) = gen.insert(
                         [prompt],
                         max_tokens=[max_tokens],
@@ -141,7 +141,7 @@ def test_schemas_llguidance_cannot_compile_name_the_reason(tiny_model):
         ({"$ref": "#/nowhere"}, "nowhere"),
     ]:
         with pytest.raises(GrammarError) as e:
-            g.processor(json_grammar(schema), 3)
+            g.processor(json_grammar(schema))
         assert word in str(e.value), (schema, str(e.value))
 
 
@@ -162,7 +162,7 @@ def test_tool_call_grammar_holds_arguments_to_the_parameters(tiny_model):
     good = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     bad = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}'
     for text, fits in [(good, True), (bad, False), ("No call at all.", True)]:
-        p = g.processor(grammar, 0)
+        p = g.processor(grammar)
         p.advance(tok.encode(text))
         print(repr(text), p.failed)
         assert (p.failed is None) == fits, (text, p.failed)
@@ -209,3 +209,39 @@ def test_generate_json_schema_fits_at_temperature_0_7(tmp_path):
         assert r.returncode == 0, r.stderr
         text = r.stdout.split("\n==========")[0].strip()
         check(json.loads(text))
+
+
+def test_speculative_decoding_keeps_the_matcher_in_step(tiny_model, tmp_path):
+    """mlx-lm's speculative step calls the processor on the draft's tokens
+    and on the verified ones, rejected drafts included: the processor rolls
+    back what the history no longer holds. A draft of another random model
+    disagrees often, so rollbacks happen."""
+    from mlx_lm.generate import speculative_generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tok = tiny_model
+    draft, _ = load(str(tiny.make_llama(tmp_path / "draft", "gqa_untied", seed=5)))
+    prompt = tok.encode("JSON please: ")
+    g = Grammars(tok)
+    eos = set(tok.eos_token_ids)
+    for seed, schema in enumerate(SCHEMAS):
+        p = g.processor(json_grammar(schema))
+        ids, drafted = [], 0
+        steps = speculative_generate_step(
+            mx.array(prompt),
+            model,
+            draft,
+            num_draft_tokens=3,
+            max_tokens=60,
+            sampler=make_seeded_sampler(1.0, 1.0, seed),
+            logits_processors=[p],
+            prompt_cache=make_prompt_cache(model) + make_prompt_cache(draft),
+        )
+        for token, _, from_draft in steps:
+            if int(token) in eos:
+                break
+            ids.append(int(token))
+            drafted += bool(from_draft)
+        text = tok.decode(ids)
+        print(seed, drafted, len(ids), repr(text))
+        jsonschema.validate(json.loads(text), schema)
