@@ -22,6 +22,9 @@ JSON_OPTIONS = {
 }
 
 
+CLOSE_WINDOW = 32  # tokens from the budget's end where closing is considered
+
+
 class GrammarError(ValueError):
     """A schema or grammar llguidance cannot compile; the message says why."""
 
@@ -99,7 +102,7 @@ class Grammars:
         self.tokenizer = tokenizer
         self.lock = lock or threading.Lock()  # the tokenizer's, where shared
         self._ll = None
-        self._build = threading.Lock()
+        self._build = threading.RLock()  # closers reads ll under it too
 
     @property
     def ll(self):
@@ -133,9 +136,28 @@ class Grammars:
         if message:
             raise GrammarError(message)
 
-    def processor(self, grammar: str) -> "GrammarProcessor":
+    @property
+    def closers(self):
+        """[(id, bytes)] of the tokens whose text could be part of a closing
+        text (closing_text: quotes, ": ", brackets, braces), built once."""
+        with self._build:
+            if getattr(self, "_closers", None) is None:
+                ll, chars = self.ll, set(b'"]}: ')
+                self._closers = [
+                    (i, b)
+                    for i in range(ll.vocab_size)
+                    if not ll.is_special_token(i)
+                    and (b := ll.decode_bytes([i]))
+                    and set(b) <= chars
+                ]
+            return self._closers
+
+    def processor(
+        self, grammar: str, max_tokens: Optional[int] = None
+    ) -> "GrammarProcessor":
         """A fresh processor for one sequence; GrammarError if the grammar
-        does not compile."""
+        does not compile. With `max_tokens`, JSON is closed before the
+        budget runs out where the grammar allows it (closing)."""
         from llguidance import LLMatcher
 
         self.check(grammar)
@@ -143,7 +165,11 @@ class Grammars:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         eos = getattr(self.tokenizer, "eos_token_ids", None) or []
-        return GrammarProcessor(matcher, self.ll.vocab_size, eos)
+        p = GrammarProcessor(matcher, self.ll.vocab_size, eos)
+        if max_tokens is not None:
+            p.budget, p.closers = max_tokens, self.closers
+            p.decode = self.ll.decode_bytes
+        return p
 
 
 class GrammarProcessor:
@@ -159,6 +185,8 @@ class GrammarProcessor:
         # token: the whole prompt (generate_step, BatchGenerator) or its last
         # token only (mlx-lm's speculative step). The reply follows it.
         self.start: Optional[int] = None
+        self.budget: Optional[int] = None  # the reply's max tokens, if closing
+        self.closers = self.decode = None
         self.eos_ids = sorted(eos_ids)
         self.fed: List[int] = []  # the reply tokens the matcher has seen
         self.took: List[bool] = []  # whether it consumed each (not once stopped)
@@ -195,9 +223,25 @@ class GrammarProcessor:
             raw = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
             bits = np.unpackbits(raw, bitorder="little")[: self.vocab_size]
             bits = bits.astype(bool)
+            need = self.closing()
+            if need is not None:  # only what closes it, where the grammar agrees
+                fits = np.zeros(len(bits), dtype=bool)
+                fits[[i for i, b in self.closers if need.startswith(b)]] = True
+                closing = bits & fits
+                closing[list(self.eos_ids)] = bits[list(self.eos_ids)]
+                bits = closing if closing.any() else bits
         if len(bits) < n_logits:  # a model's padded vocabulary: never sampled
             bits = np.concatenate([bits, np.zeros(n_logits - len(bits), dtype=bool)])
         return mx.array(bits[:n_logits])
+
+    def closing(self) -> Optional[bytes]:
+        """The text that closes the JSON so far, when the tokens left are
+        about that many (+2: the end, a token of one byte); else None."""
+        left = None if self.budget is None else self.budget - len(self.fed)
+        if left is None or left > CLOSE_WINDOW:
+            return None
+        need = closing_text(self.decode(self.fed))
+        return need if left <= len(need) + 2 else None
 
     def __call__(self, tokens, logits):
         import mlx.core as mx
@@ -209,3 +253,53 @@ class GrammarProcessor:
         self.advance(generated)
         mask = self.allowed(logits.shape[-1])
         return mx.where(mask, logits, mx.array(-float("inf"), logits.dtype))
+
+
+def closing_text(text: bytes) -> bytes:
+    """The shortest text that closes JSON `text` (compact, ": " between key
+    and value): the open string, an owed value as "", then each open array
+    and object. A schema may want other values: the grammar has the last word."""
+    stack, expect, in_string, escaped, key = [], [], False, False, False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:
+                in_string = False
+                if key:
+                    expect[-1], key = "colon", False
+                elif stack:
+                    expect[-1] = "after"
+        elif c == 0x22:
+            in_string, key = True, bool(stack) and expect[-1] == "key"
+        elif c in b"[{":
+            stack.append(c)
+            expect.append("key" if c == 0x7B else "value")
+        elif c in b"]}":
+            if stack:
+                stack.pop(), expect.pop()
+            if stack:
+                expect[-1] = "after"
+        elif c == 0x3A and stack:  # colon
+            expect[-1] = "value"
+        elif c == 0x2C and stack:  # comma
+            expect[-1] = "key" if stack[-1] == 0x7B else "value"
+        elif c not in b" \n\t\r" and stack and expect[-1] == "value":
+            expect[-1] = "after"  # a number or literal: closers end it
+    out = b'"' if in_string else b""
+    if stack:
+        owed = expect[-1]
+        if in_string and key or not in_string and owed == "colon":
+            out += b': ""'
+        elif (
+            not in_string
+            and owed == "key"
+            and stack[-1] == 0x7B
+            and text.rstrip()[-1:] == b","
+        ):
+            out += b'"": ""'
+        elif not in_string and owed == "value" and text.rstrip()[-1:] in (b":", b","):
+            out += b'""'
+    return out + bytes(0x7D if c == 0x7B else 0x5D for c in reversed(stack))

@@ -68,7 +68,7 @@ def tiny_model(tmp_path_factory):
     return model, load_tokenizer(path)
 
 
-def run_batch(model, tokenizer, schemas, join_at, seeds, max_tokens=60):
+def run_batch(model, tokenizer, schemas, join_at, seeds, max_tokens=60, close=False):
     """Each schema's reply text, request i joining the batch at step join_at[i]."""
     grammars = Grammars(tokenizer)
     prompt = tokenizer.encode("JSON please: ")
@@ -78,7 +78,9 @@ def run_batch(model, tokenizer, schemas, join_at, seeds, max_tokens=60):
         while step <= max(join_at) or gen._generation_batch or gen._prompt_batch.uids:
             for i, at in enumerate(join_at):
                 if at == step:
-                    p = grammars.processor(json_grammar(schemas[i]))
+                    p = grammars.processor(
+                        json_grammar(schemas[i]), max_tokens if close else None
+                    )
                     (uid,) = gen.insert(
                         [prompt],
                         max_tokens=[max_tokens],
@@ -114,6 +116,29 @@ def test_each_request_fits_its_schema_while_the_batch_changes(tiny_model, seed):
         print(finish, repr(text))
         assert finish == "stop", (finish, text)
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_is_closed_before_max_tokens_runs_out(tiny_model):
+    """Any JSON object (json_object) from the random model, 16 tokens at most:
+    with the budget known, the reply closes its strings, arrays and objects in
+    time and parses; without, the same seeds leave cut JSON."""
+    model, tok = tiny_model
+    n = 6
+    seeds, join_at = list(range(n)), [0] * n
+    closed = run_batch(model, tok, [None] * n, join_at, seeds, 16, close=True)
+    cut = run_batch(model, tok, [None] * n, join_at, seeds, 16)
+    print(closed, cut)
+    for text, finish in closed:
+        assert isinstance(json.loads(text), dict), (text, finish)
+
+    def parses(text):
+        try:
+            json.loads(text)
+            return True
+        except ValueError:
+            return False
+
+    assert not all(parses(text) for text, _ in cut), cut
 
 
 def test_without_the_grammar_the_tiny_model_writes_no_json(tiny_model):

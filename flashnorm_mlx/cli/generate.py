@@ -118,7 +118,7 @@ def main(argv=None):
         from ..structured import GrammarError, Grammars
 
         try:
-            mask = Grammars(tokenizer).processor(grammar)
+            mask = Grammars(tokenizer).processor(grammar, args.max_tokens)
         except GrammarError as e:
             raise UserError(f"--json-schema {args.json_schema}: {e}") from None
         kwargs["logits_processors"] = (kwargs.get("logits_processors") or []) + [mask]

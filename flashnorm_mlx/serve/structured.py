@@ -92,6 +92,6 @@ def constrain(service, body: dict, tools, requests: List[Request]) -> None:
         return
     for r in requests:
         try:
-            r.constraint = service.grammars.processor(grammar)
+            r.constraint = service.grammars.processor(grammar, r.max_tokens)
         except GrammarError as e:
             raise _bad(f"'{param}' cannot be used: {e}", param, "invalid_schema")
