@@ -256,13 +256,18 @@ def test_lm_eval_needs_no_tokenizer_of_its_own(server, tokenizer, tmp_path):
 # --- tools on a model whose template has none ------------------------------------
 
 
-def test_tools_on_a_model_without_tool_template_are_400(server):
+def test_tools_on_a_model_without_tool_template_are_answered_without_them(server):
+    """As mlx_lm.server (#47): 200, the same reply as without tools, and a
+    warning in the answer."""
     tools = [{"type": "function", "function": {"name": "get_weather"}}]
-    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": tools}
-    status, r = server.request("POST", "/v1/chat/completions", body)
-    print(r)
-    assert status == 400 and r["error"]["param"] == "tools", r
-    assert "does not use tools" in r["error"]["message"], r
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    status, r = server.request("POST", "/v1/chat/completions", {**body, "tools": tools})
+    _, plain = server.request("POST", "/v1/chat/completions", body)
+    print(r, plain)
+    assert status == 200 and "does not use tools" in r["warning"], r
+    assert r["choices"][0]["message"] == plain["choices"][0]["message"], (r, plain)
+    assert r["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert "warning" not in plain, plain
 
 
 def test_empty_allowed_origins_is_one_line(capsys):

@@ -309,9 +309,9 @@ SAMPLER_400 = {  # name: (path, extra fields, param)
     "best_of 2": ("/v1/completions", {"best_of": 2}, "best_of"),
     "suffix": ("/v1/completions", {"suffix": "end"}, "suffix"),
     "xtc": ("/v1/completions", {"xtc_probability": 0.5}, "xtc_probability"),
-    "json mode": (
+    "unknown response_format": (
         "/v1/chat/completions",
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "xml"}},
         "response_format",
     ),
     "min_tokens": ("/v1/completions", {"min_tokens": 3}, "min_tokens"),

@@ -13,7 +13,7 @@ import tiny
 from serve_process import Server
 
 from flashnorm_mlx.serve.schema import RequestError
-from flashnorm_mlx.serve.tools import ToolCalls, read_tools
+from flashnorm_mlx.serve.tools import ToolCalls, read_tools, tools_ignored
 
 # The reply, one added token each: words, then a json_tools call split over
 # three tokens, so that a stream sees the call arrive in pieces.
@@ -249,13 +249,183 @@ class _ToolsNoParser(_NoTools):
     chat_template = "{{ tools | tojson }}{% for m in messages %}{% endfor %}"
 
 
-@pytest.mark.parametrize(
-    "tok, words",
-    [(_NoTools, "does not use tools"), (_ToolsNoParser, "no parser")],
-)
-def test_models_that_cannot_call_tools_refuse_them(tok, words):
+def test_models_whose_template_renders_tools_without_a_parser_refuse_them():
     with pytest.raises(RequestError) as e:
-        read_tools({"tools": TOOLS}, tok())
-    assert words in e.value.message and e.value.status == 400, e.value.message
-    assert read_tools({"tools": TOOLS, "tool_choice": "none"}, tok()) is None
-    assert read_tools({}, tok()) is None
+        read_tools({"tools": TOOLS}, _ToolsNoParser())
+    assert "no parser" in e.value.message and e.value.status == 400, e.value.message
+    assert read_tools({"tools": TOOLS, "tool_choice": "none"}, _ToolsNoParser()) is None
+    assert read_tools({}, _ToolsNoParser()) is None
+
+
+def test_tools_to_a_template_without_them_are_dropped_with_a_warning():
+    """As mlx_lm.server: answered without them (agents send tools every turn)."""
+    assert read_tools({"tools": TOOLS}, _NoTools()) is None
+    assert "ignored" in tools_ignored({"tools": TOOLS}, _NoTools())
+    assert tools_ignored({"tools": TOOLS}, _ToolsNoParser()) is None
+    assert tools_ignored({}, _NoTools()) is None
+
+
+# --- strict tools: the call's arguments held to the parameters (#47) -----------
+
+
+STRICT_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_strict_tools_constrain_the_calls_arguments(server, model_dir, seed):
+    """The random tiny model is pushed into a call (logit bias on <tool_call>),
+    then samples at temperature 1: with strict, every call it makes parses
+    and fits the parameters; without, the same start gives none that does."""
+    import jsonschema
+
+    start = model_dir[1][1]  # <tool_call>'s id
+    tool = {
+        **TOOLS[0],
+        "function": {**TOOLS[0]["function"], "parameters": STRICT_PARAMS},
+    }
+    body = {
+        "messages": ASK,
+        "max_tokens": 80,  # byte-level: a call is some 60 tokens
+        "temperature": 1.0,
+        "seed": seed,
+        "logit_bias": {str(start): 100},
+    }
+    replies = {}
+    for strict in (True, False):
+        t = {**tool, "function": {**tool["function"], "strict": strict}}
+        status, r = server.request(
+            "POST", "/v1/chat/completions", {**body, "tools": [t]}
+        )
+        print(strict, json.dumps(r)[:600])
+        assert status == 200, r
+        replies[strict] = r["choices"][0]["message"].get("tool_calls") or []
+    assert replies[True], "no call made under strict"
+    for call in replies[True]:
+        assert call["function"]["name"] == "get_weather", call
+        jsonschema.validate(json.loads(call["function"]["arguments"]), STRICT_PARAMS)
+
+    def fits(call):
+        try:
+            jsonschema.validate(
+                json.loads(call["function"]["arguments"]), STRICT_PARAMS
+            )
+            return True
+        except (ValueError, jsonschema.ValidationError):
+            return False
+
+    assert not any(fits(c) for c in replies[False]), replies[False]
+
+
+def test_model_is_the_folders_name_not_its_path(server, model_dir):
+    """Served from an absolute folder path: answers name the folder only."""
+    status, r = server.request(
+        "POST", "/v1/chat/completions", {"messages": ASK, "max_tokens": 1}
+    )
+    assert status == 200 and r["model"] == model_dir[0].name, r["model"]
+    status, r = server.request("GET", "/v1/models")
+    assert r["data"][0]["id"] == model_dir[0].name, r
+
+
+# --- the same calls through Anthropic's and OpenAI's agent APIs (#47) ----------
+
+
+def test_anthropic_tool_use_and_tool_result_blocks(server, model_dir):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    tool = {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "input_schema": TOOLS[0]["function"]["parameters"],
+    }
+    f = forced(model_dir[1])
+    m = client.messages.create(
+        model="tiny",
+        max_tokens=f["max_tokens"],
+        messages=ASK,
+        tools=[tool],
+        extra_body={k: f[k] for k in f if k != "max_tokens"},
+    )
+    print(m)
+    assert m.stop_reason == "tool_use", m
+    text, use = m.content
+    assert text.text == SCRIPT[0] and use.type == "tool_use", m.content
+    assert use.name == "get_weather" and use.input == {"city": "Paris"}, use
+    with client.messages.stream(
+        model="tiny",
+        max_tokens=f["max_tokens"],
+        messages=ASK,
+        tools=[tool],
+        extra_body={k: f[k] for k in f if k != "max_tokens"},
+    ) as s:
+        final = s.get_final_message()
+    assert final.content[1].input == {"city": "Paris"}, final
+    assert final.stop_reason == "tool_use", final
+    # The call and its result go back as blocks, rendered by the template.
+    turns = ASK + [
+        {"role": "assistant", "content": [use.model_dump()]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny"}
+            ],
+        },
+    ]
+    more = client.messages.create(model="tiny", max_tokens=2, messages=turns)
+    assert more.usage.input_tokens + more.usage.cache_read_input_tokens > len(
+        "Sunny"
+    ), more.usage
+
+
+def test_responses_function_call_items(server, model_dir):
+    f = forced(model_dir[1])
+    fn = TOOLS[0]["function"]
+    r = server.client().responses.create(
+        model="tiny",
+        input=ASK,
+        max_output_tokens=f["max_tokens"],
+        tools=[{"type": "function", **fn}],
+        extra_body={k: f[k] for k in f if k != "max_tokens"},
+    )
+    print(r)
+    message, call = r.output
+    assert message.content[0].text == SCRIPT[0], r.output
+    assert call.type == "function_call" and call.name == "get_weather", call
+    assert json.loads(call.arguments) == {"city": "Paris"}, call
+    events = list(
+        server.client().responses.create(
+            model="tiny",
+            input=ASK,
+            max_output_tokens=f["max_tokens"],
+            tools=[{"type": "function", **fn}],
+            extra_body={k: f[k] for k in f if k != "max_tokens"},
+            stream=True,
+        )
+    )
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["message", "function_call"], done
+    assert json.loads(done[1].arguments) == {"city": "Paris"}, done
+    # The call and its output go back as items.
+    status, r2 = server.request(
+        "POST",
+        "/v1/responses",
+        {
+            "input": ASK
+            + [
+                {
+                    "type": "function_call",
+                    "call_id": "c1",
+                    "name": "get_weather",
+                    "arguments": '{"city": "Paris"}',
+                },
+                {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
+            ],
+            "max_output_tokens": 2,
+        },
+    )
+    assert status == 200 and r2["status"] in ("completed", "incomplete"), r2

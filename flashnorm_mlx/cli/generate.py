@@ -27,7 +27,40 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     add_generation_args(p)
     add_template_args(p)
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        default=None,
+        help="the reply is JSON that fits this JSON schema (llguidance)",
+    )
+    fmt.add_argument(
+        "--json", action="store_true", help="the reply is a JSON object (llguidance)"
+    )
     return p
+
+
+def _json_grammar(args):
+    """The grammar --json-schema or --json asks for (None: neither); a bad or
+    uncompilable schema is one line and exit 1, before the model loads."""
+    import json
+
+    from ..errors import UserError
+    from ..structured import GrammarError, json_grammar
+
+    if args.json_schema is None and not args.json:
+        return None
+    schema = None
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema) as f:
+                schema = json.load(f)
+        except (OSError, ValueError) as e:
+            raise UserError(f"--json-schema {args.json_schema}: {e}") from None
+    try:
+        return json_grammar(schema)
+    except GrammarError as e:
+        raise UserError(f"--json-schema {args.json_schema}: {e}") from None
 
 
 @run_main
@@ -51,6 +84,7 @@ def main(argv=None):
     from .common import build_for_sampling, make_sampler, read_for_sampling
     from .decoding import draft_model, draft_tally, generation_kwargs
 
+    grammar = _json_grammar(args)
     cache = None
     source, tokenizer = read_for_sampling(args)  # settles --mode for the model
     if args.prompt_cache_file is not None:  # a bad file: one line before the build
@@ -80,6 +114,15 @@ def main(argv=None):
         cached=cache is not None,
     )
     sampler = make_sampler(args, tokenizer)
+    if grammar is not None:  # the mask after any other processor (structured.py)
+        from ..errors import UserError
+        from ..structured import GrammarError, Grammars
+
+        try:
+            mask = Grammars(tokenizer).processor(grammar, args.max_tokens)
+        except GrammarError as e:
+            raise UserError(f"--json-schema {args.json_schema}: {e}") from None
+        kwargs["logits_processors"] = (kwargs.get("logits_processors") or []) + [mask]
     last = None
     responses = stream_generate(
         model,

@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from pathlib import Path
 
 from .. import interrupt
 from ..limits import LOG_LEVELS, byte_size
@@ -213,7 +214,10 @@ def main(argv=None):
         settings = Settings(
             **{name: getattr(args, name) for name in held}, api_key=api_key
         )
+        # A local folder by its name: answers never show where it sits on disk.
         model_id = args.model or default_model_path().stem
+        if args.model and Path(args.model).exists():
+            model_id = Path(args.model).resolve().name
         comparer = Comparer(load_other)
         service = Service(load, model_id, args.mode, settings, worker, comparer)
         server.attach(service)  # builds: load() settled --mode for the model

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server for one model (`flashnorm-mlx serve`).
 
 Routes: POST /v1/chat/completions and /v1/completions (one JSON body, or
-server-sent events ending `data: [DONE]` with "stream": true), GET /v1/models,
+server-sent events ending `data: [DONE]` with "stream": true), Anthropic's
+POST /v1/messages, OpenAI's POST /v1/responses, GET /v1/models,
 GET /health; vLLM's GET /tokenizer_info, POST /tokenize and /detokenize; the
 chat page at GET / and what its header shows at GET /props. Every error is a
 4xx/5xx with OpenAI's body {"error": {"message", "type", "param", "code"}}.
@@ -12,7 +13,9 @@ Modules: `http`, the HTTP layer (the standard library's
 ThreadingHTTPServer reads, checks and tokenizes each request on its own
 thread); `auth`, the API key; `routes`, vLLM's tokenizer endpoints and the
 browser chat page (GET /, files in `web/`); `tools`, tool calls with
-mlx-lm's parsers; `service`, what those threads share; `prompts`, messages
+mlx-lm's parsers; `structured`, response_format and strict tools as grammar
+processors; `anthropic` and `responses`, the two agent APIs, through
+`replies`, a chat reply as events; `service`, what those threads share; `prompts`, messages
 and prompts as token ids; `schema`, what a request may hold and the one
 `Request` record each prompt becomes; `scheduler`, the generation thread,
 which decodes every request in flight together with mlx-lm's

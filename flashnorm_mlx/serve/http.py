@@ -15,11 +15,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from queue import Empty
 from typing import List, Optional
 
+from . import anthropic
 from .auth import key_scope
 from .connections import CappedServer
 from .guard import has_body, is_json, origin_allowed, refusal
 from .log import log
-from .logprobs import chat_logprobs, text_logprobs
+from .logprobs import choice_logprobs
 from .routes import extra_routes, public_paths
 from .schema import Request, RequestError
 from .service import Service
@@ -157,9 +158,10 @@ class Handler(BaseHTTPRequestHandler):
                     code="method_not_allowed",
                 )
             handle()
-        except RequestError as e:
+        except RequestError as e:  # Anthropic's route answers in its own shape
+            body = anthropic.error_body(e) if path == anthropic.PATH else e.body()
             try:
-                self._send_json(e.status, e.body())
+                self._send_json(e.status, body)
             except OSError as gone:  # the client left before its answer
                 self.close_connection = True
                 log(f"{self.command} {path}: client left ({gone})")
@@ -181,8 +183,10 @@ class Handler(BaseHTTPRequestHandler):
         """With an API key, every route but /health and the page's files needs
         it (401 otherwise)."""
         key = self.service.settings.api_key
+        given = self.headers.get("x-api-key")  # Anthropic's SDKs send this
+        given = f"Bearer {given}" if given else self.headers.get("Authorization")
         # The prompt cache's scope (auth.key_scope), for this thread's requests.
-        self.key_scope = key_scope(self.headers.get("Authorization"), key)
+        self.key_scope = key_scope(given, key)
         if key and path not in public_paths():
             if self.key_scope is None:
                 self.close_connection = True  # a body, if any, is left unread
@@ -335,7 +339,7 @@ class Handler(BaseHTTPRequestHandler):
             choice = {
                 "index": i,
                 "finish_reason": r["finish_reason"],
-                "logprobs": self._logprobs(request, r["logprobs"]),
+                "logprobs": choice_logprobs(request, r["logprobs"]),
             }
             if request.kind == "chat":
                 text, calls = r["text"], None
@@ -364,15 +368,6 @@ class Handler(BaseHTTPRequestHandler):
             },
         )
 
-    @staticmethod
-    def _logprobs(request: Request, entries) -> Optional[dict]:
-        """choices[0].logprobs in the route's shape; None when not asked for."""
-        if entries is None:
-            return None
-        if request.kind == "chat":
-            return chat_logprobs(entries)
-        return text_logprobs(entries)
-
     def _head(self, request: Request, chunk: bool) -> dict:
         if request.kind == "chat":
             obj = "chat.completion.chunk" if chunk else "chat.completion"
@@ -385,6 +380,7 @@ class Handler(BaseHTTPRequestHandler):
             "created": request.created,
             "model": request.model,
             "system_fingerprint": f"flashnorm-mlx-{self.service.mode}",
+            **({"warning": request.warning} if request.warning else {}),
         }
 
     def _chunk(
@@ -430,7 +426,7 @@ class Handler(BaseHTTPRequestHandler):
         while True:
             if what == "text":
                 piece, entries = value
-                lp = self._logprobs(
+                lp = choice_logprobs(
                     request, entries if request.top_logprobs is not None else None
                 )
                 calls = None

@@ -96,3 +96,13 @@ def score_prompt(model, prompt: List[int], k: int, chunk: int):
         n = lp.shape[0]
         rows += top_logprobs(list(lp), prompt[i + 1 : i + 1 + n], [k] * n)
     return rows, cache
+
+
+def choice_logprobs(request, entries) -> Optional[dict]:
+    """choices[0].logprobs in the request's route shape (chat or text
+    completions); None when not asked for."""
+    if entries is None:
+        return None
+    if request.kind == "chat":
+        return chat_logprobs(entries)
+    return text_logprobs(entries)

@@ -12,6 +12,7 @@ from importlib import resources
 from typing import Callable, Dict, Tuple
 
 from ..mlx_lm_compat import inner_tokenizer
+from . import anthropic, responses
 from .compare import compare
 from .schema import RequestError
 
@@ -35,6 +36,10 @@ def extra_routes(h) -> Dict[str, Tuple[str, Callable[[], None]]]:
         "/props": ("GET", lambda: props(h)),
         "/compare": ("POST", lambda: compare(h)),  # the page's Compare (compare.py)
         "/favicon.ico": ("GET", lambda: page_file(h, "favicon.svg")),
+        # mlx_lm.server's path without /v1; Anthropic's and OpenAI's agent APIs.
+        "/chat/completions": ("POST", lambda: h._complete("chat")),
+        "/v1/messages": ("POST", lambda: anthropic.messages(h)),
+        "/v1/responses": ("POST", lambda: responses.responses(h)),
         "": ("GET", lambda: page_file(h, "index.html")),  # "/", its "/" stripped
     }
     for name in PAGE_FILES:

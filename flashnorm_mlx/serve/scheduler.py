@@ -421,9 +421,9 @@ class Worker:
         """mlx-lm's logits processors for the request's logit bias and penalties."""
         from mlx_lm.sample_utils import make_logits_processors
 
-        return (
-            make_logits_processors(**request.processors) if request.processors else []
-        )
+        out = make_logits_processors(**request.processors) if request.processors else []
+        # The grammar's mask last: after logit bias, so a bias cannot unmask.
+        return out + ([request.constraint] if request.constraint else [])
 
     def _finish(self, run: _Run) -> None:
         request = run.request
@@ -433,6 +433,7 @@ class Worker:
         result = {
             "text": run.echo_text + run.stops.text,
             "finish_reason": run.finish_reason,
+            "stop_sequence": run.stops.hit,
             "logprobs": run.entries,
             "usage": {
                 "prompt_tokens": len(request.prompt),

@@ -182,12 +182,13 @@ FIELDS = (
         lambda v: 0 <= v <= MAX_TOP_LOGPROBS["chat"],
         kinds=("chat",),
     ),
-    # Completions: logprobs 0-5 (how many top tokens; null: none), echo.
+    # Completions: logprobs 0-5 (how many top tokens; null: none), echo; true
+    # and false as mlx_lm.server takes them (true: the chosen token's only).
     Field(
         "logprobs",
-        is_int,
-        f"an integer from 0 to {MAX_TOP_LOGPROBS['text']} or null",
-        lambda v: 0 <= v <= MAX_TOP_LOGPROBS["text"],
+        lambda v: is_int(v) or _is_bool(v),
+        f"an integer from 0 to {MAX_TOP_LOGPROBS['text']}, true, false or null",
+        lambda v: _is_bool(v) or 0 <= v <= MAX_TOP_LOGPROBS["text"],
         kinds=("text",),
     ),
     Field("echo", _is_bool, "true or false", default=False, kinds=("text",)),
@@ -206,11 +207,6 @@ REFUSED = {
         ("chat", "text"),
         (0,),
         "XTC sampling draws from a random state shared by every request",
-    ),
-    "response_format": (
-        ("chat", "text"),
-        ({"type": "text"},),
-        "output is not constrained to JSON or a schema",
     ),
     "min_tokens": (("chat", "text"), (0,), "end of sequence is never masked"),
     "ignore_eos": (("chat", "text"), (False,), "end of sequence always ends"),
@@ -291,6 +287,8 @@ class Request:
     echo: bool = False  # completions: the prompt comes back, scored
     processors: Optional[dict] = None  # make_logits_processors' arguments
     cache_scope: tuple = ()  # (API key scope, cache_salt): who shares cached prefixes
+    constraint: Optional[Callable] = None  # structured.GrammarProcessor, its own
+    warning: Optional[str] = None  # said in the answer's "warning" field
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
     submitted: float = field(default_factory=time.perf_counter)
@@ -338,6 +336,7 @@ def read_requests(
         top = (top or 0) if got["logprobs"] else None
     else:
         top = got["logprobs"]
+        top = (0 if top else None) if _is_bool(top) else top
     if got["max_tokens"] == 0 and not got.get("echo"):
         raise RequestError(
             "'max_tokens' must be an integer >= 1 (0 only with 'echo': true)",

@@ -12,7 +12,8 @@ from .bounds import bytes_per_token, check_fits
 from .prompts import read_messages, read_prompts, read_template_kwargs
 from .scheduler import Worker
 from .schema import Request, RequestError, Settings, read_requests
-from .tools import read_tools, with_tool_history
+from .structured import constrain
+from .tools import read_tools, tools_ignored, with_tool_history
 
 
 class Service:
@@ -64,6 +65,7 @@ class Service:
         from ..engine import engine_of
         from ..machine import device_info
         from ..models import context_length
+        from ..structured import Grammars
 
         w = self.worker
         w.thread.start()
@@ -76,6 +78,7 @@ class Service:
         self.engine, self.device = engine_of(w.model), device_info()["name"]
         self.vocab_size = len(self.tokenizer.get_vocab())
         self.bytes_per_token = bytes_per_token(self.tokenizer)  # bounds.py
+        self.grammars = Grammars(self.tokenizer, self.tokenizer_lock)
         if self.settings.max_context is None:
             self.settings.max_context = context_length(w.config)
 
@@ -106,17 +109,24 @@ class Service:
         ("text") body: its prompts as token ids, then one Request per prompt
         (a completions request may hold several), made by schema.py."""
         prompts, param = self._prompts(kind, body)
-        return read_requests(
+        model = body.get("model")  # echoed, as mlx_lm.server does
+        requests = read_requests(
             kind,
             body,
             prompts,
             param,
             self.settings,
-            model=self.model_id,
+            model=model if isinstance(model, str) and model else self.model_id,
             vocab_size=self.vocab_size,
             draw_seed=self._draw_seed,
             key_scope=key_scope,
         )
+        tools = read_tools(body, self.tokenizer) if kind == "chat" else None
+        constrain(self, body, tools, requests)  # response_format, strict tools
+        ignored = tools_ignored(body, self.tokenizer) if kind == "chat" else None
+        for r in requests:
+            r.warning = ignored
+        return requests
 
     def fits(self, texts: List[str], param: str, each: int = 0) -> None:
         """400 before tokenizing for texts that cannot fit the context

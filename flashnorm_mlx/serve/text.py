@@ -3,7 +3,7 @@ and the cut at the first stop string (StopText). Pure Python over the
 tokenizer's decode; the generation thread calls them under the tokenizer lock
 (docs/design.md section 5e)."""
 
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 REPLACEMENT = "\ufffd"  # what decode makes of a character cut between tokens
 
@@ -81,6 +81,7 @@ class StopText:
         self.stops = stops
         self.text = ""
         self.sent = 0
+        self.hit: Optional[str] = None  # the stop string that ended the text
 
     def add(self, piece: str):
         """(new text safe to send, whether a stop string was hit)."""
@@ -88,6 +89,9 @@ class StopText:
         hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
         if hits:
             end = min(hits)
+            self.hit = next(
+                s for s in self.stops if self.text.find(s, self.sent) == end
+            )
             out, self.text, self.sent = self.text[self.sent : end], self.text[:end], end
             return out, True
         # The longest tail of the text that is the start of some stop string.

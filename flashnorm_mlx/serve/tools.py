@@ -5,12 +5,14 @@ out of the reply as it streams, and mlx_lm.server's ToolCallFormatter for
 OpenAI's `tool_calls` shape.
 
 A request's `tools` are rendered by the chat template; a model whose template
-does not use them refuses the request (400) rather than ignore them.
+does not use them answers without them, as mlx_lm.server does, with a warning
+logged and in the answer's "warning" field.
 """
 
 import json
 from typing import List, Optional, Tuple
 
+from .log import log
 from .schema import RequestError
 
 
@@ -51,12 +53,7 @@ def read_tools(body: dict, tokenizer) -> Optional[List[dict]]:
             code="invalid_type",
         )
     if not template_uses_tools(tokenizer):
-        raise RequestError(
-            "this model's chat template does not use tools, so it cannot call "
-            "them; leave 'tools' out",
-            param="tools",
-            code="tools_not_supported",
-        )
+        return None  # as mlx_lm.server: answered without them (tools_ignored)
     if not getattr(tokenizer, "has_tool_calling", False):
         raise RequestError(
             "this model's chat template renders tools, but mlx-lm has no parser "
@@ -66,6 +63,23 @@ def read_tools(body: dict, tokenizer) -> Optional[List[dict]]:
             code="tools_not_supported",
         )
     return tools
+
+
+def tools_ignored(body: dict, tokenizer) -> Optional[str]:
+    """The warning for `tools` sent to a model whose chat template has none:
+    answered without them, as mlx_lm.server does (agents send tools on every
+    turn), logged and said in the answer's "warning" field."""
+    tools = body.get("tools")
+    if not tools or body.get("tool_choice") == "none":
+        return None
+    if template_uses_tools(tokenizer):
+        return None
+    message = (
+        "this model's chat template does not use tools: they were ignored and "
+        "the model answered without them"
+    )
+    log(f"warning: {message}", "WARNING")
+    return message
 
 
 def with_tool_history(messages: List[dict], body: dict) -> List[dict]:

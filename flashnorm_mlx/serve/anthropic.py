@@ -1,0 +1,299 @@
+"""Anthropic's Messages API, POST /v1/messages: the body becomes a chat
+completion's (system, turns, tool_use and tool_result blocks as OpenAI's
+tool calls and tool messages), runs as one, and is answered as a Message, or
+as Anthropic's events when streamed. Errors have Anthropic's shape."""
+
+import json
+
+from ..limits import is_int, is_number
+from .replies import (
+    SAMPLER_EXTRAS,
+    call_arguments,
+    chain,
+    chat_reply,
+    need,
+    new_id,
+    send_event,
+    start_events,
+)
+from .schema import RequestError
+
+PATH = "/v1/messages"
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def error_body(e: RequestError) -> dict:
+    """Anthropic's error shape for a RequestError."""
+    kind = ERROR_TYPES.get(e.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(b, dict) and b.get("type") == "text" for b in content
+    ):
+        return "".join(str(b.get("text", "")) for b in content)
+    raise RequestError(f"{where} must be a string or a list of text blocks", where)
+
+
+def _messages(body: dict) -> list:
+    """Anthropic's turns as OpenAI chat messages."""
+    out = []
+    system = body.get("system")
+    if system is not None:
+        out.append({"role": "system", "content": _text(system, "system")})
+    turns = need(body, "messages", lambda v: isinstance(v, list) and v, "a list")
+    for i, m in enumerate(turns):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise RequestError(f"{where} must have role user or assistant", where)
+        blocks = m.get("content")
+        if isinstance(blocks, str):
+            blocks = [{"type": "text", "text": blocks}]
+        if not isinstance(blocks, list):
+            raise RequestError(f"{where}.content must be a string or blocks", where)
+        text, calls = "", []
+        for b in blocks:
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                text += str(b.get("text", ""))
+            elif kind == "tool_use" and m["role"] == "assistant":
+                args = json.dumps(b.get("input") or {})
+                calls.append(
+                    {
+                        "id": b.get("id"),
+                        "type": "function",
+                        "function": {"name": b.get("name"), "arguments": args},
+                    }
+                )
+            elif kind == "tool_result" and m["role"] == "user":
+                content = b.get("content", "")
+                result = content if isinstance(content, str) else _text(content, where)
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": b.get("tool_use_id"),
+                        "content": result,
+                    }
+                )
+            else:
+                raise RequestError(
+                    f"{where}: a {kind!r} block is not supported here "
+                    "(text, tool_use from the assistant, tool_result from the user)",
+                    where,
+                )
+        if text or calls or not out or out[-1]["role"] != "tool":
+            turn = {"role": m["role"], "content": text}
+            out.append({**turn, "tool_calls": calls} if calls else turn)
+    return out
+
+
+def to_chat(body: dict) -> dict:
+    """The chat completion body a Messages body asks for."""
+    chat = {
+        "messages": _messages(body),
+        "max_tokens": need(
+            body, "max_tokens", lambda v: is_int(v) and v >= 1, "an integer >= 1"
+        ),
+    }
+    for name in ("model", "temperature", "top_p", *SAMPLER_EXTRAS):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("temperature") is not None:
+        need(body, "temperature", lambda v: is_number(v) and 0 <= v <= 1, "from 0 to 1")
+    stops = body.get("stop_sequences")
+    if stops:
+        chat["stop"] = stops
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools
+        ):
+            raise RequestError(
+                "'tools' must be a list of {name, input_schema}", "tools"
+            )
+        chat["tools"] = [
+            {
+                "type": "function",
+                **({"strict": True} if t.get("strict") else {}),
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t.get("input_schema") or {"type": "object"},
+                },
+            }
+            for t in tools
+        ]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") in ("auto", "none"):
+        chat["tool_choice"] = choice["type"]
+    elif choice is not None:
+        raise RequestError(
+            '\'tool_choice\' must be {"type": "auto"} or {"type": "none"}: '
+            "a required or named tool is not enforced",
+            "tool_choice",
+        )
+    return chat
+
+
+def _usage(result: dict) -> dict:
+    """Anthropic's usage: input_tokens counts the prompt not read from cache."""
+    u = result["usage"]
+    cached = u["prompt_tokens_details"]["cached_tokens"]
+    return {
+        "input_tokens": u["prompt_tokens"] - cached,
+        "output_tokens": u["completion_tokens"],
+        "cache_read_input_tokens": cached,
+    }
+
+
+def _stop(result: dict):
+    """(stop_reason, stop_sequence) of a finished reply."""
+    hit = result.get("stop_sequence")
+    if hit is not None:
+        return "stop_sequence", hit
+    return STOP_REASONS.get(result["finish_reason"], "end_turn"), None
+
+
+def _tool_use(call: dict) -> dict:
+    return {
+        "type": "tool_use",
+        "id": call.get("id") or new_id("toolu_"),
+        "name": call["function"]["name"],
+        "input": call_arguments(call),
+    }
+
+
+def messages(h) -> None:
+    """POST /v1/messages."""
+    body = h._read_json()
+    chat = to_chat(body)
+    stream = body.get("stream") is True
+    reply = chat_reply(h, chat)
+    try:
+        _answer(h, reply, stream)
+    finally:
+        reply.close()  # a client that left: its request is cancelled now
+
+
+def _answer(h, reply, stream: bool) -> None:
+    _, request = next(reply)
+    message = {
+        "id": new_id("msg_"),
+        "type": "message",
+        "role": "assistant",
+        "model": request.model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+    }
+    if not stream:
+        for what, value in reply:
+            if what == "text":
+                if not message["content"] or message["content"][-1]["type"] != "text":
+                    message["content"].append({"type": "text", "text": ""})
+                message["content"][-1]["text"] += value
+            elif what == "call":
+                message["content"].append(_tool_use(value))
+            else:
+                message["stop_reason"], message["stop_sequence"] = _stop(value)
+                message["usage"] = _usage(value)
+        h._send_json(200, message)
+        return
+    _stream(h, reply, message, request)
+
+
+def _stream(h, reply, message: dict, request) -> None:
+    first = next(reply)  # errors before the first piece are still a JSON error
+    start_events(h)
+    usage = {"input_tokens": len(request.prompt), "output_tokens": 0}
+    send_event(
+        h,
+        "message_start",
+        {"type": "message_start", "message": {**message, "usage": usage}},
+    )
+    index, open_text = -1, False
+
+    def close():
+        nonlocal open_text
+        if open_text:
+            send_event(
+                h, "content_block_stop", {"type": "content_block_stop", "index": index}
+            )
+            open_text = False
+
+    try:
+        for what, value in chain(first, reply):
+            if what == "text":
+                if not open_text:
+                    index += 1
+                    open_text = True
+                    block = {"type": "text", "text": ""}
+                    send_event(
+                        h,
+                        "content_block_start",
+                        {
+                            "type": "content_block_start",
+                            "index": index,
+                            "content_block": block,
+                        },
+                    )
+                delta = {"type": "text_delta", "text": value}
+                send_event(
+                    h,
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": index, "delta": delta},
+                )
+            elif what == "call":
+                close()
+                index += 1
+                use = _tool_use(value)
+                send_event(
+                    h,
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "index": index,
+                        "content_block": {**use, "input": {}},
+                    },
+                )
+                delta = {
+                    "type": "input_json_delta",
+                    "partial_json": json.dumps(use["input"]),
+                }
+                send_event(
+                    h,
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": index, "delta": delta},
+                )
+                send_event(
+                    h,
+                    "content_block_stop",
+                    {"type": "content_block_stop", "index": index},
+                )
+            else:
+                close()
+                reason, hit = _stop(value)
+                send_event(
+                    h,
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": reason, "stop_sequence": hit},
+                        "usage": _usage(value),  # the final counts, all of them
+                    },
+                )
+                send_event(h, "message_stop", {"type": "message_stop"})
+    except RequestError as e:
+        send_event(h, "error", error_body(e))

@@ -1,0 +1,103 @@
+"""What the Anthropic and Responses routes share: a request body turned into
+a chat completion's, run through the same worker and tool parser, its reply
+as a stream of ("text", str), ("call", OpenAI tool call) and ("done", result)
+events; and server-sent events with named types."""
+
+import json
+import uuid
+from typing import Iterator, Tuple
+
+from .schema import RequestError
+from .tools import tool_calls_for
+
+# Chat completions' sampler fields these APIs lack, taken as they are (an SDK's
+# extra_body) and checked by the chat route.
+SAMPLER_EXTRAS = (
+    "seed",
+    "top_k",
+    "min_p",
+    "logit_bias",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def chat_reply(h, chat: dict) -> Iterator[Tuple[str, object]]:
+    """First ("request", Request), then the reply of the chat body `chat`
+    piece by piece; a tool call comes whole, after the text before it. The
+    worker streams either way: the caller collects what it does not stream."""
+    service = h.service
+    with service.submitted("chat", {**chat, "stream": True}) as requests:
+        (request,) = requests
+        tools = tool_calls_for(service, "chat", chat, streaming=False)
+        yield "request", request
+        while True:
+            what, value = h._next_event(request)
+            if what == "error":
+                raise value
+            final = what == "done"
+            piece = "" if final else value[0]
+            calls = []
+            if tools:
+                piece, calls = tools.feed(piece, final=final)
+            if piece:
+                yield "text", piece
+            for call in calls:
+                yield "call", call
+            if final:
+                reason = value["finish_reason"]
+                if tools:
+                    reason = tools.finish_reason(reason)
+                yield "done", {**value, "finish_reason": reason}
+                return
+
+
+def call_arguments(call: dict) -> dict:
+    """An OpenAI tool call's arguments as an object ({} where not JSON)."""
+    try:
+        args = json.loads(call["function"].get("arguments") or "{}")
+    except ValueError:
+        return {}
+    return args if isinstance(args, dict) else {}
+
+
+def start_events(h) -> None:
+    """The headers of a server-sent event stream (which ends the connection)."""
+    h.close_connection = True
+    h.send_response(200)
+    h.send_header("Content-Type", "text/event-stream")
+    h.send_header("Cache-Control", "no-cache")
+    h._cors_headers()
+    h.send_header("Connection", "close")
+    h.end_headers()
+    h._sent = True
+
+
+def send_event(h, kind: str, data: dict) -> None:
+    """One named event: `event: kind` and its JSON."""
+    h.wfile.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
+    h.wfile.flush()
+
+
+def need(body: dict, name: str, ok, what: str):
+    """body[name] when ok(value), else a 400 saying what it must be."""
+    value = body.get(name)
+    if not ok(value):
+        raise RequestError(
+            f"'{name}' must be {what}, not {json.dumps(value)[:80]}",
+            param=name,
+            code="invalid_value" if value is not None else "missing_required",
+        )
+    return value
+
+
+def chain(first, rest):
+    """`first`, then what `rest` yields."""
+    yield first
+    yield from rest

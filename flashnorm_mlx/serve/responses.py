@@ -1,0 +1,319 @@
+"""OpenAI's Responses API, POST /v1/responses, without server-side state: the
+body (input as a string or items, instructions, function tools, text.format)
+becomes a chat completion's, runs as one, and is answered as a Response, or
+as the Responses events the openai SDK reads when streamed."""
+
+import json
+import time
+
+from ..limits import is_int
+from .replies import (
+    SAMPLER_EXTRAS,
+    chain,
+    chat_reply,
+    need,
+    new_id,
+    send_event,
+    start_events,
+)
+from .schema import RequestError
+
+
+def _content(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict)
+        and p.get("type") in ("input_text", "output_text", "text")
+        and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise RequestError(f"{where}.content must be a string or text parts", "input")
+
+
+def _messages(body: dict) -> list:
+    out = []
+    if body.get("instructions") is not None:
+        instructions = need(
+            body, "instructions", lambda v: isinstance(v, str), "a string"
+        )
+        out.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        return out + [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise RequestError("'input' must be a string or a list of items", "input")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in (
+            "user",
+            "assistant",
+            "system",
+            "developer",
+        ):
+            out.append(
+                {"role": item["role"], "content": _content(item.get("content"), where)}
+            )
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {
+                    "name": item.get("name"),
+                    "arguments": item.get("arguments") or "{}",
+                },
+            }
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": (
+                        output if isinstance(output, str) else json.dumps(output)
+                    ),
+                }
+            )
+        else:
+            raise RequestError(
+                f"{where} must be a message, function_call or function_call_output",
+                "input",
+            )
+    return out
+
+
+def _format(body: dict):
+    """text.format as a chat completion's response_format (None: text)."""
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        spec = {k: fmt.get(k) for k in ("name", "schema", "strict")}
+        return {"type": "json_schema", "json_schema": spec}
+    return fmt  # json_object, or an error from the chat route's check
+
+
+def to_chat(body: dict) -> dict:
+    """The chat completion body a Responses body asks for."""
+    if body.get("previous_response_id") is not None:
+        raise RequestError(
+            "'previous_response_id' is not supported: this server keeps no "
+            "responses; send the whole conversation in 'input'",
+            "previous_response_id",
+            "unsupported_parameter",
+        )
+    chat = {"messages": _messages(body)}
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = need(
+            body, "max_output_tokens", lambda v: is_int(v) and v >= 1, "an integer >= 1"
+        )
+    for name in ("model", "temperature", "top_p", *SAMPLER_EXTRAS):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    fmt = _format(body)
+    if fmt is not None:
+        chat["response_format"] = fmt
+    tools = body.get("tools")
+    if tools:
+        if not all(isinstance(t, dict) and t.get("type") == "function" for t in tools):
+            raise RequestError("only function tools are supported", "tools")
+        chat["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    k: t[k]
+                    for k in ("name", "description", "parameters", "strict")
+                    if k in t
+                },
+            }
+            for t in tools
+        ]
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = body["tool_choice"]
+    return chat
+
+
+def _response(body: dict, rid: str, model: str, status: str, output: list, usage=None):
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "tool_choice": body.get("tool_choice") or "auto",
+        "tools": body.get("tools") or [],
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "metadata": body.get("metadata") or {},
+        "usage": usage,
+    }
+
+
+def _usage(result: dict) -> dict:
+    u = result["usage"]
+    return {
+        "input_tokens": u["prompt_tokens"],
+        "input_tokens_details": {
+            "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]
+        },
+        "output_tokens": u["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u["total_tokens"],
+    }
+
+
+def _message(mid: str, text: str, status: str = "completed") -> dict:
+    part = {"type": "output_text", "text": text, "annotations": []}
+    return {
+        "type": "message",
+        "id": mid,
+        "status": status,
+        "role": "assistant",
+        "content": [part] if status == "completed" else [],
+    }
+
+
+def _call(call: dict) -> dict:
+    return {
+        "type": "function_call",
+        "id": new_id("fc_"),
+        "call_id": call.get("id") or new_id("call_"),
+        "name": call["function"]["name"],
+        "arguments": call["function"].get("arguments") or "{}",
+        "status": "completed",
+    }
+
+
+def responses(h) -> None:
+    """POST /v1/responses."""
+    body = h._read_json()
+    chat = to_chat(body)
+    reply = chat_reply(h, chat)
+    try:
+        _, request = next(reply)
+        rid, mid = new_id("resp_"), new_id("msg_")
+        if body.get("stream") is True:
+            _stream(h, body, reply, rid, request.model)
+            return
+        text, output, result = "", [], None
+        for what, value in reply:
+            if what == "text":
+                text += value
+            elif what == "call":
+                output.append(_call(value))
+            else:
+                result = value
+        if text or not output:
+            output.insert(0, _message(mid, text))
+        h._send_json(200, _finished(body, rid, request.model, output, result))
+    finally:
+        reply.close()
+
+
+def _finished(body, rid, model, output, result) -> dict:
+    length = result["finish_reason"] == "length"
+    r = _response(body, rid, model, "incomplete" if length else "completed", output)
+    r["usage"] = _usage(result)
+    if length:
+        r["incomplete_details"] = {"reason": "max_output_tokens"}
+    return r
+
+
+def _part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _stream(h, body, reply, rid, model) -> None:
+    """Responses' events: a message item open while text arrives, closed
+    before a function_call item (each whole), then response.completed."""
+    first = next(reply)  # errors before the first piece are still a JSON error
+    start_events(h)
+    seq = iter(range(1 << 30))
+
+    def event(kind, **data):
+        send_event(h, kind, {"type": kind, "sequence_number": next(seq), **data})
+
+    started = _response(body, rid, model, "in_progress", [])
+    event("response.created", response=started)
+    event("response.in_progress", response=started)
+    output, msg = [], {}  # msg: the open message's place and text
+
+    def open_message():
+        msg.update(item_id=new_id("msg_"), output_index=len(output), content_index=0)
+        output.append(_message(msg["item_id"], "", "in_progress"))
+        event(
+            "response.output_item.added", output_index=len(output) - 1, item=output[-1]
+        )
+        event("response.content_part.added", **_at(msg), part=_part(""))
+
+    def close_message():
+        if not msg:
+            return
+        at, text = _at(msg), msg.get("text", "")
+        event("response.output_text.done", **at, text=text, logprobs=[])
+        event("response.content_part.done", **at, part=_part(text))
+        output[at["output_index"]] = _message(at["item_id"], text)
+        event(
+            "response.output_item.done",
+            output_index=at["output_index"],
+            item=output[at["output_index"]],
+        )
+        msg.clear()
+
+    try:
+        for what, value in chain(first, reply):
+            if what == "text":
+                if not msg:
+                    open_message()
+                msg["text"] = msg.get("text", "") + value
+                event(
+                    "response.output_text.delta", **_at(msg), delta=value, logprobs=[]
+                )
+            elif what == "call":
+                close_message()
+                item, i = _call(value), len(output)
+                opened = {**item, "arguments": "", "status": "in_progress"}
+                event("response.output_item.added", output_index=i, item=opened)
+                args = dict(item_id=item["id"], output_index=i)
+                event(
+                    "response.function_call_arguments.delta",
+                    **args,
+                    delta=item["arguments"],
+                )
+                event(
+                    "response.function_call_arguments.done",
+                    **args,
+                    arguments=item["arguments"],
+                )
+                event("response.output_item.done", output_index=i, item=item)
+                output.append(item)
+            else:
+                if not output:
+                    open_message()
+                close_message()
+                done = _finished(body, rid, model, output, value)
+                incomplete = done["status"] == "incomplete"
+                event(
+                    "response.incomplete" if incomplete else "response.completed",
+                    response=done,
+                )
+    except RequestError as e:
+        event("error", code=e.code, message=e.message, param=e.param)
+
+
+def _at(msg: dict) -> dict:
+    return {k: msg[k] for k in ("item_id", "output_index", "content_index")}

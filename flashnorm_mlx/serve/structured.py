@@ -1,0 +1,97 @@
+"""Structured output for serve's routes (docs/design.md section 5g): a
+request's `response_format` (OpenAI's json_object / json_schema) or its
+`strict` tools become an llguidance grammar, checked while the request is
+read (a 400 naming what cannot be compiled), and one GrammarProcessor per
+prompt that the generation thread runs as a logits processor."""
+
+import json
+from typing import List, Optional
+
+from ..structured import GrammarError, json_grammar, tool_call_grammar
+from .schema import Request, RequestError
+
+
+def _bad(message: str, param: str, code: str = "invalid_value") -> RequestError:
+    return RequestError(message, param=param, code=code)
+
+
+def format_grammar(fmt, param: str = "response_format") -> Optional[str]:
+    """The grammar of OpenAI's response_format (None: plain text)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_grammar(None)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise _bad(
+                f"'{param}' of type json_schema needs "
+                '{"json_schema": {"name", "schema": {...}}}',
+                param,
+            )
+        return _schema_grammar(spec["schema"], param)
+    raise _bad(
+        f'\'{param}\' must be {{"type": "text"}}, {{"type": "json_object"}} or '
+        f'{{"type": "json_schema", "json_schema": {{...}}}}, not '
+        f"{json.dumps(fmt)[:80]}",
+        param,
+    )
+
+
+def _schema_grammar(schema: dict, param: str) -> str:
+    try:
+        return json_grammar(schema)
+    except GrammarError as e:
+        raise _bad(f"'{param}' schema cannot be used: {e}", param, "invalid_schema")
+
+
+def strict_tools(body: dict, tools: Optional[List[dict]]) -> List[dict]:
+    """The tools with `strict: true` (on the tool or its function)."""
+    return [
+        t
+        for t in tools or []
+        if t.get("strict") is True or t["function"].get("strict") is True
+    ]
+
+
+def tools_grammar(tokenizer, tools: List[dict], special) -> str:
+    """The grammar that holds a reply's tool calls to the strict tools'
+    parameters; a 400 where the model's tool-call format is not JSON."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    module = getattr(parser, "__module__", "") or ""
+    if not module.endswith("json_tools"):
+        raise _bad(
+            "'strict' tools need a model whose tool calls are JSON between "
+            f"markers (mlx-lm's json_tools); this model's parser is {module or None}",
+            "tools",
+            "unsupported_parameter",
+        )
+    try:
+        return tool_call_grammar(
+            tools, tokenizer.tool_call_start, tokenizer.tool_call_end, special
+        )
+    except GrammarError as e:
+        raise _bad(f"'tools' parameters cannot be used: {e}", "tools", "invalid_schema")
+
+
+def constrain(service, body: dict, tools, requests: List[Request]) -> None:
+    """Give each request its own grammar processor, where the body asks for
+    one (response_format, or strict tools)."""
+    grammar = format_grammar(body.get("response_format"))
+    param = "response_format"
+    strict = strict_tools(body, tools)
+    if strict:
+        if grammar is not None:
+            raise _bad("'response_format' and strict tools cannot be combined", param)
+        grammar = tools_grammar(service.tokenizer, strict, service.grammars.special)
+        param = "tools"
+    if grammar is None:
+        return
+    for r in requests:
+        try:
+            r.constraint = service.grammars.processor(grammar, r.max_tokens)
+        except GrammarError as e:
+            raise _bad(f"'{param}' cannot be used: {e}", param, "invalid_schema")
