@@ -1,5 +1,7 @@
-"""Read a llama.cpp GGUF file as a Hugging Face-style Llama, Qwen2, Qwen3 or Gemma 3
-checkpoint (Gemma's own reading: gguf_gemma3.py).
+"""Read a llama.cpp GGUF file as a Hugging Face-style checkpoint of a family whose
+`ARCH.gguf` (models/arch.py) declares how: llama.cpp's architecture name, the
+layer names beyond Llama's, biases, Q/K permutation; a mixture-of-experts'
+names are on `ARCH.moe` (gguf_moe.py). Gemma 3's hyperparameters: gguf_gemma3.py.
 
 `mx.load(path, return_metadata=True)` gives the tensors (Q4_0/Q4_1/Q8_0 as MLX
 affine group-32 triples `.weight/.scales/.biases`, F32/F16 as plain arrays)
@@ -9,8 +11,8 @@ listed in config[gguf_kquant.CONFIG_KEY]). From them
 we build what `source.Source` holds for a Hugging Face folder:
 - a config.json dict (plus `"quantization"` keyed by module path, as mlx-lm has),
 - weights under Hugging Face names, with llama.cpp's Q/K row permutation undone
-  (Llama only: llama.cpp permutes Q/K rows for interleaved RoPE there, and
-  leaves Qwen's, which use the half-split layout, as they are),
+  where `ARCH.gguf.permuted` (Llama: llama.cpp permutes Q/K rows for interleaved
+  RoPE there, and leaves Qwen's, which use the half-split layout, as they are),
 - a fast tokenizer from the GGUF vocabulary, wrapped for mlx-lm.
 """
 
@@ -20,45 +22,15 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .. import models, quant
-from ..errors import LoadError, UnsupportedModel
-from . import gguf_gemma3, gguf_kquant, gguf_moe
+from .. import quant
+from ..errors import LoadError
+from ..models.arch import Architecture
+from . import gguf_gemma3, gguf_kquant, gguf_moe, gguf_names
 from .checks import check_gguf
+from .gguf_names import hf_name  # noqa: F401 (tests read names through here)
 from .gguf_rope import llama3_scaling
 
 GROUP_SIZE = 32  # every GGUF block quant MLX keeps quantized has 32-wide blocks
-
-# GGUF tensor name -> Hugging Face module (the suffix .weight/.scales/... is kept).
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3's QK-norm
-    "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_norm",  # Gemma 3's sandwich norms,
-    "post_ffw_norm": "post_feedforward_layernorm",  # named by gguf_gemma3.py
-}
-
-# general.architecture -> the Hugging Face architectures entry (model_type = key).
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    gguf_moe.ARCH: "Qwen3MoeForCausalLM",
-}
-_SUFFIXES = ("weight", "scales", "biases", "bias")
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), applied one after the
 # other, each splitting every piece into matches and the gaps between them.
@@ -112,16 +84,18 @@ def read_gguf(
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise LoadError(f"{path}: not a readable GGUF file ({msg})") from None
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    families = gguf_names.families()
+    if arch not in families:
         raise LoadError(
-            f"{path}: GGUF architecture {arch!r} is not supported{_why_not(arch)} "
-            f"(flashnorm-mlx reads {', '.join(ARCHITECTURES)} GGUF files)"
+            f"{path}: GGUF architecture {arch!r} is not supported{gguf_names.why_not(arch)} "
+            f"(flashnorm-mlx reads {', '.join(families)} GGUF files)"
         )
+    model_type, family = families[arch]
     try:
-        config = gguf_config(meta, raw, path, arch)
+        config = gguf_config(meta, raw, path, arch, model_type, family)
         if arch == "gemma3":
             config = gguf_gemma3.gemma3_config(meta, config, path)
-        weights = hf_weights(raw, config, path)
+        weights = hf_weights(raw, config, path, family)
         if arch == "gemma3":
             weights = gguf_gemma3.gemma3_weights(weights)
     except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
@@ -131,7 +105,11 @@ def read_gguf(
     if qblock:
         config["quantization"] = qblock
     if floats:
-        mods = {hf_name(n).rpartition(".")[0]: t for n, t in floats.items()}
+        names = gguf_names.layer_names(family)
+        mods = {
+            gguf_names.hf_name(n, names).rpartition(".")[0]: t
+            for n, t in floats.items()
+        }
         config[gguf_kquant.CONFIG_KEY] = mods
     tokenizer = None
     if load_tokenizer:
@@ -177,22 +155,17 @@ def _required(meta: dict, key: str, path: Path):
     return v
 
 
-def _why_not(arch) -> str:
-    """The reason a family we run from Hugging Face folders declares for not
-    reading its GGUF files (`Architecture.cannot`), if it is one of ours."""
-    try:
-        models.architecture({"model_type": arch}).require("gguf", arch)
-    except UnsupportedModel as e:
-        return f" ({e})"
-    return ""
-
-
 def gguf_config(
-    meta: dict, tensors: Dict[str, mx.array], path: Path, arch: str = "llama"
+    meta: dict,
+    tensors: Dict[str, mx.array],
+    path: Path,
+    arch: str,
+    model_type: str,
+    family: Architecture,
 ) -> dict:
     """A Hugging Face config.json dict from `<arch>.*` metadata."""
     a = arch
-    moe = gguf_moe.moe_config(meta, a, path)  # {} where the file has no experts
+    moe = gguf_moe.moe_config(meta, a, path, family)  # {}: the file has no experts
     n_heads = int(_required(meta, f"{a}.attention.head_count", path))
     n_kv = int(_value(meta, f"{a}.attention.head_count_kv", n_heads))
     hidden = int(_required(meta, f"{a}.embedding_length", path))
@@ -209,8 +182,8 @@ def gguf_config(
     if "token_embd.weight" in tensors:  # the embedding rows are what the model needs
         vocab = tensors["token_embd.weight"].shape[0]
     config = {
-        "model_type": gguf_moe.MODEL_TYPE if moe else arch,
-        "architectures": [ARCHITECTURES[arch]],
+        "model_type": model_type,
+        "architectures": [family.gguf.hf],
         "hidden_size": hidden,
         "num_hidden_layers": int(_required(meta, f"{a}.block_count", path)),
         "intermediate_size": int(_required(meta, f"{a}.feed_forward_length", path)),
@@ -261,26 +234,6 @@ def _rope_scaling(
 # --- weights -----------------------------------------------------------------
 
 
-def hf_name(gguf_name: str) -> Optional[str]:
-    """Hugging Face name of a GGUF tensor (`blk.3.attn_q.scales` ->
-    `model.layers.3.self_attn.q_proj.scales`), or None if it is not a Llama tensor."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    if suffix not in _SUFFIXES:
-        return None
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    parts = stem.split(".")
-    if (
-        len(parts) == 3
-        and parts[0] == "blk"
-        and parts[1].isdigit()
-        and parts[2] in {**_LAYER_NAMES, **gguf_moe.NAMES}
-    ):
-        module = {**_LAYER_NAMES, **gguf_moe.NAMES}[parts[2]]
-        return f"model.layers.{parts[1]}.{module}.{suffix}"
-    return None
-
-
 def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
     """Undo llama.cpp's Q/K row permutation (rows only: exact on packed weights,
     scales and biases alike). llama.cpp stores, per head of width h, row
@@ -293,26 +246,26 @@ def unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
 
 
 def hf_weights(
-    raw: Dict[str, mx.array], config: dict, path: Path
+    raw: Dict[str, mx.array], config: dict, path: Path, family: Architecture
 ) -> Dict[str, mx.array]:
     """GGUF tensors -> Hugging Face names, Q/K unpermuted, types checked."""
-    out = {}
+    out, names = {}, gguf_names.layer_names(family)
+    permuted = family.gguf.permuted  # interleaved-RoPE rows
     for name, value in raw.items():
         if name == "rope_freqs.weight":  # folded into config["rope_scaling"]
             continue
-        hf = hf_name(name)
+        hf = gguf_names.hf_name(name, names)
         if hf is None:
             raise LoadError(
                 f"{path}: unexpected tensor {name!r} for a {config['model_type']} GGUF"
             )
         _check_type(name, value, raw, path)
-        permuted = config["model_type"] == "llama"  # interleaved-RoPE rows
         if permuted and ".self_attn.q_proj." in hf:
             value = unpermute_rows(value, config["num_attention_heads"])
         elif permuted and ".self_attn.k_proj." in hf:
             value = unpermute_rows(value, config["num_key_value_heads"])
         out[hf] = value
-    missing = [k for k in _expected(config) if k not in out]
+    missing = [k for k in gguf_names.expected(config, family) if k not in out]
     if missing:
         raise LoadError(
             f"{path}: {len(missing)} tensors missing or of a type MLX cannot read "
@@ -342,22 +295,6 @@ def _check_type(name: str, value: mx.array, raw: dict, path: Path) -> None:
 def _bits(packed: mx.array, scales: mx.array) -> int:
     # packed: (out, in*bits/32) uint32; scales: (out, in/32)
     return packed.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
-
-
-def _expected(config: dict) -> List[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config["tie_word_embeddings"]:
-        names.append("lm_head.weight")
-    qk, post = ("attn_q_norm", "attn_k_norm"), ("post_attention_norm", "post_ffw_norm")
-    extra = {"qwen3": qk, gguf_moe.MODEL_TYPE: qk, gguf_gemma3.MODEL_TYPE: qk + post}
-    extra = extra.get(config["model_type"], ())
-    layer = [m for g, m in _LAYER_NAMES.items() if g not in qk + post or g in extra]
-    layer = gguf_moe.layer_modules(config, layer)
-    for i in range(config["num_hidden_layers"]):
-        names += [f"model.layers.{i}.{m}.weight" for m in layer]
-        if config["model_type"] == "qwen2":
-            names += [f"model.layers.{i}.self_attn.{n}_proj.bias" for n in "qkv"]
-    return names
 
 
 def quantization(weights: Dict[str, mx.array]) -> Optional[dict]:

@@ -4,7 +4,7 @@ What the file holds and what llama.cpp's code adds (docs/design.md section 2h):
 - every `*norm.weight` is stored as 1 + w (its converter's `Gemma3Model` adds
   `norm_shift`, in every version read): we store w = that - 1 back;
 - `ffn_norm` is Gemma's pre-FFN norm, `post_attention_norm` and `post_ffw_norm`
-  the sandwich norms;
+  the sandwich norms (names: `ARCH.gguf` in models/gemma3.py);
 - its loader, not the file, sets the rest (llama-model.cpp, LLM_ARCH_GEMMA3):
   with a sliding window in the file every 6th layer is global
   (`set_swa_pattern(6)`), local layers use RoPE base 10000 unscaled, and the
@@ -23,12 +23,6 @@ MODEL_TYPE = "gemma3_text"
 SWA_PATTERN = 6  # llama.cpp's set_swa_pattern(6)
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa
 LAYERS_27B = 62  # the one size whose attention scale is 1/sqrt(hidden/heads)
-
-# gguf.py's Llama reading of a layer name -> Gemma 3's (ffn_norm is pre-FFN here).
-RENAME = {
-    "post_attention_layernorm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-}
 
 
 def _scalar(meta: dict, key: str, default=None):
@@ -66,14 +60,10 @@ def gemma3_config(meta: dict, config: dict, path: Path) -> dict:
 
 
 def gemma3_weights(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
-    """Gemma 3's names, and every norm's stored 1 + w back to w (float32)."""
+    """Every norm's stored 1 + w back to w (float32)."""
     out = {}
     for name, value in weights.items():
-        module, _, suffix = name.rpartition(".")
-        head, _, last = module.rpartition(".")
-        if head.startswith("model.layers.") and last in RENAME:
-            module = f"{head}.{RENAME[last]}"
-        if module.endswith("norm") and suffix == "weight":
+        if name.endswith("norm.weight"):
             value = value.astype(mx.float32) - 1.0
-        out[f"{module}.{suffix}"] = value
+        out[name] = value
     return out

@@ -3,36 +3,38 @@
 Its layout holds the model exactly: the router (`ffn_gate_inp`, (experts, width))
 and the experts' gate, up and down already stacked expert-major
 (`ffn_{gate,up,down}_exps`, (experts, out, in)), as mlx-lm's `sanitize` stacks
-them. llama.cpp runs every qwen3moe layer sparse and renormalizes the top-k
-scores (its code, not the file, says so), so the config does too. Any other
-mixture-of-experts GGUF is refused in one line.
+them. The names are the family's `ARCH.moe.gguf` (models/arch.py). llama.cpp
+runs every qwen3moe layer sparse and renormalizes the top-k scores (its code,
+not the file, says so), so the config does too. A mixture-of-experts GGUF of a
+family whose MoE declares no GGUF names is refused in one line.
 """
 
 from pathlib import Path
 from typing import List
 
+from .. import models
 from ..errors import LoadError
-
-ARCH = "qwen3moe"  # general.architecture
-MODEL_TYPE = "qwen3_moe"
-NAMES = {
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
-    "ffn_up_exps": "mlp.switch_mlp.up_proj",
-    "ffn_down_exps": "mlp.switch_mlp.down_proj",
-}
+from ..models.arch import Architecture
 
 
-def moe_config(meta: dict, arch: str, path: Path) -> dict:
+def _moe_archs() -> List[str]:
+    """llama.cpp architectures whose experts we read (their ARCH.moe.gguf)."""
+    archs = (models.architecture({"model_type": mt}) for mt in models.ARCHITECTURES)
+    return list(
+        dict.fromkeys(a.gguf.arch for a in archs if a.gguf and a.moe and a.moe.gguf)
+    )
+
+
+def moe_config(meta: dict, arch: str, path: Path, family: Architecture) -> dict:
     """The config's mixture-of-experts keys ({} for a file without experts)."""
     experts = meta.get(f"{arch}.expert_count")
     experts = int(experts.item() if hasattr(experts, "item") else experts or 0)
     if not experts:
         return {}
-    if arch != ARCH:
+    if family.moe is None or not family.moe.gguf:
         raise LoadError(
-            f"{path}: mixture-of-experts GGUF files are read for {ARCH} only, "
-            f"not {arch}"
+            f"{path}: mixture-of-experts GGUF files are read for "
+            f"{', '.join(_moe_archs())} only, not {arch}"
         )
 
     def count(key: str) -> int:
@@ -51,8 +53,10 @@ def moe_config(meta: dict, arch: str, path: Path) -> dict:
     )
 
 
-def layer_modules(config: dict, modules: List[str]) -> List[str]:
+def layer_modules(config: dict, modules: List[str], family: Architecture) -> List[str]:
     """A layer's expected modules: the experts in place of the dense GLU."""
-    if not config.get("num_experts"):
+    if family.moe is None or not config.get(family.moe.count_key):
         return modules
-    return [m for m in modules if not m.startswith("mlp.")] + list(NAMES.values())
+    dense = f"{family.feed_forward}."
+    kept = [m for m in modules if not m.startswith(dense)]
+    return kept + list(family.moe.gguf_names().values())

@@ -16,6 +16,8 @@ Beyond the Llama shape (docs/design.md section 2h), an architecture states:
 - `moe`: a mixture-of-experts feed-forward (`MoE`) in the layers that have one:
   its router and stacked experts, which the norm feeds in place of the dense
   pair's gate and up (docs/design.md section 2j).
+- `gguf`: how llama.cpp's GGUF files of the family are read (`Gguf`), None
+  where it has none (the MoE's tensor names are on `MoE.gguf`);
 - `cannot`: what the family does not do (a variant such as "nonorm", or
   "gguf"), each with why; `require` turns asking for it into one line.
 The block and sublayer names (`norms`, `attention`, `feed_forward`) come from
@@ -81,6 +83,14 @@ class MoE:
     count_key: str = "num_experts"  # config key: number of experts
     # mlx-lm's quant_predicate for the router (qwen3_moe: 8 bits, groups of 64).
     router_quant: Optional[Tuple[int, int]] = None  # (bits, group_size)
+    # llama.cpp's names of the router and the stacked experts' fed and down
+    # linears, in that order ((E, out, in) as ours); () where no GGUF has them.
+    gguf: Tuple[str, ...] = ()
+
+    def gguf_names(self) -> Dict[str, str]:
+        """llama.cpp's layer tensor name -> our module, for the MoE's linears."""
+        ours = [f"{self.experts}.{lin}" for lin in (*self.fed, self.down)]
+        return dict(zip(self.gguf, [self.router, *ours]))
 
     def linears(self, prefix: str, weights: Dict) -> List[str]:
         """The router and the experts' norm-fed linears of one layer, as
@@ -119,6 +129,21 @@ class MoE:
 
 
 @dataclass(frozen=True)
+class Gguf:
+    """How loading/gguf.py reads a family's llama.cpp files: `arch` is their
+    general.architecture, `hf` the Hugging Face architectures entry; `names`
+    the layer tensors (GGUF name -> our module) the family adds to, or renames
+    in, llama.cpp's Llama names; `biases` the modules whose bias every layer
+    has; `permuted`: llama.cpp permuted Q/K rows for interleaved RoPE (Llama)."""
+
+    arch: str
+    hf: str
+    names: Tuple[Tuple[str, str], ...] = ()
+    biases: Tuple[str, ...] = ()
+    permuted: bool = False
+
+
+@dataclass(frozen=True)
 class Architecture:
     layers_key: str  # config key: number of layers
     layer: str  # weight prefix of layer i, "{i}" formatted
@@ -138,6 +163,7 @@ class Architecture:
     # (what, why) the family cannot do: a variant ("nonorm", ...) or "gguf".
     cannot: Tuple[Tuple[str, str], ...] = ()
     moe: Optional[MoE] = None  # a mixture-of-experts feed-forward, where any
+    gguf: Optional[Gguf] = None  # llama.cpp's files, where they are read
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:

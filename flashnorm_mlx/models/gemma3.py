@@ -28,7 +28,7 @@ from mlx_lm.models import gemma3_text
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
-from .arch import Architecture, NormPair, PostNorm
+from .arch import Architecture, Gguf, NormPair, PostNorm
 from .blocks import FusedAttention
 from .decoder import Decoder, DecoderBlock
 from .gains import QKNorm, QKNormGains
@@ -61,6 +61,18 @@ ARCH = Architecture(
         PostNorm("post_feedforward_layernorm", "mlp.down_proj"),
     ),
     embed_scale=True,
+    # llama.cpp's ffn_norm is the pre-FFN norm here; the sandwich norms its own.
+    gguf=Gguf(
+        "gemma3",
+        "Gemma3ForCausalLM",
+        names=(
+            ("attn_q_norm", "self_attn.q_norm"),
+            ("attn_k_norm", "self_attn.k_norm"),
+            ("ffn_norm", "pre_feedforward_layernorm"),
+            ("post_attention_norm", "post_attention_layernorm"),
+            ("post_ffw_norm", "post_feedforward_layernorm"),
+        ),
+    ),
 )
 
 

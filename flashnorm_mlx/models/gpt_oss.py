@@ -33,6 +33,7 @@ ARCH = dataclasses.replace(
         count_key="num_local_experts",
         router_quant=(8, 64),  # mlx-lm's gpt_oss quant_predicate
     ),
+    gguf=None,  # llama.cpp's gpt-oss files are not read
 )
 
 

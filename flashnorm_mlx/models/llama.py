@@ -26,7 +26,7 @@ from mlx_lm.models.llama import (  # noqa: F401 (stock's config, field for field
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
-from .arch import Architecture, NormPair
+from .arch import Architecture, Gguf, NormPair
 from .blocks import FusedAttention
 from .decoder import Decoder, DecoderBlock
 
@@ -50,6 +50,8 @@ ARCH = Architecture(
     head="lm_head",
     tie_key="tie_word_embeddings",
     width_key="hidden_size",
+    # llama.cpp's Llama names are loading/gguf.py's; its Q/K rows are permuted.
+    gguf=Gguf("llama", "LlamaForCausalLM", permuted=True),
 )
 
 

@@ -29,6 +29,7 @@ ARCH = dataclasses.replace(
         per_expert_names=("w1", "w3", "w2"),
         count_key="num_local_experts",
     ),
+    gguf=None,  # llama.cpp writes Mixtral as `llama` with experts: not read
 )
 
 

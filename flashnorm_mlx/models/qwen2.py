@@ -7,11 +7,22 @@ k' likewise, v' = (x @ Wv*) * s + bv, still in one pass (docs/design.md section 
 Everything else (GLU deferral, residual kernels, final norm) is models/llama.py.
 """
 
+import dataclasses
+
 from mlx_lm.models.qwen2 import ModelArgs  # the config is stock's, field for field
 
 from . import llama
+from .arch import Gguf
 
-ARCH = llama.ARCH  # the same weight names, norms and head as Llama
+# The same weight names, norms and head as Llama; every layer's q/k/v has a bias.
+ARCH = dataclasses.replace(
+    llama.ARCH,
+    gguf=Gguf(
+        "qwen2",
+        "Qwen2ForCausalLM",
+        biases=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ),
+)
 
 
 class Attention(llama.Attention):

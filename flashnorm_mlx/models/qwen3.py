@@ -15,10 +15,15 @@ from mlx_lm.models.qwen3 import ModelArgs  # the config is stock's, field for fi
 
 from .. import kernels
 from . import llama
+from .arch import Gguf
 from .gains import QKNorm, QKNormGains
 
+# llama.cpp's names of the QK-norm gains.
+QK_NORMS = (("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"))
 ARCH = dataclasses.replace(
-    llama.ARCH, qk_norms=("self_attn.q_norm", "self_attn.k_norm")
+    llama.ARCH,
+    qk_norms=("self_attn.q_norm", "self_attn.k_norm"),
+    gguf=Gguf("qwen3", "Qwen3ForCausalLM", names=QK_NORMS),
 )
 
 

@@ -15,7 +15,7 @@ from mlx_lm.models.qwen3_moe import ModelArgs  # the config is stock's
 
 from ..parallel import sharding
 from . import llama, qwen3
-from .arch import MoE
+from .arch import Gguf, MoE
 from .moe import SparseMoE, fuse_experts
 
 ARCH = dataclasses.replace(
@@ -25,7 +25,9 @@ ARCH = dataclasses.replace(
         router="mlp.gate",
         experts="mlp.switch_mlp",
         router_quant=(8, 64),  # mlx-lm's Qwen3-MoE quant_predicate
+        gguf=("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
     ),
+    gguf=Gguf("qwen3moe", "Qwen3MoeForCausalLM", names=qwen3.QK_NORMS),
 )
 
 

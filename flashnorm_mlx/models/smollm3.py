@@ -18,6 +18,7 @@ from . import llama
 ARCH = dataclasses.replace(
     llama.ARCH,
     cannot=(("gguf", "llama.cpp's smollm3 files are not read yet"),),
+    gguf=None,  # not Llama's
 )
 
 
