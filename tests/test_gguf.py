@@ -528,3 +528,35 @@ def test_quantized_gguf_runs_as_stored_like_stock(tmp_path, qtype):
     r = compare(source, [5, 17, 99, 3, 250, 42, 7], horizon=8, dtype=mx.float32)
     assert r["quantized"] and r["max_rel_logit_diff"] < tiny.f32_tol(), r
     assert r["greedy_match"] == 8, r
+
+
+def test_gguf_families_come_from_each_arch_declaration():
+    """llama.cpp's architecture -> the family whose ARCH.gguf declares it; a
+    family deriving from Llama's ARCH (mixtral, gpt_oss, smollm3) must not
+    take Llama's files by inheritance, and only qwen3moe's MoE has GGUF names."""
+    from flashnorm_mlx.loading import gguf_names
+
+    got = {a: mt for a, (mt, _) in gguf_names.families().items()}
+    want = {
+        "gemma3": "gemma3_text",
+        "llama": "llama",
+        "qwen2": "qwen2",
+        "qwen3": "qwen3",
+        "qwen3moe": "qwen3_moe",
+    }
+    assert got == want, got
+    moe = gguf_names.families()["qwen3moe"][1].moe.gguf_names()
+    assert moe["ffn_gate_inp"] == "mlp.gate", moe
+    assert moe["ffn_down_exps"] == "mlp.switch_mlp.down_proj", moe
+
+
+def test_a_gguf_of_a_family_declaring_no_gguf_is_one_line(tmp_path):
+    """openelm declares neither `gguf` nor a `cannot` reason: still one line."""
+    path = tmp_path / "openelm.gguf"
+    mx.save_gguf(
+        str(path),
+        {"token_embd.weight": mx.zeros((8, 4))},
+        {"general.architecture": "openelm", "openelm.block_count": _u32(1)},
+    )
+    msg = _one_line_error(lambda: read_gguf(path))
+    assert "openelm has no gguf" in msg, msg
