@@ -283,7 +283,7 @@ def main(argv=None):
     from ..chat import ChatSession
     from ..decoding import KVOptions, check_kv_options
     from ..models import context_length
-    from .common import load_for_sampling, make_sampler, model_kwargs
+    from .common import load_for_sampling, make_sampler, model_kwargs, seed_sampling
     from .decoding import draft_model
 
     saved = None
@@ -295,6 +295,7 @@ def main(argv=None):
     kv = KVOptions.from_args(args)
     check_kv_options(kv, model, config, source.name)
     draft = draft_model(args, tokenizer, source.name)
+    seed_sampling(args, source)  # after every build, as mlx-lm draws
     limit = args.max_context or context_length(config)
     try:
         session = ChatSession(

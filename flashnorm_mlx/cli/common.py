@@ -64,16 +64,29 @@ def build(source, mode: str, args):
 
 def load_for_sampling(args):
     """(source, tokenizer, model, config) for chat and generate: join a multi-rank
-    launch, read MODEL, build it (sharded under a launch), then seed sampling."""
-    import mlx.core as mx
-
+    launch, read MODEL, build it (sharded under a launch). `seed_sampling`
+    once the draft, if any, is built too."""
     join_launch(args)  # mlx.launch with several ranks: tensor parallel
     source, tokenizer = read_with_tokenizer(args)
     model, config = build(source, args.mode, args)
     distributed.announce()
-    if args.seed is not None:  # after the build: a sharded build draws random
-        mx.random.seed(args.seed)  # init weights, so the seed governs sampling alone
     return source, tokenizer, model, config
+
+
+def seed_sampling(args, source) -> None:
+    """--seed, after every build (ours draw at random: another class, a sharded
+    build's init): the generator where `mlx_lm generate --seed` has it once it
+    loaded MODEL, the adapter and the draft (seeding.py), so the same seed
+    samples mlx-lm's reply."""
+    from ..seeding import seed_as_mlx_lm
+
+    if args.seed is not None:
+        seed_as_mlx_lm(
+            args.seed,
+            source,
+            getattr(args, "adapter_path", None),
+            getattr(args, "draft_model", None),
+        )
 
 
 def join_launch(args, sampling: bool = True):
