@@ -49,15 +49,27 @@ def ours(capsys, *argv) -> str:
 SAMPLING = ["--temp", "0.8", "--seed", "42", "-m", "32", "-p", "Hello"]
 
 
+@pytest.fixture(scope="module")
+def adapter(model, tmp_path_factory):
+    from test_adapters import make_adapter
+
+    return make_adapter(model, tmp_path_factory.mktemp("habits") / "adapter")
+
+
+@pytest.mark.parametrize("adapted", [False, True])
 @pytest.mark.parametrize("mode", ["stock", "flashnorm"])
-def test_a_seed_samples_mlx_lms_reply(model, mode, capsys):
-    """mlx-lm seeds before it builds, and its build draws from the generator:
-    the same seed samples the same 32 tokens here, in both modes (float32)."""
-    want = mlx_lm("--model", str(model), *SAMPLING)
-    got = ours(capsys, str(model), "--mode", mode, *SAMPLING)
+def test_a_seed_samples_mlx_lms_reply(model, adapter, mode, adapted, capsys):
+    """mlx-lm seeds before it builds, and its build (LoRA layers included)
+    draws from the generator: the same seed samples the same 32 tokens here,
+    in both modes (float32), with and without --adapter-path."""
+    extra = ["--adapter-path", str(adapter)] if adapted else []
+    want = mlx_lm("--model", str(model), *SAMPLING, *extra)
+    got = ours(capsys, str(model), "--mode", mode, *SAMPLING, *extra)
     print(f"mlx-lm: {want!r}\nours ({mode}): {got!r}")
     assert got == want
-    other = ours(capsys, str(model), "--mode", mode, *SAMPLING[:3], "43", *SAMPLING[4:])
+    other = ours(
+        capsys, str(model), "--mode", mode, *SAMPLING[:3], "43", *SAMPLING[4:], *extra
+    )
     assert other != want, "another seed sampled the same reply: the test sees nothing"
 
 
