@@ -1,14 +1,25 @@
-"""flashnorm-mlx: exact FlashNorm inference for Llama and OpenELM on MLX."""
+"""flashnorm-mlx: exact FlashNorm inference on MLX for Llama, Mistral, Qwen2/Qwen3,
+OpenELM and Gemma 3 language models (the same function as stock mlx-lm, fewer ops)."""
 
 __version__ = "0.1.0"
 
 from .errors import LoadError  # noqa: E402
 
-__all__ = ["load", "read_source", "build_model", "LoadError", "__version__"]
+__all__ = [
+    "load",
+    "generate",
+    "stream_generate",
+    "read_source",
+    "build_model",
+    "LoadError",
+    "__version__",
+]
 
 # The loaders import MLX and mlx-lm (seconds): on first use, so that the CLI can
-# refuse a bad flag, or take a Ctrl-C, before that.
-_LOADERS = ("load", "read_source", "build_model")
+# refuse a bad flag, or take a Ctrl-C, before that. `load` takes mlx_lm.load's
+# keywords; `generate` and `stream_generate` are mlx-lm's own (api.py).
+_LOADERS = ("read_source", "build_model")
+_API = ("load", "generate", "stream_generate")
 
 
 def __getattr__(name):
@@ -16,4 +27,8 @@ def __getattr__(name):
         from . import loading
 
         return getattr(loading, name)
+    if name in _API:
+        from . import api
+
+        return getattr(api, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

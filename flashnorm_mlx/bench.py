@@ -127,7 +127,8 @@ def _headroom(summary: dict, ratios: dict) -> dict:
     st, fn, nn_ = (summary[v]["decode_tps"]["median"] for v in need)
     bound = ratios["nonorm_vs_stock"]["decode"]
     gap = nn_ - st
-    measurable = gap > 0 and not bound["within_noise"]
+    one = bound.get("rounds", 2) < 2  # one ratio: no spread, any gap looks real
+    measurable = gap > 0 and not bound["within_noise"] and not one
     out = {
         "stock_tps": st,
         "flashnorm_tps": fn,
@@ -136,7 +137,12 @@ def _headroom(summary: dict, ratios: dict) -> dict:
         "bound_spread": [bound["min"], bound["max"]],
         "share": (fn - st) / gap if measurable else None,
     }
-    if not measurable and not bound["within_noise"]:
+    if one:
+        out["note"] = (
+            f"one round ({st:.1f} -> {nn_:.1f} tok/s): no spread to tell the "
+            "nonorm lead from noise, so no share (-n 3 or more gives one)"
+        )
+    elif not measurable and not bound["within_noise"]:
         out["note"] = (
             f"nonorm is slower than stock here ({st:.1f} -> {nn_:.1f} tok/s): no "
             "headroom to share"

@@ -51,3 +51,7 @@ class PeerFailed(LoadError):
 
 class JoinError(LoadError):
     """This rank could not join the launch: its own line, whatever the others do."""
+
+
+class DtypeError(LoadError, ValueError):
+    """A compute dtype that is not float16, bfloat16 or float32."""

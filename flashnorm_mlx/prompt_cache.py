@@ -67,17 +67,63 @@ def identity(model_arg: Optional[str], mode: str, model=None, adapter=None) -> d
     }
 
 
-def save(path, model: nn.Module, ids: List[int], metadata: dict, step: int = 2048):
+def tokenizer_config(eos_token: Optional[str]) -> dict:
+    """The `tokenizer_config` a file records (mlx-lm's key): the --eos-token."""
+    return {} if eos_token is None else {"eos_token": eos_token}
+
+
+def apply_tokenizer_config(config: dict, tokenizer, path) -> None:
+    """A file's (or cache-prompt's) `eos_token` made the tokenizer's, as
+    mlx-lm's generate loads the tokenizer with the file's tokenizer_config: the
+    template's eos_token, and generation stops at it. Not a token: one line."""
+    from .mlx_lm_compat import inner_tokenizer
+
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if eos is None:
+        return
+    inner = inner_tokenizer(tokenizer)
+    if not isinstance(eos, str) or eos not in inner.get_vocab():
+        raise LoadError(f"{path}: --eos-token {eos!r} is not a token of its tokenizer")
+    inner.eos_token = eos
+    tokenizer.add_eos_token(eos)
+
+
+def use_file_tokenizer(path, meta: dict, tokenizer) -> None:
+    """The file's tokenizer_config (its --eos-token) on this run's tokenizer."""
+    try:
+        config = json.loads(meta.get("tokenizer_config") or "{}")
+    except ValueError:
+        raise LoadError(f"{path}: its tokenizer_config is not JSON") from None
+    apply_tokenizer_config(config, tokenizer, path)
+
+
+def save(
+    path,
+    model: nn.Module,
+    ids: List[int],
+    metadata: dict,
+    step: int = 2048,
+    kv=None,
+):
     """Prefill `ids` into a fresh cache (mlx-lm's generate_step, as its
-    cache_prompt runs it) and write it to `path`, whole or not at all."""
+    cache_prompt runs it: `kv`, a decoding.KVOptions, sizes and quantizes it
+    there) and write it to `path`, whole or not at all."""
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from .decoding import KVOptions, make_cache
 
     if not ids:
         raise LoadError("the prompt encodes to no tokens")
-    cache = make_prompt_cache(model)
+    kv = kv or KVOptions()
+    cache = make_cache(model, kv.max_kv_size)
     steps = generate_step(
-        mx.array(ids), model, max_tokens=0, prompt_cache=cache, prefill_step_size=step
+        mx.array(ids),
+        model,
+        max_tokens=0,
+        prompt_cache=cache,
+        prefill_step_size=step,
+        **kv.quantize_kwargs(),
     )
     for _ in steps:
         pass
@@ -134,6 +180,32 @@ def read(path, model_arg: Optional[str], mode: str, adapter=None):
     return cache, meta
 
 
+# A full-attention layer's KVCache, saved quantized (--kv-bits) or rotating
+# (--max-kv-size) as generate would hold it with those flags.
+_STANDS_FOR = {"KVCache": {"KVCache", "QuantizedKVCache", "RotatingKVCache"}}
+
+
+def _takes(held: str, fresh: str) -> bool:
+    return held in _STANDS_FOR.get(fresh, {fresh})
+
+
+def check_kv_flags(path, cache: list, kv_bits, kv_group_size: int) -> None:
+    """A quantized file with other --kv-bits or --kv-group-size: one line (mlx-lm
+    raises on both)."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    q = next((c for c in cache if isinstance(c, QuantizedKVCache)), None)
+    if q is None:
+        return
+    if kv_bits is not None and kv_bits != q.bits:
+        raise LoadError(f"--kv-bits {kv_bits}: {path} holds a {q.bits}-bit KV cache")
+    if kv_group_size != q.group_size:
+        raise LoadError(
+            f"--kv-group-size {kv_group_size}: {path} holds a KV cache quantized "
+            f"in groups of {q.group_size}"
+        )
+
+
 def fit(path, cache: list, meta: dict, model: nn.Module) -> Optional[List[int]]:
     """Check a read file against the built model (weights, layers, dtype);
     returns its token ids (None for an mlx-lm file, which has none)."""
@@ -146,7 +218,8 @@ def fit(path, cache: list, meta: dict, model: nn.Module) -> Optional[List[int]]:
         )
     fresh = make_prompt_cache(model)
     kinds = [type(c).__name__ for c in cache]
-    if kinds != [type(c).__name__ for c in fresh]:
+    want = [type(c).__name__ for c in fresh]
+    if len(kinds) != len(want) or not all(map(_takes, kinds, want)):
         raise LoadError(
             f"{path} holds {len(cache)} layer caches ({', '.join(sorted(set(kinds)))})"
             f"; this model has {len(fresh)} ({type(fresh[0]).__name__})"

@@ -22,8 +22,11 @@ def time_generation(
     gen_tokens: int,
     sampler=None,
     prefill_step_size: int = 2048,
+    prompt_cache=None,
 ) -> dict:
-    """Exactly `gen_tokens` tokens through mlx-lm's generate_step, timed."""
+    """Exactly `gen_tokens` tokens through mlx-lm's generate_step, timed
+    (`prompt_cache`: continue a cache that already holds the tokens before
+    `prompt`)."""
     from mlx_lm.generate import generate_step, generation_stream, wired_limit
 
     mx.synchronize()
@@ -40,6 +43,7 @@ def time_generation(
             max_tokens=gen_tokens,
             sampler=sampler,
             prefill_step_size=prefill_step_size,
+            prompt_cache=prompt_cache,
         ):
             t_last = time.perf_counter()
             if not tokens:

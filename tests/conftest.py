@@ -38,6 +38,152 @@ PARTS = {
 }
 
 
+# The developer loop, `pytest -m "not slow"`: every test file, the slow tests
+# left out. Marked here in one place from measured durations, not in each file:
+# file -> test functions (every parametrization), each past SLOW_S of calls
+# (`pytest --durations=0` file by file on the shared 2-core CPU, load 10-25,
+# 2026-11-27: 2568 s in all; the fast tier 20% of it), a file's cheapest test
+# kept where all would go; and the module fixtures whose setup is the cost.
+# Three more were slow in the first `-m "not slow"` run (444 s) though under
+# SLOW_S file by file (their notes say so).
+SLOW_S = 4.0
+SLOW = {
+    "test_adapters.py": ("test_adapter_matches_mlx_lm_load_with_adapter_path",),  # 12 s
+    "test_architectures.py": (
+        "test_every_config_float32_matches_stock_over_32_decode_steps",  # 31 s
+    ),
+    "test_bench.py": (
+        "test_cli_engine_and_verbose_table",  # the first mx.compile of a run: 70 s there
+        "test_nonorm_finite_with_residuals_scaled",  # 4 s
+    ),
+    "test_chat.py": ("test_cli_subprocess_piped_stdin_exits_0_on_eof",),  # 16 s
+    "test_cli.py": (
+        "test_bad_input_gives_one_line_and_nonzero_exit",  # 18 s
+        "test_generate_end_to_end",  # 5 s
+        "test_generate_runs_every_mode_on_the_engine_asked",  # 47 s
+        "test_long_commands_print_stage_lines_when_piped",  # 22 s
+        "test_top_k_1_samples_the_greedy_tokens",  # 12 s
+    ),
+    "test_cli_progress.py": (
+        "test_a_fast_convert_prints_its_stages_not_a_line_per_layer",  # 8 s
+        "test_ctrl_c_in_a_chat_prefill_drops_the_message_within_1_s",  # 28 s
+        "test_ctrl_c_stops_a_requantizing_convert_and_leaves_nothing",  # 16 s
+        "test_ctrl_c_stops_perplexity_at_once",  # 17 s
+    ),
+    "test_convert.py": ("test_convert_openelm",),  # 6 s
+    "test_decoding.py": (
+        "test_a_draft_keeps_the_greedy_text",  # 39 s
+        "test_chat_with_a_draft_keeps_the_replies",  # 11 s
+        "test_kv_options_flashnorm_matches_stock",  # 19 s
+        "test_the_embedded_model_drafts_for_its_float32_copy",  # 27 s
+    ),
+    "test_dispatch.py": (
+        "test_flashnorm_launches_fewer_than_nonorm_and_stock",  # 26 s
+    ),
+    "test_distributed.py": (
+        "test_ranks_flashnorm_match_stock_mlx_lm",  # 4 ranks on 2 cores: 30-67 s in the fast run
+        "test_a_layout_that_cannot_be_split_is_one_line_from_all_ranks",  # 13 s
+        "test_a_rank_that_exits_stops_the_other_with_one_line",  # 9 s
+        "test_a_rank_that_fails_loading_is_the_one_line",  # 8 s
+        "test_a_rank_that_stops_answering_times_out",  # 11 s
+        "test_bench_two_ranks_reports_world_size",  # 23 s
+        "test_chat_two_ranks_replies_as_one_process",  # 27 s
+        "test_connecting_to_a_rank_that_never_comes_times_out",  # 4 s
+        "test_generate_two_ranks_prints_what_one_process_prints",  # 63 s
+        "test_ranks_match_one_process",  # 319 s
+    ),
+    "test_engine.py": (
+        "test_kernels_survive_compilation",  # 10 s in the fast run
+        "test_batched_decode_compiles_block_parts_and_stays_exact",  # 21 s
+        "test_compiled_step_gives_the_uncompiled_greedy_text",  # 163 s
+        "test_embedded_model_compiled_and_uncompiled_agree_over_128_tokens",  # 115 s
+        "test_every_variant_on_the_compiled_engine_is_mlx_lm",  # 68 s
+        "test_every_variant_traces_one_decode_attention_per_layer",  # 9 s
+    ),
+    "test_fuzz.py": (
+        "test_fuzzed_model_files_never_crash",  # 10 s
+        "test_gguf_magic_then_junk_is_one_line_through_the_entry_point",  # 4 s
+    ),
+    "test_gemma3.py": (
+        "test_low_precision_finite_and_close",  # 4 s
+        "test_prompt_and_32_cached_steps_across_the_window_match_stock",  # 6 s
+        "test_two_rank_tensor_parallel_matches_one_process_and_stock",  # 11 s
+        "test_verify_float32_and_quantized_as_stored",  # 25 s
+    ),
+    "test_kernels.py": (
+        "test_decode_attention_body_on_host_vs_numpy",  # 12 s
+        "test_decode_attention_scales_the_query_as_mlx_lm_classes_ask",  # 5 s
+        "test_elementwise_bodies_on_host_match_twins",  # 53 s
+        "test_kernel_call_overhead_script_runs",  # 15 s
+        "test_model_with_every_kernel_body_matches_twins",  # 52 s
+        "test_qkv_epilogue_body_on_host_matches_twin",  # 34 s
+    ),
+    "test_limits.py": (
+        "test_the_loader_and_the_flags_take_the_same_quantization_settings",  # 6 s
+    ),
+    "test_llama.py": (
+        "test_low_precision_close_to_float32_stock",  # 12 s
+        "test_no_inf_nan_with_residuals_scaled_by_1000",  # 8 s
+    ),
+    "test_load_memory.py": ("test_generate_peaks_where_stock_does",),  # 41 s
+    "test_mlx_lm_flags.py": ("test_serve_trusts_only_with_the_flag",),  # 6 s
+    "test_mlx_lm_habits.py": (
+        "test_a_seed_samples_mlx_lms_reply",  # 11 s
+        "test_cache_prompt_eos_token_stops_generate_as_mlx_lm",  # 5 s
+        "test_cache_prompt_kv_flags_make_mlx_lms_cache",  # 7 s
+    ),
+    "test_openelm.py": ("test_low_precision_no_worse_than_stock",),  # 13 s
+    "test_prompt_cache.py": (
+        "test_cached_prompt_gives_the_whole_prompt_s_text",  # 4 s
+    ),
+    "test_qwen.py": ("test_low_precision_finite_and_close",),  # 5 s
+    "test_real_model.py": ("test_verify_dequantized_float32_matches_stock",),  # 42 s
+    "test_serve.py": (
+        "test_a_long_generation_does_not_starve_a_short_one",  # 5 s
+        "test_batched_answers_equal_each_alone_and_report_batch_max",  # 40 s
+        "test_chat_answers_paris",  # 13 s
+        "test_chat_streams_the_same_answer_ending_done",  # 7 s
+        "test_completions_endpoint_and_seed",  # 9 s
+        "test_concurrent_requests_are_all_answered",  # 25 s
+        "test_next_turn_reuses_the_conversation_cache",  # 9 s
+        "test_stock_mode_serves_the_same_function_and_sigterm_stops_it",  # 14 s
+    ),
+    "test_serve_batch.py": ("test_batched_greedy_equals_each_request_alone",),  # 10 s
+    "test_serve_decoding.py": (
+        "test_a_draft_serves_the_greedy_text_one_request_at_a_time",  # 12 s
+    ),
+    "test_serve_flags.py": (
+        "test_info_logs_each_request_and_keeps_its_cache",  # 5 s
+        "test_warning_keeps_only_what_is_wrong",  # 6 s
+    ),
+    "test_serve_page.py": (
+        "test_page_streams_the_greedy_reply_and_keeps_it",  # 15 s
+        "test_stop_ends_a_long_reply_and_the_server_cancels",  # 5 s
+    ),
+    "test_stored.py": (
+        "test_float32_matches_stock_on_the_same_quantized_files",  # 37 s
+        "test_low_precision_close_to_float32_stock",  # 10 s
+    ),
+    "test_templates.py": (
+        "test_serve_chat_template_kwargs_per_request",  # 5 s
+        "test_serve_template_flags_and_adapter",  # 9 s
+        "test_template_flags_give_mlx_lm_s_text",  # 11 s
+    ),
+}
+SLOW_FIXTURES = {
+    "test_bench.py": ("result",),  # a whole bench run: 47 s
+    "test_metal_host.py": ("metal_host",),  # every Metal variant built: ~50 s
+    "test_nvrtc.py": ("compiled",),  # every CUDA variant compiled: 138 s
+    "test_serve_text.py": ("server",),  # a server on the embedded model: 133 s
+}
+
+
+def is_slow(file: str, test: str, fixtures) -> bool:
+    return test in SLOW.get(file, ()) or bool(
+        set(SLOW_FIXTURES.get(file, ())) & set(fixtures)
+    )
+
+
 def pytest_collection_modifyitems(items):
     import pytest
 
@@ -45,3 +191,6 @@ def pytest_collection_modifyitems(items):
         name = item.path.name
         part = next((p for p, files in PARTS.items() if name in files), "tools")
         item.add_marker(getattr(pytest.mark, part))
+        test = getattr(item, "originalname", item.name)
+        if is_slow(name, test, getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

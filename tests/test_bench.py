@@ -201,6 +201,18 @@ def test_headroom_share_only_outside_the_noise():
     assert h["share"] is None and "slower than stock" in h["note"], h
 
 
+def test_one_round_gives_no_headroom_share():
+    """bench -n 1: one ratio has no spread, so a gap of any size reads as real
+    (it once printed "FlashNorm captures -84% of the headroom"): no share, and
+    the note says why."""
+    bound = _bound([1.3])
+    bound["nonorm_vs_stock"]["decode"]["rounds"] = 1
+    h = bench._headroom(_summary(10.0, 8.0, 13.0), bound)
+    assert h["share"] is None and "one round" in h["note"], h
+    bound["nonorm_vs_stock"]["decode"]["rounds"] = 3  # the same numbers, 3 rounds
+    assert bench._headroom(_summary(10.0, 8.0, 13.0), bound)["share"] < 0
+
+
 def test_launches_per_token_reported_and_flashnorm_fewest_on_a_gpu(result):
     """bench's launch counts (tests/test_dispatch.py checks the counter itself)."""
     v = result["variants"]

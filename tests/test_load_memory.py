@@ -29,7 +29,7 @@ CFG = dict(
 
 def _peak(path, mode: str, quantized: bool) -> int:
     """Peak memory of reading `path` and building `mode` on it (the source held
-    throughout, as `load_for_sampling` holds it)."""
+    throughout, as `read_for_sampling` and `build_for_sampling` hold it)."""
     source = read_source(str(path), need_tokenizer=False)
     if quantized:  # in memory, as a GGUF is read: the source holds every tensor
         source = tiny.quantized(source)

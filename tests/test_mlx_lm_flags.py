@@ -22,6 +22,7 @@ FLAGS = {
             "--prompt-cache-file",
             "--prefill-step-size",
             "--trust-remote-code",
+            "--verbose",
         ],
     ),
     # mlx-lm's chat has no --prompt-cache-file: generate's default
@@ -49,7 +50,18 @@ FLAGS = {
     "verify": ("generate", ["--adapter-path"]),
     "bench": ("generate", ["--adapter-path"]),
     "convert": ("generate", ["--adapter-path"]),
-    "cache-prompt": ("cache_prompt", ["--adapter-path", "--trust-remote-code"]),
+    "cache-prompt": (
+        "cache_prompt",
+        [
+            "--adapter-path",
+            "--trust-remote-code",
+            "--eos-token",
+            "--max-kv-size",
+            "--kv-bits",
+            "--kv-group-size",
+            "--quantized-kv-start",
+        ],
+    ),
 }
 EXTRA = {"chat": ("generate", ["--prompt-cache-file"])}
 
@@ -134,6 +146,12 @@ VALUES = {
     "--trust-remote-code": ([], True),
     "--prompt-cache-bytes": (["4GB"], 4 * 10**9),
     "--log-level": (["DEBUG"], "DEBUG"),
+    "--verbose": (["F"], False),
+    "--eos-token": (["<|im_end|>"], "<|im_end|>"),
+    "--max-kv-size": (["64"], 64),
+    "--kv-bits": (["4"], 4),
+    "--kv-group-size": (["32"], 32),
+    "--quantized-kv-start": (["0"], 0),
 }
 
 

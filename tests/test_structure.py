@@ -27,10 +27,11 @@ def _modules():
 MODULES = _modules()
 
 
-def _imports(name: str, path: Path):
-    """(imported project module, names taken from it) for every import in `path`."""
+def _imports(name: str, path: Path, text=None):
+    """(imported project module, names taken from it) for every import in `path`
+    (or in `text`, read as that file)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if text is None else text)):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -67,28 +68,51 @@ def test_no_import_cycles():
         assert cycle is None, " -> ".join(cycle)
 
 
-def test_no_private_names_taken_from_other_modules():
+def _private_names(name: str, path: Path, text=None) -> list:
+    """Another module's private names `name` takes: imported, or as `mod._x`."""
     found = []
-    for name, path in MODULES.items():
-        aliases = {}  # local name -> project module, for `mod._private` access
-        for mod, names in _imports(name, path):
-            found += [
-                f"{name}: from {mod} import {n}"
-                for n in names
-                if n.startswith("_") and not n.startswith("__")
-            ]
-            aliases[mod.rpartition(".")[2]] = mod
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in aliases
-                and aliases[node.value.id] != name
-                and node.attr.startswith("_")
-                and not node.attr.startswith("__")
-            ):
-                found.append(f"{name}: {node.value.id}.{node.attr}")
+    aliases = {}  # local name -> project module, for `mod._private` access
+    for mod, names in _imports(name, path, text):
+        found += [
+            f"{name}: from {mod} import {n}"
+            for n in names
+            if n.startswith("_") and not n.startswith("__")
+        ]
+        aliases[mod.rpartition(".")[2]] = mod
+    for node in ast.walk(ast.parse(path.read_text() if text is None else text)):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and aliases[node.value.id] != name
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{name}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_private_names_taken_from_other_modules():
+    """cli/ included: the commands call the library's public functions."""
+    found = [f for name, path in MODULES.items() for f in _private_names(name, path)]
     assert not found, found
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from ..serve.scheduler import _batch_size\n",
+        "from ..serve import scheduler\nscheduler._batch_size\n",
+        "def f():\n    from ..serve.sequential import _one\n",
+    ],
+)
+def test_a_private_name_from_serve_in_cli_generate_is_found(line):
+    """The rule sees cli/generate.py take a private name from serve, at the top
+    or inside a function (cli/ is not exempt)."""
+    name = "flashnorm_mlx.cli.generate"
+    path = MODULES[name]
+    assert _private_names(name, path) == []
+    assert _private_names(name, path, path.read_text() + line), line
 
 
 def test_every_registered_architecture_has_its_model_file():
@@ -136,7 +160,16 @@ def test_the_design_map_names_every_module_and_folder_of_the_package_root():
 # The commands, each a library module (or package) with its CLI in cli/: they sit
 # side by side above the library, and what they share lives below them
 # (engine, timing, loading.variants, models).
-COMMANDS = ("bench", "chat", "convert", "perplexity", "serve", "verify")
+COMMANDS = (
+    "bench",
+    "cache_prompt",
+    "chat",
+    "convert",
+    "generate",
+    "perplexity",
+    "serve",
+    "verify",
+)
 
 
 def _command_of(module: str):
@@ -158,13 +191,24 @@ def test_the_commands_import_none_of_each_other():
         and _command_of(dep) != _command_of(name)
     ]
     below = [
-        f"{name} (library) imports {dep}"
+        f"{name} (library, or the CLI the commands share) imports {dep}"
         for name, deps in GRAPH.items()
-        if not _command_of(name) and not name.startswith("flashnorm_mlx.cli")
+        if not _command_of(name) and name != "flashnorm_mlx.cli"  # the dispatcher
         for dep in deps
         if _command_of(dep)
     ]
     assert not crossed and not below, crossed + below
+
+
+def test_every_command_module_is_covered_by_the_rules():
+    """Every command the CLI dispatches is a COMMANDS entry here, so its module
+    is checked (generate and cache-prompt included)."""
+    from flashnorm_mlx.cli import COMMANDS as DISPATCHED
+
+    modules = {module for module, _ in DISPATCHED.values()}
+    assert modules == set(COMMANDS), sorted(modules ^ set(COMMANDS))
+    for module in modules:
+        assert _command_of(f"flashnorm_mlx.cli.{module}") == module
 
 
 def test_the_engine_owns_compilation():
@@ -195,3 +239,25 @@ def test_no_module_is_over_the_line_limit():
     assert not over, f"over {MAX_MODULE_LINES} lines: " + ", ".join(
         f"{p} ({n} lines)" for p, n in sorted(over.items())
     )
+
+
+def test_the_slow_list_names_tests_and_fixtures_that_exist():
+    """tests/conftest.py's SLOW and SLOW_FIXTURES (the developer loop leaves
+    them out): a renamed test or fixture would silently rejoin the loop."""
+    import conftest
+
+    stale = []
+    for table in (conftest.SLOW, conftest.SLOW_FIXTURES):
+        for file, names in table.items():
+            path = ROOT.parent / "tests" / file
+            defs = (
+                {
+                    n.name
+                    for n in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(n, ast.FunctionDef)
+                }
+                if path.exists()
+                else set()
+            )
+            stale += [f"{file}::{n}" for n in names if n not in defs]
+    assert not stale, stale

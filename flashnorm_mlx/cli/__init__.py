@@ -66,9 +66,14 @@ def _main(argv) -> int:
         return 0
     name = argv[0]
     if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         choices = ", ".join(COMMANDS)
         print(
-            f"flashnorm-mlx: error: unknown command {name!r} (choose from {choices})",
+            f"flashnorm-mlx: error: unknown command {name!r} ({hint}choose from "
+            f"{choices})",
             file=sys.stderr,
         )
         return 2

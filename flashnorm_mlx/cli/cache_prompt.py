@@ -2,12 +2,18 @@
 saved for `generate --prompt-cache-file` (mlx-lm's cache_prompt; prompt_cache.py)."""
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
 from .flags import Parser, add_model_args, run_main
-from .mlx_lm_flags import add_adapter_args, add_trust_remote_code_arg
+from .mlx_lm_flags import (
+    add_adapter_args,
+    add_eos_token_arg,
+    add_kv_cache_args,
+    add_trust_remote_code_arg,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -47,6 +53,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=2048,
         help="Number of prompt tokens to process at a time",
     )
+    add_eos_token_arg(p)
+    add_kv_cache_args(p)  # the saved cache as generate would hold it
     return p
 
 
@@ -64,16 +72,22 @@ def main(argv=None):
         parser.error("-p/--prompt is empty (-p TEXT, or -p - to read stdin)")
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import prompt_cache
+    from ..decoding import KVOptions, check_kv_options
     from ..prompts import cache_prompt_ids
     from .common import build, read_with_tokenizer
 
     # One process: a tensor-parallel rank's cache holds its shard's heads alone
     # (build refuses a multi-rank launch).
     source, tokenizer = read_with_tokenizer(args)
-    model, _ = build(source, args.mode, args)
+    tokenizer_config = prompt_cache.tokenizer_config(args.eos_token)
+    prompt_cache.apply_tokenizer_config(tokenizer_config, tokenizer, source.name)
+    model, config = build(source, args.mode, args)
+    kv = KVOptions.from_args(args)
+    check_kv_options(kv, model, config, source.name)
     ids = cache_prompt_ids(tokenizer, prompt, args.system_prompt)
     meta = prompt_cache.identity(args.model, args.mode, model, args.adapter_path)
-    n = prompt_cache.save(out, model, ids, meta, args.prefill_step_size)
+    meta["tokenizer_config"] = json.dumps(tokenizer_config)
+    n = prompt_cache.save(out, model, ids, meta, args.prefill_step_size, kv)
     size = os.path.getsize(out)
     print(f"Wrote {out}: {n} prompt tokens cached ({args.mode}), {size / 1e6:.2f} MB")
     return 0

@@ -105,6 +105,7 @@ class RichUI(PlainUI):
 
         super().__init__()
         self.console = Console(highlight=False)
+        self.transient = False  # a prefill line on screen, to clear
 
     def header(self, rows):
         from rich.markup import escape
@@ -126,19 +127,32 @@ class RichUI(PlainUI):
 
     def text(self, segment: str):
         # Raw writes: reply text is neither markup nor to be re-wrapped.
+        self.clear_transient()
         self.console.file.write(segment)
         self.console.file.flush()
 
     def end_reply(self, stats):
+        self.clear_transient()
         self.console.print()
         if stats is not None:
             self.console.print(stats.line(), style="dim", markup=False, soft_wrap=True)
 
     def notice(self, message: str):
+        self.clear_transient()
         self.console.print(message, style="yellow", markup=False)
 
     def prefill_notice(self, message: str):
-        self.console.print(f"({message})", style="dim", markup=False)
+        """One line, without a newline and within the width (so that one
+        carriage return reaches its start): gone once the reply starts."""
+        line = f"({message})"[: max(self.console.width - 1, 1)]
+        self.console.print(line, style="dim", markup=False, end="", soft_wrap=True)
+        self.transient = True
+
+    def clear_transient(self):
+        if self.transient:  # back to the line's start, erase it
+            self.console.file.write("\r\x1b[2K")
+            self.console.file.flush()
+            self.transient = False
 
     def help(self):
         self.console.print(HELP, style="dim", markup=False)
@@ -162,9 +176,12 @@ def turn_notices(stats, requested_max_tokens: int, limit) -> list:
 class Comparer:
     """/compare: bench's rows (loading/variants.py), mlx-lm then the four norm
     handlings on the chat's engine, built on the same source and settings (once,
-    on first use; the chat's own model is its row), timed on the last reply's
-    prompt. say(line): where the variants left would take over a minute, once
-    per /compare, after the first one (estimate.py)."""
+    on first use; the chat's own model is its row), each regenerating the last
+    reply: its decode speed and its text. The prompt is prefilled once, by the
+    chat's model, and each variant decodes from a copy of that cache (a decode
+    step's cost is the cache's length, not its values; where a variant's cache
+    kinds differ it prefills its own). say(line): where the variants left would
+    take over a minute, once per /compare, after the first one (estimate.py)."""
 
     def __init__(self, source, mode: str, model, kwargs: dict, sampler=None, say=None):
         from .. import engine as engines
@@ -172,19 +189,20 @@ class Comparer:
         self.source, self.sampler, self.say = source, sampler, say
         self.engine = engines.resolve(kwargs.get("engine"))
         self.kwargs = {k: v for k, v in kwargs.items() if k != "engine"}
-        self.models = {mode: model}
+        self.mode, self.models = mode, {mode: model}
 
     def __call__(self, session) -> str:
         from .. import estimate
         from ..loading import build_model
         from ..loading.variants import BY_NAME, NAMES, absent
-        from ..timing import compare_decode_speed
 
         n = len(session.last_reply_ids)
         if n < 2:
             return "(/compare needs a reply of 2 or more tokens first)"
         missing = absent(self.source.config)  # a family FlashNorm does not cover
         names = [v for v in NAMES if v not in missing]
+        prompt = session.last_prompt_ids
+        base = self._prefill(prompt)
         r = {}
         for i, v in enumerate(names):  # each built (once) and timed in turn
             start = time.perf_counter()
@@ -194,8 +212,7 @@ class Comparer:
                 self.models[v], _ = build_model(
                     self.source, row.norms, engine=engine, **self.kwargs
                 )
-            prompt = session.last_prompt_ids
-            r.update(compare_decode_speed({v: self.models[v]}, prompt, n, self.sampler))
+            r[v] = self._regenerate(self.models[v], prompt, n, base)
             if i == 0:
                 piece, seconds = f"{v}'s turn", time.perf_counter() - start
                 line = estimate.projection(piece, seconds, len(names) - 1, "/compare")
@@ -207,12 +224,102 @@ class Comparer:
             for v in names
         ]
         why = f"; {next(iter(missing.values()))}" if missing else ""
-        return (
+        speeds = (
             f"decode tok/s, last reply regenerated ({n} tokens, end-of-sequence "
-            f"ignored, same {len(session.last_prompt_ids)}-token prompt and "
+            f"ignored, same {len(prompt)}-token prompt and "
             f"weights; mlx-lm eager, the rest on the {self.engine} engine, x stock "
             f"on it): " + " | ".join(cells) + why
         )
+        return "\n".join([speeds, *texts(r, session.tokenizer)])
+
+    def _prefill(self, prompt):
+        """The chat model's cache after prompt[:-1] (each variant then feeds
+        the last token, its first decode), or None for a one-token prompt."""
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if len(prompt) < 2:
+            return None
+        model = self.models[self.mode]
+        cache = make_prompt_cache(model)
+        for _ in generate_step(
+            mx.array(prompt[:-1]), model, max_tokens=0, prompt_cache=cache
+        ):
+            pass
+        return cache
+
+    def _regenerate(self, model, prompt, n: int, base) -> dict:
+        """time_generation of n tokens after `prompt`, from a copy of `base`
+        where the model's cache kinds are base's, after a 2-token warm-up."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from ..timing import compare_decode_speed, time_generation
+
+        kinds = [type(c) for c in make_prompt_cache(model)]
+        if base is None or kinds != [type(c) for c in base]:
+            return compare_decode_speed({"v": model}, prompt, n, self.sampler)["v"]
+        last = mx.array(prompt[-1:])
+        time_generation(model, last, 2, self.sampler, prompt_cache=copy_cache(base))
+        return time_generation(
+            model, last, n, self.sampler, prompt_cache=copy_cache(base)
+        )
+
+
+def copy_cache(cache: list) -> list:
+    """A cache whose updates leave `cache` as it is: an mx.array's item
+    assignment changes that Python object, so each held array is a new one."""
+    import copy
+
+    import mlx.core as mx
+
+    def fresh(v):
+        if isinstance(v, mx.array):
+            return mx.array(v)
+        if isinstance(v, (tuple, list)) and v and isinstance(v[0], mx.array):
+            return type(v)(mx.array(a) for a in v)
+        return v
+
+    out = []
+    for c in cache:
+        c2 = copy.copy(c)
+        for k, v in vars(c).items():
+            setattr(c2, k, fresh(v))
+        out.append(c2)
+    return out
+
+
+# One text line per distinct reply, this long at most.
+TEXT_CHARS = 72
+
+
+def texts(results: dict, tokenizer) -> list:
+    """'  mlx-lm, stock, ...: "text"' lines, the variants with the same text
+    on one line (greedy on the same weights: all but nonorm, which is not the
+    same function)."""
+    groups: dict = {}
+    for v, r in results.items():
+        groups.setdefault(tokenizer.decode(r["tokens"]), []).append(v)
+    lines = []
+    for text, names in groups.items():
+        flat = " ".join(text.split()) or repr(text)[1:-1]  # whitespace: shown
+        if len(flat) > TEXT_CHARS:
+            flat = flat[: TEXT_CHARS - 3] + "..."
+        lines.append(f"  {', '.join(names)}: \"{flat}\"")
+    return lines
+
+
+CHAT_COMMANDS = ("/help", "/reset", "/compare", "/quit", "/exit")
+
+
+def unknown_command(command: str) -> str:
+    """The line for a mistyped /command: the closest one, where one is close."""
+    import difflib
+
+    close = difflib.get_close_matches(command, CHAT_COMMANDS, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown command {command}{hint}; /help lists the commands"
 
 
 def run_chat(session, ui, max_tokens: int, compare=None) -> int:
@@ -250,7 +357,7 @@ def run_chat(session, ui, max_tokens: int, compare=None) -> int:
                 except KeyboardInterrupt:
                     ui.notice("(comparison interrupted)")
             else:
-                ui.notice(f"unknown command {command}; /help lists the commands")
+                ui.notice(unknown_command(command))
             continue
         try:
             with distributed.watch("generating a reply"):  # no-op in one process
@@ -291,6 +398,7 @@ def main(argv=None):
         make_sampler,
         model_kwargs,
         read_for_sampling,
+        seed_sampling,
     )
     from .decoding import draft_model
 
@@ -304,6 +412,7 @@ def main(argv=None):
     kv = KVOptions.from_args(args)
     check_kv_options(kv, model, config, source.name)
     draft = draft_model(args, tokenizer, source.name)
+    seed_sampling(args, source)  # after every build, as mlx-lm draws
     limit = args.max_context or context_length(config)
     try:
         session = ChatSession(

@@ -80,13 +80,6 @@ def resolve_mode(args, source) -> None:
         say_note(models.stock_note(source.config, engine))
 
 
-def load_for_sampling(args):
-    """(source, tokenizer, model, config) for chat and generate: join a multi-rank
-    launch, read MODEL, build it (sharded under a launch), then seed sampling."""
-    source, tokenizer = read_for_sampling(args)
-    return (source, tokenizer, *build_for_sampling(args, source))
-
-
 def read_for_sampling(args):
     """(source, tokenizer): join a multi-rank launch, read MODEL, settle --mode."""
     join_launch(args)  # mlx.launch with several ranks: tensor parallel
@@ -94,14 +87,26 @@ def read_for_sampling(args):
 
 
 def build_for_sampling(args, source):
-    """(model, config): build (sharded under a launch), then seed sampling."""
-    import mlx.core as mx
-
+    """(model, config): build (sharded under a launch); `seed_sampling` after."""
     model, config = build(source, args.mode, args)
     distributed.announce()
-    if args.seed is not None:  # after the build: a sharded build draws random
-        mx.random.seed(args.seed)  # init weights, so the seed governs sampling alone
     return model, config
+
+
+def seed_sampling(args, source) -> None:
+    """--seed, after every build (ours draw at random: another class, a sharded
+    build's init): the generator where `mlx_lm generate --seed` has it once it
+    loaded MODEL, the adapter and the draft (seeding.py), so the same seed
+    samples mlx-lm's reply."""
+    from ..seeding import seed_as_mlx_lm
+
+    if args.seed is not None:
+        seed_as_mlx_lm(
+            args.seed,
+            source,
+            getattr(args, "adapter_path", None),
+            getattr(args, "draft_model", None),
+        )
 
 
 def join_launch(args, sampling: bool = True):

@@ -1,9 +1,7 @@
 """The speculative decoding and KV cache flags (cli/flags.py's
 `add_draft_args`, `add_kv_cache_args`) made into what generate, chat and serve
-run with (docs/design.md section 3f). Imports MLX."""
-
-import functools
-import sys
+run with (docs/design.md section 3f; serve's worker choice is cli/serve.py's:
+the shared CLI imports no command's library). Imports MLX."""
 
 from .. import models
 from ..decoding import DraftTally, KVOptions, check_kv_options, load_draft, make_cache
@@ -48,25 +46,3 @@ def draft_tally(args, max_tokens: int):
     if not getattr(args, "draft_model", None):
         return None
     return DraftTally(args.num_draft_tokens, max_tokens)
-
-
-def serve_decoding(args):
-    """serve: (Decoding, the worker class for Service): mlx-lm's BatchGenerator
-    where no draft or KV option is given, else one request at a time, said once."""
-    from ..serve.scheduler import Worker
-    from ..serve.sequential import Decoding, SequentialWorker
-
-    decoding = Decoding(
-        KVOptions.from_args(args), args.draft_model, args.num_draft_tokens
-    )
-    if not decoding.sequential:
-        return decoding, Worker
-    print(f"flashnorm-mlx serve: {decoding.why()}", file=sys.stderr, flush=True)
-    return decoding, functools.partial(SequentialWorker, decoding=decoding)
-
-
-def serve_with_draft(decoding, args, model, tokenizer, config, name: str) -> None:
-    """serve, on the generation thread after the model's build: check the KV
-    options against it and build the draft like it."""
-    check_kv_options(decoding.kv, model, config, name)
-    decoding.draft_model = draft_model(args, tokenizer, name)

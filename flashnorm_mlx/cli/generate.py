@@ -4,7 +4,12 @@ import argparse
 import sys
 
 from .flags import Parser, add_model_args, run_main
-from .mlx_lm_flags import add_generation_args, add_sampling_args, add_template_args
+from .mlx_lm_flags import (
+    add_generation_args,
+    add_sampling_args,
+    add_template_args,
+    add_verbose_arg,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -37,6 +42,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     fmt.add_argument(
         "--json", action="store_true", help="the reply is a JSON object (llguidance)"
     )
+    add_verbose_arg(p)
     return p
 
 
@@ -81,7 +87,12 @@ def main(argv=None):
     from .. import prompt_cache
     from ..parallel import distributed
     from ..prompts import prompt_ids, set_template
-    from .common import build_for_sampling, make_sampler, read_for_sampling
+    from .common import (
+        build_for_sampling,
+        make_sampler,
+        read_for_sampling,
+        seed_sampling,
+    )
     from .decoding import draft_model, draft_tally, generation_kwargs
 
     grammar = _json_grammar(args)
@@ -94,7 +105,12 @@ def main(argv=None):
     model, config = build_for_sampling(args, source)
     if cache is not None:
         prompt_cache.fit(args.prompt_cache_file, cache, meta, model)
+        prompt_cache.check_kv_flags(
+            args.prompt_cache_file, cache, args.kv_bits, args.kv_group_size
+        )
+        prompt_cache.use_file_tokenizer(args.prompt_cache_file, meta, tokenizer)
     draft = draft_model(args, tokenizer, source.name)
+    seed_sampling(args, source)  # after every build, as mlx-lm draws
     kwargs = generation_kwargs(args, model, draft, config, source.name)
     if cache is not None:  # the file's cache in place of a new one, as mlx-lm
         kwargs["prompt_cache"] = cache
@@ -138,6 +154,8 @@ def main(argv=None):
         if tally is not None:
             tally.add(last.from_draft)
     print()
+    if not args.verbose:  # mlx-lm's --verbose False: the reply alone
+        return 0
     print("=" * 10)
     print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
     print(

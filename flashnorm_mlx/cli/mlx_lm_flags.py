@@ -112,6 +112,34 @@ def add_kv_cache_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def str2bool(text: str) -> bool:
+    """A boolean flag's value as mlx_lm.generate reads it: anything but 'false'
+    or 'f' (any case) is True."""
+    return text.lower() not in ("false", "f")
+
+
+def add_verbose_arg(parser: argparse.ArgumentParser) -> None:
+    """mlx_lm.generate's --verbose True|False (False: the reply alone)."""
+    parser.add_argument(
+        "--verbose",
+        type=str2bool,
+        default=True,
+        help="Log verbose output when 'True' or 'T' or only print the response "
+        "when 'False' or 'F'",
+    )
+
+
+def add_eos_token_arg(parser: argparse.ArgumentParser) -> None:
+    """mlx_lm.cache_prompt's --eos-token (the file's tokenizer_config keeps it)."""
+    parser.add_argument(
+        "--eos-token",
+        type=str,
+        default=None,
+        help="End of sequence token for tokenizer (kept in the file: generate "
+        "--prompt-cache-file stops at it too, as mlx-lm does)",
+    )
+
+
 # --- mlx-lm's adapter, template and prompt-cache flags (names, defaults and
 # help as mlx_lm.generate, chat, server and cache_prompt give them) ----------
 

@@ -172,7 +172,6 @@ def main(argv=None):
     from ..serve.compare import Comparer, other_mode
     from ..serve.log import set_level
     from .common import build, read_with_tokenizer
-    from .decoding import serve_decoding, serve_with_draft
 
     set_level(args.log_level)
     # Bind first: a port in use is one line before a long model load.
@@ -240,3 +239,31 @@ def main(argv=None):
         raise
     run_until_signal(server)
     return 0
+
+
+def serve_decoding(args):
+    """serve: (Decoding, the worker class for Service): mlx-lm's BatchGenerator
+    where no draft or KV option is given, else one request at a time, said once."""
+    import functools
+
+    from ..decoding import KVOptions
+    from ..serve.scheduler import Worker
+    from ..serve.sequential import Decoding, SequentialWorker
+
+    decoding = Decoding(
+        KVOptions.from_args(args), args.draft_model, args.num_draft_tokens
+    )
+    if not decoding.sequential:
+        return decoding, Worker
+    print(f"flashnorm-mlx serve: {decoding.why()}", file=sys.stderr, flush=True)
+    return decoding, functools.partial(SequentialWorker, decoding=decoding)
+
+
+def serve_with_draft(decoding, args, model, tokenizer, config, name: str) -> None:
+    """serve, on the generation thread after the model's build: check the KV
+    options against it and build the draft like it."""
+    from ..decoding import check_kv_options
+    from .decoding import draft_model
+
+    check_kv_options(decoding.kv, model, config, name)
+    decoding.draft_model = draft_model(args, tokenizer, name)
