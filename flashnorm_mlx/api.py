@@ -19,7 +19,7 @@ def load(
     revision: Optional[str] = None,
     trust_remote_code: bool = False,
     *,
-    mode: str = "flashnorm",
+    mode: Optional[str] = None,
     dtype=None,
     quantize: Optional[Tuple[int, int]] = None,
     quantized_way: str = "stored",
@@ -27,8 +27,10 @@ def load(
     engine: Optional[str] = None,
 ) -> Union[tuple, Tuple[Any, Any, dict]]:
     """(model, tokenizer), or (model, tokenizer, config) with `return_config`,
-    as `mlx_lm.load` returns them; the model is FlashNorm's (`mode="stock"`:
-    mlx-lm's class on the same weights).
+    as `mlx_lm.load` returns them; the model is FlashNorm's where FlashNorm
+    covers the model_type, mlx-lm's own class otherwise (`mode` as --mode:
+    "stock" is mlx-lm's class on the same weights, "flashnorm" on a family
+    FlashNorm does not cover an UnsupportedModel).
 
     mlx-lm's keywords mean what they mean there: `tokenizer_config` goes to the
     Hugging Face tokenizer (e.g. {"eos_token": ...}), `model_config` updates
@@ -38,6 +40,7 @@ def load(
     layer above the model either way. Ours: `dtype` ("float16", "bfloat16",
     "float32" or an mx.Dtype), `quantize=(bits, group_size)`, `quantized_way`,
     `tokenizer` (another tokenizer folder or repo), `engine`."""
+    from . import models
     from .loading import build_model, read_source
     from .loading.source import resolve
 
@@ -66,7 +69,7 @@ def load(
         source.tokenizer = _tokenizer(where, tokenizer_config, source.config)
     model, config = build_model(
         source,
-        mode=mode,
+        mode=models.run_mode(source.config, mode),
         dtype=dtype,
         quantize=quantize,
         quantized_way=quantized_way,

@@ -96,3 +96,22 @@ def test_generate_is_mlx_lms_so_one_import_line_changes(folder):
     got = script(flashnorm_mlx.load, flashnorm_mlx.generate)
     print(f"mlx-lm {want!r}\nours   {got!r}")
     assert got == want and len(want) > 0
+
+
+def test_load_runs_a_family_flashnorm_does_not_cover_as_mlx_lms_class(tmp_path):
+    """The reference: mlx-lm's own load on the same folder gives the same logits."""
+    import tiny_stock
+    from mlx_lm import load as mlx_lm_load
+
+    from flashnorm_mlx.errors import UnsupportedModel
+
+    path = tiny_stock.make(tmp_path / "olmo2", "olmo2")
+    model, _ = flashnorm_mlx.load(str(path), dtype="float32")
+    assert type(model).__module__ == "mlx_lm.models.olmo2", type(model)
+    ref, _ = mlx_lm_load(str(path))
+    x = mx.array([[1, 5, 9, 3]])
+    got, want = model(x).astype(mx.float32), ref(x).astype(mx.float32)
+    diff = mx.abs(got - want).max().item()
+    assert diff < 1e-5, diff
+    with pytest.raises(UnsupportedModel, match="olmo2"):
+        flashnorm_mlx.load(str(path), mode="flashnorm")
