@@ -129,14 +129,9 @@ def _headroom(summary: dict, ratios: dict) -> dict:
     gap = nn_ - st
     one = bound.get("rounds", 2) < 2  # one ratio: no spread, any gap looks real
     measurable = gap > 0 and not bound["within_noise"] and not one
-    out = {
-        "stock_tps": st,
-        "flashnorm_tps": fn,
-        "nonorm_tps": nn_,
-        "headroom_tps": gap,
-        "bound_spread": [bound["min"], bound["max"]],
-        "share": (fn - st) / gap if measurable else None,
-    }
+    out = dict(stock_tps=st, flashnorm_tps=fn, nonorm_tps=nn_, headroom_tps=gap)
+    out["bound_spread"] = [bound["min"], bound["max"]]
+    out["share"] = (fn - st) / gap if measurable else None
     if one:
         out["note"] = (
             f"one round ({st:.1f} -> {nn_:.1f} tok/s): no spread to tell the "

@@ -53,6 +53,8 @@ def test_a_mistyped_chat_command_names_the_closest_one():
 # model_type -> the family's name in the summary ("Qwen2/Qwen3" names both)
 FAMILY = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 FAMILY.update({"qwen3": "Qwen3", "openelm": "OpenELM", "gemma3_text": "Gemma 3"})
+FAMILY.update({"phi3": "Phi-3", "smollm3": "SmolLM3", "qwen3_moe": "Qwen3-MoE"})
+FAMILY.update({"mixtral": "Mixtral", "gpt_oss": "gpt-oss"})
 
 
 def test_summary_and_docstring_name_every_family():

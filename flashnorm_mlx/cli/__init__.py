@@ -27,8 +27,12 @@ def _usage() -> str:
         "usage: flashnorm-mlx COMMAND [options]   (COMMAND --help for details)",
         "",
     ]
-    lines.append("Exact FlashNorm inference on MLX for Llama-family models (Llama,")
-    lines.append("Mistral, Qwen2, Qwen3), OpenELM and Gemma 3 (gemma3_text).")
+    lines.append("Exact FlashNorm inference on MLX for Llama-family models (llama,")
+    lines.append("mistral, qwen2, qwen3, phi3, smollm3), openelm, gemma3_text and the")
+    lines.append(
+        "mixtures of experts qwen3_moe, mixtral and gpt_oss; every other model"
+    )
+    lines.append("mlx-lm loads runs as stock (mlx-lm's own class).")
     lines.append("MODEL defaults to the embedded SmolLM2-135M-Instruct (4-bit GGUF).")
     lines.append("")
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]

@@ -6,7 +6,8 @@ in the vocabulary (+1: a SentencePiece token's leading space, which decoding
 it alone drops). So a text of B UTF-8 bytes is at least ceil(B / L) tokens:
 a bound, not a guess, where the tokenizer's normalizer never shortens text
 (none, or only prepends and replaces, as byte-level BPE and SentencePiece
-tokenizers do). With any other normalizer there is no bound (None).
+tokenizers do). With any other normalizer, or a tokenizer class of the model's
+own code, there is no bound (None).
 """
 
 import json
@@ -21,6 +22,8 @@ SAFE_NORMALIZERS = ("Prepend", "Replace", "Sequence")
 def bytes_per_token(tokenizer) -> Optional[int]:
     """L above, computed once (about a second for a 50k vocabulary)."""
     hf = inner_tokenizer(tokenizer)
+    if not type(hf).__module__.startswith("transformers."):
+        return None  # the model's own class (--trust-remote-code): any text in or out
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
         return None  # a slow (Python) tokenizer: nothing known of its normalizer
