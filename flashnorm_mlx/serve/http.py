@@ -21,6 +21,7 @@ from .connections import CappedServer
 from .guard import has_body, is_json, origin_allowed, refusal
 from .log import log
 from .logprobs import choice_logprobs
+from .replies import start_events
 from .routes import extra_routes, public_paths
 from .schema import Request, RequestError
 from .service import Service
@@ -414,14 +415,7 @@ class Handler(BaseHTTPRequestHandler):
         what, value = self._next_event(request)
         if what == "error":
             raise value
-        self.close_connection = True  # the stream's end is the connection's end
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self._cors_headers()
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self._sent = True
+        start_events(self)  # the stream's end is the connection's end
         self._event(self._chunk(request, "", role=True))
         while True:
             if what == "text":
