@@ -18,7 +18,6 @@ import tiny
 from mlx_lm.generate import generate_step
 
 from flashnorm_mlx import kernels
-from flashnorm_mlx.convert import convert
 from flashnorm_mlx.errors import LoadError, UnsupportedModel
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import phi3, smollm3
@@ -147,17 +146,8 @@ def test_smollm3_nope_layers_are_those_stock_reads(tmp_path):
 
 @EVERY
 def test_convert_compat_loads_in_stock_mlx_lm(tmp_path, make, cfg):
-    from mlx_lm.utils import load_model
-
     source = _source(tmp_path, make, cfg)
-    out = tmp_path / "compat"
-    convert(source, out, compat=True, progress=False)
-    stock_on_folded, _ = load_model(out)
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
-    ours, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
-    x = mx.array([PROMPT])
-    errs = {"mlx-lm on --compat": rel(stock_on_folded(x), ref(x))}
-    errs["flashnorm on --compat"] = rel(ours(x), ref(x))
+    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
     assert max(errs.values()) < tiny.f32_tol(), errs
 
 

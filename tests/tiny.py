@@ -508,6 +508,30 @@ def quantized(source, bits: int = 4, group_size: int = 32):
     return Source(source.name, {**source.config, "quantization": q}, w)
 
 
+def compat_errors(source, out: Path, prompt) -> dict:
+    """`convert --compat` of `source` into `out`, then the relative logit error
+    on `prompt` against stock on `source` of mlx-lm's own `load_model` and of
+    ours on that checkpoint: {who: error}."""
+    from mlx_lm.utils import load_model
+
+    from flashnorm_mlx.convert import convert
+    from flashnorm_mlx.loading import build_model, read_source
+
+    def rel(a, b) -> float:
+        a, b = a.astype(mx.float32), b.astype(mx.float32)
+        return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+    convert(source, out, compat=True, progress=False)
+    stock_on_compat, _ = load_model(out)
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ours, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
+    x = mx.array([prompt])
+    return {
+        "mlx-lm on --compat": rel(stock_on_compat(x), ref(x)),
+        "flashnorm on --compat": rel(ours(x), ref(x)),
+    }
+
+
 # --- float32 tolerance on this device ---------------------------------------------
 
 
