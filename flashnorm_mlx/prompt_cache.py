@@ -111,7 +111,7 @@ def save(
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import save_prompt_cache
 
-    from .decoding import KVOptions, make_cache
+    from .decode_options import KVOptions, make_cache
 
     if not ids:
         raise LoadError("the prompt encodes to no tokens")

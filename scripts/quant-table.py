@@ -16,8 +16,8 @@ import time
 
 import mlx.core as mx
 
+from flashnorm_mlx.likelihood import perplexity
 from flashnorm_mlx.loading import read_source
-from flashnorm_mlx.perplexity import perplexity
 
 EVAL = dict(seq_len=256, num_seqs=17, dtype=mx.float32)
 

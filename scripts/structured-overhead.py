@@ -24,7 +24,7 @@ def main():
     from mlx_lm.generate import generate_step
 
     from flashnorm_mlx import load
-    from flashnorm_mlx.structured import Grammars, json_grammar
+    from flashnorm_mlx.grammar import Grammars, json_grammar
 
     model, tok = load()
     schema = {

@@ -14,8 +14,8 @@ import pytest
 import tiny
 
 from flashnorm_mlx import kernels
+from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
-from flashnorm_mlx.verify import compare
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 STEPS = 12

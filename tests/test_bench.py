@@ -7,7 +7,7 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 
-from flashnorm_mlx import bench, dispatch
+from flashnorm_mlx import dispatch, speed
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.loading import Source, build_model, nonorm, read_source
 from flashnorm_mlx.loading.variants import NAMES
@@ -67,7 +67,7 @@ def source(model_dir):
 
 @pytest.fixture(scope="module")
 def result(source):
-    return bench.run_bench(source, NAMES, P, G, N, engine="compiled")
+    return speed.run_bench(source, NAMES, P, G, N, engine="compiled")
 
 
 def _count_rms_norm_ops(model, tokens, monkeypatch) -> int:
@@ -148,7 +148,7 @@ def test_host_time_per_step_and_which_variants_ran_compiled(result):
 
 
 def test_the_eager_engine_runs_every_variant_uncompiled(source):
-    r = bench.run_bench(
+    r = speed.run_bench(
         source, ["mlx-lm", "stock", "flashnorm"], P, G, 1, engine="eager"
     )
     assert not any(s["compiled"] for s in r["variants"].values()), r["variants"]
@@ -187,17 +187,17 @@ def test_a_kernel_that_fell_back_is_in_the_notes_and_json(result, monkeypatch):
     assert result["kernel_failures"] == [], result["kernel_failures"]
     line = "the residual kernel failed its first-use check on cuda (boom); ..."
     monkeypatch.setattr(_common, "FAILED", {("residual", "cuda"): line})
-    assert line in bench._notes(result["device"], result["variants"])
+    assert line in speed._notes(result["device"], result["variants"])
 
 
 def test_headroom_share_only_outside_the_noise():
     """A share of a gap the rounds' spread includes is a percentage of noise
     (this CPU once printed -221%): none is given, and the note says why."""
-    h = bench._headroom(_summary(10.0, 11.0, 12.0), _bound([1.15, 1.2, 1.25]))
+    h = speed._headroom(_summary(10.0, 11.0, 12.0), _bound([1.15, 1.2, 1.25]))
     assert h["share"] == 0.5 and "note" not in h, h
-    h = bench._headroom(_summary(10.60, 10.0, 10.61), _bound([0.97, 1.0, 1.04]))
+    h = speed._headroom(_summary(10.60, 10.0, 10.61), _bound([0.97, 1.0, 1.04]))
     assert h["share"] is None and "within noise" in h["note"], h
-    h = bench._headroom(_summary(10.0, 10.0, 9.0), _bound([0.85, 0.9, 0.95]))
+    h = speed._headroom(_summary(10.0, 10.0, 9.0), _bound([0.85, 0.9, 0.95]))
     assert h["share"] is None and "slower than stock" in h["note"], h
 
 
@@ -207,10 +207,10 @@ def test_one_round_gives_no_headroom_share():
     the note says why."""
     bound = _bound([1.3])
     bound["nonorm_vs_stock"]["decode"]["rounds"] = 1
-    h = bench._headroom(_summary(10.0, 8.0, 13.0), bound)
+    h = speed._headroom(_summary(10.0, 8.0, 13.0), bound)
     assert h["share"] is None and "one round" in h["note"], h
     bound["nonorm_vs_stock"]["decode"]["rounds"] = 3  # the same numbers, 3 rounds
-    assert bench._headroom(_summary(10.0, 8.0, 13.0), bound)["share"] < 0
+    assert speed._headroom(_summary(10.0, 8.0, 13.0), bound)["share"] < 0
 
 
 def test_launches_per_token_reported_and_flashnorm_fewest_on_a_gpu(result):
@@ -232,7 +232,7 @@ def test_variants_ran_on_the_same_weights(result, source):
     w = dict(source.weights)
     k = "model.layers.1.mlp.down_proj.weight"
     w[k] = mx.concatenate([w[k][:1] + 1e-3, w[k][1:]])
-    assert bench.weights_checksum(w) != result["source"]["checksum"]
+    assert speed.weights_checksum(w) != result["source"]["checksum"]
 
 
 def test_stock_is_mlx_lm_class(result):
@@ -328,7 +328,7 @@ def test_nonorm_from_a_quantized_source(source):
             assert model.lm_head.group_size == stock.lm_head.group_size == 32
         assert mx.isfinite(model(tokens)).all().item()
         assert nonorm.rms_norm_paths(model) == []
-        assert bench.model_dtype(model) == bench.model_dtype(stock)
+        assert speed.model_dtype(model) == speed.model_dtype(stock)
 
 
 def test_nonorm_unties_a_tied_head(tmp_path):
@@ -373,7 +373,7 @@ def test_exactly_g_tokens_even_when_eos_is_sampled(model_dir, source):
 
     eos = next(iter(load_tokenizer(model_dir).eos_token_ids))
     model, _ = build_model(source, "stock")
-    prompt = mx.array(bench.prompt_ids(source.config, P, 0))
+    prompt = mx.array(speed.prompt_ids(source.config, P, 0))
     t = time_generation(model, prompt, 7, sampler=lambda lp: mx.array([eos]))
     assert t["generated_tokens"] == 7 and t["tokens"] == [eos] * 7, t
 
@@ -473,7 +473,7 @@ def test_cli_bad_flags_one_line(model_dir, flags, message, capsys):
 def test_openelm_variants(tmp_path):
     src = read_source(str(tiny.make_openelm(tmp_path, "shared")), need_tokenizer=False)
     variants = ["stock", "flashnorm", "nonorm"]
-    r = bench.run_bench(src, variants, P, G, 1)
+    r = speed.run_bench(src, variants, P, G, 1)
     v = r["variants"]
     assert v["stock"]["class"] == "mlx_lm.models.openelm.Model", v["stock"]
     # 3 layers x (attn, ffn, q, k) + final = 13 norms, all removed (QK-norms too).

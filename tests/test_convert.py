@@ -10,8 +10,8 @@ import tiny
 from mlx.utils import tree_flatten
 
 from flashnorm_mlx import fold, quant
+from flashnorm_mlx.checkpoint import convert
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.convert import convert
 from flashnorm_mlx.loading import LoadError, Source, build_model, read_source
 
 PROMPT = [[5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]]
@@ -309,7 +309,7 @@ def test_failed_force_onto_a_mount_point_leaves_nothing(
     import errno
     import os
 
-    from flashnorm_mlx import convert as convert_module
+    from flashnorm_mlx import checkpoint
 
     out = tmp_path / "mnt"
     assert main(["convert", str(llama_dir), "-o", str(out)]) == 0
@@ -321,7 +321,7 @@ def test_failed_force_onto_a_mount_point_leaves_nothing(
             raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(src))
         return real(src, dst)
 
-    monkeypatch.setattr(convert_module.os, "replace", replace)
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
     assert main(["convert", str(llama_dir), "-o", str(out), "--force"]) == 1
     assert "busy" in _one_line(capsys, after_stages=True).lower()
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before

@@ -163,7 +163,7 @@ def test_a_draft_equal_to_the_model_has_every_token_accepted(pairs, capsys):
 
 
 def test_draft_tally_replays_mlx_lms_steps():
-    from flashnorm_mlx.decoding import DraftTally
+    from flashnorm_mlx.decode_options import DraftTally
 
     t = DraftTally(num_draft_tokens=2, max_tokens=7)
     for f in [True, False, False, True, True, False, True]:  # 1+1, 0+1, 2+1, 1
@@ -291,7 +291,7 @@ def test_chat_kv_options_flashnorm_matches_stock(pairs, case, monkeypatch, capsy
     start at 16: FlashNorm's replies are stock's with the same options."""
     from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
-    from flashnorm_mlx.chat import ChatSession
+    from flashnorm_mlx.conversation import ChatSession
 
     sessions, init = [], ChatSession.__post_init__
     monkeypatch.setattr(
@@ -393,16 +393,16 @@ def test_the_embedded_model_drafts_for_its_float32_copy(tmp_path, capsys):
 
 
 def test_the_flag_copies_are_the_librarys():
-    """cli/mlx_lm_flags.py's numbers (it imports no MLX) are decoding.py's and
+    """cli/mlx_lm_flags.py's numbers (it imports no MLX) are decode_options.py's and
     mlx-lm's."""
     from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
-    from flashnorm_mlx import decoding
+    from flashnorm_mlx import decode_options
     from flashnorm_mlx.cli import mlx_lm_flags as flags
 
-    assert flags.KV_KEEP == decoding.KV_KEEP
+    assert flags.KV_KEEP == decode_options.KV_KEEP
     assert flags.DEFAULT_QUANTIZED_KV_START == DEFAULT_QUANTIZED_KV_START
-    kv = decoding.KVOptions()
+    kv = decode_options.KVOptions()
     assert (kv.kv_group_size, kv.quantized_kv_start) == (64, DEFAULT_QUANTIZED_KV_START)
 
 

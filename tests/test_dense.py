@@ -18,10 +18,10 @@ import tiny
 from mlx_lm.generate import generate_step
 
 from flashnorm_mlx import kernels
+from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.errors import LoadError, UnsupportedModel
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import phi3, smollm3
-from flashnorm_mlx.verify import compare
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 CONFIGS = [(tiny.make_phi3, c) for c in tiny.PHI3_CONFIGS] + [

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from flashnorm_mlx import engine
 from flashnorm_mlx import kernels as K
-from flashnorm_mlx.chat import ChatSession
+from flashnorm_mlx.conversation import ChatSession
 from flashnorm_mlx.loading import NORMS, build_model, read_source
 from flashnorm_mlx.models.blocks import Block
 

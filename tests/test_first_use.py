@@ -12,9 +12,9 @@ import pytest
 import tiny
 
 import flashnorm_mlx
-from flashnorm_mlx.chat import ChatSession
 from flashnorm_mlx.cli import chat as chat_cli
 from flashnorm_mlx.cli import main
+from flashnorm_mlx.conversation import ChatSession
 from flashnorm_mlx.loading import build_model, read_source
 
 ROOT = Path(__file__).resolve().parents[1]

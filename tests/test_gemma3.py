@@ -18,11 +18,11 @@ import tiny
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from flashnorm_mlx import bench, fold, kernels
-from flashnorm_mlx.convert import convert
+from flashnorm_mlx import fold, kernels, speed
+from flashnorm_mlx.checkpoint import convert
+from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.loading import Source, build_model, read_source
 from flashnorm_mlx.models import gemma3
-from flashnorm_mlx.verify import compare
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 
@@ -122,7 +122,7 @@ def test_a_stored_head_is_used_as_stock_uses_it(tied, tmp_path):
 
 
 def test_perplexity_agrees_in_float32(source):
-    from flashnorm_mlx.perplexity import default_text, perplexity
+    from flashnorm_mlx.likelihood import default_text, perplexity
 
     r = perplexity(
         source, text=default_text()[:3000], seq_len=32, num_seqs=2, dtype=mx.float32
@@ -273,7 +273,7 @@ def test_convert_quantized_runs(tied, tmp_path):
 
 
 def test_bench_runs_every_variant_and_counts_fewer_launches(tied):
-    r = bench.run_bench(tied, prompt_tokens=6, gen_tokens=3, trials=1)
+    r = speed.run_bench(tied, prompt_tokens=6, gen_tokens=3, trials=1)
     v = r["variants"]
     assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
     assert v["nonorm"]["rms_norm_modules"] == 0, v["nonorm"]

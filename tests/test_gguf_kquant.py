@@ -13,12 +13,12 @@ import pytest
 import tiny
 from test_gguf import _gguf_name, llama_cpp_permute, tiny_metadata
 
+from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.loading import build_model
 from flashnorm_mlx.loading import gguf_kquant as kq
 from flashnorm_mlx.loading import read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.loading.variants import comparison
-from flashnorm_mlx.verify import compare
 
 gguf = pytest.importorskip("gguf")
 QK = 256

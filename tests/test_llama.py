@@ -8,8 +8,8 @@ import tiny
 from mlx_lm.models.cache import make_prompt_cache
 
 from flashnorm_mlx import fold, quant
+from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
-from flashnorm_mlx.verify import compare
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 

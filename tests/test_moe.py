@@ -19,10 +19,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from flashnorm_mlx import fold
-from flashnorm_mlx.convert import convert
+from flashnorm_mlx.checkpoint import convert
+from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import moe
-from flashnorm_mlx.verify import compare
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 # model_type -> maker, layers with experts, the feed-forward's name, experts,
@@ -254,7 +254,7 @@ def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
 
 
 def test_perplexity_agrees_in_float32(source):
-    from flashnorm_mlx.perplexity import default_text, perplexity
+    from flashnorm_mlx.likelihood import default_text, perplexity
 
     r = perplexity(
         source, text=default_text()[:3000], seq_len=32, num_seqs=2, dtype=mx.float32
@@ -368,9 +368,9 @@ def test_stock_fused_stacks_each_experts_gate_and_up_and_is_stock(
 
 
 def test_bench_counts_fewer_launches_and_nonorm_runs(source):
-    from flashnorm_mlx import bench
+    from flashnorm_mlx import speed
 
-    r = bench.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
+    r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
     v = r["variants"]
     assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
     assert v["nonorm"]["rms_norm_modules"] == 0, v["nonorm"]

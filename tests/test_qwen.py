@@ -10,10 +10,10 @@ import pytest
 import tiny
 from mlx_lm.models.cache import make_prompt_cache
 
-from flashnorm_mlx import bench, fold
-from flashnorm_mlx.convert import convert
+from flashnorm_mlx import fold, speed
+from flashnorm_mlx.checkpoint import convert
+from flashnorm_mlx.likelihood import default_text, perplexity
 from flashnorm_mlx.loading import Source, build_model, read_source
-from flashnorm_mlx.perplexity import default_text, perplexity
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 
@@ -108,7 +108,7 @@ def test_fold_twice_equals_fold_once(source):
 
 
 def test_bench_runs_all_three_variants(source):
-    r = bench.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
+    r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
     v = r["variants"]
     assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
     assert v["nonorm"]["rms_norm_modules"] == 0, v["nonorm"]

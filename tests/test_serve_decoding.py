@@ -28,7 +28,7 @@ def reference(path, mode: str, tokens: int, *, max_kv_size=None, **kv) -> str:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from flashnorm_mlx.decoding import make_cache
+    from flashnorm_mlx.decode_options import make_cache
     from flashnorm_mlx.loading import load
 
     model, tok = load(str(path), mode=mode, dtype=mx.float32)

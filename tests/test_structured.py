@@ -1,4 +1,4 @@
-"""Structured output's grammar processor (flashnorm_mlx/structured.py) inside
+"""Structured output's grammar processor (flashnorm_mlx/grammar.py) inside
 mlx-lm's BatchGenerator, in-process on a tiny random Llama with a byte-level
 tokenizer: requests with different schemas join and leave one batch at
 different steps, sample at temperature 1 with their own seeds, and each
@@ -16,13 +16,13 @@ from mlx_lm.generate import BatchGenerator, make_stop_sequences
 from mlx_lm.utils import load_tokenizer
 
 from flashnorm_mlx import load
-from flashnorm_mlx.serve.scheduler import make_seeded_sampler
-from flashnorm_mlx.structured import (
+from flashnorm_mlx.grammar import (
     GrammarError,
     Grammars,
     json_grammar,
     tool_call_grammar,
 )
+from flashnorm_mlx.serve.scheduler import make_seeded_sampler
 
 SCHEMAS = [
     {

@@ -93,7 +93,7 @@ def test_use_default_chat_template(tmp_path):
     (ChatML); one with its own keeps it."""
     from mlx_lm.utils import load_tokenizer
 
-    from flashnorm_mlx.prompts import prompt_ids, set_template
+    from flashnorm_mlx.chat_template import prompt_ids, set_template
 
     path = tiny.make_llama(tmp_path / "m")
     config = json.loads((path / "tokenizer_config.json").read_text())

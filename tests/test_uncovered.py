@@ -13,7 +13,7 @@ import tiny
 import tiny_stock
 from serve_process import Server
 
-from flashnorm_mlx import bench, models
+from flashnorm_mlx import models, speed
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.errors import ShardError, UnsupportedModel
 from flashnorm_mlx.loading import build_model, read_source
@@ -124,7 +124,7 @@ def test_convert_refuses_in_one_line_and_writes_nothing(folders, tmp_path, capsy
 
 def test_bench_shows_mlx_lm_and_stock_and_says_why_the_rest_are_absent(folders, capsys):
     source = read_source(str(folders["starcoder2"]), need_tokenizer=False)
-    r = bench.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
+    r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
     assert list(r["variants"]) == ["mlx-lm", "stock"], list(r["variants"])
     assert set(r["absent"]) == {"stock_fused", "nonorm", "flashnorm"}, r["absent"]
     assert all(s["logits_finite"] for s in r["variants"].values()), r["variants"]
@@ -133,8 +133,8 @@ def test_bench_shows_mlx_lm_and_stock_and_says_why_the_rest_are_absent(folders, 
     assert stock["weight_bytes"] - stock["decode_bytes_per_token"] == table, stock
     why = [n for n in r["notes"] if "absent" in n]
     assert len(why) == 1 and "'starcoder2'" in why[0], r["notes"]
-    with pytest.raises(bench.BenchError, match="'starcoder2'"):
-        bench.run_bench(source, ["stock", "nonorm"], 6, 3, 1)
+    with pytest.raises(speed.BenchError, match="'starcoder2'"):
+        speed.run_bench(source, ["stock", "nonorm"], 6, 3, 1)
     # The table as the command prints it: the two rows, the reason under it.
     argv = ["bench", str(folders["starcoder2"]), "-p", "6", "-g", "3", "-n", "1"]
     assert main(argv) == 0

@@ -514,7 +514,7 @@ def compat_errors(source, out: Path, prompt) -> dict:
     ours on that checkpoint: {who: error}."""
     from mlx_lm.utils import load_model
 
-    from flashnorm_mlx.convert import convert
+    from flashnorm_mlx.checkpoint import convert
     from flashnorm_mlx.loading import build_model, read_source
 
     def rel(a, b) -> float:

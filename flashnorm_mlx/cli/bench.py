@@ -241,13 +241,13 @@ def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     # MLX and mlx-lm (seconds) once argparse is content: bench's own checks need them.
-    from ..bench import run_bench, validate
     from ..errors import BenchError
     from ..loading import read_source
     from ..parallel import distributed
+    from ..speed import run_bench, validate
     from .common import StageLog, join_launch, model_kwargs
 
-    if args.draft_model:  # bench_draft.py: the model alone against with the draft
+    if args.draft_model:  # speed_draft.py: the model alone against with the draft
         return _draft_main(parser, args)
     variants = None  # every row the model can run
     if args.variants is not None:
@@ -324,10 +324,10 @@ def main(argv=None):
 
 
 def _draft_main(parser, args) -> int:
-    """bench --draft-model: FlashNorm alone, then with the draft (bench_draft.py)."""
+    """bench --draft-model: FlashNorm alone, then with the draft (speed_draft.py)."""
     from .. import models
-    from ..bench_draft import check, lines, run_draft_bench
     from ..loading import read_source
+    from ..speed_draft import check, lines, run_draft_bench
     from .common import StageLog, model_kwargs, say_note
 
     wrong = check(args.num_trials, args.generation_tokens, args.prompt_tokens)

@@ -72,8 +72,8 @@ def main(argv=None):
         parser.error("-p/--prompt is empty (-p TEXT, or -p - to read stdin)")
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import prompt_cache
-    from ..decoding import KVOptions, check_kv_options
-    from ..prompts import cache_prompt_ids
+    from ..chat_template import cache_prompt_ids
+    from ..decode_options import KVOptions, check_kv_options
     from .common import build, read_with_tokenizer
 
     # One process: a tensor-parallel rank's cache holds its shard's heads alone

@@ -4,7 +4,13 @@ run with (docs/design.md section 3f; serve's worker choice is cli/serve.py's:
 the shared CLI imports no command's library). Imports MLX."""
 
 from .. import models
-from ..decoding import DraftTally, KVOptions, check_kv_options, load_draft, make_cache
+from ..decode_options import (
+    DraftTally,
+    KVOptions,
+    check_kv_options,
+    load_draft,
+    make_cache,
+)
 from ..errors import UserError
 from ..parallel import distributed
 from .common import build, say_note

@@ -52,7 +52,7 @@ def _json_grammar(args):
     import json
 
     from ..errors import UserError
-    from ..structured import GrammarError, json_grammar
+    from ..grammar import GrammarError, json_grammar
 
     if args.json_schema is None and not args.json:
         return None
@@ -85,8 +85,8 @@ def main(argv=None):
     from mlx_lm import stream_generate
 
     from .. import prompt_cache
+    from ..chat_template import prompt_ids, set_template
     from ..parallel import distributed
-    from ..prompts import prompt_ids, set_template
     from .common import (
         build_for_sampling,
         make_sampler,
@@ -130,9 +130,9 @@ def main(argv=None):
         cached=cache is not None,
     )
     sampler = make_sampler(args, tokenizer)
-    if grammar is not None:  # the mask after any other processor (structured.py)
+    if grammar is not None:  # the mask after any other processor (grammar.py)
         from ..errors import UserError
-        from ..structured import GrammarError, Grammars
+        from ..grammar import GrammarError, Grammars
 
         try:
             mask = Grammars(tokenizer).processor(grammar, args.max_tokens)

@@ -61,9 +61,9 @@ def main(argv=None):
         parser.error(f"--data: no such data file: {args.data}")  # before MLX loads
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import models
+    from ..likelihood import load_text, perplexity
     from ..loading import read_source
     from ..loading.variants import comparison
-    from ..perplexity import load_text, perplexity
     from .common import (
         StageLog,
         interruptible,
@@ -115,7 +115,7 @@ def _print_table(r: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..perplexity import MIN_TIMED_TOKENS
+    from ..likelihood import MIN_TIMED_TOKENS
 
     quant = r["quantization"] or "not quantized"
     t = Table(title=f"Perplexity: {r['model']} ({r['dtype']}, {quant})")

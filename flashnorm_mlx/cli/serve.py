@@ -166,8 +166,8 @@ def main(argv=None):
     if api_key is not None and not api_key.strip():
         parser.error(f"the API key (--api-key or ${API_KEY_ENV}) must not be empty")
     # MLX and mlx-lm (seconds) once the flags are good.
+    from ..chat_template import set_template
     from ..loading.source import default_model_path
-    from ..prompts import set_template
     from ..serve import ApiServer, Service, Settings, bind_warning, run_until_signal
     from ..serve.compare import Comparer, other_mode
     from ..serve.log import set_level
@@ -246,7 +246,7 @@ def serve_decoding(args):
     where no draft or KV option is given, else one request at a time, said once."""
     import functools
 
-    from ..decoding import KVOptions
+    from ..decode_options import KVOptions
     from ..serve.scheduler import Worker
     from ..serve.sequential import Decoding, SequentialWorker
 
@@ -262,7 +262,7 @@ def serve_decoding(args):
 def serve_with_draft(decoding, args, model, tokenizer, config, name: str) -> None:
     """serve, on the generation thread after the model's build: check the KV
     options against it and build the draft like it."""
-    from ..decoding import check_kv_options
+    from ..decode_options import check_kv_options
     from .decoding import draft_model
 
     check_kv_options(decoding.kv, model, config, name)

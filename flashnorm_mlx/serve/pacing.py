@@ -4,7 +4,7 @@ mlx-lm's BatchGenerator interleaves: each `next()` decodes one token for every
 running stream, then reads one chunk (`prefill_step_size` tokens) of each
 prompt still prefilling. A fixed chunk makes a running stream wait one chunk's
 time, which on a slow machine is a minute for 512 tokens. Here the chunk is
-sized by time, as chat's prefill (flashnorm_mlx/chat.py) sizes its own: the
+sized by time, as chat's prefill (flashnorm_mlx/conversation.py) sizes its own: the
 rate measured on the last chunk sets the next one to about `seconds`, at most
 twice the last and never over `most` (--prefill-step-size). A chunk's cost is
 what its pass takes beyond the step's decode pass (the cost of any forward

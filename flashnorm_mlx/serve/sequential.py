@@ -13,7 +13,7 @@ streaming, the prompt cache pool) stays as it is.
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from ..decoding import DraftTally, KVOptions, after_prefix, make_cache
+from ..decode_options import DraftTally, KVOptions, after_prefix, make_cache
 from .log import log
 from .scheduler import Worker
 

@@ -63,9 +63,9 @@ class Service:
     def start(self) -> None:
         """Build the model on the generation thread; its errors raise here."""
         from ..engine import engine_of
+        from ..grammar import Grammars
         from ..machine import device_info
         from ..models import context_length
-        from ..structured import Grammars
 
         w = self.worker
         w.thread.start()

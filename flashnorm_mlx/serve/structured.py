@@ -7,7 +7,7 @@ prompt that the generation thread runs as a logits processor."""
 import json
 from typing import List, Optional
 
-from ..structured import GrammarError, json_grammar, tool_call_grammar
+from ..grammar import GrammarError, json_grammar, tool_call_grammar
 from .schema import Request, RequestError
 
 

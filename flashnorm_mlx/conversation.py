@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
-from .decoding import DraftTally, KVOptions, make_cache
+from .decode_options import DraftTally, KVOptions, make_cache
 from .errors import ChatError, ContextOverflow  # noqa: F401 (raised here)
 from .parallel import distributed
 

@@ -18,7 +18,7 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .decoding import DraftTally, check_same_vocabulary
+from .decode_options import DraftTally, check_same_vocabulary
 from .errors import UserError
 from .loading import Source, build_model, read_source
 from .models import run_mode
@@ -102,7 +102,7 @@ def run_draft_bench(
     model, config = build_model(source, run_mode(source.config, None), **kwargs)
     say("building the draft")
     draft, _ = build_model(draft_source, run_mode(draft_source.config, None), **kwargs)
-    # Random ids, as bench's rows take them (bench.prompt_ids).
+    # Random ids, as bench's rows take them (speed.prompt_ids).
     vocab = config.get("vocab_size") or 32000
     prompt = mx.array(
         np.random.default_rng(seed).integers(0, vocab, prompt_tokens).tolist()
