@@ -115,6 +115,18 @@ def test_a_private_name_from_serve_in_cli_generate_is_found(line):
     assert _private_names(name, path, path.read_text() + line), line
 
 
+def test_no_two_modules_share_a_file_name():
+    """One meaning per word: a file name says which module it is, wherever it
+    stands (cli/bench.py is the bench command, speed.py what it measures), so no
+    two modules share one; a package's __init__.py is named by its folder."""
+    by_name = {}
+    for f in sorted(ROOT.rglob("*.py")):
+        if f.name != "__init__.py":
+            by_name.setdefault(f.name, []).append(str(f.relative_to(ROOT.parent)))
+    shared = {n: paths for n, paths in by_name.items() if len(paths) > 1}
+    assert not shared, "; ".join(f"{n}: {', '.join(p)}" for n, p in shared.items())
+
+
 def test_every_registered_architecture_has_its_model_file():
     for model_type, file in models.ARCHITECTURES.items():
         module = models.model_module({"model_type": model_type})
@@ -157,28 +169,44 @@ def test_the_design_map_names_every_module_and_folder_of_the_package_root():
     assert not missing, f"not on the map: {missing}"
 
 
-# The commands, each a library module (or package) with its CLI in cli/: they sit
-# side by side above the library, and what they share lives below them
-# (engine, timing, loading.variants, models).
-COMMANDS = (
-    "bench",
-    "cache_prompt",
-    "chat",
-    "convert",
-    "generate",
-    "perplexity",
-    "serve",
-    "verify",
-)
+# The commands (cli/<command>.py) and the library modules (or package) doing
+# each one's work, named for what they compute: the commands sit side by side
+# above the library, and what they share lives below them (engine, timing,
+# loading.variants, models, prompt_cache, decode_options).
+COMMANDS = {
+    "bench": ("speed", "speed_draft"),
+    "cache_prompt": (),
+    "chat": ("conversation",),
+    "convert": ("checkpoint",),
+    "generate": (),
+    "perplexity": ("likelihood",),
+    "serve": ("serve",),
+    "verify": ("equivalence",),
+}
 
 
 def _command_of(module: str):
-    """The command `module` belongs to: flashnorm_mlx.<command>[.*] or
-    flashnorm_mlx.cli.<command>; None for the library below them."""
+    """The command `module` belongs to: flashnorm_mlx.cli.<command>, or one of
+    its library modules flashnorm_mlx.<library>[.*]; None for the library below."""
     parts = module.split(".")[1:]
     if parts[:1] == ["cli"]:
-        parts = parts[1:]
-    return parts[0] if parts and parts[0] in COMMANDS else None
+        return parts[1] if parts[1:] and parts[1] in COMMANDS else None
+    for command, library in COMMANDS.items():
+        if parts and parts[0] in library:
+            return command
+    return None
+
+
+def test_each_command_library_module_exists():
+    """A renamed library module must be renamed here too, or its command's
+    rules below would silently stop covering it."""
+    missing = [
+        f"{command}: {m}"
+        for command, library in COMMANDS.items()
+        for m in library
+        if f"flashnorm_mlx.{m}" not in MODULES
+    ]
+    assert not missing, missing
 
 
 def test_the_commands_import_none_of_each_other():
