@@ -115,6 +115,110 @@ def test_a_private_name_from_serve_in_cli_generate_is_found(line):
     assert _private_names(name, path, path.read_text() + line), line
 
 
+# The private attributes a module may read on an object it did not define, each
+# with why: (module, what it reads) -> reason.
+FOREIGN_PRIVATES = {
+    ("flashnorm_mlx.interrupt", "os._exit"): "the standard library's exit without"
+    " cleanup (a thread may be inside MLX); public despite its underscore",
+    **{
+        ("flashnorm_mlx.mlx_lm_compat", read): "the one module that reads mlx-lm's"
+        " private names, each with a test that names the version when it changes"
+        for read in ("rope._freqs", "rope._scale", "tokenizer._tokenizer")
+    },
+}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined_privates(tree) -> set:
+    """The private names a module defines: its functions, classes, methods,
+    variables and the attributes its classes set (self._x = ...; `h._x = ...`
+    on another object defines nothing)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
+            out.add(node.attr)
+    return {n for n in out if _is_private(n)}
+
+
+def _foreign_privates(name: str, path: Path, text=None) -> list:
+    """(line, "x._name") for each `x._name` (or getattr(x, "_name")) read,
+    called or set in `name` on an object other than self/cls where `_name` is no
+    name `name` defines: another module's private attribute. Dunder names are
+    public protocol."""
+    tree = ast.parse(path.read_text() if text is None else text)
+    own = _defined_privates(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            obj, attr = node.value, node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            obj, attr = node.args[0], node.args[1].value
+        else:
+            continue
+        if not _is_private(attr) or attr in own:
+            continue
+        if isinstance(obj, ast.Name) and obj.id in ("self", "cls"):
+            continue
+        found.append((node.lineno, f"{ast.unparse(obj)}.{attr}"))
+    return found
+
+
+def test_no_module_touches_another_modules_private_attributes():
+    """serve's routes use the Handler's public methods (read_json, send_json,
+    ...), never its _names; what remains is FOREIGN_PRIVATES, each with why,
+    and each still needed."""
+    reads = {
+        (name, read, line)
+        for name, path in MODULES.items()
+        for line, read in _foreign_privates(name, path)
+    }
+    found = [
+        f"{n}:{line}: {r}"
+        for n, r, line in sorted(reads)
+        if (n, r) not in FOREIGN_PRIVATES
+    ]
+    stale = set(FOREIGN_PRIVATES) - {(n, r) for n, r, _ in reads}
+    assert not found and not stale, (found, sorted(stale))
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "def f(h):\n    h._send_json(200, {})\n",
+        "def f(h):\n    return h._read_json()\n",
+        "def f(h):\n    h._sent = True\n",
+        "def f(h):\n    return getattr(h, '_keep_open')\n",
+        "def f(s):\n    return s.worker._queue\n",
+    ],
+)
+def test_a_private_attribute_of_the_handler_in_routes_is_found(line):
+    """The rule sees serve/routes.py reach into an object's private attribute
+    (the Handler's, or any other's), called, read, set or through getattr."""
+    name = "flashnorm_mlx.serve.routes"
+    path = MODULES[name]
+    assert _foreign_privates(name, path) == []
+    assert _foreign_privates(name, path, path.read_text() + line), line
+
+
 def test_no_two_modules_share_a_file_name():
     """One meaning per word: a file name says which module it is, wherever it
     stands (cli/bench.py is the bench command, speed.py what it measures), so no

@@ -36,7 +36,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             return text + " (required)"
         if action.nargs == 0:  # an on/off flag; one of several ways: on if the default
             on = action.default
-            if type(action) is argparse._StoreConstAction:
+            # store_const (a const that is a value, not store_true's True): on
+            # where the default is that value; argparse names no public class.
+            if action.const is not None and not isinstance(action.const, bool):
                 on = action.default == action.const
             return text + (" (default: on)" if on else " (default: off)")
         if action.default is None:

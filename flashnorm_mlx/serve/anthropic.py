@@ -14,7 +14,6 @@ from .replies import (
     need,
     new_id,
     send_event,
-    start_events,
 )
 from .schema import RequestError
 
@@ -177,7 +176,7 @@ def _tool_use(call: dict) -> dict:
 
 def messages(h) -> None:
     """POST /v1/messages."""
-    body = h._read_json()
+    body = h.read_json()
     chat = to_chat(body)
     stream = body.get("stream") is True
     reply = chat_reply(h, chat)
@@ -209,14 +208,14 @@ def _answer(h, reply, stream: bool) -> None:
             else:
                 message["stop_reason"], message["stop_sequence"] = _stop(value)
                 message["usage"] = _usage(value)
-        h._send_json(200, message)
+        h.send_json(200, message)
         return
     _stream(h, reply, message, request)
 
 
 def _stream(h, reply, message: dict, request) -> None:
     first = next(reply)  # errors before the first piece are still a JSON error
-    start_events(h)
+    h.start_events()
     usage = {"input_tokens": len(request.prompt), "output_tokens": 0}
     send_event(
         h,

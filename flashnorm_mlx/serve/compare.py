@@ -86,7 +86,7 @@ def compare(h) -> None:
     """POST /compare {"messages", "max_tokens": the reply's token count, and
     any other chat field} -> Comparer.run's JSON."""
     s = h.service
-    body = h._read_json()
+    body = h.read_json()
     if s.comparer is None:
         raise RequestError("this server does not compare", status=404)
     n = body.get("max_tokens")
@@ -111,4 +111,4 @@ def compare(h) -> None:
             else ""
         )
     )
-    h._send_json(200, out)
+    h.send_json(200, out)

@@ -6,7 +6,9 @@ with no cap, and prints a traceback for every connection reset.
 """
 
 import json
+import select
 import signal
+import socket
 import sys
 import threading
 
@@ -34,6 +36,16 @@ def _busy_reply(cap: int) -> bytes:
         f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + body
+
+
+def client_gone(connection: socket.socket) -> bool:
+    """Whether the client closed its end (readable, nothing to read) or the
+    socket fails: a request still waiting for its reply stops there."""
+    try:
+        readable, _, _ = select.select([connection], [], [], 0)
+        return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 class CappedServer:

@@ -8,7 +8,6 @@ the connection cap: connections.py; why not uvicorn+starlette: docs/serve.md.
 
 import ipaddress
 import json
-import select
 import socket
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,11 +16,10 @@ from typing import List, Optional
 
 from . import anthropic
 from .auth import key_scope
-from .connections import CappedServer
+from .connections import CappedServer, client_gone
 from .guard import has_body, is_json, origin_allowed, refusal
 from .log import log
 from .logprobs import choice_logprobs
-from .replies import start_events
 from .routes import extra_routes, public_paths
 from .schema import Request, RequestError
 from .service import Service
@@ -50,6 +48,9 @@ def _total_usage(usages: List[dict]) -> dict:
 
 
 class Handler(BaseHTTPRequestHandler):
+    """One connection's requests. The other modules' routes use `service` and
+    the public methods (one line each below); the _names are this class's own."""
+
     protocol_version = "HTTP/1.1"  # keep-alive for JSON; streams close at the end
     server_version = "flashnorm-mlx"
     timeout = 15  # seconds a connection may sit idle (or stall a body)
@@ -73,7 +74,7 @@ class Handler(BaseHTTPRequestHandler):
         refused = refusal(self.headers, self.server, preflight=True)
         if refused:  # a foreign Host; a foreign Origin just gets no grant
             self.close_connection = True
-            return self._send_json(refused.status, refused.body())
+            return self.send_json(refused.status, refused.body())
         self.send_response(204)
         self._cors_headers()
         self.send_header("Access-Control-Max-Age", "600")
@@ -100,7 +101,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             return
-        self._send_json(code, err.body())
+        self.send_json(code, err.body())
 
     def _cors_headers(self) -> None:
         """mlx_lm.server's CORS headers, for an Origin in --allowed-origins
@@ -128,7 +129,7 @@ class Handler(BaseHTTPRequestHandler):
         self._sent = False
         path = self.path.split("?", 1)[0].rstrip("/")
         # A body left unread would be read as the next request: until a route
-        # reads it (_read_json), every reply closes the connection.
+        # reads it (read_json), every reply closes the connection.
         self._keep_open = not self.close_connection
         self.close_connection |= has_body(self.headers)
         try:
@@ -140,8 +141,8 @@ class Handler(BaseHTTPRequestHandler):
                 "/health": ("GET", self._health),
                 "/v1/models": ("GET", self._models),
                 f"/v1/models/{self.service.model_id}": ("GET", self._model),
-                "/v1/chat/completions": ("POST", lambda: self._complete("chat")),
-                "/v1/completions": ("POST", lambda: self._complete("text")),
+                "/v1/chat/completions": ("POST", lambda: self.complete("chat")),
+                "/v1/completions": ("POST", lambda: self.complete("text")),
                 **extra_routes(self),  # tokenizer endpoints, the chat page
             }
             if path not in routes:
@@ -162,7 +163,7 @@ class Handler(BaseHTTPRequestHandler):
         except RequestError as e:  # Anthropic's route answers in its own shape
             body = anthropic.error_body(e) if path == anthropic.PATH else e.body()
             try:
-                self._send_json(e.status, body)
+                self.send_json(e.status, body)
             except OSError as gone:  # the client left before its answer
                 self.close_connection = True
                 log(f"{self.command} {path}: client left ({gone})")
@@ -176,7 +177,7 @@ class Handler(BaseHTTPRequestHandler):
                     f"internal error: {e}", status=500, kind="server_error"
                 )
                 try:
-                    self._send_json(500, err.body())
+                    self.send_json(500, err.body())
                 except OSError:  # the client left too: the log has the error
                     pass
 
@@ -197,7 +198,8 @@ class Handler(BaseHTTPRequestHandler):
                     code="invalid_api_key",
                 )
 
-    def _send_json(self, status: int, obj: dict) -> None:
+    def send_json(self, status: int, obj: dict) -> None:
+        """`obj` as the JSON reply, with the CORS headers."""
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -211,7 +213,8 @@ class Handler(BaseHTTPRequestHandler):
         self._sent = True
         self.wfile.write(data)
 
-    def _send_bytes(self, status: int, content_type: str, data: bytes) -> None:
+    def send_bytes(self, status: int, content_type: str, data: bytes) -> None:
+        """`data` as the reply (the chat page's files)."""
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
@@ -220,9 +223,20 @@ class Handler(BaseHTTPRequestHandler):
         self._sent = True
         self.wfile.write(data)
 
+    def start_events(self) -> None:
+        """The headers of a server-sent event stream (which ends the connection)."""
+        self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self._cors_headers()
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self._sent = True
+
     def _health(self):
         w = self.service.worker
-        self._send_json(
+        self.send_json(
             200 if w.alive else 503,
             {
                 "status": "ok" if w.alive else "stopping",
@@ -243,12 +257,13 @@ class Handler(BaseHTTPRequestHandler):
         }
 
     def _models(self):
-        self._send_json(200, {"object": "list", "data": [self._model_card()]})
+        self.send_json(200, {"object": "list", "data": [self._model_card()]})
 
     def _model(self):
-        self._send_json(200, self._model_card())
+        self.send_json(200, self._model_card())
 
-    def _read_json(self) -> dict:
+    def read_json(self) -> dict:
+        """The request's body, a JSON object (411, 413, 415 or 400 otherwise)."""
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
             self.close_connection = True
@@ -287,8 +302,9 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError("the body must be a JSON object", code="invalid_json")
         return body
 
-    def _complete(self, kind: str):
-        body = self._read_json()
+    def complete(self, kind: str):
+        """An OpenAI chat ("chat") or text ("text") completion, streamed or not."""
+        body = self.read_json()
         with self.service.submitted(kind, body, self.key_scope) as requests:
             # tools.py: a chat reply's tool calls cut out of its text (None: none).
             self._tools = tool_calls_for(self.service, kind, body, requests[0].stream)
@@ -301,7 +317,7 @@ class Handler(BaseHTTPRequestHandler):
                 log(f"{kind} {requests[0].id[:8]}: cancelled: the client left")
                 raise
 
-    def _next_event(self, request: Request):
+    def next_event(self, request: Request):
         """The request's next event; notices a dead worker or a client that left."""
         while True:
             try:
@@ -316,22 +332,15 @@ class Handler(BaseHTTPRequestHandler):
                             kind="server_error",
                         ),
                     )
-                if self._client_gone():
+                if client_gone(self.connection):
                     raise _ClientGone()
-
-    def _client_gone(self) -> bool:
-        try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
 
     def _answer(self, requests: List[Request]):
         results = []
         for request in requests:
-            what, value = self._next_event(request)
+            what, value = self.next_event(request)
             while what not in ("done", "error"):
-                what, value = self._next_event(request)
+                what, value = self.next_event(request)
             if what == "error":
                 raise value
             results.append(value)
@@ -355,7 +364,7 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 choice["text"] = r["text"]
             choices.append(choice)
-        self._send_json(
+        self.send_json(
             200,
             {
                 **self._head(requests[0], chunk=False),
@@ -412,10 +421,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _stream(self, request: Request):
         # Errors found before the first event still get a plain JSON error.
-        what, value = self._next_event(request)
+        what, value = self.next_event(request)
         if what == "error":
             raise value
-        start_events(self)  # the stream's end is the connection's end
+        self.start_events()  # the stream's end is the connection's end
         self._event(self._chunk(request, "", role=True))
         while True:
             if what == "text":
@@ -450,7 +459,7 @@ class Handler(BaseHTTPRequestHandler):
                         }
                     )
                 break
-            what, value = self._next_event(request)
+            what, value = self.next_event(request)
         self._event("[DONE]")
 
 

@@ -38,7 +38,7 @@ def chat_reply(h, chat: dict) -> Iterator[Tuple[str, object]]:
         tools = tool_calls_for(service, "chat", chat, streaming=False)
         yield "request", request
         while True:
-            what, value = h._next_event(request)
+            what, value = h.next_event(request)
             if what == "error":
                 raise value
             final = what == "done"
@@ -65,18 +65,6 @@ def call_arguments(call: dict) -> dict:
     except ValueError:
         return {}
     return args if isinstance(args, dict) else {}
-
-
-def start_events(h) -> None:
-    """The headers of a server-sent event stream (which ends the connection)."""
-    h.close_connection = True
-    h.send_response(200)
-    h.send_header("Content-Type", "text/event-stream")
-    h.send_header("Cache-Control", "no-cache")
-    h._cors_headers()
-    h.send_header("Connection", "close")
-    h.end_headers()
-    h._sent = True
 
 
 def send_event(h, kind: str, data: dict) -> None:

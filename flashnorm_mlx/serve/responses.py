@@ -14,7 +14,6 @@ from .replies import (
     need,
     new_id,
     send_event,
-    start_events,
 )
 from .schema import RequestError
 
@@ -200,7 +199,7 @@ def _call(call: dict) -> dict:
 
 def responses(h) -> None:
     """POST /v1/responses."""
-    body = h._read_json()
+    body = h.read_json()
     chat = to_chat(body)
     reply = chat_reply(h, chat)
     try:
@@ -219,7 +218,7 @@ def responses(h) -> None:
                 result = value
         if text or not output:
             output.insert(0, _message(mid, text))
-        h._send_json(200, _finished(body, rid, request.model, output, result))
+        h.send_json(200, _finished(body, rid, request.model, output, result))
     finally:
         reply.close()
 
@@ -241,7 +240,7 @@ def _stream(h, body, reply, rid, model) -> None:
     """Responses' events: a message item open while text arrives, closed
     before a function_call item (each whole), then response.completed."""
     first = next(reply)  # errors before the first piece are still a JSON error
-    start_events(h)
+    h.start_events()
     seq = iter(range(1 << 30))
 
     def event(kind, **data):

@@ -37,7 +37,7 @@ def extra_routes(h) -> Dict[str, Tuple[str, Callable[[], None]]]:
         "/compare": ("POST", lambda: compare(h)),  # the page's Compare (compare.py)
         "/favicon.ico": ("GET", lambda: page_file(h, "favicon.svg")),
         # mlx_lm.server's path without /v1; Anthropic's and OpenAI's agent APIs.
-        "/chat/completions": ("POST", lambda: h._complete("chat")),
+        "/chat/completions": ("POST", lambda: h.complete("chat")),
         "/v1/messages": ("POST", lambda: anthropic.messages(h)),
         "/v1/responses": ("POST", lambda: responses.responses(h)),
         "": ("GET", lambda: page_file(h, "index.html")),  # "/", its "/" stripped
@@ -61,7 +61,7 @@ def tokenizer_info(h) -> None:
     must be there, even null, or lm-eval falls back to the hub)."""
     s = h.service
     tok = s.tokenizer
-    h._send_json(
+    h.send_json(
         200,
         {
             "tokenizer_class": type(inner_tokenizer(tok)).__name__,
@@ -79,7 +79,7 @@ def tokenize(h) -> None:
     """POST /tokenize {"prompt", "add_special_tokens" (default true, as vLLM)}
     or {"messages", "add_generation_prompt"} -> {"count", "max_model_len",
     "tokens", "token_strs"}."""
-    body = h._read_json()
+    body = h.read_json()
     s = h.service
     add_special = _flag(body, "add_special_tokens", True)
     with s.tokenizer_lock:
@@ -106,7 +106,7 @@ def tokenize(h) -> None:
                 )
             ids = s.tokenizer.encode(prompt, add_special_tokens=add_special)
     ids = [int(i) for i in ids]
-    h._send_json(
+    h.send_json(
         200,
         {
             "count": len(ids),
@@ -119,7 +119,7 @@ def tokenize(h) -> None:
 
 def detokenize(h) -> None:
     """POST /detokenize {"tokens": [ids]} -> {"prompt": text}."""
-    body = h._read_json()
+    body = h.read_json()
     s = h.service
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(
@@ -136,7 +136,7 @@ def detokenize(h) -> None:
         )
     with s.tokenizer_lock:
         text = s.tokenizer.decode(ids)
-    h._send_json(200, {"prompt": text})
+    h.send_json(200, {"prompt": text})
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -156,7 +156,7 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 def props(h) -> None:
     """GET /props: what the page's header names (llama-server has a /props too)."""
     s = h.service
-    h._send_json(
+    h.send_json(
         200,
         {
             "model": s.model_id,
@@ -179,4 +179,4 @@ def page_file(h, name: str) -> None:
     """One of the page's static files, from the package (nothing from any
     other host: the page works offline)."""
     data = resources.files(__package__).joinpath("web", name).read_bytes()
-    h._send_bytes(200, PAGE_FILES[name], data)
+    h.send_bytes(200, PAGE_FILES[name], data)
