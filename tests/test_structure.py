@@ -231,6 +231,48 @@ def test_no_two_modules_share_a_file_name():
     assert not shared, "; ".join(f"{n}: {', '.join(p)}" for n, p in shared.items())
 
 
+def _serve_internals(name: str, path: Path, text=None) -> list:
+    """What `name` takes from inside serve rather than from its package face
+    (flashnorm_mlx.serve's __all__)."""
+    from flashnorm_mlx import serve
+
+    found = []
+    for mod, names in _imports(name, path, text):
+        if mod.startswith("flashnorm_mlx.serve."):
+            found.append(f"{name} imports {mod}")
+        elif mod == "flashnorm_mlx.serve":
+            found += [f"{name}: serve.{n}" for n in names if n not in serve.__all__]
+    return found
+
+
+def test_the_cli_takes_serve_through_its_package_face():
+    """cli/ uses serve's public face alone, so serve's modules can change shape
+    without the CLI knowing (the other commands call their library module's
+    public functions: test_no_private_names_taken_from_other_modules)."""
+    found = [
+        f
+        for name, path in MODULES.items()
+        if name.startswith("flashnorm_mlx.cli")
+        for f in _serve_internals(name, path)
+    ]
+    assert not found, found
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from ..serve.scheduler import Worker\n",
+        "def f():\n    from ..serve import compare\n",
+        "from ..serve import RequestError\n",  # serve's, but not on its face
+    ],
+)
+def test_a_serve_internal_in_cli_serve_is_found(line):
+    name = "flashnorm_mlx.cli.serve"
+    path = MODULES[name]
+    assert _serve_internals(name, path) == []
+    assert _serve_internals(name, path, path.read_text() + line), line
+
+
 def test_every_registered_architecture_has_its_model_file():
     for model_type, file in models.ARCHITECTURES.items():
         module = models.model_module({"model_type": model_type})

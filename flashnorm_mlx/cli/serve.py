@@ -168,9 +168,16 @@ def main(argv=None):
     # MLX and mlx-lm (seconds) once the flags are good.
     from ..chat_template import set_template
     from ..loading.source import default_model_path
-    from ..serve import ApiServer, Service, Settings, bind_warning, run_until_signal
-    from ..serve.compare import Comparer, other_mode
-    from ..serve.log import set_level
+    from ..serve import (
+        ApiServer,
+        Comparer,
+        Service,
+        Settings,
+        bind_warning,
+        other_mode,
+        run_until_signal,
+        set_level,
+    )
     from .common import build, read_with_tokenizer
 
     set_level(args.log_level)
@@ -247,8 +254,7 @@ def serve_decoding(args):
     import functools
 
     from ..decode_options import KVOptions
-    from ..serve.scheduler import Worker
-    from ..serve.sequential import Decoding, SequentialWorker
+    from ..serve import Decoding, SequentialWorker, Worker
 
     decoding = Decoding(
         KVOptions.from_args(args), args.draft_model, args.num_draft_tokens

@@ -23,24 +23,36 @@ BatchGenerator; `text`, a reply's text token by token; `logprobs`, scored
 and shaped as OpenAI's; `log`, the server's log line; `guard`, the Host,
 Origin and Content-Type checks; `connections`, the connection cap and the
 server's run; `bounds`, prompts refused from their size before tokenizing;
-`pacing`, prefill chunks sized by time.
+`pacing`, prefill chunks sized by time; `sequential`, requests one at a
+time with a draft model or KV cache options; `compare`, the page's Compare.
 
 Why not mlx_lm.server itself: it loads models with `mlx_lm.load` (not our
 FlashNorm builder), answers errors as {"error": "text"}, and has no API key.
 """
 
+# What the CLI (cli/serve.py) uses: this face alone, never a module below it.
 from .auth import API_KEY_ENV, bind_warning, key_matches
+from .compare import Comparer, other_mode
 from .connections import run_until_signal
 from .http import ApiServer
+from .log import set_level
+from .scheduler import Worker
 from .schema import Settings
+from .sequential import Decoding, SequentialWorker
 from .service import Service
 
 __all__ = [
     "API_KEY_ENV",
     "ApiServer",
+    "Comparer",
+    "Decoding",
+    "SequentialWorker",
     "Service",
     "Settings",
+    "Worker",
     "bind_warning",
     "key_matches",
+    "other_mode",
     "run_until_signal",
+    "set_level",
 ]
