@@ -1,5 +1,6 @@
 """The package's shape (docs/design.md section 5): no import cycles, no reaching into
-another module's private names, one registry line and one file per architecture.
+another module's private names or attributes, no two modules with one file name,
+the CLI on serve's package face, one registry line and one file per architecture.
 
 Read from the source with `ast`, imports inside functions included, so a lazy
 import cannot hide a cycle.
