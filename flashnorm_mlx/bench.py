@@ -28,7 +28,7 @@ from . import estimate, kernels, models, quant
 from .errors import BenchError
 from .loading import Source, build_model, gguf_kquant, model_dtype, weight_bytes
 from .loading.nonorm import rms_norm_paths
-from .loading.variants import BY_NAME, NAMES, REFERENCE, absent, comparison
+from .loading.variants import BY_NAME, NAMES, REFERENCE, STOCK, absent, comparison
 from .machine import device_info, versions
 from .models import covered_words, model_classes
 from .parallel import distributed
@@ -211,9 +211,8 @@ class _Steps:
 def _build_variants(source: Source, variants, engine: str, built: dict, step):
     """{variant: model}, {variant: what was built (class, bytes, launches, ...)}."""
     for v in variants:  # import the model modules now, so build_s times only the build
-        cls = "flashnorm" if BY_NAME[v].norms == "flashnorm" else "stock"
         try:
-            model_classes(source.config, cls)
+            model_classes(source.config, BY_NAME[v].mode.ours)
         except ImportError as e:
             raise BenchError(f"no {v} model for {source.config['model_type']}: {e}")
     models, info = {}, {}
@@ -222,14 +221,14 @@ def _build_variants(source: Source, variants, engine: str, built: dict, step):
         row = BY_NAME[v]
         t0 = time.perf_counter()
         model, config = build_model(
-            source, row.norms, engine=row.engine or engine, **built
+            source, row.mode, engine=row.engine or engine, **built
         )
         build_s = time.perf_counter() - t0
         cls = type(model)
         q = config.get("quantization")
         models[v] = model
         info[v] = {
-            "norms": row.norms,
+            "mode": row.mode.name,
             "engine": engines.engine_of(model),
             "class": f"{cls.__module__}.{cls.__qualname__}",
             "compiled": engines.is_compiled(model),
@@ -297,7 +296,7 @@ def _notes(device: dict, summary: dict, covered: bool = True) -> List[str]:
             "are not the GPU's; in parentheses the same step with each mx.fast op "
             "and FlashNorm kernel as one launch, as on Metal and CUDA"
         )
-    if not covered and "stock" in summary:
+    if not covered and STOCK.name in summary:
         notes.append(
             "mlx-lm and stock are one variant on the eager engine (a family "
             "FlashNorm does not cover runs on it alone): their ratio is the "

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import LoadError
-from .loading import model_dtype
+from .loading import mode_named, model_dtype
 from .loading.checks import check_safetensors
 
 PREFIX = "flashnorm_mlx_"  # no dots: load_prompt_cache unflattens keys at them
@@ -165,7 +165,7 @@ def read(path, model_arg: Optional[str], mode: str, adapter=None):
             f"{want['model']}"
         )
     if MODE not in meta:  # mlx-lm's cache_prompt: none of our keys
-        if mode != "stock":
+        if not mode_named(mode).is_mlx_lms:
             raise LoadError(
                 f"{path} was made by mlx-lm's cache_prompt, whose model is "
                 "stock's: run it with --mode stock"

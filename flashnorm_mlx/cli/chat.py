@@ -194,7 +194,7 @@ class Comparer:
     def __call__(self, session) -> str:
         from .. import estimate
         from ..loading import build_model
-        from ..loading.variants import BY_NAME, NAMES, absent
+        from ..loading.variants import BY_NAME, NAMES, STOCK, absent
 
         n = len(session.last_reply_ids)
         if n < 2:
@@ -210,17 +210,17 @@ class Comparer:
                 row = BY_NAME[v]
                 engine = row.engine or self.engine
                 self.models[v], _ = build_model(
-                    self.source, row.norms, engine=engine, **self.kwargs
+                    self.source, row.mode, engine=engine, **self.kwargs
                 )
             r[v] = self._regenerate(self.models[v], prompt, n, base)
             if i == 0:
                 piece, seconds = f"{v}'s turn", time.perf_counter() - start
                 line = estimate.projection(piece, seconds, len(names) - 1, "/compare")
                 estimate.tell(self.say, line)
-        stock = r["stock"]["decode_tps"]
+        stock = r[STOCK.name]["decode_tps"]
         cells = [
             f"{v} {r[v]['decode_tps']:.1f}"
-            + (f" ({r[v]['decode_tps'] / stock:.2f}x)" if v != "stock" else "")
+            + (f" ({r[v]['decode_tps'] / stock:.2f}x)" if v != STOCK.name else "")
             for v in names
         ]
         why = f"; {next(iter(missing.values()))}" if missing else ""
