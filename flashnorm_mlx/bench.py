@@ -1,13 +1,13 @@
 """Decode and prompt tokens/sec of mlx-lm, stock, FlashNorm and the norm-removed bound.
 
 Measured as docs/design.md section 4 says: every variant (loading/variants.py:
-a norm handling on an engine) is built from one `Source` (same weights, dtype,
+a mode on an engine) is built from one `Source` (same weights, dtype,
 quantization), runs the same random prompt (fixed seed) through mlx-lm's own
 `generate_step` for exactly G tokens (it never stops at end-of-sequence), gets
 one warm-up, then N trial rounds interleaved across the variants in a rotating
 order. `run_bench` returns every trial and a summary.
 
-The four norm handlings run on the bench's one engine, so their ratios differ
+The four modes run on the bench's one engine, so their ratios differ
 in the norms alone; `mlx-lm` (stock, eager) is what users run today. Three
 ratios answer three questions (section 4c): flashnorm vs mlx-lm, what switching
 buys; flashnorm vs stock, what FlashNorm buys; nonorm vs stock, the bound.

@@ -174,8 +174,8 @@ def turn_notices(stats, requested_max_tokens: int, limit) -> list:
 
 
 class Comparer:
-    """/compare: bench's rows (loading/variants.py), mlx-lm then the four norm
-    handlings on the chat's engine, built on the same source and settings (once,
+    """/compare: bench's rows (loading/variants.py), mlx-lm then the four
+    modes on the chat's engine, built on the same source and settings (once,
     on first use; the chat's own model is its row), each regenerating the last
     reply: its decode speed and its text. The prompt is prefilled once, by the
     chat's model, and each variant decodes from a copy of that cache (a decode
