@@ -237,11 +237,7 @@ def _build_variants(source: Source, variants, engine: str, built: dict, step):
             "source_checksum": weights_checksum(source.weights),
             "rms_norm_modules": len(rms_norm_paths(model)),
             "dtype": model_dtype(model),
-            "quantization": (
-                {k: q.get(k, "affine") for k in ("bits", "group_size", "mode")}
-                if q
-                else None
-            ),
+            "quantization": quant.q_settings(q) if q else None,
             "weight_bytes": weight_bytes(model),
             "decode_bytes_per_token": decode_bytes(model, config),
             **step_dispatches(model),

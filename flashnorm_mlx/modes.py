@@ -19,7 +19,7 @@ class Mode:
     about: str  # one line, for the user
     ours: bool  # run by our class (models/), else by mlx-lm's own
     calibrated: bool = False  # on nonorm's calibrated weights, not convert's recipe's
-    stacks: bool = False  # q|k|v and gate|up stacked once built (loading/stock_fused.py)
+    stacks: bool = False  # q|k|v, gate|up stacked once built (loading/stock_fused.py)
 
     @property
     def is_mlx_lms(self) -> bool:

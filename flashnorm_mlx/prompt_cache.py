@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import LoadError
+from .limits import AFFINE, module_q_mode
 from .loading import mode_named, model_dtype
 from .loading.checks import check_safetensors
 
@@ -35,12 +36,12 @@ def weights_words(model: nn.Module) -> str:
     """'float32', or 'float32, 4-bit group 64': what a cache must be made with."""
     q = sorted(
         {
-            (m.bits, m.group_size, getattr(m, "mode", "affine"))
+            (m.bits, m.group_size, module_q_mode(m))
             for _, m in model.named_modules()
             if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         }
     )
-    words = [f"{b}-bit group {g}" if mode == "affine" else mode for b, g, mode in q]
+    words = [f"{b}-bit group {g}" if qm == AFFINE else qm for b, g, qm in q]
     return ", ".join([model_dtype(model), *words])
 
 

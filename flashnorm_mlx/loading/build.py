@@ -39,7 +39,7 @@ def build_model(
     group: Optional[mx.distributed.Group] = None,
     engine: Optional[str] = None,
 ) -> Tuple[nn.Module, dict]:
-    """Build the `mode` model (a variants.Mode or its name: how it handles the
+    """Build the `mode` model (a modes.Mode or its name: how it handles the
     norms) on `source`'s weights; returns (model, its config).
 
     quantize=(bits, group_size): quantize a float source after folding;

@@ -325,7 +325,7 @@ def float_note(floats: dict, weights: dict, dtype: mx.Dtype, requantize=False) -
 def build_note(source, plan, mode, way: str, quantize) -> Optional[str]:
     """build_model's line for a GGUF with tensors read as float (None if none,
     or where -q / --dequantize already say every weight is taken otherwise);
-    `mode`: the variants.Mode built."""
+    `mode`: the modes.Mode built."""
     floats = floats_of(source.config)
     if not floats or quantize or (way == "dequantize" and plan.note):
         return None
