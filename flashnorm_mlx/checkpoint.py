@@ -330,11 +330,7 @@ def _summary(out: Path, weights: Weights, config: dict, files: List[str]) -> dic
         "tensors": len(weights),
         "bytes": sum(v.nbytes for v in weights.values()),
         "dtype": str(quant.source_dtype(weights)).split(".")[-1],
-        "quantization": (
-            {k: q.get(k, "affine") for k in ("bits", "group_size", "mode")}
-            if q
-            else None
-        ),
+        "quantization": quant.q_settings(q) if q else None,
         "compat": config[fold.MARKER].get("compat", False),
         "final_norm_folded": config[fold.MARKER].get("final_norm_folded", False),
         "as_stored": quant.has_norm_gains(config),

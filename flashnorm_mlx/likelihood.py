@@ -23,6 +23,7 @@ from .loading import (
     bits_per_weight,
     build_model,
     gguf_kquant,
+    mode_named,
     model_dtype,
     recipe,
 )
@@ -135,7 +136,7 @@ def perplexity(
     data = windows(tokens, seq_len, num_seqs)
     kw = dict(dtype=dtype, quantize=quantize, quantized_way=quantized_way)
     ours = quant.requantizes(source.weights, source.config, quantize, quantized_way)
-    if ours and q_method == "gptq" and "flashnorm" in modes:
+    if ours and q_method == "gptq" and any(mode_named(m).ours for m in modes):
         # Settings GPTQ cannot write fail now, not after stock is scored.
         quant.plan_weights(source.weights, source.config, **kw, q_method="gptq")
 
@@ -156,14 +157,15 @@ def perplexity(
     with progress_bar(progress, "[bold]{task.description}[/] windows") as bar:
         for mode in modes:
             step(f"building {mode}")
-            if mode == "flashnorm" and q_method == "gptq" and ours:
+            flash = mode_named(mode).ours  # our class: GPTQ folds, stock's is RTN
+            if flash and q_method == "gptq" and ours:
                 model, config = _gptq_flashnorm(
                     source, kw, calibration, bar, stage, step, on_slow
                 )
             else:
                 model, config = build_model(source, mode, **kw)
             method = (
-                (q_method if mode == "flashnorm" else "rtn")
+                (q_method if flash else "rtn")
                 if ours
                 else "stored" if config.get("quantization") else "float"
             )

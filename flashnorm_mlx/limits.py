@@ -1,7 +1,7 @@
 """The values every entry point checks the same way, defined once and MLX-free
 (cli/flags.py reads them before MLX is imported): the JSON number checks, the
 sampling seed and temperature ranges the CLI and the server share, and the
-quantization bits and group sizes."""
+quantization bits, group sizes and q_mode."""
 
 import math
 
@@ -36,6 +36,24 @@ def temp_ok(v) -> bool:
 WEIGHT_BITS = (2, 3, 4, 5, 6, 8)
 KV_BITS = (1, 2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
+
+# The quantization mode, our q_mode ("affine", or a format such as "mxfp4"):
+# mlx's word for it is "mode", the key of a quantization block and a qspec
+# entry, the attribute of a quantized module, mx.quantize's keyword.
+MLX_Q_MODE = "mode"
+AFFINE = "affine"  # mlx's default: a scale and a bias per group
+
+
+def q_mode_of(spec: dict) -> str:
+    """A quantization setting's q_mode (a qspec entry, a config's block);
+    affine where it names none, as mlx-lm reads it."""
+    return spec.get(MLX_Q_MODE, AFFINE)
+
+
+def module_q_mode(module) -> str:
+    """A quantized module's q_mode (mlx's attribute; affine where it has none)."""
+    return getattr(module, MLX_Q_MODE, AFFINE)
+
 
 # serve's --log-level, mlx_lm.server's choices (serve/log.py).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

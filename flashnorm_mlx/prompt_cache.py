@@ -22,7 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import LoadError
-from .loading import model_dtype
+from .limits import AFFINE, module_q_mode
+from .loading import mode_named, model_dtype
 from .loading.checks import check_safetensors
 
 PREFIX = "flashnorm_mlx_"  # no dots: load_prompt_cache unflattens keys at them
@@ -35,12 +36,12 @@ def weights_words(model: nn.Module) -> str:
     """'float32', or 'float32, 4-bit group 64': what a cache must be made with."""
     q = sorted(
         {
-            (m.bits, m.group_size, getattr(m, "mode", "affine"))
+            (m.bits, m.group_size, module_q_mode(m))
             for _, m in model.named_modules()
             if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         }
     )
-    words = [f"{b}-bit group {g}" if mode == "affine" else mode for b, g, mode in q]
+    words = [f"{b}-bit group {g}" if qm == AFFINE else qm for b, g, qm in q]
     return ", ".join([model_dtype(model), *words])
 
 
@@ -165,7 +166,7 @@ def read(path, model_arg: Optional[str], mode: str, adapter=None):
             f"{want['model']}"
         )
     if MODE not in meta:  # mlx-lm's cache_prompt: none of our keys
-        if mode != "stock":
+        if not mode_named(mode).is_mlx_lms:
             raise LoadError(
                 f"{path} was made by mlx-lm's cache_prompt, whose model is "
                 "stock's: run it with --mode stock"

@@ -1,13 +1,13 @@
 """Decode and prompt tokens/sec of mlx-lm, stock, FlashNorm and the norm-removed bound.
 
 Measured as docs/design.md section 4 says: every variant (loading/variants.py:
-a norm handling on an engine) is built from one `Source` (same weights, dtype,
+a mode on an engine) is built from one `Source` (same weights, dtype,
 quantization), runs the same random prompt (fixed seed) through mlx-lm's own
 `generate_step` for exactly G tokens (it never stops at end-of-sequence), gets
 one warm-up, then N trial rounds interleaved across the variants in a rotating
 order. `run_bench` returns every trial and a summary.
 
-The four norm handlings run on the bench's one engine, so their ratios differ
+The four modes run on the bench's one engine, so their ratios differ
 in the norms alone; `mlx-lm` (stock, eager) is what users run today. Three
 ratios answer three questions (section 4c): flashnorm vs mlx-lm, what switching
 buys; flashnorm vs stock, what FlashNorm buys; nonorm vs stock, the bound.
@@ -28,7 +28,7 @@ from . import estimate, kernels, models, quant
 from .errors import BenchError
 from .loading import Source, build_model, gguf_kquant, model_dtype, weight_bytes
 from .loading.nonorm import rms_norm_paths
-from .loading.variants import BY_NAME, NAMES, REFERENCE, absent, comparison
+from .loading.variants import BY_NAME, NAMES, REFERENCE, STOCK, absent, comparison
 from .machine import device_info, versions
 from .models import covered_words, model_classes
 from .parallel import distributed
@@ -211,9 +211,8 @@ class _Steps:
 def _build_variants(source: Source, variants, engine: str, built: dict, step):
     """{variant: model}, {variant: what was built (class, bytes, launches, ...)}."""
     for v in variants:  # import the model modules now, so build_s times only the build
-        cls = "flashnorm" if BY_NAME[v].norms == "flashnorm" else "stock"
         try:
-            model_classes(source.config, cls)
+            model_classes(source.config, BY_NAME[v].mode.ours)
         except ImportError as e:
             raise BenchError(f"no {v} model for {source.config['model_type']}: {e}")
     models, info = {}, {}
@@ -222,14 +221,14 @@ def _build_variants(source: Source, variants, engine: str, built: dict, step):
         row = BY_NAME[v]
         t0 = time.perf_counter()
         model, config = build_model(
-            source, row.norms, engine=row.engine or engine, **built
+            source, row.mode, engine=row.engine or engine, **built
         )
         build_s = time.perf_counter() - t0
         cls = type(model)
         q = config.get("quantization")
         models[v] = model
         info[v] = {
-            "norms": row.norms,
+            "mode": row.mode.name,
             "engine": engines.engine_of(model),
             "class": f"{cls.__module__}.{cls.__qualname__}",
             "compiled": engines.is_compiled(model),
@@ -238,11 +237,7 @@ def _build_variants(source: Source, variants, engine: str, built: dict, step):
             "source_checksum": weights_checksum(source.weights),
             "rms_norm_modules": len(rms_norm_paths(model)),
             "dtype": model_dtype(model),
-            "quantization": (
-                {k: q.get(k, "affine") for k in ("bits", "group_size", "mode")}
-                if q
-                else None
-            ),
+            "quantization": quant.q_settings(q) if q else None,
             "weight_bytes": weight_bytes(model),
             "decode_bytes_per_token": decode_bytes(model, config),
             **step_dispatches(model),
@@ -297,7 +292,7 @@ def _notes(device: dict, summary: dict, covered: bool = True) -> List[str]:
             "are not the GPU's; in parentheses the same step with each mx.fast op "
             "and FlashNorm kernel as one launch, as on Metal and CUDA"
         )
-    if not covered and "stock" in summary:
+    if not covered and STOCK.name in summary:
         notes.append(
             "mlx-lm and stock are one variant on the eager engine (a family "
             "FlashNorm does not cover runs on it alone): their ratio is the "

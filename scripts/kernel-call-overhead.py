@@ -133,11 +133,11 @@ def real(n: int) -> None:
 
 
 def main(argv) -> None:
-    mode = "--real" if K.backend() else "--wrappers"
+    how = "--real" if K.backend() else "--wrappers"
     if argv and argv[0] in ("--real", "--wrappers"):
-        mode, argv = argv[0], argv[1:]
+        how, argv = argv[0], argv[1:]
     n = int(argv[0]) if argv else 5000
-    (real if mode == "--real" else wrappers)(n if mode == "--wrappers" else min(n, 300))
+    (real if how == "--real" else wrappers)(n if how == "--wrappers" else min(n, 300))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ SUMMARY_KEYS = (
     "dispatches_per_token_gpu_model",
     "compiled",
     "engine",
-    "norms",
+    "mode",
     "host_build_ms",
     "eval_ms",
     "compile_ms",

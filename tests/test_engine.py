@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from flashnorm_mlx import engine
 from flashnorm_mlx import kernels as K
 from flashnorm_mlx.conversation import ChatSession
-from flashnorm_mlx.loading import NORMS, build_model, read_source
+from flashnorm_mlx.loading import MODES, build_model, read_source
 from flashnorm_mlx.models.blocks import Block
 
 ENGINE = {True: "compiled", False: "eager"}
@@ -69,9 +69,9 @@ def test_compiled_by_default_where_a_gpu_runs_the_model(tmp_path, monkeypatch, b
     it (the host sets the pace there), and none does on the CPU."""
     source = read_source(str(tiny.make_llama(tmp_path, tokenizer=False)))
     monkeypatch.setattr(K, "gpu_backend", lambda: backend)
-    compiled = {mode: engine.engine_of(build_model(source, mode)[0]) for mode in NORMS}
+    compiled = {mode: engine.engine_of(build_model(source, mode)[0]) for mode in MODES}
     want = "compiled" if backend else "eager"
-    assert compiled == {mode: want for mode in NORMS}, compiled
+    assert compiled == {mode: want for mode in MODES}, compiled
 
 
 @EVERY_CONFIG
@@ -279,7 +279,7 @@ def _attention_without_sdpa(q, k, v, offset, scale=1.0):
     return (mx.softmax(s, axis=-1) @ v.astype(mx.float32)).astype(q.dtype)
 
 
-@pytest.mark.parametrize("mode", NORMS)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "make,cfg",
     [

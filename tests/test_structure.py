@@ -274,6 +274,57 @@ def test_a_serve_internal_in_cli_serve_is_found(line):
     assert _serve_internals(name, path, path.read_text() + line), line
 
 
+# A mode is a record (flashnorm_mlx/modes.py) that code asks, never a name it
+# compares: its names are for flags, JSON and printing (docs/design.md section 1).
+MODE_NAMES = {"stock", "stock_fused", "nonorm", "flashnorm"}
+MODE_HOMES = {"flashnorm_mlx.modes", "flashnorm_mlx.loading.variants"}
+
+
+def _mode_name_compares(text: str) -> list:
+    """(line, name) of every comparison (==, !=, in, is, ...) with a mode's
+    name as a literal, alone or in a literal tuple, list or set."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in (node.left, *node.comparators):
+            items = (
+                side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else []
+            )
+            for lit in (side, *items):
+                if isinstance(lit, ast.Constant) and lit.value in MODE_NAMES:
+                    found.append((node.lineno, lit.value))
+    return found
+
+
+def test_no_code_compares_a_mode_by_its_name():
+    found = [
+        f"{path.relative_to(ROOT.parent)}:{line} compares {value!r}"
+        for name, path in MODULES.items()
+        if name not in MODE_HOMES
+        for line, value in _mode_name_compares(path.read_text())
+    ]
+    assert not found, "ask the mode's record (modes.Mode) instead: " + "; ".join(found)
+
+
+@pytest.mark.parametrize(
+    "code, n",
+    [
+        ('if mode == "stock":\n    pass\n', 1),
+        ('x = "flashnorm" in modes\n', 1),
+        ('ok = m not in ("nonorm", "stock_fused")\n', 2),
+        ('p.add_argument("--mode", choices=("stock", "flashnorm"))\n', 0),
+        ('print(f"{mode} is not stock"); rows = {"stock": 1}\n', 0),
+    ],
+)
+def test_a_mode_compared_by_name_is_found(code, n):
+    """The rule sees a comparison with a mode's name, and leaves choices,
+    text and dictionary keys alone."""
+    got = _mode_name_compares(code)
+    print(code, got)
+    assert len(got) == n, got
+
+
 def test_every_registered_architecture_has_its_model_file():
     for model_type, file in models.ARCHITECTURES.items():
         module = models.model_module({"model_type": model_type})

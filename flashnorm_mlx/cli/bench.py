@@ -1,5 +1,5 @@
 """`flashnorm-mlx bench [MODEL]`: mlx-lm, stock, FlashNorm and the norm-removed
-bound, the four norm handlings on one engine."""
+bound, the four modes on one engine."""
 
 import argparse
 import json

@@ -174,8 +174,8 @@ def turn_notices(stats, requested_max_tokens: int, limit) -> list:
 
 
 class Comparer:
-    """/compare: bench's rows (loading/variants.py), mlx-lm then the four norm
-    handlings on the chat's engine, built on the same source and settings (once,
+    """/compare: bench's rows (loading/variants.py), mlx-lm then the four
+    modes on the chat's engine, built on the same source and settings (once,
     on first use; the chat's own model is its row), each regenerating the last
     reply: its decode speed and its text. The prompt is prefilled once, by the
     chat's model, and each variant decodes from a copy of that cache (a decode
@@ -194,7 +194,7 @@ class Comparer:
     def __call__(self, session) -> str:
         from .. import estimate
         from ..loading import build_model
-        from ..loading.variants import BY_NAME, NAMES, absent
+        from ..loading.variants import BY_NAME, NAMES, STOCK, absent
 
         n = len(session.last_reply_ids)
         if n < 2:
@@ -210,17 +210,17 @@ class Comparer:
                 row = BY_NAME[v]
                 engine = row.engine or self.engine
                 self.models[v], _ = build_model(
-                    self.source, row.norms, engine=engine, **self.kwargs
+                    self.source, row.mode, engine=engine, **self.kwargs
                 )
             r[v] = self._regenerate(self.models[v], prompt, n, base)
             if i == 0:
                 piece, seconds = f"{v}'s turn", time.perf_counter() - start
                 line = estimate.projection(piece, seconds, len(names) - 1, "/compare")
                 estimate.tell(self.say, line)
-        stock = r["stock"]["decode_tps"]
+        stock = r[STOCK.name]["decode_tps"]
         cells = [
             f"{v} {r[v]['decode_tps']:.1f}"
-            + (f" ({r[v]['decode_tps'] / stock:.2f}x)" if v != "stock" else "")
+            + (f" ({r[v]['decode_tps'] / stock:.2f}x)" if v != STOCK.name else "")
             for v in names
         ]
         why = f"; {next(iter(missing.values()))}" if missing else ""

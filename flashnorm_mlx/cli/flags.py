@@ -10,12 +10,12 @@ import sys
 from .. import interrupt
 from ..errors import FlashNormError, UserError  # noqa: F401 (commands raise it)
 from ..limits import GROUP_SIZES, SEED_NEED, TEMP_NEED, WEIGHT_BITS, seed_ok, temp_ok
+from ..modes import RUN_MODES  # MLX-free: the modes a user runs
 from .mlx_lm_flags import KV_KEEP
 
 # The names the flags offer, copied from the library modules that define them,
 # which import MLX (tests/test_cli.py checks each against its source).
 DTYPE_NAMES = ("float16", "bfloat16", "float32")  # loading.DTYPES
-RUN_MODES = ("stock", "flashnorm")  # loading.RUN_MODES
 ENGINES = ("eager", "compiled")  # engine.ENGINES
 # loading.variants.NAMES: bench's and /compare's rows, the reference first
 VARIANT_NAMES = ("mlx-lm", "stock", "stock_fused", "nonorm", "flashnorm")

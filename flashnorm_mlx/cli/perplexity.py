@@ -63,7 +63,7 @@ def main(argv=None):
     from .. import models
     from ..likelihood import load_text, perplexity
     from ..loading import read_source
-    from ..loading.variants import comparison
+    from ..loading.variants import STOCK, comparison
     from .common import (
         StageLog,
         interruptible,
@@ -83,9 +83,9 @@ def main(argv=None):
         tokenizer = need_tokenizer(source.tokenizer, source.name)
         modes = RUN_MODES if args.mode == "both" else (args.mode,)
         if not models.is_covered(source.config):  # the stock row alone, said once
-            if args.mode == "flashnorm":
-                raise models.not_covered(source.config, "--mode flashnorm")
-            modes = ("stock",)
+            if args.mode in RUN_MODES:  # one mode asked: flashnorm's is one line
+                models.run_mode(source.config, args.mode)
+            modes = (STOCK.name,)
             say_note(models.stock_note(source.config))
         log.step("tokenizing the text")
         r = perplexity(

@@ -213,10 +213,10 @@ class Epilogue:
 
     inv_freq: RoPE angles per position, `rope_inv_freq(rope, h)`; None where the
     fused path cannot reproduce `rope` (then the model's own module runs).
-    Llama mode (no gains): q' = RoPE(q) * s * scale (default h**-0.5),
+    Llama form (no gains): q' = RoPE(q) * s * scale (default h**-0.5),
         k' = RoPE(k) * s,  v' = v * s; with a q|k|v `bias` ((Hq+2Hkv)h,), added
         after the deferred scaling: q' = RoPE(q * s + bq) * scale, k', v' alike.
-    QK-norm mode (q_gain, k_gain (h,), 1/sqrt(h) folded into q_gain by the caller):
+    QK-norm form (q_gain, k_gain (h,), 1/sqrt(h) folded into q_gain by the caller):
         q' = RoPE(rms_norm(s * q, eps_q) * q_gain), k' likewise, v' = v * s.
     """
 
@@ -300,7 +300,7 @@ def qkv_epilogue_ops(
     ms (B, L, 1) float32 is mean(x^2) + eps of the block input x; the deferred
     scalar is s = `deferred_scale(ms)` (in float16 x came pre-scaled by
     `pow2_prescale(ms)`). RoPE (half-split) angle at position offset + l is
-    (offset + l) * e.inv_freq, offset an int or a (B,) array. Modes: `Epilogue`.
+    (offset + l) * e.inv_freq, offset an int or a (B,) array. Forms: `Epilogue`.
     """
     cos, sin = _rope_tables(offset, qkv.shape[1], e.inv_freq)
     return _epilogue_math(
@@ -343,13 +343,13 @@ def qkv_epilogue_kernel(
 ) -> Tuple[mx.array, mx.array, mx.array]:
     offset = _offset_array(offset)
     h = qkv.shape[-1] // (e.n_heads + 2 * e.n_kv_heads)
-    if e.q_gain is not None:  # QK-norm mode (an Epilogue has no bias with it)
-        mode = [("q_gain", e.q_gain), ("k_gain", e.k_gain)]
-        mode.append(("params", _common.consts(e.eps_q, e.eps_k)))
+    if e.q_gain is not None:  # QK-norm form (an Epilogue has no bias with it)
+        form = [("q_gain", e.q_gain), ("k_gain", e.k_gain)]
+        form.append(("params", _common.consts(e.eps_q, e.eps_k)))
     else:
-        mode = [("params", _common.consts(e.q_scale(h))), ("bias", e.bias)]
+        form = [("params", _common.consts(e.q_scale(h))), ("bias", e.bias)]
     names, inputs = _common.kernel_inputs(
-        ("qkv", qkv), ("ms", ms), ("offset", offset), ("inv_freq", e.inv_freq), *mode
+        ("qkv", qkv), ("ms", ms), ("offset", offset), ("inv_freq", e.inv_freq), *form
     )
     kernel, launch = _epilogue_plan(
         qkv.shape,
@@ -375,7 +375,7 @@ def _epilogue_plan(
     make_kernel,
     backend,
 ):
-    # inputs: the names `qkv_epilogue_kernel` gives, which say the mode.
+    # inputs: the names `qkv_epilogue_kernel` gives, which say the form.
     qk_norm, has_bias = "q_gain" in inputs, "bias" in inputs
     B, L, _ = shape
     heads = n_heads + 2 * n_kv_heads

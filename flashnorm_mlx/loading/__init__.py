@@ -6,8 +6,9 @@ instantiate -> shard, for every variant (docs/design.md section 5a).
   file's structure checked before MLX reads it;
 - `recipe`: the one per-module transform (dequantize, fold, cast, quantize)
   behind loading and `convert`, and whole checkpoints a layer at a time;
-- `build`: `build_model`, one norm handling on a Source, and `load`;
-- `variants`: the rows a run compares, norm handling x engine, one table;
+- `build`: `build_model`, one mode on a Source, and `load`;
+- `variants`: the modes (how a model handles its norms, one record each) and
+  the rows a run compares, mode x engine, one table;
 - `nonorm` and `stock_fused`: the comparison variants bench builds.
 
 The pipeline's steps are the transforms of `fold` and `quant`; the models
@@ -17,12 +18,13 @@ are `models`'; sharding is `parallel.sharding`'s.
 from ..errors import LoadError
 from .build import DTYPES, bits_per_weight, build_model, load, model_dtype, weight_bytes
 from .source import Source, read_source
-from .variants import NORMS, RUN_MODES, VARIANTS, Variant
+from .variants import MODES, RUN_MODES, VARIANTS, Mode, Variant, mode_named
 
 __all__ = [
     "DTYPES",
     "LoadError",
-    "NORMS",
+    "MODES",
+    "Mode",
     "RUN_MODES",
     "Source",
     "VARIANTS",
@@ -30,6 +32,7 @@ __all__ = [
     "bits_per_weight",
     "build_model",
     "load",
+    "mode_named",
     "model_dtype",
     "read_source",
     "weight_bytes",

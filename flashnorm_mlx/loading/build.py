@@ -9,7 +9,7 @@ nonorm is built on the tensors `recipe.Recipe` makes, the ones `convert` writes.
 import contextlib
 import dataclasses
 import io
-from typing import List, Optional, Set, Tuple
+from typing import List, Optional, Set, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,20 +18,20 @@ from mlx.utils import tree_flatten
 from .. import engine as engines
 from .. import fold, models, quant
 from ..errors import LoadError
+from ..modes import FLASHNORM, Mode, mode_named
 from ..parallel import sharding
 from . import gguf_kquant, nonorm, stock_fused
 from .adapters import adapted_quantization
 from .recipe import Recipe
 from .shapes import config_name, mismatch, shapes_of
 from .source import Source, folder_weights, read_source
-from .variants import NORMS
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 def build_model(
     source: Source,
-    mode: str = "flashnorm",
+    mode: Union[str, Mode] = FLASHNORM,
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
     quantized_way: str = "stored",
@@ -39,8 +39,8 @@ def build_model(
     group: Optional[mx.distributed.Group] = None,
     engine: Optional[str] = None,
 ) -> Tuple[nn.Module, dict]:
-    """Build the `mode` model (a key of variants.NORMS: how it handles the norms)
-    on `source`'s weights; returns (model, its config).
+    """Build the `mode` model (a modes.Mode or its name: how it handles the
+    norms) on `source`'s weights; returns (model, its config).
 
     quantize=(bits, group_size): quantize a float source after folding;
     quantized_way: how a quantized source is taken, "stored" (FlashNorm applies
@@ -53,11 +53,10 @@ def build_model(
     steps, "eager" or "compiled" (engine.py; None: `engine.default()`), the
     same for every mode.
     """
-    if mode not in NORMS:
-        raise LoadError(f"unknown mode {mode!r}; choose from {', '.join(NORMS)}")
-    if mode != "stock":  # mlx-lm's own class runs every family it loads
+    mode = mode_named(mode)
+    if mode.needs_cover:  # mlx-lm's own class runs every family it loads
         mt = source.config.get("model_type")
-        models.architecture(source.config).require(mode, mt)
+        models.architecture(source.config).require(mode.name, mt)
     try:
         engine = engines.resolve(engine)
     except ValueError as e:
@@ -77,15 +76,16 @@ def build_model(
             source_weights, source.config, dtype, quantize, quantized_way
         )
         as_is: Set[str] = set()  # source tensors the model takes unchanged
-        if mode == "nonorm":  # the norm-removed speed bound, for `bench`
+        if mode.calibrated:  # the norm-removed speed bound, for `bench`
             model, config = nonorm.build_nonorm(plan)  # calibrated whole, then split
         else:  # on the tensors `convert` would write, computed lazily (recipe.py)
-            cls = "flashnorm" if mode == "flashnorm" else "stock"  # ours or mlx-lm's
             by_mlx_lm = quantize if not covered and plan.qspec else None
             if by_mlx_lm:  # -q on a family FlashNorm does not cover: mlx-lm's own
                 plan = dataclasses.replace(plan, qspec=None)
-            recipe = Recipe(source_weights, source.config, plan, stock=cls == "stock")
-            model, config, as_is = _instantiate(source.name, recipe, cls)
+            recipe = Recipe(
+                source_weights, source.config, plan, keep_norms=not mode.ours
+            )
+            model, config, as_is = _instantiate(source.name, recipe, mode.ours)
             del recipe
             if by_mlx_lm:
                 model, config = _mlx_lm_quantized(model, config, *by_mlx_lm)
@@ -100,7 +100,7 @@ def build_model(
     kquant = gguf_kquant.build_note(source, plan, mode, quantized_way, quantize)
     if kquant and notes is not None:
         notes.append(kquant)
-    fused = mode == "stock_fused"
+    fused = mode.stacks
     del source_weights, plan  # from here the model alone holds the (lazy) weights
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
         arch = models.architecture(config) if covered else None
@@ -153,20 +153,20 @@ def _share_rows(layer, prefix: str, arch, weights: dict, as_is: Set[str]) -> Non
             mx.eval([weights[k] for k in keys])
 
 
-def _instantiate(name: str, recipe: Recipe, cls: str):
-    """(model, config, keys of the source tensors it takes unchanged) of class
-    `cls` ("stock" or "flashnorm") on the recipe's tensors; weights that do not
+def _instantiate(name: str, recipe: Recipe, ours: bool):
+    """(model, config, keys of the source tensors it takes unchanged) of our
+    class (`ours`) or mlx-lm's on the recipe's tensors; weights that do not
     fit the config are one LoadError line."""
     tensors, config = recipe.tensors(), recipe.config
-    if cls != "stock":  # a GGUF's Q4_K q|k stacked with a Q6_K v: float
+    if ours:  # a GGUF's Q4_K q|k stacked with a Q6_K v: float
         tensors = gguf_kquant.float_pairs(tensors, config, recipe.out_dtype)
     as_is = {k for k, v in tensors.items() if recipe.src.get(k) is v}
-    norm_gains = recipe.as_stored and not fold.is_folded(config) and cls != "stock"
+    norm_gains = recipe.as_stored and not fold.is_folded(config) and ours
     # A family FlashNorm does not cover: its config checked for types alone
     # (checks.py), so mlx-lm's class may fail on a value in any way.
     bad = (ValueError, KeyError) if models.is_covered(config) else Exception
     try:
-        model = models.instantiate(config, tensors, cls, norm_gains)
+        model = models.instantiate(config, tensors, ours, norm_gains)
         return model, config, as_is
     except bad as e:  # weights or config that do not fit
         # mlx-lm lists missing parameters on lines of their own: keep one line.
@@ -195,7 +195,7 @@ def _own_handles(source: Source) -> dict:
 
 def load(
     model: Optional[str] = None,
-    mode: str = "flashnorm",
+    mode: Union[str, Mode] = FLASHNORM,
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
     quantized_way: str = "stored",

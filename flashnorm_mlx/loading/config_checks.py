@@ -14,7 +14,7 @@ import typing
 from typing import Dict, List, Optional
 
 from ..errors import LoadError
-from ..limits import GROUP_SIZES, WEIGHT_BITS, is_int, is_number
+from ..limits import GROUP_SIZES, MLX_Q_MODE, WEIGHT_BITS, is_int, is_number
 
 # --- config values -----------------------------------------------------------
 
@@ -254,5 +254,7 @@ def _check_quantization(q, where: str) -> None:
                 f"{where}: {name} group_size {_show(group)} (need {_one_of(GROUP_SIZES)})"
             )
     for k, v in q.items():
-        if k not in ("bits", "group_size", "mode") and not isinstance(v, (dict, bool)):
+        if k not in ("bits", "group_size", MLX_Q_MODE) and not isinstance(
+            v, (dict, bool)
+        ):
             raise LoadError(f"{where}: quantization[{k!r}] is {_show(v)}")

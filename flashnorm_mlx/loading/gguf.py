@@ -307,10 +307,7 @@ def quantization(weights: Dict[str, mx.array]) -> Optional[dict]:
     if not per:
         return None
     return quant.quantization_block(
-        {
-            m: {"group_size": GROUP_SIZE, "bits": b, "mode": "affine"}
-            for m, b in per.items()
-        }
+        {m: quant.affine_spec(b, GROUP_SIZE) for m, b in per.items()}
     )
 
 

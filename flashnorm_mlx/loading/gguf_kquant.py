@@ -322,15 +322,16 @@ def float_note(floats: dict, weights: dict, dtype: mx.Dtype, requantize=False) -
     )
 
 
-def build_note(source, plan, mode: str, way: str, quantize) -> Optional[str]:
+def build_note(source, plan, mode, way: str, quantize) -> Optional[str]:
     """build_model's line for a GGUF with tensors read as float (None if none,
-    or where -q / --dequantize already say every weight is taken otherwise)."""
+    or where -q / --dequantize already say every weight is taken otherwise);
+    `mode`: the modes.Mode built."""
     floats = floats_of(source.config)
     if not floats or quantize or (way == "dequantize" and plan.note):
         return None
     note = float_note(floats, source.weights, plan.dtype, way == "requantize")
     stacked = mixed_pairs(source.weights, source.config) if plan.as_stored else []
-    if stacked and mode != "stock":
+    if stacked and not mode.is_mlx_lms:
         note += (
             f"; FlashNorm stacks {len(stacked)} quantized tensors with them "
             f"(q|k|v, gate|up), run in {str(plan.dtype).replace('mlx.core.', '')} too"

@@ -216,7 +216,7 @@ def _stock_sanitized(config: dict, weights: fold.Weights) -> fold.Weights:
     """`weights` as a fresh stock instance's `sanitize` leaves them: a model's
     sanitize may change the model too (Gemma's pops its head once), so the
     calibration model's own is not called twice."""
-    model_cls, args_cls = models.model_classes(config, "stock")
+    model_cls, args_cls = models.model_classes(config, ours=False)
     model = model_cls(args_cls.from_dict(config))
     return model.sanitize(weights) if hasattr(model, "sanitize") else weights
 
@@ -238,7 +238,7 @@ def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
     weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
 
     # Calibrate in float32 on mlx-lm's class (and its sanitize).
-    calib = models.instantiate(config, weights, "stock")
+    calib = models.instantiate(config, weights, ours=False)
     weights = _stock_sanitized(config, weights)
     rms = measure_rms(calib, config)
     sites = norm_sites(calib, config, weights)
@@ -254,7 +254,7 @@ def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
     if qspec:  # as loading and convert quantize (recipe.py)
         weights = quant.quantize_weights(weights, qspec)
         config = quant.with_quantization(config, qspec)
-    model_cls, args_cls = models.model_classes(config, "stock")
+    model_cls, args_cls = models.model_classes(config, ours=False)
     model = model_cls(args_cls.from_dict(config))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)

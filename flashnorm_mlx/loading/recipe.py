@@ -46,14 +46,16 @@ class Recipe:
     """How each output tensor is made from the source (nothing computed up front).
 
     weights, config: the source's; plan: `quant.plan_weights` on them (the
-    weights, dtype and quantization). stock: no fold, the norms kept (all-ones
-    ones restored on a folded source). compat: a fold keeps all-ones norm
+    weights, dtype and quantization). keep_norms: no fold, the norms kept
+    (all-ones ones restored on a folded source), for mlx-lm's class. compat: a fold keeps all-ones norm
     tensors. output: for a file (`convert`): a quantized source taken as
     stored keeps its tensors' dtypes, and a folded source's config records
     `compat`. A folded source is never folded again.
     """
 
-    def __init__(self, weights, config, plan, stock=False, compat=False, output=False):
+    def __init__(
+        self, weights, config, plan, keep_norms=False, compat=False, output=False
+    ):
         # Not a copy: release() empties the caller's dict, so tensors go once done.
         self.src, self.src_config = weights, config
         self.gains: Weights = {}  # linear module -> the norm gain folded into it
@@ -64,11 +66,11 @@ class Recipe:
         self._cast = not (output and self.as_stored)
         self._stock = None  # what calibration runs
         if fold.is_folded(config):  # cast, quantized or dequantized, never folded
-            self._refolded(plan, stock or compat, compat if output else None)
+            self._refolded(plan, keep_norms or compat, compat if output else None)
         elif self.as_stored:
-            self.config = config if stock else quant.mark_norm_gains(config)
+            self.config = config if keep_norms else quant.mark_norm_gains(config)
             self._finish(self.src)
-        elif stock:
+        elif keep_norms:
             self.config = plan.config
             self._finish(plan.weights)
         else:

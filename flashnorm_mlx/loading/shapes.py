@@ -43,7 +43,7 @@ def _mismatch(shapes: Shapes, config: dict, where: str) -> Optional[str]:
     # Lazy placeholders: nothing is allocated, nothing is evaluated.
     weights = {k: mx.zeros(s, dtype=d) for k, (s, d) in shapes.items()}
     weights = fold.restore_unit_norms(weights, config)  # a folded checkpoint's
-    model_cls, args_cls = models.model_classes(config, "stock")
+    model_cls, args_cls = models.model_classes(config, ours=False)
     model = model_cls(args_cls.from_dict(config))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)

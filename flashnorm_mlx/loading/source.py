@@ -130,8 +130,8 @@ def read_source(
     # has mlx-lm's class alone, whose values' meanings we do not know: types only.
     where = path / "config.json" if path.is_dir() else f"{path} (metadata)"
     covered = models.is_covered(src.config)
-    modes = ("stock", "flashnorm") if covered else ("stock",)
-    arg_classes = [models.model_classes(src.config, m)[1] for m in modes]
+    classes = (False, True) if covered else (False,)  # mlx-lm's, ours
+    arg_classes = [models.model_classes(src.config, ours)[1] for ours in classes]
     check_config(src.config, str(where), arg_classes, ranges=covered)
     # The tokenizer after the config's check: transformers validates config.json
     # too, and would report its own, longer words for the same problem.

@@ -23,6 +23,8 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..limits import module_q_mode
+
 # Projections of mlx-lm's Llama-family blocks that read the same input.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -57,9 +59,7 @@ class Stacked(nn.Module):
         self.experts = parts[0].weight.ndim == 3
         p0 = parts[0]
         self.quant = (
-            (p0.group_size, p0.bits, getattr(p0, "mode", "affine"))
-            if "scales" in p0
-            else None
+            (p0.group_size, p0.bits, module_q_mode(p0)) if "scales" in p0 else None
         )
         # The last (input, output): the parts call with the same x in turn.
         object.__setattr__(self, "_last", ((None,), None))
@@ -82,7 +82,7 @@ class Stacked(nn.Module):
                 sorted_indices=sorted_indices,
             )
         else:
-            group_size, bits, mode = self.quant
+            group_size, bits, q_mode = self.quant
             y = mx.gather_qmm(
                 x,
                 self.weight,
@@ -92,7 +92,7 @@ class Stacked(nn.Module):
                 transpose=True,
                 group_size=group_size,
                 bits=bits,
-                mode=mode,
+                mode=q_mode,
                 sorted_indices=sorted_indices,
             )
         if "bias" in self:
@@ -105,7 +105,7 @@ class Stacked(nn.Module):
                 return mx.addmm(self.bias, x, self.weight.T)
             return x @ self.weight.T
         else:
-            group_size, bits, mode = self.quant
+            group_size, bits, q_mode = self.quant
             y = mx.quantized_matmul(
                 x,
                 self.weight,
@@ -114,7 +114,7 @@ class Stacked(nn.Module):
                 transpose=True,
                 group_size=group_size,
                 bits=bits,
-                mode=mode,
+                mode=q_mode,
             )
         return y + self.bias if "bias" in self else y
 
@@ -143,7 +143,7 @@ def _signature(m: nn.Module) -> Optional[Tuple]:
         return tuple(n for i, n in enumerate(a.shape) if i != a.ndim + _axis(key))
 
     shapes = tuple((k, others(m[k], k), m[k].dtype) for k in _ARRAYS if k in m)
-    quant = (m.group_size, m.bits, getattr(m, "mode", "affine")) if "scales" in m else 0
+    quant = (m.group_size, m.bits, module_q_mode(m)) if "scales" in m else 0
     return shapes, quant
 
 

@@ -1,49 +1,53 @@
-"""The variants a run compares, one table: how the norms are handled (the model
-built) x the engine that runs its decode steps (engine.py).
+"""The variants a run compares, one table: its mode (how the model handles its
+norms: what is built) x the engine that runs its decode steps (engine.py).
 
-Two variants on one engine differ only in their norms (docs/design.md section
-4b), so every norm handling runs on either engine; `mlx-lm` is stock on the
-eager engine, mlx-lm as its users run it today, the reference row of bench and
-chat's /compare.
+Two variants on one engine differ only in their mode (docs/design.md section
+4b), so every mode runs on either engine; `mlx-lm` is stock on the eager
+engine, mlx-lm as its users run it today, the reference row of bench and
+chat's /compare. The modes are records (flashnorm_mlx/modes.py, re-exported
+here); build.build_model asks them, nothing compares their names.
 """
 
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from .. import fold, models, quant
+from ..modes import (  # noqa: F401 (the modes, re-exported with their rows)
+    FLASHNORM,
+    MODES,
+    NONORM,
+    RUN_MODES,
+    STOCK,
+    STOCK_FUSED,
+    Mode,
+    mode_named,
+)
 from . import gguf_kquant
 from .source import Source
-
-# How a model handles its norms -> what is built (build.build_model).
-NORMS = {
-    "stock": "mlx-lm's own model class on the weights",
-    "stock_fused": "stock with q|k|v and gate|up each one matmul (stock_fused.py)",
-    "nonorm": "stock with every RMSNorm removed: the speed bound (nonorm.py)",
-    "flashnorm": "ours: gains folded or in the kernels, 1/RMS deferred",
-}
-RUN_MODES = ("stock", "flashnorm")  # what a user runs (--mode), perplexity scores
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str  # its row in bench and /compare
-    norms: str  # a key of NORMS
+    mode: Mode
     engine: Optional[str] = None  # None: the run's engine (bench's --engine)
 
 
-REFERENCE = Variant("mlx-lm", "stock", "eager")
-VARIANTS: Tuple[Variant, ...] = (REFERENCE,) + tuple(Variant(n, n) for n in NORMS)
+REFERENCE = Variant("mlx-lm", STOCK, "eager")
+VARIANTS: Tuple[Variant, ...] = (REFERENCE,) + tuple(
+    Variant(m.name, m) for m in MODES.values()
+)
 BY_NAME = {v.name: v for v in VARIANTS}
 NAMES = tuple(BY_NAME)  # bench and /compare rows, the reference first
 
 
 def absent(config: dict) -> Dict[str, str]:
-    """{row: why it cannot run} for the model `config` describes: FlashNorm's
-    norm handlings (all but stock's) where FlashNorm does not cover its
+    """{row: why it cannot run} for the model `config` describes: the modes that
+    need FlashNorm's cover (all but stock) where FlashNorm does not cover its
     model_type; {} where it does."""
     if models.is_covered(config):
         return {}
-    rows = [v.name for v in VARIANTS if v.norms != "stock"]
+    rows = [v.name for v in VARIANTS if v.mode.needs_cover]
     why = (
         f"{', '.join(rows[:-1])} and {rows[-1]} are absent: they are FlashNorm's "
         f"ways with the norms, and FlashNorm does not cover model_type "

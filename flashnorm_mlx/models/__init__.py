@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import Optional
 
 from ..errors import UnsupportedModel
+from ..modes import FLASHNORM, STOCK, mode_named
 from .arch import Architecture
 
 # config model_type -> module in flashnorm_mlx.models
@@ -94,13 +95,13 @@ def not_covered(
 
 
 def run_mode(config: dict, mode: Optional[str]) -> str:
-    """The --mode a run takes: as asked, else (None) flashnorm where FlashNorm
-    covers the model_type and stock where it does not; flashnorm asked of a
-    family it does not cover is `not_covered`."""
+    """The --mode a run takes (its name): as asked, else (None) flashnorm where
+    FlashNorm covers the model_type and stock where it does not; a mode that
+    needs FlashNorm's cover asked of a family it does not cover is `not_covered`."""
     if mode is None:
-        return "flashnorm" if is_covered(config) else "stock"
-    if mode == "flashnorm" and not is_covered(config):
-        raise not_covered(config, "--mode flashnorm")
+        return (FLASHNORM if is_covered(config) else STOCK).name
+    if mode_named(mode).needs_cover and not is_covered(config):
+        raise not_covered(config, f"--mode {mode}")
     return mode
 
 
@@ -148,10 +149,9 @@ def stack_experts(config: dict, weights: dict) -> dict:
     return moe.stack(config, weights) if moe else weights
 
 
-def model_classes(config: dict, cls: str):
-    """(Model, ModelArgs): mlx-lm's own classes for "stock", ours ("flashnorm")
-    otherwise."""
-    if cls == "stock":  # any family mlx-lm loads, covered or not
+def model_classes(config: dict, ours: bool):
+    """(Model, ModelArgs): ours (`ours`), else mlx-lm's own classes."""
+    if not ours:  # any family mlx-lm loads, covered or not
         from ..mlx_lm_compat import stock_classes
 
         check_runnable(config)
@@ -178,12 +178,12 @@ def quantize_like(model, weights: dict) -> None:
     )
 
 
-def instantiate(config: dict, weights: dict, cls: str, norm_gains: bool = False):
-    """The `cls` class ("stock" or "flashnorm") built on `weights` (its
+def instantiate(config: dict, weights: dict, ours: bool, norm_gains: bool = False):
+    """Our class (`ours`) or mlx-lm's built on `weights` (its
     `sanitize` applied); quantized modules made where the weights have scales.
     norm_gains: ours on unfolded weights, the norm gains applied in the
     kernels. ValueError on weights that do not fit the config."""
-    model_cls, args_cls = model_classes(config, cls)
+    model_cls, args_cls = model_classes(config, ours)
     args = args_cls.from_dict(config)
     model = model_cls(args, norm_gains=True) if norm_gains else model_cls(args)
     if hasattr(model, "sanitize"):

@@ -91,7 +91,7 @@ def is_sliding(args: ModelArgs, i: int) -> bool:
 
 
 class Attention(FusedAttention):
-    """q|k|v in one matmul, then one `qkv_epilogue` pass in QK-norm mode."""
+    """q|k|v in one matmul, then one `qkv_epilogue` pass in QK-norm form."""
 
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()

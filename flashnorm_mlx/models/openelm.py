@@ -8,7 +8,7 @@ s = rsqrt(ms) (docs/design.md sections 2b and 2d):
     k' = RoPE(gk * k / sqrt(mean(k^2) + eps*ms)),   v' = v * s
     ffn = proj_2(silu(s * gate) * up) * s
 q', k', v' come out of the fused qkv matmul in one `kernels.qkv_epilogue` pass
-(OpenELM mode): the QK-norm gains, with 1/sqrt(h) folded into q's once, ride
+(its QK-norm form): the QK-norm gains, with 1/sqrt(h) folded into q's once, ride
 with RoPE's cos and sin, so attention runs with scale 1. Without QK-norm
 (normalize_qk_projections=False) it is the Llama epilogue: q' = RoPE(q) * s /
 sqrt(h), k' = RoPE(k) * s.
@@ -94,7 +94,7 @@ class Attention(FusedAttention):
             raise ValueError(f"head_dim {h}: the qkv epilogue needs an even head_dim")
 
     def epilogue_args(self) -> kernels.Epilogue:
-        """The epilogue's mode: QK-norm gains and epsilons (see models/gains.py),
+        """The epilogue's form: QK-norm gains and epsilons (see models/gains.py),
         or Llama's scale without QK-norm."""
         heads = (self.n_heads, self.n_kv_heads, self._inv_freq)
         if "q_norm" not in self:

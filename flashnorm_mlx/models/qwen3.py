@@ -35,7 +35,7 @@ class Attention(llama.Attention):
         self._qk_gains = QKNormGains(self.scale, args.rms_norm_eps)
 
     def epilogue_args(self) -> kernels.Epilogue:
-        """QK-norm mode: the gains (1/sqrt(h) in q's) and epsilons, no scale."""
+        """QK-norm form: the gains (1/sqrt(h) in q's) and epsilons, no scale."""
         gains = self._qk_gains(self.q_norm.weight, self.k_norm.weight)
         heads = (self.n_heads, self.n_kv_heads)
         return kernels.Epilogue(*heads, self._inv_freq, self.rope, **gains)

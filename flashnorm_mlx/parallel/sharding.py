@@ -27,6 +27,7 @@ from mlx.nn.layers.distributed import (
 )
 
 from ..errors import ShardError
+from ..limits import module_q_mode
 
 
 def runs(total: int, parts: int, unit: int = 1) -> List[Tuple[int, int]]:
@@ -126,7 +127,7 @@ class _QuantizedSumLinear(QuantizedShardedToAllLinear):
         nn.Module.__init__(self)
         self.group = group
         self.group_size, self.bits = layer.group_size, layer.bits
-        self.mode = getattr(layer, "mode", "affine")
+        self.mode = module_q_mode(layer)  # mlx's attribute: its __call__ reads it
         self.weight, self.scales = arrays["weight"], arrays["scales"]
         self.biases = arrays.get("biases")
         if bias is not None:

@@ -20,8 +20,10 @@ from .plan import (
     source_dtype,
 )
 from .specs import (
+    affine_spec,
     dequantize_weights,
     is_quantized,
+    q_settings,
     quant_params,
     quantization_block,
     quantize_weights,
@@ -33,6 +35,7 @@ from .specs import (
 __all__ = [
     "QUANTIZED_WAYS",
     "WeightPlan",
+    "affine_spec",
     "compute_dtype",
     "dequantize_weights",
     "describe",
@@ -43,6 +46,7 @@ __all__ = [
     "quant_params",
     "quantization_block",
     "quantize_weights",
+    "q_settings",
     "requantizes",
     "rtn",
     "source_dtype",

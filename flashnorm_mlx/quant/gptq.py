@@ -115,7 +115,7 @@ def hessians(
     """{linear (Hugging Face name): H} in the folded weights' basis, from stock
     mlx-lm's float32 model over `data` (float, unfolded `weights`)."""
     weights = fold.map_floats(weights, lambda v: v.astype(mx.float32))
-    model = models.instantiate(config, weights, "stock")
+    model = models.instantiate(config, weights, ours=False)
     catchers = [
         (name, Catcher(m) if type(m) is nn.Linear else ExpertCatcher(m))
         for name, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)

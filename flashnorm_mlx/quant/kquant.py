@@ -8,6 +8,7 @@ type MLX's format cannot hold (scales per 16 weights; docs/design.md 2i).
 from typing import Dict, Optional
 
 from .. import models
+from .specs import affine_spec
 
 CONFIG_KEY = "gguf_float_tensors"
 # GGML type -> the nearest MLX affine bits at group 32 (--requantize).
@@ -21,7 +22,7 @@ def floats_of(config: dict) -> Optional[dict]:
 def requantize_spec(config: dict) -> Dict[str, dict]:
     """--requantize: each float-read K-quant module at its nearest MLX bits."""
     return {
-        m: {"group_size": 32, "bits": NEAREST_BITS[t], "mode": "affine"}
+        m: affine_spec(NEAREST_BITS[t], 32)
         for m, t in (config.get(CONFIG_KEY) or {}).items()
     }
 

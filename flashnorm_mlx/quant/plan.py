@@ -25,6 +25,7 @@ import mlx.core as mx
 from .. import fold
 from ..errors import LoadError
 from ..fold import Weights
+from ..limits import AFFINE, q_mode_of
 from . import gptq, kquant
 from .specs import dequantize_weights, is_quantized, source_qspec, uniform_qspec
 
@@ -38,7 +39,7 @@ class WeightPlan:
     weights: float tensors, or with `as_stored` the checkpoint's own
     quantized ones; config: without a quantization block unless
     `as_stored`;
-    qspec: module -> {"bits", "group_size", "mode"} to quantize after the fold,
+    qspec: module -> {"bits", "group_size", q_mode} to quantize after the fold,
     or None; note: one line for the user when the choice is not the obvious one.
     """
 
@@ -139,8 +140,8 @@ def requantizes(
 def bits_words(spec: dict) -> str:
     """'4-bit' for affine settings, else the format's name ('mxfp4'): every
     quantization in words starts here."""
-    mode = spec.get("mode", "affine")
-    return f"{spec.get('bits')}-bit" if mode == "affine" else mode
+    q_mode = q_mode_of(spec)
+    return f"{spec.get('bits')}-bit" if q_mode == AFFINE else q_mode
 
 
 def describe(config: dict) -> str:
@@ -187,11 +188,7 @@ def _float_note(weights, config, dtype) -> str:
     q = config.get("quantization") or {}
     name = str(dtype).replace("mlx.core.", "")
     # Stored bits per weight: the bits, plus a scale (and an affine bias) a group.
-    extra = (
-        8
-        * source_dtype(weights).size
-        * (2 if q.get("mode", "affine") == "affine" else 1)
-    )
+    extra = 8 * source_dtype(weights).size * (2 if q_mode_of(q) == AFFINE else 1)
     stored = q.get("bits", 4) + extra / q.get("group_size", 64)
     times = 8 * dtype.size / stored
     return (

@@ -1,8 +1,8 @@
 """Quantization settings: reading a checkpoint's, making uniform ones, applying them.
 
-A qspec maps a module path to {"bits", "group_size", "mode"}; the config's
-quantization block (mlx-lm's format) holds the most common setting plus
-per-module exceptions.
+A qspec maps a module path to {"bits", "group_size", and the q_mode under
+mlx's key (limits.MLX_Q_MODE)}; the config's quantization block (mlx-lm's
+format) holds the most common setting plus per-module exceptions.
 """
 
 from collections import Counter
@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from ..errors import FoldError, LoadError
 from ..fold import Weights
-from ..limits import GROUP_SIZES  # what -q/--q-group-size offers
+from ..limits import AFFINE, GROUP_SIZES, MLX_Q_MODE, q_mode_of
 
 
 def is_quantized(weights: Weights) -> bool:
@@ -20,21 +20,30 @@ def is_quantized(weights: Weights) -> bool:
 
 
 def quant_params(config: dict, module: str) -> Optional[dict]:
-    """The (group_size, bits, mode) a quantized module was stored with."""
+    """The (group_size, bits, q_mode) a quantized module was stored with."""
     q = config.get("quantization")
     if not q:
         return None
     per = q.get(module)
-    if isinstance(per, dict):
-        return {
-            "group_size": per["group_size"],
-            "bits": per["bits"],
-            "mode": per.get("mode", "affine"),
-        }
+    spec = per if isinstance(per, dict) else q
     return {
-        "group_size": q["group_size"],
-        "bits": q["bits"],
-        "mode": q.get("mode", "affine"),
+        "group_size": spec["group_size"],
+        "bits": spec["bits"],
+        MLX_Q_MODE: q_mode_of(spec),
+    }
+
+
+def affine_spec(bits: int, group_size: int) -> dict:
+    """An affine setting, as a qspec entry and mlx-lm's block hold it."""
+    return {"group_size": group_size, "bits": bits, MLX_Q_MODE: AFFINE}
+
+
+def q_settings(q: dict) -> dict:
+    """bench's and convert's JSON words for a quantization block."""
+    return {
+        "bits": q.get("bits"),
+        "group_size": q.get("group_size"),
+        "q_mode": q_mode_of(q),
     }
 
 
@@ -57,7 +66,7 @@ def dequantize_weights(
                 weights.get(f"{module}.biases"),
                 group_size=qp["group_size"],
                 bits=qp["bits"],
-                mode=qp["mode"],
+                mode=q_mode_of(qp),
             ).astype(dtype)
         out[key] = value
     config = {
@@ -81,7 +90,7 @@ def uniform_qspec(
         if k.endswith(".weight") and v.ndim in (2, 3)
     }
     qspec = {
-        m: {"group_size": group_size, "bits": bits, "mode": "affine"}
+        m: affine_spec(bits, group_size)
         for m, w in widths.items()
         if w % group_size == 0
     }
@@ -90,7 +99,7 @@ def uniform_qspec(
         r_bits, r_group, name = router
         for m, w in widths.items():
             if m.endswith(name) and w % r_group == 0:
-                qspec[m] = {"group_size": r_group, "bits": r_bits, "mode": "affine"}
+                qspec[m] = affine_spec(r_bits, r_group)
     if widths and not qspec:
         sizes = sorted(set(widths.values()))
         fits = [g for g in GROUP_SIZES if any(w % g == 0 for w in sizes)]
@@ -134,7 +143,7 @@ def rtn(weight: mx.array, q: dict) -> Weights:
     """Round-to-nearest, as nn.QuantizedLinear/Embedding quantize a weight:
     {"weight", "scales"} and, for affine settings, "biases"."""
     packed, scales, *biases = mx.quantize(
-        weight, group_size=q["group_size"], bits=q["bits"], mode=q["mode"]
+        weight, group_size=q["group_size"], bits=q["bits"], mode=q_mode_of(q)
     )
     return {
         "weight": packed,
@@ -162,7 +171,7 @@ def quantization_block(qspec: dict) -> dict:
     bits, group_size = Counter(
         (v["bits"], v["group_size"]) for v in qspec.values()
     ).most_common(1)[0][0]
-    q = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    q = affine_spec(bits, group_size)
     q.update(
         {
             k: v

@@ -15,6 +15,7 @@ import time
 from typing import Callable, List
 
 from ..errors import UnsupportedModel
+from ..modes import FLASHNORM, STOCK, mode_named
 from .log import log
 from .schema import RequestError
 
@@ -22,8 +23,8 @@ TIMEOUT_S = 1800  # building the other model and two runs, on a slow machine
 
 
 def other_mode(mode: str) -> str:
-    """What a server running `mode` is compared with."""
-    return "flashnorm" if mode == "stock" else "stock"
+    """What a server running `mode` is compared with (its name)."""
+    return (FLASHNORM if mode_named(mode).is_mlx_lms else STOCK).name
 
 
 class Comparer:
