@@ -52,7 +52,8 @@ class Comparer:
                 self.model = self.build_other()
             except UnsupportedModel as e:  # a family FlashNorm does not cover
                 raise RequestError(f"nothing to compare: {e}") from None
-            built_s = time.perf_counter() - start
+            # Never 0 once built: 0 says "built before" to the page and the log.
+            built_s = max(time.perf_counter() - start, 0.01)
         models = {self.mode: worker.model, self.other: self.model}
         r = compare_decode_speed(models, prompt, n)
         ids = {m: r[m]["tokens"] for m in models}
