@@ -20,7 +20,7 @@ refused with `ContextOverflow`.
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 

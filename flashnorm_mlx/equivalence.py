@@ -7,7 +7,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import fold, quant
+from . import quant
 from .loading import Source, build_model, model_dtype
 from .loading.adapters import adapted_quantization, apply_adapter, mlx_lm_adapted
 

@@ -12,7 +12,6 @@ run again alone through the real entry point, then the child carries on.
 import json
 import os
 import random
-import shutil
 import struct
 import subprocess
 import sys

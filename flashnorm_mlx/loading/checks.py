@@ -138,7 +138,7 @@ def _walk_gguf(r: Reader) -> List[GGUFTensor]:
         value = _gguf_value(r, vtype, key)
         if key == "general.alignment":
             if vtype != 4 or value <= 0 or value & (value - 1):
-                raise _Bad(f"general.alignment must be a power-of-two uint32")
+                raise _Bad("general.alignment must be a power-of-two uint32")
             alignment = value
     tensors, names = [], set()
     for i in range(n_tensors):

@@ -16,7 +16,7 @@ import math
 import mmap
 import struct
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
