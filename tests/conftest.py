@@ -3,6 +3,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 # tiny.py (test model builders) is imported by the test modules as `tiny`.
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -10,6 +12,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 if "FLASHNORM_TEST_TMP" not in os.environ:
     os.environ["FLASHNORM_TEST_TMP"] = tempfile.mkdtemp(prefix="flashnorm-tests-")
     os.environ["TMPDIR"] = os.environ["FLASHNORM_TEST_TMP"]
+    tempfile.tempdir = None
+# Each pytest-xdist worker (pyproject's addopts) in its own folder under it: mlx
+# writes a compiled kernel's .so where another process may be loading the same.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _worker = Path(os.environ["FLASHNORM_TEST_TMP"], os.environ["PYTEST_XDIST_WORKER"])
+    _worker.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(_worker)
     tempfile.tempdir = None
 
 
@@ -160,6 +169,14 @@ SLOW = {
         "test_page_streams_the_greedy_reply_and_keeps_it",  # 15 s
         "test_stop_ends_a_long_reply_and_the_server_cancels",  # 5 s
     ),
+    "test_serve_page_chat.py": (  # a model server and a browser, replies on 2 cores
+        "test_speed_moves_while_streaming_and_cached_tokens_show_apart",
+        "test_markdown_renders_and_model_text_never_runs",
+        "test_a_real_reply_s_list_renders_as_a_list",
+        "test_conversations_regenerate_and_edit",
+        "test_compare_shows_both_speeds_and_their_ratio",
+        "test_phone_header_one_line_no_overflow_and_favicon",
+    ),
     "test_stored.py": (
         "test_float32_matches_stock_on_the_same_quantized_files",  # 37 s
         "test_low_precision_close_to_float32_stock",  # 10 s
@@ -178,15 +195,67 @@ SLOW_FIXTURES = {
 }
 
 
+# Seconds per file in a whole-suite run (pytest-xdist sends the heaviest first).
+FILE_S = {}
+
+
 def is_slow(file: str, test: str, fixtures) -> bool:
     return test in SLOW.get(file, ()) or bool(
         set(SLOW_FIXTURES.get(file, ())) & set(fixtures)
     )
 
 
-def pytest_collection_modifyitems(items):
-    import pytest
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core; on one core none (tests run in this process)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    n = n or os.cpu_count() or 1
+    return n if n > 1 else 0
 
+
+def shared_fixtures(item):
+    """The module- or class-scoped fixture instances `item` uses: 'file::name',
+    with the parametrizations it depends on ('file::name[source=1]')."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs if info else {}
+    indices = getattr(getattr(item, "callspec", None), "indices", {})
+
+    def needs(name, seen):
+        if name not in seen and defs.get(name):
+            seen.add(name)
+            for arg in defs[name][-1].argnames:
+                needs(arg, seen)
+        return seen
+
+    out = []
+    for name, fixture in defs.items():
+        if fixture and fixture[-1].scope in ("module", "class", "package"):
+            params = ",".join(
+                f"{p}={indices[p]}" for p in sorted(needs(name, set())) if p in indices
+            )
+            out.append(f"{item.path.name}::{name}" + (f"[{params}]" if params else ""))
+    return out
+
+
+def xdist_groups(items):
+    """Tests sharing a module fixture instance run on one pytest-xdist worker
+    (so it is built once): item -> group name, None for a test on its own."""
+    parent = {}
+
+    def root(k):
+        while parent.setdefault(k, k) != k:
+            k = parent[k]
+        return k
+
+    keys = {item: shared_fixtures(item) for item in items}
+    for ks in keys.values():
+        for k in ks[1:]:
+            parent[root(k)] = root(ks[0])
+    return {item: root(ks[0]) if ks else None for item, ks in keys.items()}
+
+
+@pytest.hookimpl(hookwrapper=True)  # marks before the hooks that read them
+def pytest_collection_modifyitems(items):
     for item in items:
         name = item.path.name
         part = next((p for p, files in PARTS.items() if name in files), "tools")
@@ -194,3 +263,11 @@ def pytest_collection_modifyitems(items):
         test = getattr(item, "originalname", item.name)
         if is_slow(name, test, getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        for item, group in xdist_groups(items).items():
+            if group:
+                item.add_marker(pytest.mark.xdist_group(group))
+    yield
+    if worker:  # after pytest's fixture order: the heaviest files first
+        items.sort(key=lambda item: -FILE_S.get(item.path.name, 0))
