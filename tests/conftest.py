@@ -195,8 +195,40 @@ SLOW_FIXTURES = {
 }
 
 
+# Tests that start mlx.launch ranks, which spin while they wait for each other:
+# one launch at a time (one pytest-xdist group), else two launches' ranks take
+# turns on the 2 cores. A file name: all its tests.
+LAUNCHES = {
+    "test_distributed.py",
+    "test_dense.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+}
 # Seconds per file in a whole-suite run (pytest-xdist sends the heaviest first).
-FILE_S = {}
+FILE_S = {  # the slowest 120 calls and setups of one run, 2026-11-28
+    "test_distributed.py": 197,
+    "test_serve_agents.py": 185,
+    "test_engine.py": 158,
+    "test_serve_text.py": 98,
+    "test_nvrtc.py": 98,
+    "test_serve_load.py": 86,
+    "test_serve.py": 50,
+    "test_serve_page_chat.py": 49,
+    "test_moe.py": 40,
+    "test_cli_progress.py": 33,
+    "test_serve_guard.py": 30,
+    "test_real_model.py": 30,
+    "test_gemma3.py": 24,
+    "test_structured.py": 22,
+    "test_load_memory.py": 18,
+    "test_dense.py": 18,
+    "test_serve_page.py": 15,
+    "test_cli.py": 13,
+    "test_decoding.py": 13,
+    "test_bench.py": 11,
+    "test_gguf_kquant.py": 11,
+    "test_mlx_lm_habits.py": 10,
+}
 
 
 def is_slow(file: str, test: str, fixtures) -> bool:
@@ -213,48 +245,25 @@ def pytest_xdist_auto_num_workers(config):
     return n if n > 1 else 0
 
 
-def shared_fixtures(item):
-    """The module- or class-scoped fixture instances `item` uses: 'file::name',
-    with the parametrizations it depends on ('file::name[source=1]')."""
-    info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs if info else {}
-    indices = getattr(getattr(item, "callspec", None), "indices", {})
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile (a file's tests on one worker, its module fixtures built
+    once), and every test in LAUNCHES in one more group."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
 
-    def needs(name, seen):
-        if name not in seen and defs.get(name):
-            seen.add(name)
-            for arg in defs[name][-1].argnames:
-                needs(arg, seen)
-        return seen
+    class LoadFileAndLaunches(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            file, _, test = nodeid.partition("::")
+            name = Path(file).name
+            if {name, f"{name}::{test.split('[')[0]}"} & LAUNCHES:
+                return "mlx.launch"
+            return super()._split_scope(nodeid)
 
-    out = []
-    for name, fixture in defs.items():
-        if fixture and fixture[-1].scope in ("module", "class", "package"):
-            params = ",".join(
-                f"{p}={indices[p]}" for p in sorted(needs(name, set())) if p in indices
-            )
-            out.append(f"{item.path.name}::{name}" + (f"[{params}]" if params else ""))
-    return out
+    return LoadFileAndLaunches(config, log)
 
 
-def xdist_groups(items):
-    """Tests sharing a module fixture instance run on one pytest-xdist worker
-    (so it is built once): item -> group name, None for a test on its own."""
-    parent = {}
-
-    def root(k):
-        while parent.setdefault(k, k) != k:
-            k = parent[k]
-        return k
-
-    keys = {item: shared_fixtures(item) for item in items}
-    for ks in keys.values():
-        for k in ks[1:]:
-            parent[root(k)] = root(ks[0])
-    return {item: root(ks[0]) if ks else None for item, ks in keys.items()}
-
-
-@pytest.hookimpl(hookwrapper=True)  # marks before the hooks that read them
 def pytest_collection_modifyitems(items):
     for item in items:
         name = item.path.name
@@ -263,11 +272,5 @@ def pytest_collection_modifyitems(items):
         test = getattr(item, "originalname", item.name)
         if is_slow(name, test, getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker:
-        for item, group in xdist_groups(items).items():
-            if group:
-                item.add_marker(pytest.mark.xdist_group(group))
-    yield
-    if worker:  # after pytest's fixture order: the heaviest files first
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the heaviest files sent first
         items.sort(key=lambda item: -FILE_S.get(item.path.name, 0))

@@ -243,13 +243,19 @@ def test_no_module_is_over_the_line_limit():
 
 def test_the_slow_list_names_tests_and_fixtures_that_exist():
     """tests/conftest.py's SLOW and SLOW_FIXTURES (the developer loop leaves
-    them out): a renamed test or fixture would silently rejoin the loop."""
+    them out): a renamed test or fixture would silently rejoin the loop; and
+    LAUNCHES (one at a time under pytest-xdist)."""
     import conftest
 
     stale = []
-    for table in (conftest.SLOW, conftest.SLOW_FIXTURES):
+    launches = {}
+    for entry in conftest.LAUNCHES:  # "file" (all its tests) or "file::test"
+        file, _, test = entry.partition("::")
+        launches[file] = launches.get(file, ()) + ((test,) if test else ())
+    for table in (conftest.SLOW, conftest.SLOW_FIXTURES, launches):
         for file, names in table.items():
             path = ROOT.parent / "tests" / file
+            stale += [] if path.exists() else [file]
             defs = (
                 {
                     n.name
