@@ -157,6 +157,10 @@ SLOW = {
         "test_next_turn_reuses_the_conversation_cache",  # 9 s
         "test_stock_mode_serves_the_same_function_and_sigterm_stops_it",  # 14 s
     ),
+    "test_serve_agents.py": (  # 2026-11-28, 2 xdist workers, load 1-3
+        "test_messages_create_and_stream_give_chat_completions_greedy_text",  # 16 s
+        "test_responses_create_streamed_and_not_give_chat_completions_greedy_text",  # 11 s
+    ),
     "test_serve_batch.py": ("test_batched_greedy_equals_each_request_alone",),  # 10 s
     "test_serve_decoding.py": (
         "test_a_draft_serves_the_greedy_text_one_request_at_a_time",  # 12 s
@@ -164,6 +168,9 @@ SLOW = {
     "test_serve_flags.py": (
         "test_info_logs_each_request_and_keeps_its_cache",  # 5 s
         "test_warning_keeps_only_what_is_wrong",  # 6 s
+    ),
+    "test_serve_guard.py": (
+        "test_api_keys_and_cache_salts_share_no_cached_prefixes",  # 14 s
     ),
     "test_serve_page.py": (
         "test_page_streams_the_greedy_reply_and_keeps_it",  # 15 s
