@@ -246,9 +246,10 @@ def is_slow(file: str, test: str, fixtures) -> bool:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: a worker per core; on one core none (tests run in this process)."""
+    """`-n auto`: a worker per core, 4 at most (each holds its models and, on a
+    GPU, its own device context); on one core none (tests run in this process)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    n = n or os.cpu_count() or 1
+    n = min(n or os.cpu_count() or 1, 4)
     return n if n > 1 else 0
 
 
