@@ -3,6 +3,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 # tiny.py (test model builders) is imported by the test modules as `tiny`.
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -10,6 +12,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 if "FLASHNORM_TEST_TMP" not in os.environ:
     os.environ["FLASHNORM_TEST_TMP"] = tempfile.mkdtemp(prefix="flashnorm-tests-")
     os.environ["TMPDIR"] = os.environ["FLASHNORM_TEST_TMP"]
+    tempfile.tempdir = None
+# Each pytest-xdist worker (pyproject's addopts) in its own folder under it: mlx
+# writes a compiled kernel's .so where another process may be loading the same.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _worker = Path(os.environ["FLASHNORM_TEST_TMP"], os.environ["PYTEST_XDIST_WORKER"])
+    _worker.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(_worker)
     tempfile.tempdir = None
 
 
@@ -148,6 +157,10 @@ SLOW = {
         "test_next_turn_reuses_the_conversation_cache",  # 9 s
         "test_stock_mode_serves_the_same_function_and_sigterm_stops_it",  # 14 s
     ),
+    "test_serve_agents.py": (  # 2026-11-28, 2 xdist workers, load 1-3
+        "test_messages_create_and_stream_give_chat_completions_greedy_text",  # 16 s
+        "test_responses_create_streamed_and_not_give_chat_completions_greedy_text",  # 11 s
+    ),
     "test_serve_batch.py": ("test_batched_greedy_equals_each_request_alone",),  # 10 s
     "test_serve_decoding.py": (
         "test_a_draft_serves_the_greedy_text_one_request_at_a_time",  # 12 s
@@ -156,9 +169,20 @@ SLOW = {
         "test_info_logs_each_request_and_keeps_its_cache",  # 5 s
         "test_warning_keeps_only_what_is_wrong",  # 6 s
     ),
+    "test_serve_guard.py": (
+        "test_api_keys_and_cache_salts_share_no_cached_prefixes",  # 14 s
+    ),
     "test_serve_page.py": (
         "test_page_streams_the_greedy_reply_and_keeps_it",  # 15 s
         "test_stop_ends_a_long_reply_and_the_server_cancels",  # 5 s
+    ),
+    "test_serve_page_chat.py": (  # a model server and a browser, replies on 2 cores
+        "test_speed_moves_while_streaming_and_cached_tokens_show_apart",
+        "test_markdown_renders_and_model_text_never_runs",
+        "test_a_real_reply_s_list_renders_as_a_list",
+        "test_conversations_regenerate_and_edit",
+        "test_compare_shows_both_speeds_and_their_ratio",
+        "test_phone_header_one_line_no_overflow_and_favicon",
     ),
     "test_stored.py": (
         "test_float32_matches_stock_on_the_same_quantized_files",  # 37 s
@@ -178,15 +202,77 @@ SLOW_FIXTURES = {
 }
 
 
+# Tests that start mlx.launch ranks, which spin while they wait for each other:
+# one launch at a time (one pytest-xdist group), else two launches' ranks take
+# turns on the 2 cores. A file name: all its tests.
+LAUNCHES = {
+    "test_distributed.py",
+    "test_dense.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+}
+# Seconds per file in a whole-suite run (pytest-xdist sends the heaviest first).
+FILE_S = {  # summed --durations=0, 2 workers, load 2-8, 2026-11-28
+    "test_distributed.py": 213,
+    "test_serve_agents.py": 202,
+    "test_engine.py": 135,
+    "test_serve_text.py": 102,
+    "test_serve_load.py": 88,
+    "test_kernels.py": 81,
+    "test_moe.py": 69,
+    "test_nvrtc.py": 68,
+    "test_serve_page_chat.py": 54,
+    "test_serve.py": 44,
+    "test_cli_progress.py": 36,
+    "test_serve_guard.py": 33,
+    "test_real_model.py": 30,
+    "test_gemma3.py": 28,
+    "test_structured.py": 26,
+    "test_decoding.py": 23,
+    "test_load_memory.py": 20,
+    "test_dense.py": 20,
+    "test_serve_page.py": 17,
+    "test_cli.py": 15,
+    "test_metal_host.py": 14,
+    "test_mlx_lm_habits.py": 13,
+}
+
+
 def is_slow(file: str, test: str, fixtures) -> bool:
     return test in SLOW.get(file, ()) or bool(
         set(SLOW_FIXTURES.get(file, ())) & set(fixtures)
     )
 
 
-def pytest_collection_modifyitems(items):
-    import pytest
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core, 4 at most (each holds its models and, on a
+    GPU, its own device context); on one core none (tests run in this process)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    n = min(n or os.cpu_count() or 1, 4)
+    return n if n > 1 else 0
 
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile (a file's tests on one worker, its module fixtures built
+    once), and every test in LAUNCHES in one more group."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileAndLaunches(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            file, _, test = nodeid.partition("::")
+            name = Path(file).name
+            if {name, f"{name}::{test.split('[')[0]}"} & LAUNCHES:
+                return "mlx.launch"
+            return super()._split_scope(nodeid)
+
+    return LoadFileAndLaunches(config, log)
+
+
+def pytest_collection_modifyitems(items):
     for item in items:
         name = item.path.name
         part = next((p for p, files in PARTS.items() if name in files), "tools")
@@ -194,3 +280,5 @@ def pytest_collection_modifyitems(items):
         test = getattr(item, "originalname", item.name)
         if is_slow(name, test, getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the heaviest files sent first
+        items.sort(key=lambda item: -FILE_S.get(item.path.name, 0))

@@ -76,25 +76,34 @@ class Stream:
         return [b - a for a, b in zip(t, t[1:])]
 
 
+def refuse_huge(server):
+    """15 MB of text: refused from its size, before the tokenizer sees it."""
+    huge = json.dumps({"prompt": "lorem ipsum " * 1_250_000, "max_tokens": 1})
+    t = time.monotonic()
+    status, body = server.request(
+        "POST",
+        "/v1/completions",
+        huge.encode(),
+        {"Content-Type": "application/json"},
+    )
+    refused = time.monotonic() - t
+    print(f"15 MB prompt: {status} in {refused:.2f} s: {str(body)[:200]}")
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert refused < REFUSE_S, refused
+
+
+def test_a_huge_prompt_alone_is_refused_from_its_size(server):
+    """The developer loop's part of this file (the test below is slow)."""
+    refuse_huge(server)
+
+
 @pytest.mark.slow
 def test_a_running_stream_keeps_going_past_huge_and_long_prompts(server):
     stream = Stream(server.port)
     try:
         assert stream.started.wait(120) and stream.times, server.log()
         begin = time.monotonic()
-        # 15 MB of text: refused from its size, before the tokenizer sees it.
-        huge = json.dumps({"prompt": "lorem ipsum " * 1_250_000, "max_tokens": 1})
-        t = time.monotonic()
-        status, body = server.request(
-            "POST",
-            "/v1/completions",
-            huge.encode(),
-            {"Content-Type": "application/json"},
-        )
-        refused = time.monotonic() - t
-        print(f"15 MB prompt: {status} in {refused:.2f} s: {str(body)[:200]}")
-        assert status == 400 and body["error"]["code"] == "context_length_exceeded"
-        assert refused < REFUSE_S, refused
+        refuse_huge(server)
         # 600 prompt tokens, none cached: prefilled while the stream goes on.
         ids = random.Random(48).choices(range(1000, 40000), k=600)
         t = time.monotonic()

@@ -27,8 +27,6 @@ import pytest
 from serve_process import Server
 from test_serve_page import ARGS, CHROMIUM, REPLY_MS, sync_api
 
-pytestmark = pytest.mark.slow  # a model server and a browser, replies on 2 cores
-
 PHONE = {"width": 390, "height": 780}
 DESKTOP = {"width": 1000, "height": 640}
 DOCS = Path(__file__).resolve().parent.parent / "docs"

@@ -469,13 +469,19 @@ def test_no_module_is_over_the_line_limit():
 
 def test_the_slow_list_names_tests_and_fixtures_that_exist():
     """tests/conftest.py's SLOW and SLOW_FIXTURES (the developer loop leaves
-    them out): a renamed test or fixture would silently rejoin the loop."""
+    them out): a renamed test or fixture would silently rejoin the loop; and
+    LAUNCHES (one at a time under pytest-xdist)."""
     import conftest
 
     stale = []
-    for table in (conftest.SLOW, conftest.SLOW_FIXTURES):
+    launches = {}
+    for entry in conftest.LAUNCHES:  # "file" (all its tests) or "file::test"
+        file, _, test = entry.partition("::")
+        launches[file] = launches.get(file, ()) + ((test,) if test else ())
+    for table in (conftest.SLOW, conftest.SLOW_FIXTURES, launches):
         for file, names in table.items():
             path = ROOT.parent / "tests" / file
+            stale += [] if path.exists() else [file]
             defs = (
                 {
                     n.name
@@ -487,3 +493,30 @@ def test_the_slow_list_names_tests_and_fixtures_that_exist():
             )
             stale += [f"{file}::{n}" for n in names if n not in defs]
     assert not stale, stale
+
+
+def _fast_tests(path: Path):
+    """The test functions of a test file that `pytest -m "not slow"` runs: not
+    marked slow by the file's pytestmark, a decorator or tests/conftest.py."""
+    import conftest
+
+    tree = ast.parse(path.read_text())
+    for n in tree.body:
+        targets = [getattr(t, "id", "") for t in getattr(n, "targets", ())]
+        if "pytestmark" in targets and "slow" in ast.unparse(n.value):
+            return []
+    return [
+        n.name
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef)
+        and n.name.startswith("test_")
+        and "pytest.mark.slow" not in map(ast.unparse, n.decorator_list)
+        and not conftest.is_slow(path.name, n.name, [a.arg for a in n.args.args])
+    ]
+
+
+def test_every_test_file_has_a_fast_test():
+    """The developer loop exercises what each test file covers, if not all of it."""
+    tests = ROOT.parent / "tests"
+    bare = [p.name for p in sorted(tests.glob("test_*.py")) if not _fast_tests(p)]
+    assert not bare, f"only slow tests in {bare}"
