@@ -363,16 +363,18 @@ def test_anchor_is_githubs(heading, expected):
 
 
 def test_link_checker_fails_on_a_missing_file_heading_or_a_link_outside(tmp_path):
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "a.md").write_text("# A page\n## Twice\n## Twice\n")
+    # A made-up repository in tmp_path: one page, and one name that is not there.
+    page, absent = Path("guide", "page.md").as_posix(), Path("guide", "absent.md")
+    (tmp_path / "guide").mkdir()
+    (tmp_path / page).write_text("# A page\n## Twice\n## Twice\n")
     (tmp_path / "pic.png").write_bytes(b"")
     good = (
-        "# Top\n[a](docs/a.md) [b](docs/a.md#twice-1) ![p](pic.png) [top](#top)\n"
+        f"# Top\n[a]({page}) [b]({page}#twice-1) ![p](pic.png) [top](#top)\n"
         "[web](https://example.com/x.md) `[code](nowhere.md)`\n"
         "```\n[in a fence](nowhere.md)\n```\n"
     )
     bad = (
-        "[missing](docs/b.md)\n[no heading](docs/a.md#twice-2)\n"
+        f"[missing]({absent.as_posix()})\n[no heading]({page}#twice-2)\n"
         "[outside](../elsewhere.md)\n[anchor on a picture](pic.png#x)\n"
     )
     (tmp_path / "README.md").write_text(good + bad)
