@@ -35,9 +35,11 @@ Where the parts come from:
 Where this may differ from a real run: one architecture (sm_90a; an A100 gets
 sm_80); the CCCL patch version above; the other kernels beside a passing kernel in
 its program (separate functions, their macros undefined after them); of MLX's 17
-in-memory device headers only the 3 the source includes are given; the program is named `<kernel>.cu`, not `<kernel>_<hash>.cu`; and an MLX newer
-than 0.32.4 may build other text around the body: on a CUDA machine a test compares
-the reconstruction with MLX's own (`verbose=True`) for several kernels.
+in-memory device headers only the 3 the source includes are given; the program
+is named `<kernel>.cu` (its `#line` where shared), not `<kernel>_<hash>.cu`; and an
+MLX newer than 0.32.4 may build other text around the body: on a CUDA machine a
+test compares the reconstruction with MLX's own (`verbose=True`) for several
+kernels.
 A compile fails on errors and on any warning in the kernel's own text ("declared
 but never referenced", #177, included).
 
