@@ -6,7 +6,7 @@ Three kinds of evidence, against independent references:
 - kernels vs twins on a real Metal/CUDA backend, where this MLX build has one;
 - kernel bodies vs twins everywhere a C++ compiler exists: the CUDA rendering's
   body, with a host prelude instead of the CUDA one, compiled with g++ and run with
-  one OS thread per GPU thread (barriers and shared memory included), called
+  one fiber per GPU thread (barriers and shared memory included), called
   through the real `<op>_kernel` wrappers (inputs, template ints, grid); the
   Metal rendering's whole generated source likewise in tests/test_metal_host.py.
 """
@@ -765,7 +765,7 @@ HOST_PRELUDE = """\
 #define FN_GROUP group_
 #define FN_GLOBAL (group_ * nt_ + lane_)
 #define FN_SHARED static
-#define FN_SYNC() bar_->arrive_and_wait()
+#define FN_SYNC() bar_->sync()
 #define FN_RSQRT(x) (1.0f / std::sqrt(x))
 #define FN_EXP(x) std::exp(x)
 #define FN_TANH(x) std::tanh(x)
@@ -775,13 +775,61 @@ HOST_PRELUDE = """\
 #define FN_AS_FLOAT(x) std::bit_cast<float>(x)
 """
 HOST_HEADER = """\
-#include <barrier>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <thread>
+#include <ucontext.h>
 #include <vector>
+// A group's GPU threads as fibers of one OS thread: each lane runs to its next
+// FN_SYNC(), then the next lane does; ascending lanes in even groups, descending
+// in odd ones, so a missing barrier shows whichever way its race goes.
+struct Lanes {
+  using Body = void (*)(void**, const int*, int, int, int, Lanes*);
+  static constexpr size_t STACK = 1 << 16;
+  static inline thread_local Lanes* self = nullptr;
+  Body body;
+  void** bufs;
+  const int* ints;
+  int group = 0, nt = 0, current = 0;
+  ucontext_t sched;
+  std::vector<ucontext_t> ctx;
+  std::vector<char> done;
+  char* stacks = nullptr;  // untouched pages cost nothing
+  ~Lanes() { std::free(stacks); }
+  void sync() { swapcontext(&ctx[current], &sched); }
+  static void entry() {
+    Lanes& s = *self;
+    const int lane = s.current;
+    s.body(s.bufs, s.ints, lane, s.group, s.nt, &s);
+    s.done[lane] = 1;  // returns to uc_link: the scheduler
+  }
+  void run(Body b, void** bf, const int* in, int groups, int n) {
+    body = b, bufs = bf, ints = in, nt = n, self = this;
+    ctx.resize(n), done.resize(n);
+    stacks = (char*)std::malloc(STACK * n);
+    for (group = 0; group < groups; ++group) {
+      for (int l = 0; l < n; ++l) {
+        getcontext(&ctx[l]);
+        ctx[l].uc_stack.ss_sp = stacks + STACK * l;
+        ctx[l].uc_stack.ss_size = STACK;
+        ctx[l].uc_link = &sched;
+        makecontext(&ctx[l], entry, 0);
+        done[l] = 0;
+      }
+      for (int left = n; left > 0;) {  // one round: every lane to its next barrier
+        left = 0;
+        for (int i = 0; i < n; ++i) {
+          current = group % 2 ? n - 1 - i : i;
+          if (done[current]) continue;
+          swapcontext(&sched, &ctx[current]);
+          left += !done[current];
+        }
+      }
+    }
+  }
+};
 struct bf16 {  // bfloat16 storage, float32 arithmetic (round to nearest even)
   uint16_t bits;
   bf16(float f) { uint32_t u; std::memcpy(&u, &f, 4);
@@ -817,7 +865,7 @@ def from_numpy(a, dtype):
 
 HOST_KERNEL = """\
 static void {key}_body(void** bufs_, const int* ints_, int lane_, int group_, int nt_,
-                       std::barrier<>* bar_) {{
+                       Lanes* bar_) {{
   constexpr int RP = {rp};
 {decls}
 {prelude}{defines}{body}}}
@@ -828,16 +876,7 @@ extern "C" void {key}(void** bufs, const int* ints, int groups, int nt, int thre
       for (int l = 0; l < nt; ++l) {key}_body(bufs, ints, l, g, nt, nullptr);
     return;
   }}
-  std::barrier<> bar(nt);  // one OS thread per lane, groups in lock-step
-  std::vector<std::thread> lanes;
-  for (int l = 0; l < nt; ++l)
-    lanes.emplace_back([&, l] {{
-      for (int g = 0; g < groups; ++g) {{
-        {key}_body(bufs, ints, l, g, nt, &bar);
-        bar.arrive_and_wait();
-      }}
-    }});
-  for (auto& t : lanes) t.join();
+  Lanes().run({key}_body, bufs, ints, groups, nt);  // a fiber per lane
 }}
 """
 
@@ -853,7 +892,7 @@ class Spec(NamedTuple):
 
 
 class HostKernels:
-    """Stands in for `kernels._kernel`: the same body, g++-compiled, one thread per
+    """Stands in for `kernels._kernel`: the same body, g++-compiled, one fiber per
     GPU thread (CUDA's grid rounding: whole blocks, so bounds checks are exercised)."""
 
     def __init__(self, workdir: Path):
@@ -922,7 +961,7 @@ class HostKernels:
         parts = [self.source(key, spec) for key, spec in self.specs.items()]
         src.write_text(HOST_HEADER + "\n".join(parts))
         lib = self.workdir / "host_kernels.so"
-        flags = ["-std=c++20", "-O1", "-shared", "-fPIC", "-pthread"]
+        flags = ["-std=c++20", "-O1", "-shared", "-fPIC"]
         r = subprocess.run(
             [HOST_CXX, *flags, "-o", str(lib), str(src)], capture_output=True, text=True
         )

@@ -12,7 +12,13 @@ names it, a pointer per output, `constexpr int` / `using T` for the template
 arguments, then the source), one NVRTC program per kernel as MLX makes it
 (jit_module.cpp: MLX's device headers as in-memory headers, the kernel's name
 expression, `--device-as-default-execution-space`, `--gpu-architecture=sm_90a` as on
-an H100 or H200, include paths: mlx/include, CCCL, the CUDA headers).
+an H100 or H200, include paths: mlx/include, CCCL, the CUDA headers). The
+kernels share one program (`compile_together`): NVRTC's fixed cost per program
+(~0.6 s of CPU: parsing the headers) would otherwise be paid 112 times; each
+kernel's text comes in verbatim after a `#line 1 "<kernel>.cu"` and is followed by
+`#undef`s of the macros it defines, so its diagnostics read and its text compiles
+as in its own program (MLX's options, no `-pch`). Where the program fails, the
+kernels its log names are compiled alone, each in its own program as MLX does.
 
 Where the parts come from:
 - NVRTC 13 and the CUDA headers: the PyPI packages of the `nvrtc` extra
@@ -27,11 +33,13 @@ Where the parts come from:
   else nvidia-cuda-cccl 13.1 (CCCL 3.1.4; mlx-cuda-13 0.32.4 bundles 3.1.3).
 
 Where this may differ from a real run: one architecture (sm_90a; an A100 gets
-sm_80); the CCCL patch version above; `-pch` added to MLX's options (a compile cache
-only); of MLX's 17 in-memory device headers only the 3 the source includes are
-given; the program is named `<kernel>.cu`, not `<kernel>_<hash>.cu`; and an MLX newer
-than 0.32.4 may build other text around the body: on a CUDA machine a test compares
-the reconstruction with MLX's own (`verbose=True`) for several kernels.
+sm_80); the CCCL patch version above; the other kernels beside a passing kernel in
+its program (separate functions, their macros undefined after them); of MLX's 17
+in-memory device headers only the 3 the source includes are given; the program
+is named `<kernel>.cu` (its `#line` where shared), not `<kernel>_<hash>.cu`; and an
+MLX newer than 0.32.4 may build other text around the body: on a CUDA machine a
+test compares the reconstruction with MLX's own (`verbose=True`) for several
+kernels.
 A compile fails on errors and on any warning in the kernel's own text ("declared
 but never referenced", #177, included).
 
@@ -321,12 +329,6 @@ class Nvrtc:
             *(f"--include-path={p}" for p in include_paths),
         ]
         self.origin = origin
-        # Not MLX's: NVRTC's automatic precompiled header, made by the first
-        # compile and reused by the rest (same headers, same options): a compile
-        # takes ~0.45 s instead of ~1.1 s and the results are the same.
-        heap = ctypes.c_size_t(1 << 30)
-        if self.lib.nvrtcSetPCHHeapSize(heap) == 0:
-            self.options.append("-pch")
 
     def _check(self, result, what):
         if result != 0:
@@ -334,8 +336,9 @@ class Nvrtc:
                 f"{what}: {self.lib.nvrtcGetErrorString(result).decode()}"
             )
 
-    def compile(self, source: str, module: str, kernel: str):
-        """(ok, log, lowered kernel name or None), as MLX's `compile` would see it."""
+    def compile(self, source: str, module: str, kernels):
+        """(ok, log, kernel -> lowered name), as MLX's `compile` would see it; a
+        lowered name only where the kernel's code is in the CUBIN."""
         lib, n = self.lib, len(self.headers)
         prog = ctypes.c_void_p()
         texts = (ctypes.c_char_p * n)(*[t.encode() for t in self.headers.values()])
@@ -352,10 +355,11 @@ class Nvrtc:
             "nvrtcCreateProgram",
         )
         try:
-            expr = f"mlx::core::cu::{kernel}".encode()
-            self._check(
-                lib.nvrtcAddNameExpression(prog, expr), "nvrtcAddNameExpression"
-            )
+            exprs = {k: f"mlx::core::cu::{k}".encode() for k in kernels}
+            for expr in exprs.values():
+                self._check(
+                    lib.nvrtcAddNameExpression(prog, expr), "nvrtcAddNameExpression"
+                )
             opts = (ctypes.c_char_p * len(self.options))(
                 *[o.encode() for o in self.options]
             )
@@ -368,16 +372,22 @@ class Nvrtc:
             self._check(lib.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
             log = log.value.decode(errors="replace")
             if result != 0:
-                return False, log, None
-            lowered = ctypes.c_char_p()
-            self._check(
-                lib.nvrtcGetLoweredName(prog, expr, ctypes.byref(lowered)),
-                "nvrtcGetLoweredName",
-            )
-            cubin = ctypes.c_size_t()
-            self._check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(cubin)), "CUBIN size")
-            assert cubin.value > 0, module
-            return True, log, lowered.value.decode()
+                return False, log, {}
+            size = ctypes.c_size_t()
+            self._check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "CUBIN size")
+            cubin = ctypes.create_string_buffer(size.value)
+            self._check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            lowered = {}
+            for k, expr in exprs.items():
+                name = ctypes.c_char_p()
+                self._check(
+                    lib.nvrtcGetLoweredName(prog, expr, ctypes.byref(name)),
+                    "nvrtcGetLoweredName",
+                )
+                # The CUBIN's symbol table names each kernel compiled into it.
+                if name.value + b"\0" in cubin.raw:
+                    lowered[k] = name.value.decode()
+            return True, log, lowered
         finally:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -423,8 +433,41 @@ needs_nvrtc = pytest.mark.skipif(NVRTC is None, reason=str(NO_NVRTC))
 
 
 def compile_launch(launch: Launch, source: Optional[str] = None):
+    """(ok, log, lowered name or None): the kernel alone in its program, as MLX."""
     source = mlx_cuda_source(launch) if source is None else source
-    return NVRTC.compile(source, launch.kernel_name, launch.kernel_name)
+    k = launch.kernel_name
+    ok, log, lowered = NVRTC.compile(source, k, [k])
+    return ok, log, lowered.get(k)
+
+
+def program_unit(launch: Launch) -> str:
+    """A kernel's MLX source inside a shared program: diagnostics read
+    `<kernel>.cu(line)` as in its own, and its macros end with it."""
+    defined = sorted(set(re.findall(r"^#define (\w+)", launch.source, re.M)))
+    undefs = "".join(f"#undef {m}\n" for m in defined)
+    return f'#line 1 "{launch.kernel_name}.cu"\n' + mlx_cuda_source(launch) + undefs
+
+
+def compile_together(launches) -> dict:
+    """kernel name -> (ok, log, lowered name or None), many kernels per NVRTC
+    program. Where the program fails, the kernels its log names are compiled
+    alone and the rest together again (in halves where it names none): each
+    result is a passing shared program's or the kernel's own program's."""
+    launches = list(launches)
+    if len(launches) == 1:
+        return {launches[0].kernel_name: compile_launch(launches[0])}
+    names = [k.kernel_name for k in launches]
+    source = "".join(map(program_unit, launches))
+    ok, log, lowered = NVRTC.compile(source, "flashnorm_kernels", names)
+    if ok:
+        return {k: (True, log, lowered.get(k)) for k in names}
+    named = [k for k in launches if f"\n{k.kernel_name}.cu(" in "\n" + log]
+    if named:
+        out = {k.kernel_name: compile_launch(k) for k in named}
+        rest = [k for k in launches if k not in named]
+        return out | (compile_together(rest) if rest else {})
+    half = len(launches) // 2
+    return compile_together(launches[:half]) | compile_together(launches[half:])
 
 
 # Diagnostics in the kernel's own text read `<kernel>.cu(line): ...` (the program is
@@ -444,11 +487,10 @@ def own_warnings(launch: Launch, log: str):
 
 @pytest.fixture(scope="module")
 def compiled():
-    """kernel name -> (ok, log, lowered) for every launch, compiled one after
-    another (NVRTC compiles one program at a time per process anyway)."""
+    """kernel name -> (ok, log, lowered) for every launch, all in one program."""
     if NVRTC is None:
         pytest.skip(NO_NVRTC)
-    return {k.kernel_name: compile_launch(k) for k in LAUNCHES.values()}
+    return compile_together(LAUNCHES.values())
 
 
 # --- the checks ------------------------------------------------------------------
@@ -529,14 +571,44 @@ def test_a_break_in_one_variant_fails_only_that_variant(monkeypatch):
         for dtype in TK.DTYPES.values():
             K.glu.deferred_glu_kernel(*TK.glu_case(dtype, (1, 2, 8)))
 
-    results = {
-        k.dtype: compile_launch(k) for k in _one_launch(monkeypatch, run).values()
-    }
+    # In one program, as `compiled` compiles them: the failure names its kernel.
+    launches = _one_launch(monkeypatch, run).values()
+    together = compile_together(launches)
+    results = {k.dtype: together[k.kernel_name] for k in launches}
     assert set(results) == set(TK.DTYPES.values())
     assert not results[mx.float16][0], "the float16 (pre-scaled) variant compiled"
     assert 'identifier "msr_typo" is undefined' in results[mx.float16][1]
     for dtype in (mx.float32, mx.bfloat16):
         assert results[dtype][0], results[dtype][1][-3000:]
+
+
+@needs_nvrtc
+def test_a_warning_in_a_shared_program_is_its_kernels_only(monkeypatch):
+    """In one program, GELU variants first: an unused local under `FN_GELU` (#177)
+    is each GELU kernel's own warning, and no SiLU kernel's after them (their
+    macros end with them: the body tests `defined(FN_GELU)`)."""
+    body = K.glu.DEFERRED_GLU_BODY
+    mark = "  out[i] = static_cast<T>(a * u);\n"
+    extra = "#if defined(FN_GELU) && FN_GELU\n  const float fn_unused = a;\n#endif\n"
+    assert mark in body
+    monkeypatch.setattr(K.glu, "DEFERRED_GLU_BODY", body.replace(mark, extra + mark))
+
+    def run():
+        for activation in ("gelu_tanh", "silu"):
+            for dtype in (mx.float32, mx.float16):
+                args = TK.glu_case(dtype, (1, 2, 8))
+                K.glu.deferred_glu_kernel(*args, activation)
+
+    launches = list(_one_launch(monkeypatch, run).values())
+    results = compile_together(launches)
+    gelu = [k.flags.get("GELU") == "1" for k in launches]
+    assert gelu == [True, True, False, False], [k.kernel_name for k in launches]
+    for k, is_gelu in zip(launches, gelu):
+        ok, log, lowered = results[k.kernel_name]
+        assert ok and lowered, log[-3000:]
+        warned = own_warnings(k, log)
+        assert bool(warned) == is_gelu, (k.kernel_name, warned, log[-3000:])
+        assert all('"fn_unused"' in w for w in warned), warned
 
 
 def test_the_wrapper_declares_what_the_body_uses():
