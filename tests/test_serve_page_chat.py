@@ -327,6 +327,9 @@ def test_compare_shows_both_speeds_and_their_ratio(browser, server, tmp_path):
     ctx, page, _, _ = open_page(browser, server, DESKTOP, WIDE)  # earlier chats
     page.click("#new-chat")
     settings(page, 0, 8)
+    # A short system message: both models prefill the prompt again, and
+    # SmolLM2's default system message is ~14 tokens more.
+    page.fill("#system", "You tell stories.")
     q = "Tell me a story about a cat."  # longer than 8 tokens: no end-of-sequence
     with page.expect_request("**/v1/chat/completions") as chat_req:
         ask(page, q)
@@ -339,6 +342,7 @@ def test_compare_shows_both_speeds_and_their_ratio(browser, server, tmp_path):
     print(json.dumps(r)[:800])
     # The reply's own prompt and length.
     assert sent["messages"] == json.loads(chat_req.value.post_data)["messages"]
+    assert sent["messages"][0] == {"role": "system", "content": "You tell stories."}
     assert sent["max_tokens"] == 8 and r["tokens"] == 8
     fn, st = (
         r["results"][m]["decode_tokens_per_second"] for m in ("flashnorm", "stock")
