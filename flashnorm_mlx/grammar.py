@@ -9,6 +9,7 @@ the grammar allows. It never counts calls or batch rows, so a batch that grows
 or shrinks around it cannot put it out of step. serve and generate use it.
 """
 
+import copy
 import json
 import threading
 from typing import List, Optional
@@ -23,6 +24,9 @@ JSON_OPTIONS = {
 
 
 CLOSE_WINDOW = 32  # tokens from the budget's end where closing is considered
+# The most one token adds to the closing text (", " owes a key and a value:
+# ' "": ""'); within that of the end, a token may not leave more than fits.
+GROW = 8
 
 
 class GrammarError(ValueError):
@@ -152,6 +156,22 @@ class Grammars:
                 ]
             return self._closers
 
+    @property
+    def structural(self):
+        """[(id, bytes)] of the tokens that can make the closing text longer
+        (quotes, commas, colons, opening brackets, backslashes), built once."""
+        with self._build:
+            if getattr(self, "_structural", None) is None:
+                ll = self.ll
+                self._structural = [
+                    (i, b)
+                    for i in range(ll.vocab_size)
+                    if not ll.is_special_token(i)
+                    and (b := ll.decode_bytes([i]))
+                    and any(c in b for c in b'",:[{\\')
+                ]
+            return self._structural
+
     def processor(
         self, grammar: str, max_tokens: Optional[int] = None
     ) -> "GrammarProcessor":
@@ -168,6 +188,7 @@ class Grammars:
         p = GrammarProcessor(matcher, self.ll.vocab_size, eos)
         if max_tokens is not None:
             p.budget, p.closers = max_tokens, self.closers
+            p.structural = self.structural
             p.decode = self.ll.decode_bytes
         return p
 
@@ -186,7 +207,7 @@ class GrammarProcessor:
         # token only (mlx-lm's speculative step). The reply follows it.
         self.start: Optional[int] = None
         self.budget: Optional[int] = None  # the reply's max tokens, if closing
-        self.closers = self.decode = None
+        self.closers = self.structural = self.decode = None
         self.eos_ids = sorted(eos_ids)
         self.fed: List[int] = []  # the reply tokens the matcher has seen
         self.took: List[bool] = []  # whether it consumed each (not once stopped)
@@ -223,10 +244,8 @@ class GrammarProcessor:
             raw = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
             bits = np.unpackbits(raw, bitorder="little")[: self.vocab_size]
             bits = bits.astype(bool)
-            need = self.closing()
-            if need is not None:  # only what closes it, where the grammar agrees
-                fits = np.zeros(len(bits), dtype=bool)
-                fits[[i for i, b in self.closers if need.startswith(b)]] = True
+            fits = self.near_the_end(bits)
+            if fits is not None:  # where the grammar agrees
                 closing = bits & fits
                 closing[list(self.eos_ids)] = bits[list(self.eos_ids)]
                 bits = closing if closing.any() else bits
@@ -234,14 +253,35 @@ class GrammarProcessor:
             bits = np.concatenate([bits, np.zeros(n_logits - len(bits), dtype=bool)])
         return mx.array(bits[:n_logits])
 
-    def closing(self) -> Optional[bytes]:
-        """The text that closes the JSON so far, when the tokens left are
-        about that many (+2: the end, a token of one byte); else None."""
+    def near_the_end(self, bits):
+        """None far from the budget's end; else a (vocab,) bool array of the
+        tokens that keep the JSON closable: when the tokens left are about the
+        closing text's length (+2: the end, a token of one byte), those that
+        spell it; within GROW more, any but those after which the closing
+        text would need more tokens than are left (a "," with 4 left)."""
+        import numpy as np
+
         left = None if self.budget is None else self.budget - len(self.fed)
         if left is None or left > CLOSE_WINDOW:
             return None
-        need = closing_text(self.decode(self.fed))
-        return need if left <= len(need) + 2 else None
+        tail = JsonTail().feed(self.decode(self.fed))
+        need = tail.need()
+        if left <= len(need) + 2:
+            fits = np.zeros(len(bits), dtype=bool)
+            fits[[i for i, b in self.closers if need.startswith(b)]] = True
+            return fits
+        if left > len(need) + 2 + GROW:
+            return None
+        fits = np.ones(len(bits), dtype=bool)
+        # After the token: left - 1 tokens, for the closing text and the end.
+        fits[
+            [
+                i
+                for i, b in self.structural
+                if bits[i] and len(tail.copy().feed(b).need()) > left - 2
+            ]
+        ] = False
+        return fits
 
     def __call__(self, tokens, logits):
         import mlx.core as mx
@@ -256,50 +296,79 @@ class GrammarProcessor:
 
 
 def closing_text(text: bytes) -> bytes:
-    """The shortest text that closes JSON `text` (compact, ": " between key
-    and value): the open string, an owed value as "", then each open array
-    and object. A schema may want other values: the grammar has the last word."""
-    stack, expect, in_string, escaped, key = [], [], False, False, False
-    for c in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == 0x5C:  # backslash
-                escaped = True
+    """The shortest text that closes JSON `text` (compact: ", " and ": " as
+    the grammar writes them): the open string, an owed value as "", then each
+    open array and object. A schema may want other values: the grammar has the
+    last word."""
+    return JsonTail().feed(text).need()
+
+
+class JsonTail:
+    """closing_text's reading of JSON, fed bytes at a time, so the closing
+    text after one more token costs that token's bytes only."""
+
+    def __init__(self):
+        self.stack, self.expect = [], []
+        self.in_string = self.escaped = self.key = False
+        self.last = self.solid = b""  # the last byte, the last one not a space
+
+    def copy(self) -> "JsonTail":
+        c = copy.copy(self)
+        c.stack, c.expect = list(self.stack), list(self.expect)
+        return c
+
+    def feed(self, text: bytes) -> "JsonTail":
+        stack, expect = self.stack, self.expect
+        for c in text:
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == 0x5C:  # backslash
+                    self.escaped = True
+                elif c == 0x22:
+                    self.in_string = False
+                    if self.key:
+                        expect[-1], self.key = "colon", False
+                    elif stack:
+                        expect[-1] = "after"
             elif c == 0x22:
-                in_string = False
-                if key:
-                    expect[-1], key = "colon", False
-                elif stack:
+                self.in_string = True
+                self.key = bool(stack) and expect[-1] == "key"
+            elif c in b"[{":
+                stack.append(c)
+                expect.append("key" if c == 0x7B else "value")
+            elif c in b"]}":
+                if stack:
+                    stack.pop(), expect.pop()
+                if stack:
                     expect[-1] = "after"
-        elif c == 0x22:
-            in_string, key = True, bool(stack) and expect[-1] == "key"
-        elif c in b"[{":
-            stack.append(c)
-            expect.append("key" if c == 0x7B else "value")
-        elif c in b"]}":
-            if stack:
-                stack.pop(), expect.pop()
-            if stack:
-                expect[-1] = "after"
-        elif c == 0x3A and stack:  # colon
-            expect[-1] = "value"
-        elif c == 0x2C and stack:  # comma
-            expect[-1] = "key" if stack[-1] == 0x7B else "value"
-        elif c not in b" \n\t\r" and stack and expect[-1] == "value":
-            expect[-1] = "after"  # a number or literal: closers end it
-    out = b'"' if in_string else b""
-    if stack:
-        owed = expect[-1]
-        if in_string and key or not in_string and owed == "colon":
-            out += b': ""'
-        elif (
-            not in_string
-            and owed == "key"
-            and stack[-1] == 0x7B
-            and text.rstrip()[-1:] == b","
-        ):
-            out += b'"": ""'
-        elif not in_string and owed == "value" and text.rstrip()[-1:] in (b":", b","):
-            out += b'""'
-    return out + bytes(0x7D if c == 0x7B else 0x5D for c in reversed(stack))
+            elif c == 0x3A and stack:  # colon
+                expect[-1] = "value"
+            elif c == 0x2C and stack:  # comma
+                expect[-1] = "key" if stack[-1] == 0x7B else "value"
+            elif c not in b" \n\t\r" and stack and expect[-1] == "value":
+                expect[-1] = "after"  # a number or literal: closers end it
+        if text:
+            self.last = text[-1:]
+            self.solid = text.rstrip()[-1:] or self.solid
+        return self
+
+    def need(self) -> bytes:
+        stack, in_string = self.stack, self.in_string
+        out = b'"' if in_string else b""
+        if stack:
+            owed = self.expect[-1]
+            # After "," or ":" the grammar writes its space first.
+            sep = b" " if not in_string and self.last in (b",", b":") else b""
+            if in_string and self.key or not in_string and owed == "colon":
+                out += b': ""'
+            elif (
+                not in_string
+                and owed == "key"
+                and stack[-1] == 0x7B
+                and self.solid == b","
+            ):
+                out += sep + b'"": ""'
+            elif not in_string and owed == "value" and self.solid in (b":", b","):
+                out += sep + b'""'
+        return out + bytes(0x7D if c == 0x7B else 0x5D for c in reversed(stack))

@@ -248,11 +248,19 @@ def keyed():
     s.kill()
 
 
+# A short system message: the default one would be ~14 more tokens to prefill,
+# three times uncached.
+PIN = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "The PIN is 4417. Repeat it back."},
+]
+
+
 def _cached(s, key, **extra) -> int:
     with s.client(key=key) as client:  # its keep-alive connection closed after
         r = client.chat.completions.create(
             model="default",
-            messages=[{"role": "user", "content": "The PIN is 4417. Repeat it back."}],
+            messages=PIN,
             max_tokens=1,
             temperature=0,
             **({"extra_body": extra} if extra else {}),

@@ -10,27 +10,17 @@ import pytest
 from serve_process import Server
 from test_serve import open_stream, sse_events
 
-# Mid-word, trailing spaces, newlines, digits, punctuation, code.
+# One prompt a case (each answered twice, streamed twice: ~0.11 s a token
+# here): the end of a word, mid-word, a trailing space, digits, digits and a
+# trailing space, code ending in a newline, a newline inside, a number in prose.
 PROMPTS = [
     "The capital of France is",
     "The capital of Fra",
     "Hello, my name is ",
-    "Once upon a time",
-    "Once upon a ti",
     "1, 2, 3, 4,",
     "1, 2, 3, 4, ",
-    "The quick brown fox jumps over the",
     "def fibonacci(n):\n",
     "Q: What is 2+2?\nA:",
-    "Water boils at 100 degrees",
-    "The largest planet in the solar system is ",
-    "She opened the door and",
-    "Monday, Tuesday, Wedn",
-    "import numpy as",
-    "The sun rises in the east and sets in the",
-    "To be or not to be,",
-    "My favourite colour is blue because",
-    "Paris is known for the Eiffel",
     "In 1492, Columbus",
 ]
 ASK = dict(model="default", max_tokens=3, temperature=0)
@@ -131,7 +121,7 @@ def test_streams_equal_the_answer_and_its_offsets(server, answers):
     body = dict(ASK, logprobs=1)
 
     def stream(i):
-        echo = i % 7 == 0  # some streams echo (scoring the prompt again), most not
+        echo = i % 4 == 0  # some streams echo (scoring the prompt again), most not
         one = {**body, "prompt": PROMPTS[i], "echo": echo}
         return echo, _stream_text(server.port, "/v1/completions", one)
 

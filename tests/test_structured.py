@@ -10,6 +10,7 @@ import json
 
 import jsonschema
 import mlx.core as mx
+import numpy as np
 import pytest
 import tiny
 from mlx_lm.generate import BatchGenerator, make_stop_sequences
@@ -17,8 +18,10 @@ from mlx_lm.utils import load_tokenizer
 
 from flashnorm_mlx import load
 from flashnorm_mlx.grammar import (
+    GROW,
     GrammarError,
     Grammars,
+    closing_text,
     json_grammar,
     tool_call_grammar,
 )
@@ -141,6 +144,44 @@ def test_json_is_closed_before_max_tokens_runs_out(tiny_model):
     assert not all(parses(text) for text, _ in cut), cut
 
 
+def test_closing_text_writes_the_grammars_separators():
+    """After "," or ":" the compact grammar writes a space first: counted, so
+    the tokens that spell the closing fit the budget."""
+    for text, want in [
+        (b'{"a":', b' ""}'),
+        (b'{"a": ', b'""}'),
+        (b'{"a": 1,', b' "": ""}'),
+        (b'{"a": 1, ', b'"": ""}'),
+        (b"[1,", b' ""]'),
+        (b"[1, ", b'""]'),
+        (b'{"a"', b': ""}'),
+        (b'{"a": "x, {', b'"}'),
+        (b'{"a": [1, 2', b"]}"),
+    ]:
+        assert closing_text(text) == want, (text, closing_text(text), want)
+
+
+def test_no_token_near_the_end_leaves_more_to_close_than_fits(tiny_model):
+    """SmolLM2's json_object reply for seed 7 with 28 tokens ran out as
+    '{..: 1234567890123, "": "",': a "," with 4 tokens left owes ' "": ""}'.
+    Within GROW tokens of the closing text's length a token that leaves more
+    to close than fits is masked; farther from the end it is allowed."""
+    tok = tiny_model[1]
+    g = Grammars(tok)
+    prefix = tok.encode('{"a": 1', add_special_tokens=False)
+    comma = [i for i, b in g.structural if b in (b",", b", ")]
+    assert comma, "the tokenizer has no comma token"
+    # '}' closes it: a budget of len(prefix) + 5 leaves 5, within 1 + 2 + GROW.
+    for left, allowed in [(5, False), (3 + GROW + 1, True)]:
+        p = g.processor(json_grammar(None), len(prefix) + left)
+        p.advance(prefix)
+        assert p.failed is None, p.failed
+        mask = np.array(p.allowed(p.vocab_size))
+        print(left, [(i, bool(mask[i])) for i in comma])
+        assert all(mask[i] == allowed for i in comma), (left, allowed)
+        assert mask[tok.encode("}", add_special_tokens=False)[0]], left
+
+
 def test_without_the_grammar_the_tiny_model_writes_no_json(tiny_model):
     """The reference that the test above can fail: unconstrained, the random
     model's bytes do not parse."""
@@ -228,7 +269,9 @@ def test_generate_json_schema_fits_at_temperature_0_7(tmp_path):
         (["--json"], lambda v: isinstance(v, dict) or pytest.fail(repr(v))),
     ]:
         r = _generate(
-            *flags, "-p", "A cat as JSON.", "--temp", "0.7", "--seed", "3", "-m", "80"
+            *flags,
+            *("-p", "A cat as JSON.", "--temp", "0.7", "--seed", "3", "-m", "80"),
+            *("--system-prompt", "JSON only."),  # not SmolLM2's default, ~14 more
         )
         print(r.stdout, r.stderr[-500:])
         assert r.returncode == 0, r.stderr
