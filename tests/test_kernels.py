@@ -775,6 +775,9 @@ HOST_PRELUDE = """\
 #define FN_AS_FLOAT(x) std::bit_cast<float>(x)
 """
 HOST_HEADER = """\
+#if defined(__APPLE__)
+#define _XOPEN_SOURCE 600  // macOS declares the ucontext calls only with it
+#endif
 #include <bit>
 #include <cmath>
 #include <cstdint>
