@@ -24,16 +24,29 @@ COMMANDS = ("generate", "chat", "bench", "convert", "verify", "perplexity", "ser
 IMPORT_TIME = re.compile(r"^import time:")
 
 
+# Python run before the command (`Run(setup=)`): its "still at it" and "reading
+# the message" marks after 1 s and 0.5 s of a step, not 10 s and 2 s, so a test
+# waits less for proof that the work it interrupts is under way.
+SOONER = (
+    "from flashnorm_mlx.cli import chat, common\n"
+    "common.StageLog.HEARTBEAT_S = 1.0\n"
+    "chat.PREFILL_NOTICE_S = 0.5\n"
+)
+AS_MAIN = "import runpy\nrunpy.run_module('flashnorm_mlx', run_name='__main__')"
+
+
 class Run:
     """`python [-X importtime] -m flashnorm_mlx ARGS`, its stdout and stderr read
-    line by line as they come (timestamped), so a test can wait for a mark."""
+    line by line as they come (timestamped), so a test can wait for a mark.
+    `setup`: Python that runs first, then flashnorm_mlx as `-m` runs it."""
 
-    def __init__(self, *args, importtime=False, stdin=subprocess.DEVNULL):
+    def __init__(self, *args, importtime=False, stdin=subprocess.DEVNULL, setup=""):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         flags = ["-X", "importtime"] if importtime else []
+        main = ["-c", setup + AS_MAIN] if setup else ["-m", "flashnorm_mlx"]
         self.start = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, *flags, "-m", "flashnorm_mlx", *args],
+            [sys.executable, *flags, *main, *args],
             stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -139,9 +152,9 @@ def test_ctrl_c_while_starting_is_one_line_and_130(command, after_s, tmp_path):
 
 def test_ctrl_c_stops_perplexity_at_once():
     # The embedded model: one batch of 4 windows is minutes of mx.eval here, and
-    # says it is still at it every 10 s. (Not earlier: MLX's first CPU kernel
-    # runs system("g++ --version"), which ignores SIGINT for its ~25 ms.)
-    run = Run("perplexity")
+    # says it is still at it (after 1 s: SOONER). Not earlier: MLX's first CPU
+    # kernel runs system("g++ --version"), which ignores SIGINT for its ~25 ms.
+    run = Run("perplexity", setup=SOONER)
     if run.wait_for("err", r"^flashnorm-mlx perplexity: scoring .*still at it") is None:
         _too_fast(run)
     _one_interrupt_line("perplexity", *run.interrupt())
@@ -149,8 +162,8 @@ def test_ctrl_c_stops_perplexity_at_once():
 
 def test_ctrl_c_stops_a_requantizing_convert_and_leaves_nothing(tmp_path):
     out = tmp_path / "made" / "out"  # its parent is created, and must go too
-    run = Run("convert", "-o", str(out), "--requantize")
-    # GPTQ calibration (minutes on a CPU) says it is still at it every 10 s.
+    run = Run("convert", "-o", str(out), "--requantize", setup=SOONER)
+    # GPTQ calibration (minutes on a CPU) says it is still at it (after 1 s).
     mark = r"^flashnorm-mlx convert: calibrating GPTQ: .*still at it"
     if run.wait_for("err", mark) is None:
         _too_fast(run)
@@ -161,13 +174,15 @@ def test_ctrl_c_stops_a_requantizing_convert_and_leaves_nothing(tmp_path):
 def test_ctrl_c_in_a_chat_prefill_drops_the_message_within_1_s():
     """A 300-token message on the embedded model is ~20 s of prefill on a
     2-core CPU: Ctrl-C stops it within one chunk, the message is dropped (no
-    rates on its line), and the chat goes on."""
+    rates on its line), and the chat goes on. (A short system prompt: the
+    template's default is ~30 more tokens to prefill in each turn.)"""
     words = "the quick brown fox jumps over the lazy dog again".split()
     message = " ".join(words[i % len(words)] for i in range(280))
-    run = Run("chat", "-m", "4", stdin=subprocess.PIPE)
+    flags = ["-m", "4", "--system-prompt", "Be brief."]
+    run = Run("chat", *flags, stdin=subprocess.PIPE, setup=SOONER)
     run.proc.stdin.write(message + "\n")
     run.proc.stdin.flush()
-    # Said after 2 s of prefill: a 300-token one lasts ~20 s on a 2-core CPU.
+    # Said after 0.5 s of prefill (SOONER): a 300-token one lasts ~20 s here.
     mark = r"^flashnorm-mlx chat: reading the message"
     if run.wait_for("err", mark, timeout=120) is None:
         _too_fast(run)

@@ -4,6 +4,7 @@ sampling, --verbose, cache-prompt's KV flags and --eos-token.
 The reference is mlx-lm's own command on the same float32 folder, run as a
 subprocess (`python -m mlx_lm generate`), never our own output."""
 
+import functools
 import subprocess
 import sys
 
@@ -26,8 +27,11 @@ def model(tmp_path_factory):
     return tiny.write_model(path, cfg, tiny.llama_weights(cfg, 3))
 
 
+@functools.cache
 def mlx_lm(*argv, cwd=None) -> str:
-    """`mlx_lm generate ... --verbose False`'s reply (its stdout)."""
+    """`mlx_lm generate ... --verbose False`'s reply (its stdout); a process
+    (~1.3 s of CPU) for each argv, which two tests may ask for alike (its reply
+    is the same for both --mode values)."""
     r = subprocess.run(
         [sys.executable, "-m", "mlx_lm", "generate", *argv, "--verbose", "False"],
         capture_output=True,
@@ -112,10 +116,13 @@ def cache_prompt(capsys, model, out, *flags) -> None:
     capsys.readouterr()
 
 
-def with_file(capsys, model, path, *flags):
-    """(ours, mlx-lm's) greedy reply to a follow-up on the cached prompt."""
+def from_file(capsys, model, path, *flags, reference=True):
+    """(ours, mlx-lm's) greedy reply to a follow-up on the cached prompt; ours
+    alone where `reference` is False (a test that needs no mlx-lm process)."""
     argv = ["--prompt-cache-file", str(path), "-p", "and again", "-m", "12", *flags]
     got = ours(capsys, str(model), "--mode", "stock", *argv)
+    if not reference:
+        return got
     want = mlx_lm("--model", str(model), *argv)
     print(f"mlx-lm: {want!r}\nours: {got!r}")
     return got, want
@@ -147,11 +154,12 @@ def test_cache_prompt_kv_flags_make_mlx_lms_cache(model, case, tmp_path, capsys)
     cache_prompt(capsys, model, path, *flags)
     cache, _ = held(path)
     assert [type(c).__name__ for c in cache] == [kind] * len(cache)
-    got, want = with_file(capsys, model, path, *use)
+    got, want = from_file(capsys, model, path, *use)
     assert got == want
     plain = tmp_path / "plain.safetensors"
     cache_prompt(capsys, model, plain)
-    assert with_file(capsys, model, plain)[0] != got, "the flags changed nothing"
+    other = from_file(capsys, model, plain, reference=False)
+    assert other != got, "the flags changed nothing"
 
 
 def test_a_quantized_file_with_other_kv_flags_is_one_line(model, tmp_path, capsys):
@@ -174,7 +182,7 @@ def test_cache_prompt_eos_token_stops_generate_as_mlx_lm(model, tmp_path, capsys
     generate from the file stops at it, as mlx-lm's generate does."""
     plain = tmp_path / "plain.safetensors"
     cache_prompt(capsys, model, plain)
-    text, _ = with_file(capsys, model, plain)
+    text = from_file(capsys, model, plain, reference=False)
     # An ASCII character is its own byte-level token; one past the first token.
     ok = [c for c in text if c.isascii() and c.isprintable() and not c.isspace()]
     stop = next((c for c in ok if text.index(c) >= 1), None)
@@ -183,7 +191,7 @@ def test_cache_prompt_eos_token_stops_generate_as_mlx_lm(model, tmp_path, capsys
     cache_prompt(capsys, model, path, "--eos-token", stop)
     _, meta = held(path)
     assert meta["tokenizer_config"] == '{"eos_token": "%s"}' % stop
-    got, want = with_file(capsys, model, path)
+    got, want = from_file(capsys, model, path)
     assert got == want
     assert got.rstrip("\n") == text[: text.index(stop)], (got, text, stop)
 

@@ -391,7 +391,7 @@ def test_bench_counts_fewer_launches_and_nonorm_runs(source):
 @pytest.mark.slow
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
 def test_generate_peaks_where_stock_does(tmp_path, quantized):
-    """The whole `generate -m 16` process (tests/peak_child.py): FlashNorm at
+    """The whole `generate -m 4` process (tests/peak_child.py): FlashNorm at
     most 1.03x stock's peak on a tiny Qwen3-MoE (16 layers, width 256), its
     Hugging Face per-expert checkpoint (stacked at read) and mlx-lm's 4-bit
     one as stored. Not the 3-layer one: FlashNorm's first decode step peaks

@@ -24,7 +24,9 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 @pytest.mark.parametrize("mode", ["flashnorm", "stock"])
 def test_generate_answers_paris(capsys, mode):
     # The default path: the stored 4-bit weights, FlashNorm's gains in its kernels.
-    rc = main(["generate", "-p", QUESTION, "-m", "24", "--temp", "0", "--mode", mode])
+    # A short system prompt: the template's default is 13 more tokens (~1.4 s).
+    argv = ["generate", "-p", QUESTION, "--system-prompt", "Be brief.", "-m", "24"]
+    rc = main([*argv, "--temp", "0", "--mode", mode])
     out = capsys.readouterr().out
     assert rc == 0, out
     answer = out.split("=" * 10)[0]
