@@ -99,15 +99,14 @@ def test_capacity_grows_in_buckets_and_stays_exact(tmp_path):
     assert shapes == {256, 512}, shapes
 
 
-def test_embedded_model_compiled_and_uncompiled_agree_over_128_tokens():
+def test_embedded_model_compiled_and_uncompiled_agree_over_32_steps():
     """The embedded SmolLM2-135M, 4-bit as stored: the same 32 greedy tokens on
     both engines, and every step's log-probabilities within float32 tolerance.
     32 steps show what 128 did at a quarter of the rows (~0.11 s each here):
     every step after the first runs the one trace of its KV bucket (256
     positions, the offset an array), and 5 + 128 positions never left the first
     bucket either; the tiny architectures run 128 steps, and the bucket's
-    crossing is test_capacity_grows_in_buckets_and_stays_exact's. (Named for
-    the 128 it ran: tests/conftest.py's SLOW list holds the name.)"""
+    crossing is test_capacity_grows_in_buckets_and_stays_exact's."""
     source = read_source(None)
     on, off = both(source)
     prompt = source.tokenizer.encode("The three primary colours are")
