@@ -6,6 +6,8 @@ with a key/value head held by several ranks where there are fewer of them.
 One launch per rank count checks every model and mode (tests/distributed_child.py);
 a few more run the commands as a user would, and make ranks fail. Every launch
 runs in its own process group with a time limit and is killed at the end.
+mlx's launcher runs through tests/quiet_launch.py (its threads wait for the
+ranks' output instead of polling flat out), the chat test through `mlx.launch`.
 """
 
 import json
@@ -171,22 +173,30 @@ def _free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} free ports in a row on 127.0.0.1")
 
 
-def run_bounded(cmd, env=None, stdin=None, timeout=TIMEOUT):
+def run_bounded(cmd, env=None, stdin=None, timeout=TIMEOUT, hold_stdin=False):
     """(returncode, stdout, stderr, seconds); the whole process group is killed
-    at the end whatever happened, so no rank outlives the test."""
+    at the end whatever happened, so no rank outlives the test. hold_stdin: the
+    STDIN lines, then no end of file until the end (a terminal's stdin: at end
+    of file mlx.launch's main loop polls without sleeping)."""
     env = {**os.environ, "FLASHNORM_DIST_TIMEOUT": "60", **(env or {})}
+    data = stdin.encode() if stdin else None
+    pipe, held = os.pipe() if hold_stdin else (subprocess.PIPE, None)
     t0 = time.perf_counter()
     p = subprocess.Popen(
         cmd,
         cwd=ROOT,
         env=env,
-        stdin=subprocess.PIPE,
+        stdin=pipe,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
+    if hold_stdin:
+        os.close(pipe)
+        os.write(held, data or b"")  # a few lines: within the pipe's buffer
+        data = None
     try:
-        out, err = p.communicate(stdin.encode() if stdin else None, timeout=timeout)
+        out, err = p.communicate(data, timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
@@ -196,15 +206,21 @@ def run_bounded(cmd, env=None, stdin=None, timeout=TIMEOUT):
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        if held is not None:
+            os.close(held)
     return p.returncode, out.decode(), err.decode(), time.perf_counter() - t0
 
 
-def launch(n, args, env=None, stdin=None):
-    """`mlx.launch -n N --backend ring` on 127.0.0.1, rank command = python ARGS."""
-    cmd = [str(BIN / "mlx.launch"), "-n", str(n), "--backend", "ring"]
-    cmd += ["--starting-port", str(_free_ports(n))]
+def launch(n, args, env=None, stdin=None, genuine=False):
+    """`mlx.launch -n N --backend ring` on 127.0.0.1, rank command = python ARGS;
+    mlx's launcher through tests/quiet_launch.py (whose rank threads wait
+    instead of polling flat out), or its `mlx.launch` script itself (genuine)."""
+    quiet = [sys.executable, str(Path(__file__).with_name("quiet_launch.py"))]
+    cmd = [str(BIN / "mlx.launch")] if genuine else quiet
+    cmd += ["-n", str(n), "--backend", "ring", "--starting-port", str(_free_ports(n))]
     extra = [f"--env={k}={v}" for k, v in (env or {}).items()]
-    return run_bounded(cmd + extra + ["--", sys.executable, *args], env, stdin)
+    cmd += extra + ["--", sys.executable, *args]
+    return run_bounded(cmd, env, stdin, hold_stdin=True)
 
 
 def launch2(args, env=None, stdin=None):
@@ -317,11 +333,12 @@ def test_chat_two_ranks_replies_as_one_process(models):
     """Sampling at temperature 0.7 with a seed: every rank must draw rank 0's
     tokens. mlx.launch passes stdin to every rank but not its end: /quit ends.
     The seed is past 2**32, as mlx-lm takes one (limits.py): the ranks agree on
-    all 64 bits."""
+    all 64 bits. The `mlx.launch` script itself, unchanged (the other tests run
+    mlx's launcher through tests/quiet_launch.py, which changes how it waits)."""
     seed = str(2**63 + 3)
     args = ["chat", models["qwen2"], "-m", "10", "--temp", "0.7", "--seed", seed]
     stdin = "hi\nhow are you\n/quit\n"
-    rc, out, err, _ = launch2(cli(*args), stdin=stdin)
+    rc, out, err, _ = launch(2, cli(*args), stdin=stdin, genuine=True)
     one = run_bounded([sys.executable, *cli(*args)], stdin=stdin)
 
     def replies(text):  # the stats lines carry timings
