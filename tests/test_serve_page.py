@@ -10,47 +10,25 @@ screenshot, at a fixed size, is checked (docs/serve-chat.png is
 test_serve_page_chat's, after a Compare)."""
 
 import json
-import os
 import signal
 import struct
 import time
 
 import pytest
 import tiny
+from browser import REPLY_MS, chromium, sync_api
 from serve_process import Server
 
 from flashnorm_mlx.serve import API_KEY_ENV
 
-CHROMIUM = "/usr/bin/chromium"
-if not os.path.exists(CHROMIUM):
-    pytest.skip(
-        "no Chromium at /usr/bin/chromium (apt-get install chromium)",
-        allow_module_level=True,
-    )
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="Playwright is not installed (pip install playwright)"
-)
-
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 SIZE = {"width": 1000, "height": 640}
-REPLY_MS = 180_000  # a reply on a busy 2-core CPU: an upper bound, not a wait
 QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
 def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 def open_page(browser, url):

@@ -24,8 +24,8 @@ import struct
 from pathlib import Path
 
 import pytest
+from browser import REPLY_MS, chromium, sync_api
 from serve_process import Server
-from test_serve_page import ARGS, CHROMIUM, REPLY_MS, sync_api
 
 PHONE = {"width": 390, "height": 780}
 DESKTOP = {"width": 1000, "height": 640}
@@ -36,10 +36,8 @@ STORE = "flashnorm-mlx-chat"
 
 @pytest.fixture(scope="module")
 def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")
