@@ -106,7 +106,8 @@ class Grammars:
         self.tokenizer = tokenizer
         self.lock = lock or threading.Lock()  # the tokenizer's, where shared
         self._ll = None
-        self._build = threading.RLock()  # closers reads ll under it too
+        self._build = threading.RLock()  # closing_tokens reads ll under it too
+        self._closing = None  # closing_tokens()
 
     @property
     def ll(self):
@@ -140,37 +141,25 @@ class Grammars:
         if message:
             raise GrammarError(message)
 
-    @property
-    def closers(self):
-        """[(id, bytes)] of the tokens whose text could be part of a closing
-        text (closing_text: quotes, ": ", brackets, braces), built once."""
+    def closing_tokens(self):
+        """(closers, structural), each [(id, bytes)], from one pass over the
+        vocabulary, built once: the tokens whose text could be part of a
+        closing text (closing_text: quotes, ": ", brackets, braces), and those
+        that can make it longer (quotes, commas, colons, opening brackets,
+        backslashes)."""
         with self._build:
-            if getattr(self, "_closers", None) is None:
+            if self._closing is None:
                 ll, chars = self.ll, set(b'"]}: ')
-                self._closers = [
-                    (i, b)
-                    for i in range(ll.vocab_size)
-                    if not ll.is_special_token(i)
-                    and (b := ll.decode_bytes([i]))
-                    and set(b) <= chars
-                ]
-            return self._closers
-
-    @property
-    def structural(self):
-        """[(id, bytes)] of the tokens that can make the closing text longer
-        (quotes, commas, colons, opening brackets, backslashes), built once."""
-        with self._build:
-            if getattr(self, "_structural", None) is None:
-                ll = self.ll
-                self._structural = [
-                    (i, b)
-                    for i in range(ll.vocab_size)
-                    if not ll.is_special_token(i)
-                    and (b := ll.decode_bytes([i]))
-                    and any(c in b for c in b'",:[{\\')
-                ]
-            return self._structural
+                closers, structural = [], []
+                for i in range(ll.vocab_size):
+                    if ll.is_special_token(i) or not (b := ll.decode_bytes([i])):
+                        continue
+                    if set(b) <= chars:
+                        closers.append((i, b))
+                    if any(c in b for c in b'",:[{\\'):
+                        structural.append((i, b))
+                self._closing = closers, structural
+            return self._closing
 
     def processor(
         self, grammar: str, max_tokens: Optional[int] = None
@@ -187,8 +176,8 @@ class Grammars:
         eos = getattr(self.tokenizer, "eos_token_ids", None) or []
         p = GrammarProcessor(matcher, self.ll.vocab_size, eos)
         if max_tokens is not None:
-            p.budget, p.closers = max_tokens, self.closers
-            p.structural = self.structural
+            p.budget = max_tokens
+            p.closers, p.structural = self.closing_tokens()
             p.decode = self.ll.decode_bytes
         return p
 

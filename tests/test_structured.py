@@ -169,7 +169,7 @@ def test_no_token_near_the_end_leaves_more_to_close_than_fits(tiny_model):
     tok = tiny_model[1]
     g = Grammars(tok)
     prefix = tok.encode('{"a": 1', add_special_tokens=False)
-    comma = [i for i, b in g.structural if b in (b",", b", ")]
+    comma = [i for i, b in g.closing_tokens()[1] if b in (b",", b", ")]
     assert comma, "the tokenizer has no comma token"
     # '}' closes it: a budget of len(prefix) + 5 leaves 5, within 1 + 2 + GROW.
     for left, allowed in [(5, False), (3 + GROW + 1, True)]:
