@@ -75,7 +75,7 @@ def run_on(model: nn.Module, engine: Optional[str]) -> nn.Module:
     cls = type(model)
     model.__class__ = compiled_class(cls)
     for layer in getattr(model, "layers", ()):
-        if isinstance(layer, Block):
+        if isinstance(layer, Block) and layer.PARTS:
             layer.__class__ = _parts_class(type(layer))
     # Every module the model's classes come from: mlx-lm's SmolLM3 runs
     # attention from mlx_lm.models.llama, not from its own module.
@@ -181,6 +181,8 @@ class DecodeStep:
     def applies(inputs, cache: Optional[Sequence]) -> bool:
         """A single-token step over plain, non-empty KVCaches at one offset."""
         if not cache or inputs.ndim != 2 or inputs.shape[1] != 1:
+            return False
+        if any(type(c) is not KVCache for c in cache):  # recurrent states, ...
             return False
         first = cache[0].offset
         return all(

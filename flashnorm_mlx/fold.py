@@ -33,6 +33,17 @@ def norm_pairs(config: dict, weights: Weights) -> List[Tuple[str, List[str]]]:
     return models.architecture(config).norm_pairs(config, weights)
 
 
+def tiled(gain: mx.array, width: int) -> mx.array:
+    """A norm gain over `width` input columns: a per-head gain (a gated norm's,
+    docs/design.md section 2k) repeats once per head; any other is whole."""
+    n = gain.shape[-1]
+    if n == width:
+        return gain
+    if width % n:
+        raise FoldError(f"a gain of width {n} cannot feed {width} input columns")
+    return mx.tile(gain, (width // n,))
+
+
 def fold_gain(weights: Weights, gain: mx.array, linear: str) -> Weights:
     """W* = W diag(g), computed in float32 and cast back to W's dtype."""
     if f"{linear}.scales" in weights:
@@ -41,7 +52,8 @@ def fold_gain(weights: Weights, gain: mx.array, linear: str) -> Weights:
             "(folding changes the weight, so fold in float then quantize)"
         )
     w = weights[f"{linear}.weight"]
-    folded = (w.astype(mx.float32) * gain.astype(mx.float32)[None, :]).astype(w.dtype)
+    g = tiled(gain.astype(mx.float32), w.shape[-1])
+    folded = (w.astype(mx.float32) * g[None, :]).astype(w.dtype)
     return {**weights, f"{linear}.weight": folded}
 
 
@@ -102,7 +114,7 @@ def restore_unit_norms(weights: Weights, config: dict) -> Weights:
     for norm, _ in norm_pairs(config, weights):
         key = f"{norm}.weight"
         if key not in weights:
-            like = mx.zeros((config[arch.width_key],), dtype=mx.float32)
+            like = mx.zeros((arch.norm_width(config, norm),), dtype=mx.float32)
             weights[key] = arch.unit_weight(like)
     return weights
 

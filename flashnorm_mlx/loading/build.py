@@ -183,7 +183,7 @@ def _own_handles(source: Source) -> dict:
     if source.folder is None or source.adapter is not None:  # not the files'
         return source.weights
     try:
-        fresh = models.stack_experts(source.config, folder_weights(source.folder))
+        fresh = models.canonical_weights(source.config, folder_weights(source.folder))
     except LoadError:
         return source.weights
     same = fresh.keys() == source.weights.keys() and all(

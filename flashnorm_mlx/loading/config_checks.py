@@ -40,7 +40,7 @@ def check_config(config, where: str, arg_classes, ranges: bool = True) -> None:
     if not isinstance(config, dict):
         raise LoadError(f"{where}: the config is not a JSON object")
     hints, required = {}, set()
-    for cls in arg_classes:
+    for cls in map(lambda c: _flat(c, config), arg_classes):
         hints.update(typing.get_type_hints(cls))
         required |= {
             f.name
@@ -70,6 +70,18 @@ def check_config(config, where: str, arg_classes, ranges: bool = True) -> None:
 
 
 _MARKER_FLAGS = ("folded", "compat", "final_norm_folded")
+
+
+def _flat(cls, config: dict):
+    """The class whose fields `config` holds: a multimodal wrapper's ModelArgs
+    (a `text_config` field) whose `from_dict` takes the text config flat, as
+    mlx-lm's Qwen3.5 does, is checked as its module's TextModelArgs."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if "text_config" in fields and "text_config" not in config:
+        import sys
+
+        return getattr(sys.modules[cls.__module__], "TextModelArgs", cls)
+    return cls
 
 
 def _one_of(values) -> str:

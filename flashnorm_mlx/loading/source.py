@@ -165,7 +165,7 @@ def _read_folder(path: Path, name: str) -> Source:
         models.check_runnable(config)
     except ValueError as e:
         raise LoadError(f"{config_file}: {e}") from None
-    weights = models.stack_experts(config, folder_weights(path))
+    weights = models.canonical_weights(config, folder_weights(path))
     return Source(name, config, weights, folder=path)
 
 

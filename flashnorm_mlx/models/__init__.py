@@ -138,14 +138,19 @@ def architecture(config: dict) -> Architecture:
     return model_module(config).ARCH
 
 
-def stack_experts(config: dict, weights: dict) -> dict:
-    """A checkpoint's per-expert weights stacked into mlx-lm's 3-D experts
-    (`arch.MoE.stack`), so fold, quantization and convert see one module per
-    layer's experts, as mlx-lm's saved checkpoints hold them. A family FlashNorm
-    does not cover is left to its own class's `sanitize`."""
+def canonical_weights(config: dict, weights: dict) -> dict:
+    """A checkpoint's weights as mlx-lm's saved checkpoints hold them, so fold,
+    quantization and convert read one form: the family module's `canonical`
+    where it has one (names and values mlx-lm's `sanitize` changes, e.g.
+    Qwen3.5's), then per-expert weights stacked into mlx-lm's 3-D experts
+    (`arch.MoE.stack`). Lazy: nothing is computed. A family FlashNorm does not
+    cover is left to its own class's `sanitize`."""
     if not is_covered(config):
         return weights
-    moe = architecture(config).moe
+    module = model_module(config)
+    if hasattr(module, "canonical"):
+        weights = module.canonical(config, weights)
+    moe = module.ARCH.moe
     return moe.stack(config, weights) if moe else weights
 
 

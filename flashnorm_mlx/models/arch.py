@@ -19,19 +19,24 @@ Beyond the Llama shape (docs/design.md section 2h), an architecture states:
 - `gguf`: how llama.cpp's GGUF files of the family are read (`Gguf`), None
   where it has none (the MoE's tensor names are on `MoE.gguf`);
 - `cannot`: what the family does not do (a variant such as "nonorm", or
-  "gguf"), each with why; `require` turns asking for it into one line.
+  "gguf"), each with why; `require` turns asking for it into one line;
+- `mixers` and `layer_kind`: a hybrid family's token mixers (attention, gated
+  attention, gated DeltaNet, short convolution), each with the pair its norm
+  feeds and the gated norm that closes it, and which one layer i holds;
+  `layer_pairs(config, i)` is that layer's pairs (docs/design.md section 2k).
 The block and sublayer names (`norms`, `attention`, `feed_forward`) come from
 `pairs`, so the shared decoder (models/decoder.py) and sharding read them here.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
 from ..errors import UnsupportedModel
 
 ACTIVATIONS = ("silu", "gelu_tanh")
+MIXER_KINDS = ("attention", "gated_attention", "gated_deltanet", "short_conv")
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,37 @@ class PostNorm:
 
     norm: str
     after: str
+
+
+@dataclass(frozen=True)
+class GatedNorm:
+    """A norm inside a mixer, y = rms_norm(h) * g * act(z) per head, and the
+    linear it feeds (Qwen3.5's RMSNormGated before out_proj): g folds into
+    `out`'s input columns, tiled over the heads; the per-head 1/RMS stays
+    (docs/design.md section 2k). `width_key`: the config key of its width."""
+
+    norm: str
+    out: str
+    width_key: str
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """One kind of token mixer a hybrid family's layer may hold: `kind` (one
+    of MIXER_KINDS), the norm pair that feeds it, a gated norm closing it."""
+
+    kind: str
+    pair: NormPair
+    gated_norm: Optional[GatedNorm] = None
+
+    def __post_init__(self):
+        if self.kind not in MIXER_KINDS:
+            raise ValueError(f"mixer kind {self.kind!r} not in {MIXER_KINDS}")
+
+    @property
+    def module(self) -> str:
+        """The mixer's module within a layer (e.g. "linear_attn")."""
+        return self.pair.fused.split(".")[0]
 
 
 @dataclass(frozen=True)
@@ -164,6 +200,10 @@ class Architecture:
     cannot: Tuple[Tuple[str, str], ...] = ()
     moe: Optional[MoE] = None  # a mixture-of-experts feed-forward, where any
     gguf: Optional[Gguf] = None  # llama.cpp's files, where they are read
+    # Hybrid families: every mixer a layer may hold (pairs[0] is the first's
+    # pair), and the kind of layer i from the config.
+    mixers: Tuple[Mixer, ...] = ()
+    layer_kind: Optional[Callable[[dict, int], str]] = None
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -173,6 +213,35 @@ class Architecture:
     def norms(self) -> Tuple[str, ...]:
         """The foldable norms of a layer, in order (attention's, the FFN's)."""
         return tuple(p.norm for p in self.pairs)
+
+    def mixer(self, config: dict, i: int) -> Mixer:
+        """The mixer of layer i: one of `mixers` by `layer_kind`, else attention
+        on the first pair."""
+        if not self.mixers:
+            return Mixer("attention", self.pairs[0])
+        kind = self.layer_kind(config, i)
+        return next(m for m in self.mixers if m.kind == kind)
+
+    def layer_pairs(self, config: dict, i: int) -> Tuple[NormPair, ...]:
+        """Layer i's pairs: its mixer's, then the feed-forward's."""
+        if not self.mixers:
+            return self.pairs
+        return (self.mixer(config, i).pair, *self.pairs[1:])
+
+    def gated_norms(self, config: dict) -> Dict[str, Tuple[str, str]]:
+        """{gated norm: (the linear it feeds, its width's config key)}, every
+        layer's (docs/design.md section 2k)."""
+        out = {}
+        for i, p in enumerate(self.layer_prefixes(config)):
+            g = self.mixer(config, i).gated_norm if self.mixers else None
+            if g is not None:
+                out[f"{p}.{g.norm}"] = (f"{p}.{g.out}", g.width_key)
+        return out
+
+    def norm_width(self, config: dict, norm: str) -> int:
+        """A foldable norm's width: the residual's, a gated norm's own."""
+        gated = self.gated_norms(config).get(norm)
+        return config[gated[1] if gated else self.width_key]
 
     @property
     def attention(self) -> str:
@@ -223,9 +292,9 @@ class Architecture:
         """(norm, [linears it feeds]) for every foldable norm, final one included
         when the head is untied; the fused or split names, as `weights` has them."""
         out = []
-        for p in self.layer_prefixes(config):
+        for i, p in enumerate(self.layer_prefixes(config)):
             experts = self.moe.linears(p, weights) if self.moe else []
-            for pair in self.pairs:
+            for pair in self.layer_pairs(config, i):
                 if experts and pair.norm == self.moe.norm:  # this layer's MoE
                     linears = experts
                 elif f"{p}.{pair.fused}.weight" in weights:
@@ -233,6 +302,8 @@ class Architecture:
                 else:
                     linears = [f"{p}.{part}" for part in pair.parts]
                 out.append((f"{p}.{pair.norm}", linears))
+        # A gated norm's gain folds into the linear after it (tiled per head).
+        out += [(norm, [lin]) for norm, (lin, _) in self.gated_norms(config).items()]
         if not self.is_tied(config):
             out.append((self.final_norm, [self.head]))
         return out

@@ -43,6 +43,13 @@ class Block(nn.Module):
     ATTENTION = "self_attn"  # the attention module's checkpoint name
     FEED_FORWARD = "mlp"
     GAIN_OFFSET = 0.0  # the architecture's `gain_offset` (Gemma: 1)
+    # A recurrent mixer (gated DeltaNet, short convolution): an ArraysCache and
+    # mlx-lm's ssm mask.
+    RECURRENT = False
+    # The engine may compile the mixer's `heads` and `project_out` + `close`
+    # apart around the cache (engine.py `_parts_class`): a FusedAttention
+    # called as those two alone.
+    PARTS = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .. import kernels
@@ -96,9 +96,11 @@ class DecoderModel(nn.Module):
         # Folded into an untied head, so kept only for a tied one or unfolded.
         if args.tie_word_embeddings or norm_gains:
             self.norm = Gain(args.hidden_size)
-        # The first full and first sliding layer: whose caches the masks read.
-        self.fa_idx = next((i for i, l in enumerate(layers) if not l.use_sliding), 0)
-        self.swa_idx = next((i for i, l in enumerate(layers) if l.use_sliding), None)
+        # The first full, sliding and recurrent layer: whose caches the masks read.
+        attends = [i for i, l in enumerate(layers) if not l.RECURRENT]
+        self.fa_idx = next((i for i in attends if not layers[i].use_sliding), 0)
+        self.swa_idx = next((i for i in attends if layers[i].use_sliding), None)
+        self.ssm_idx = next((i for i, l in enumerate(layers) if l.RECURRENT), None)
 
     def __call__(self, inputs, cache=None, input_embeddings=None):
         h = (
@@ -116,7 +118,13 @@ class DecoderModel(nn.Module):
             swa_mask = create_attention_mask(
                 h, cache[self.swa_idx], window_size=self.args.sliding_window
             )
-        masks = [swa_mask if l.use_sliding else fa_mask for l in self.layers]
+        ssm_mask = None
+        if self.ssm_idx is not None:  # recurrent mixers' padding mask (mlx-lm's)
+            ssm_mask = create_ssm_mask(h, cache[self.ssm_idx])
+        masks = [
+            ssm_mask if l.RECURRENT else swa_mask if l.use_sliding else fa_mask
+            for l in self.layers
+        ]
         gain = self.norm.gain(self.arch.gain_offset) if "norm" in self else None
         return run_blocks(self.layers, h, self.args.rms_norm_eps, masks, cache, gain)
 
@@ -124,7 +132,8 @@ class DecoderModel(nn.Module):
 class Decoder(nn.Module):
     """The outer model. Subclasses set `Block` (a `DecoderBlock` with the
     family's `ARCH`) and `attention_cls` (called as attention_cls(args)), or
-    override `attention(args, i)` where layers differ."""
+    override `attention(args, i)`, `feed_forward(args, i)` or `block(args, i)`
+    (the block class) where layers differ; each layer is built once."""
 
     Block: type
     attention_cls: type
@@ -135,12 +144,13 @@ class Decoder(nn.Module):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
+        self.norm_gains = norm_gains  # read by mixers that hold a gain of their own
         arch = self.Block.ARCH
         layers = [
-            self.Block(
+            self.block(args, i)(
                 args,
                 self.attention(args, i),
-                MLP(args, arch.activation),
+                self.feed_forward(args, i),
                 norm_gains,
                 self.is_sliding(args, i),
             )
@@ -152,6 +162,14 @@ class Decoder(nn.Module):
 
     def attention(self, args, i: int) -> nn.Module:
         return self.attention_cls(args)
+
+    def feed_forward(self, args, i: int) -> nn.Module:
+        """Layer i's feed-forward, (xs, ms) -> (y, ms_y): the deferred GLU."""
+        return MLP(args, self.Block.ARCH.activation)
+
+    def block(self, args, i: int) -> type:
+        """Layer i's block class (a hybrid family's differ by mixer)."""
+        return self.Block
 
     def is_sliding(self, args, i: int) -> bool:
         """mlx-lm's Llama and Mistral: `layer_types` says, else every layer is full."""

@@ -128,13 +128,14 @@ class Model(llama.Model):
 
     def __init__(self, args: ModelArgs, norm_gains: bool = False):
         super().__init__(_args(args), norm_gains)
-        for layer in self.layers:  # the dense MLP built first is never evaluated
-            layer.mlp = ExpertsMoE(
-                args.hidden_size,
-                args.intermediate_size,
-                args.num_local_experts,
-                args.num_experts_per_tok,
-            )
+
+    def feed_forward(self, args: ModelArgs, i: int) -> "ExpertsMoE":
+        return ExpertsMoE(
+            args.hidden_size,
+            args.intermediate_size,
+            args.num_local_experts,
+            args.num_experts_per_tok,
+        )
 
     def sanitize(self, weights):
         """mlx-lm's sanitized names; q|k|v and the experts' gate|up fused, the

@@ -47,20 +47,21 @@ class Attention(llama.Attention):
         super().__init__(plain, qkv_bias=False, o_bias=False)
 
 
+class TransformerBlock(llama.TransformerBlock):
+    FEED_FORWARD = "block_sparse_moe"  # its experts' module, in every layer
+
+
 class Model(llama.Model):
+    Block = TransformerBlock
     attention_cls = Attention
 
-    def __init__(self, args: ModelArgs, norm_gains: bool = False):
-        super().__init__(args, norm_gains)
-        for layer in self.layers:  # the dense MLP built first is never evaluated
-            del layer["mlp"]
-            layer.FEED_FORWARD = "block_sparse_moe"
-            layer.block_sparse_moe = SoftmaxOfTopK(
-                args.hidden_size,
-                args.intermediate_size,
-                args.num_local_experts,
-                args.num_experts_per_tok,
-            )
+    def feed_forward(self, args: ModelArgs, i: int) -> SoftmaxOfTopK:
+        return SoftmaxOfTopK(
+            args.hidden_size,
+            args.intermediate_size,
+            args.num_local_experts,
+            args.num_experts_per_tok,
+        )
 
     def sanitize(self, weights):
         """Per-expert w1/w3/w2 stacked as mlx-lm's sanitize does, then q|k|v and

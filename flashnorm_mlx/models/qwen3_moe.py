@@ -43,17 +43,16 @@ def is_sparse(args: ModelArgs, i: int) -> bool:
 class Model(llama.Model):
     attention_cls = qwen3.Attention
 
-    def __init__(self, args: ModelArgs, norm_gains: bool = False):
-        super().__init__(args, norm_gains)
-        for i, layer in enumerate(self.layers):
-            if is_sparse(args, i):  # the dense MLP built first is never evaluated
-                layer.mlp = SparseMoE(
-                    args.hidden_size,
-                    args.moe_intermediate_size,
-                    args.num_experts,
-                    args.num_experts_per_tok,
-                    args.norm_topk_prob,
-                )
+    def feed_forward(self, args: ModelArgs, i: int):
+        if not is_sparse(args, i):
+            return super().feed_forward(args, i)
+        return SparseMoE(
+            args.hidden_size,
+            args.moe_intermediate_size,
+            args.num_experts,
+            args.num_experts_per_tok,
+            args.norm_topk_prob,
+        )
 
     def sanitize(self, weights):
         """Hugging Face's per-expert weights stacked (as mlx-lm's sanitize does),

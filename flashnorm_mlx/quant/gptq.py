@@ -132,7 +132,8 @@ def hessians(
     for norm, linears in fold.norm_pairs(config, weights):
         inv = 1.0 / arch.gain(weights[f"{norm}.weight"]).astype(mx.float32)
         for linear in linears:
-            out[linear] = out[linear] * inv[:, None] * inv[None, :]
+            g = fold.tiled(inv, out[linear].shape[-1])  # a gated norm's, per head
+            out[linear] = out[linear] * g[:, None] * g[None, :]
     return out
 
 
