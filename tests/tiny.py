@@ -703,3 +703,110 @@ def make_gpt_oss(path: Path, seed: int = 0, tokenizer: bool = True, **over) -> P
             w[f"{x}.{n}_proj.weight"] = np.stack([_lin(rng, o, i_) for _ in range(E)])
             w[f"{x}.{n}_proj.bias"] = bias(E, o)
     return write_model(path, cfg, w, tokenizer)
+
+
+# --- Qwen3.5: gated DeltaNet and gated attention layers (mlx-lm's qwen3_5) ----------
+
+QWEN3_5 = dict(
+    model_type="qwen3_5",
+    hidden_size=64,
+    num_hidden_layers=4,  # DeltaNet, DeltaNet, DeltaNet, attention
+    full_attention_interval=4,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e6,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0],
+    },
+)
+QWEN3_5_CONFIGS = {
+    "qwen3_5": {},
+    # Tied head, an attention layer between two DeltaNets, the last recurrent.
+    "qwen3_5_tied": dict(
+        num_hidden_layers=3, full_attention_interval=2, tie_word_embeddings=True
+    ),
+}
+
+
+def qwen3_5_config(name: str = "qwen3_5", **over) -> dict:
+    return {**QWEN3_5, **QWEN3_5_CONFIGS[name], **over}
+
+
+def qwen3_5_weights(cfg: dict, seed: int = 0, hf: bool = False) -> dict:
+    """mlx-lm's saved layout (`language_model.` names, Conv1d (C, K, 1), norm
+    gains as such); `hf`: Hugging Face's own files (`model.language_model.`,
+    Conv1d (C, 1, K), norms storing w of 1 + w, a vision tower and an MTP head
+    that mlx-lm drops). Gated-norm gains in [0.25, 4] like every other."""
+    rng = np.random.default_rng(seed)
+    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hq, hkv, h = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    K = cfg["linear_conv_kernel_dim"]
+    conv = 2 * nk * dk + nv * dv
+
+    def gain(n):  # the 1 + w norms store w in Hugging Face's files
+        g = _gain(rng, n)
+        return g - 1.0 if hf else g
+
+    top = "model.language_model." if hf else "language_model.model."
+    w = {
+        f"{top}embed_tokens.weight": rng.standard_normal((V, D)).astype(np.float32),
+        f"{top}norm.weight": gain(D),
+    }
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight" if hf else "language_model.lm_head.weight"] = _lin(rng, V, D)
+    interval = cfg["full_attention_interval"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"{top}layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = gain(D)
+        w[f"{p}.post_attention_layernorm.weight"] = gain(D)
+        if (i + 1) % interval:
+            a = f"{p}.linear_attn"
+            for n, out in (("qkv", conv), ("z", nv * dv), ("b", nv), ("a", nv)):
+                w[f"{a}.in_proj_{n}.weight"] = _lin(rng, out, D)
+            c = (rng.standard_normal((conv, K)) / np.sqrt(K)).astype(np.float32)
+            w[f"{a}.conv1d.weight"] = c[:, None, :] if hf else c[:, :, None]
+            w[f"{a}.dt_bias"] = rng.uniform(-1, 1, nv).astype(np.float32)
+            w[f"{a}.A_log"] = np.log(rng.uniform(0.5, 8, nv)).astype(np.float32)
+            w[f"{a}.norm.weight"] = _gain(rng, dv)  # a plain gain in both forms
+            w[f"{a}.out_proj.weight"] = _lin(rng, D, nv * dv)
+        else:
+            a = f"{p}.self_attn"
+            w[f"{a}.q_proj.weight"] = _lin(rng, 2 * hq * h, D)  # per head [q | gate]
+            w[f"{a}.k_proj.weight"] = _lin(rng, hkv * h, D)
+            w[f"{a}.v_proj.weight"] = _lin(rng, hkv * h, D)
+            w[f"{a}.o_proj.weight"] = _lin(rng, D, hq * h)
+            w[f"{a}.q_norm.weight"] = gain(h)
+            w[f"{a}.k_norm.weight"] = gain(h)
+        for n, (o, i_) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            w[f"{p}.mlp.{n}_proj.weight"] = _lin(rng, o, i_)
+    if hf:
+        w["model.visual.patch_embed.proj.weight"] = _lin(rng, 8, 8)
+        w["mtp.fc.weight"] = _lin(rng, D, 2 * D)
+    return w
+
+
+def make_qwen3_5(
+    path: Path,
+    name: str = "qwen3_5",
+    seed: int = 0,
+    tokenizer: bool = True,
+    hf: bool = False,
+    **over,
+) -> Path:
+    cfg = qwen3_5_config(name, **over)
+    return write_model(path, cfg, qwen3_5_weights(cfg, seed, hf), tokenizer)

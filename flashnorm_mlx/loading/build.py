@@ -112,7 +112,8 @@ def build_model(
     for i, layer in enumerate(getattr(model, "layers", [])):
         mx.eval(layer.parameters())
         if share:
-            _share_rows(layer, arch.layer.format(i=i), arch, source.weights, as_is)
+            pairs = arch.layer_pairs(config, i)
+            _share_rows(layer, arch.layer.format(i=i), pairs, source.weights, as_is)
     if fused:  # each rank's own rows, after sharding
         stacks = stock_fused.groups(models.architecture(config))
         stock_fused.fuse_projections(model, stacks)
@@ -129,13 +130,13 @@ def _mlx_lm_quantized(model, config: dict, bits: int, group_size: int):
         return quantize_model(model, config, group_size, bits)
 
 
-def _share_rows(layer, prefix: str, arch, weights: dict, as_is: Set[str]) -> None:
+def _share_rows(layer, prefix: str, pairs, weights: dict, as_is: Set[str]) -> None:
     """Point `weights`' tensors that `layer` stacked unchanged (q|k|v and
     gate|up of a quantized source as stored) at the stacked tensor's rows: the
     same values, held once, where the Source (GGUF, read whole) would keep a
     second copy of them for as long as it lives."""
     params = dict(tree_flatten(layer.parameters()))
-    for pair in arch.pairs:
+    for pair in pairs:  # the layer's own (a hybrid family's differ by mixer)
         for suffix in ("weight", "scales", "biases"):
             keys = [f"{prefix}.{part}.{suffix}" for part in pair.parts]
             whole = params.get(f"{pair.fused}.{suffix}")

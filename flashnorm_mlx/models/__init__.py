@@ -25,6 +25,7 @@ ARCHITECTURES = {
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_5": "qwen3_5",
     "qwen3_moe": "qwen3_moe",
     "smollm3": "smollm3",
 }

@@ -186,7 +186,7 @@ def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
     if fused:  # (rows are output features, quantized or not)
         h = attn.qkv_proj.weight.shape[0] // (hq + 2 * hkv)
     else:  # mlx-lm's Qwen2 keeps no head_dim
-        h = attn.q_proj.weight.shape[0] // hq
+        h = getattr(attn, "head_dim", None) or attn.q_proj.weight.shape[0] // hq
     q = [(mine.q0 * h, mine.q1 * h)]
     kv = [(mine.k0 * h, mine.k1 * h)]
     if fused:  # rows [q heads | k heads | v heads]
@@ -196,10 +196,13 @@ def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
         attn.qkv_proj = take_rows(attn.qkv_proj, rows)
         if "qkv_bias" in attn:
             attn.qkv_bias = _cut(attn.qkv_bias, rows)
-    else:
-        attn.q_proj = take_rows(attn.q_proj, q)
+    else:  # mlx-lm's gated attention: q_proj rows per head [q | gate], 2h
+        qh = attn.q_proj.weight.shape[0] // hq
+        attn.q_proj = take_rows(attn.q_proj, [(mine.q0 * qh, mine.q1 * qh)])
         attn.k_proj = take_rows(attn.k_proj, kv)
         attn.v_proj = take_rows(attn.v_proj, kv)
+    if "gate_proj" in attn:  # our gated attention's gate rows, per query head
+        attn.gate_proj = take_rows(attn.gate_proj, q)
     out = "o_proj" if "o_proj" in attn else "out_proj"
     label = f"{where} {out}".strip()
     setattr(attn, out, sum_columns(attn[out], q[0], group, label))
@@ -324,8 +327,57 @@ class _SummedExperts(nn.Module):
         return mx.distributed.all_sum(y, group=self.group)
 
 
+def shard_deltanet(net: nn.Module, group, where: str = "") -> None:
+    """Split a gated DeltaNet (Qwen3.5's) over `group` by runs of key heads,
+    each with the value heads that read them (value head j reads key head
+    j // (value heads / key heads)): the rows of q, k, v, z, b and a (ours
+    fused as `in_proj`, mlx-lm's four linears), the convolution's channels,
+    dt_bias and A_log, and out_proj's input columns, all-summed."""
+    nk, nv = net.num_k_heads, net.num_v_heads
+    dk, dv, r = net.head_k_dim, net.head_v_dim, nv // nk
+    if nk < group.size():
+        raise ShardError(
+            f"cannot shard {where} over {group.size()} ranks: {nk} key heads, and "
+            f"each rank needs at least one; launch at most {nk} ranks"
+        )
+    k0, k1 = runs(nk, group.size())[group.rank()]
+    qk = [(k0 * dk, k1 * dk), (nk * dk + k0 * dk, nk * dk + k1 * dk)]
+    vals = (k0 * r * dv, k1 * r * dv)
+    heads = (k0 * r, k1 * r)
+    conv = qk + [(2 * nk * dk + vals[0], 2 * nk * dk + vals[1])]
+    if "in_proj" in net:  # ours: rows qkv | z | b | a
+        at = [net.conv_dim, net.conv_dim + net.value_dim]
+        at.append(at[1] + nv)
+        rows = conv + [(at[0] + vals[0], at[0] + vals[1])]
+        rows += [(o + heads[0], o + heads[1]) for o in at[1:]]
+        net.in_proj = take_rows(net.in_proj, rows)
+    else:
+        net.in_proj_qkv = take_rows(net.in_proj_qkv, conv)
+        net.in_proj_z = take_rows(net.in_proj_z, [vals])
+        net.in_proj_b = take_rows(net.in_proj_b, [heads])
+        net.in_proj_a = take_rows(net.in_proj_a, [heads])
+    net.conv1d.weight = _cut(net.conv1d.weight, conv)
+    net.dt_bias, net.A_log = (_cut(a, [heads]) for a in (net.dt_bias, net.A_log))
+    net.out_proj = sum_columns(net.out_proj, vals, group, f"{where} out_proj".strip())
+    net.num_k_heads, net.num_v_heads = k1 - k0, (k1 - k0) * r
+    net.key_dim, net.value_dim = (k1 - k0) * dk, (k1 - k0) * r * dv
+    net.conv_dim = net.conv1d.groups = 2 * net.key_dim + net.value_dim
+    if hasattr(net, "splits"):  # ours: where in_proj's rows part
+        net.splits = [net.conv_dim, net.conv_dim + net.value_dim]
+        net.splits.append(net.splits[1] + net.num_v_heads)
+
+
+def _mixer(layer: nn.Module, arch):
+    """(module, kind) of the token mixer `layer` holds, by `arch`'s contract."""
+    for m in arch.mixers:
+        if m.module in layer:
+            return layer[m.module], m.kind
+    return layer[arch.attention], "attention"
+
+
 def shard_layers(layers: List[nn.Module], group, arch=None) -> None:
-    """Every block's attention and feed-forward, each layer by its own head
+    """Every block's mixer (attention or, in a hybrid family, whichever
+    `arch.mixers` it holds) and feed-forward, each layer by its own head
     counts (OpenELM's vary); embedding, head and residual stay whole. `arch`
     (models/arch.py) names the modules, its `moe` the layers with experts;
     without it (mlx-lm's classes) they are found under Llama's or OpenELM's names."""
@@ -333,10 +385,14 @@ def shard_layers(layers: List[nn.Module], group, arch=None) -> None:
     at, _, router = moe.router.rpartition(".") if moe else ("", "", "")
     for i, layer in enumerate(layers):
         if arch is not None:
-            attn = layer[arch.attention]
+            attn, kind = _mixer(layer, arch)
         else:
             attn = layer["self_attn"] if "self_attn" in layer else layer["attn"]
-        shard_attention(attn, group, f"layer {i}")
+            kind = "attention"
+        if kind == "gated_deltanet":
+            shard_deltanet(attn, group, f"layer {i}")
+        else:
+            shard_attention(attn, group, f"layer {i}")
         if at in layer and router in layer[at]:  # this layer's experts
             shard_experts(layer[at], moe, group, f"layer {i}")
         elif arch is not None:
