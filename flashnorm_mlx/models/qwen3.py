@@ -38,7 +38,7 @@ class Attention(llama.Attention):
         """QK-norm form: the gains (1/sqrt(h) in q's) and epsilons, no scale."""
         gains = self._qk_gains(self.q_norm.weight, self.k_norm.weight)
         heads = (self.n_heads, self.n_kv_heads)
-        return kernels.Epilogue(*heads, self._inv_freq, self.rope, **gains)
+        return kernels.Epilogue(*heads, self._angles, self.rope, **gains)
 
 
 class Model(llama.Model):
