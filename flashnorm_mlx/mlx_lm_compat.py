@@ -7,7 +7,7 @@ model or the server (docs/design.md section 5). What they are for:
 - `stock_classes`: `mlx_lm.utils._get_classes`, the stock model class a config names;
 - `hub_download`: `mlx_lm.utils._download`, mlx-lm's own hub download;
 - `rope_freqs`: the `_freqs` and `_scale` of mlx-lm's scaled RoPE modules (Llama 3,
-  SuScaled, YaRN), which the fused epilogue reproduces;
+  SuScaled, YaRN, Proportional), which the fused epilogue reproduces;
 - `inner_tokenizer`: `TokenizerWrapper._tokenizer`, the Hugging Face tokenizer;
 - `kv_buffers` and `set_kv_buffers`: a `KVCache`'s `keys`, `values` and `offset`,
   which the compiled decode step reads and replaces whole (engine.py).
@@ -51,14 +51,26 @@ def hub_download(repo: str, allow_patterns):
     return _download(repo, allow_patterns=allow_patterns)
 
 
-def rope_freqs(rope) -> Optional[Tuple[object, float]]:
-    """(freqs, scale) of a scaled mlx-lm RoPE module (its `_freqs`, the period of
-    each rotary pair, and its `_scale` on the input, 1.0 if absent), or None for
-    a module without precomputed frequencies (nn.RoPE, or an unknown one)."""
-    freqs = getattr(rope, "_freqs", None)
-    if freqs is None:
+def rope_freqs(rope) -> Optional[Tuple[object, float, int]]:
+    """(freqs, scale, dims) of one of mlx-lm's scaled RoPE modules (Llama 3, YaRN,
+    SuScaled, Proportional): its `_freqs`, the period of each rotary pair; the
+    factor it multiplies its input's rotated dims by before rotating them
+    (SuScaled's `_scale`, YaRN's `mscale`, 1.0 for the others); and how many
+    dims it rotates. None for any other module (nn.RoPE, or one whose angles
+    could be anything, such as dynamic NTK's, which depend on the offset)."""
+    from mlx_lm.models import rope_utils
+
+    known = [getattr(rope_utils, n, None) for n in _SCALED_ROPES]
+    if type(rope) not in known or getattr(rope, "_freqs", None) is None:
         return None
-    return freqs, float(getattr(rope, "_scale", 1.0))
+    scale = float(getattr(rope, "_scale", 1.0)) * float(getattr(rope, "mscale", 1.0))
+    dims = getattr(rope, "dims", getattr(rope, "dim", None))  # SuScaled's: `dim`
+    return rope._freqs, scale, dims
+
+
+# mlx-lm's scaled RoPE modules whose __call__ is mx.fast.rope (non-traditional
+# where `traditional` is False) with `freqs=_freqs` on x[..., :dims] * scale.
+_SCALED_ROPES = ("Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE")
 
 
 def inner_tokenizer(tokenizer):

@@ -35,8 +35,7 @@ def wrappers(n: int) -> None:
     ]
     h, ms = mx.zeros((1, 1, D)), mx.ones((1, 1, 1))
     gu, qkv = mx.zeros((1, 1, 2 * F)), mx.zeros((1, 1, (HQ + 2 * HKV) * HD))
-    inv = K.rope_inv_freq(nn.RoPE(HD), HD)
-    epi = K.Epilogue(HQ, HKV, inv, scale=0.125)
+    epi = K.Epilogue(HQ, HKV, K.rope_angles(nn.RoPE(HD), HD), scale=0.125)
     cases = {
         "residual": lambda: K.residual(h, h, ms, EPS),
         "residual_norm": lambda: K.residual_norm(h, h, ms, EPS),
@@ -77,10 +76,10 @@ def real(n: int) -> None:
     ms = mx.ones((1, 1, 1))
     gu = mx.random.normal((1, 1, 2 * F)).astype(dt)
     qkv = mx.random.normal((1, 1, (HQ + 2 * HKV) * HD)).astype(dt)
-    inv = K.rope_inv_freq(nn.RoPE(HD), HD)
-    epi = K.Epilogue(HQ, HKV, inv, scale=HD**-0.5)
+    angles = K.rope_angles(nn.RoPE(HD), HD)
+    epi = K.Epilogue(HQ, HKV, angles, scale=HD**-0.5)
     offset = mx.array([5], dtype=mx.int32)
-    mx.eval(x, w, gu, qkv, inv, offset)
+    mx.eval(x, w, gu, qkv, angles.inv_freq, offset)
     where = K.backend() or "no GPU backend: twins and the CPU forms of built-ins"
     name = str(dt).replace("mlx.core.", "")
     print(f"real calls ({where}; {name}, SmolLM2-135M shapes, chains of {n})")

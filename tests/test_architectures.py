@@ -3,10 +3,10 @@ one float32 check against stock mlx-lm, written once.
 
 Reference: stock mlx-lm's own class for the config's model_type on the same
 weights (`verify.compare`: a prompt, then cached greedy decode steps with
-stock's tokens fed to both). Plain and Llama-3 RoPE take the fused epilogue;
-YaRN (which also scales its input), interleaved (traditional) pairs and linear
-scaling through nn.RoPE's own module take the unfused one, so both paths are
-compared with stock here, for Llama (with biases too), Qwen2, Qwen3 and OpenELM.
+stock's tokens fed to both). Plain, Llama-3 and YaRN RoPE (which also scales its
+input) take the fused epilogue; interleaved (traditional) pairs take the
+unfused one, the model's own RoPE module, so both paths are compared with stock
+here, for Llama (with biases too), Qwen2, Qwen3 and OpenELM.
 """
 
 import mlx.core as mx
@@ -94,13 +94,19 @@ def test_float32_matches_stock(tmp_path, arch, rope, monkeypatch):
     assert r["max_rel_logit_diff"] < tiny.f32_tol(), (arch, rope, r)
     assert r["greedy_match"] == STEPS, (arch, rope, r)
     # The path this variant is meant to take, every layer, every step.
-    unfused = rope in ("yarn", "traditional")
+    unfused = rope == "traditional"
     assert paths and set(paths) == {unfused}, (arch, rope, set(paths))
 
 
-@pytest.mark.parametrize("arch,rope", [("llama", "yarn"), ("qwen3", "yarn")])
+@pytest.mark.parametrize(
+    "arch,rope", [("llama", "yarn"), ("qwen3", "yarn"), ("llama", "traditional")]
+)
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
-def test_unfused_low_precision_close_to_float32_stock(tmp_path, arch, rope, dtype):
+def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
+    tmp_path, arch, rope, dtype
+):
+    """YaRN's input factor through the fused epilogue, interleaved RoPE through
+    the model's own module: float16 and bfloat16 near float32 stock."""
     source = _source(tmp_path, arch, rope)
     ref, _ = build_model(source, "stock", dtype=mx.float32)
     flash, _ = build_model(source, "flashnorm", dtype=dtype)

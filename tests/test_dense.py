@@ -2,10 +2,10 @@
 classes on the same weights: the dense families built on the shared decoder.
 
 Tiny random models (tests/tiny.py), gains in [0.25, 4]: Phi-3 with q|k|v and
-gate|up stored fused, plain RoPE (the fused epilogue), 3/4 partial rotary with
-longrope past its original length (SuScaledRoPE scales its input: the model's
-own RoPE module path), and full-rotary su scaling past it too (the input
-scale alone sends it there); SmolLM3 with its NoPE layers by stock's default
+gate|up stored fused, plain RoPE, 3/4 partial rotary with longrope past its
+original length (SuScaledRoPE scales the rotated dims of its input), and
+full-rotary su scaling past it too, all three through the fused epilogue
+(docs/design.md section 3d); SmolLM3 with its NoPE layers by stock's default
 interval and by an explicit list.
 """
 
@@ -31,8 +31,10 @@ EVERY = pytest.mark.parametrize(
     "make,cfg", [pytest.param(m, c, id=c) for m, c in CONFIGS]
 )
 # Which path each config's attention takes: the model's own RoPE module (True)
-# or the fused epilogue (False), every layer, every step.
-UNFUSED = {"phi3": False, "phi3_longrope": True, "phi3_su_full": True}
+# or the fused epilogue (False), every layer, every step; with the rotated dims
+# and the input factor the fused one gets.
+UNFUSED = {"phi3": False, "phi3_longrope": False, "phi3_su_full": False}
+ROTARY = {"phi3": (16, False), "phi3_longrope": (12, True), "phi3_su_full": (16, True)}
 
 
 def _source(tmp_path, make, cfg):
@@ -83,24 +85,29 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
 
 @pytest.mark.parametrize("cfg", list(tiny.PHI3_CONFIGS))
 def test_phi3_rope_takes_the_path_it_must(tmp_path, cfg, monkeypatch):
-    """Partial rotary and SuScaledRoPE's input scale: the model's own module
-    (`rope_inv_freq` None); plain RoPE: the fused epilogue."""
+    """Plain RoPE, partial rotary and SuScaledRoPE's input scale: the fused
+    epilogue, with the rotated dims and factor the config asks for."""
     source = _source(tmp_path, tiny.make_phi3, cfg)
-    paths = []
+    paths, angles = [], set()
     real = kernels.qkv_epilogue
-    monkeypatch.setattr(
-        kernels,
-        "qkv_epilogue",
-        lambda *a: paths.append(a[-1].inv_freq is None) or real(*a),
-    )
+
+    def spy(*a):
+        paths.append(a[-1].angles is None)
+        if a[-1].angles is not None:
+            angles.add((a[-1].angles.dims, a[-1].angles.mscale != 1.0))
+        return real(*a)
+
+    monkeypatch.setattr(kernels, "qkv_epilogue", spy)
     r = compare(source, PROMPT, horizon=8, dtype=mx.float32)
     assert r["max_rel_logit_diff"] < tiny.f32_tol(), r
     assert paths and set(paths) == {UNFUSED[cfg]}, (cfg, set(paths))
+    assert angles == {ROTARY[cfg]}, (cfg, angles)
 
 
 def test_the_reference_sees_what_phi3_and_smollm3_must_get_right(tmp_path, monkeypatch):
-    """Forced through the fused epilogue with the whole head rotated, Phi-3's
-    partial longrope is far off; SmolLM3 with RoPE on its NoPE layers too."""
+    """Through the fused epilogue, Phi-3's partial longrope with its
+    pass-through dims rotated too (R = head_dim), or without SuScaledRoPE's
+    input factor, is far off; so is SmolLM3 with RoPE on its NoPE layers."""
     x = mx.array([PROMPT])
 
     def err(source, patch):
@@ -113,13 +120,21 @@ def test_the_reference_sees_what_phi3_and_smollm3_must_get_right(tmp_path, monke
     long = _source(tmp_path, tiny.make_phi3, "phi3_longrope")
     smol = _source(tmp_path, tiny.make_smollm3, "smollm3")
     base = tiny.LLAMA_BASE["rope_theta"]
+    real = kernels.rope_angles
+
+    def whole_head(rope, h):  # the module's angles, then base's past them
+        a = real(rope, h)
+        rest = 1.0 / base ** (mx.arange(a.dims, h, 2, dtype=mx.float32) / h)
+        return kernels.RopeAngles(mx.concatenate([a.inv_freq, rest]), h, a.mscale)
+
     errs = {
-        "phi3 partial longrope fused": err(
+        "phi3 partial longrope, pass-through rotated": err(
+            long, lambda m: m.setattr(kernels, "rope_angles", whole_head)
+        ),
+        "phi3 partial longrope, no input factor": err(
             long,
             lambda m: m.setattr(
-                kernels,
-                "rope_inv_freq",
-                lambda rope, h: 1.0 / base ** (mx.arange(0, h, 2) / h),
+                kernels, "rope_angles", lambda r, h: real(r, h)._replace(mscale=1.0)
             ),
         ),
         "smollm3 RoPE on every layer": err(
@@ -140,7 +155,7 @@ def test_the_reference_sees_what_phi3_and_smollm3_must_get_right(tmp_path, monke
 def test_smollm3_nope_layers_are_those_stock_reads(tmp_path):
     for cfg, want in (("smollm3", [1, 1, 1, 0]), ("smollm3_listed", [0, 1, 0])):
         model, _ = build_model(_source(tmp_path, tiny.make_smollm3, cfg), "flashnorm")
-        got = [int(l.self_attn._inv_freq.any().item()) for l in model.layers]
+        got = [int(l.self_attn._angles.inv_freq.any().item()) for l in model.layers]
         assert got == want, (cfg, got)
 
 

@@ -34,6 +34,10 @@ MODELS = {
     "mistral-sliding": ("llama", "mistral_sliding"),
     "qwen2-bias": ("qwen", "qwen2"),
     "qwen3-qk-norm": ("qwen", "qwen3_untied"),
+    # 3/4 partial rotary with longrope's input factor (Phi-4-mini's RoPE), and
+    # the factor alone: the fused epilogue, not the model's own RoPE module.
+    "phi3-partial-longrope": ("phi3", "phi3_longrope"),
+    "phi3-su-full": ("phi3", "phi3_su_full"),
 }
 DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
 

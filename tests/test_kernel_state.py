@@ -110,12 +110,13 @@ def test_epilogue_inputs_by_name(recorder, mode):
     width = (hq + 2 * hkv) * h
     qkv, ms, bias, qg, kg = _arrays((1, 3, width), (1, 3, 1), (width,), (h,), (h,))
     ms = mx.abs(ms) + 1
-    inv = K.epilogue.rope_inv_freq(nn.RoPE(h), h)
+    angles = K.rope_angles(nn.RoPE(h), h)
+    inv = angles.inv_freq
     kw = dict(bias=bias) if mode == "bias" else {}
     if mode == "qk_norm":
         kw = dict(q_gain=qg, k_gain=kg)
     offset = mx.array([2, 4], mx.int32)
-    K.epilogue.qkv_epilogue_kernel(qkv, ms, offset, K.Epilogue(hq, hkv, inv, **kw))
+    K.epilogue.qkv_epilogue_kernel(qkv, ms, offset, K.Epilogue(hq, hkv, angles, **kw))
     got = _named(recorder)
     assert mx.array_equal(got["offset"], offset), got["offset"]  # a reshaped view
     want = dict(qkv=qkv, ms=ms, offset=got["offset"], inv_freq=inv, **kw)
@@ -167,19 +168,30 @@ def test_epilogue_gains_follow_weights_and_stay_per_model(tmp_path):
 
 
 def test_rope_tables_memo_hits_only_its_own_keys():
-    inv = K.epilogue.rope_inv_freq(nn.RoPE(8), 8)
-    other = K.epilogue.rope_inv_freq(nn.RoPE(8, base=500.0), 8)
+    inv = K.rope_angles(nn.RoPE(8), 8)
+    other = K.rope_angles(nn.RoPE(8, base=500.0), 8)
+    # The same angle array with other rotated dims or factor makes other tables.
+    fewer = K.RopeAngles(inv.inv_freq[:2], 4)
+    scaled = K.RopeAngles(inv.inv_freq, 8, 1.5)
     tables = K.epilogue._LastTables()
-    first = tables(300, 2, inv)
-    assert tables(int("300"), 2, inv)[0] is first[0]  # an equal int offset hits
-    for args in ((301, 2, inv), (300, 3, inv), (300, 2, other)):
+    first = tables(300, 2, inv, 8)
+    assert tables(int("300"), 2, inv, 8)[0] is first[0]  # an equal int offset hits
+    assert tables(300, 2, K.rope_angles(nn.RoPE(8), 8), 8)[0] is first[0]  # shared
+    for args in (
+        (301, 2, inv, 8),
+        (300, 3, inv, 8),
+        (300, 2, other, 8),
+        (300, 2, fewer, 8),
+        (300, 2, scaled, 8),
+        (300, 2, inv, 12),  # a wider head: 4 more pass-through dims
+    ):
         got = tables(*args)
         want = K.epilogue._compute_rope_tables(*args)
         assert all(mx.array_equal(g, w).item() for g, w in zip(got, want)), args
     pos = mx.array([3, 9], mx.int32)
-    held = tables(pos, 1, inv)
-    assert tables(pos, 1, inv)[0] is held[0]
-    again = tables(mx.array([4, 9], mx.int32), 1, inv)  # another array: recomputed
+    held = tables(pos, 1, inv, 8)
+    assert tables(pos, 1, inv, 8)[0] is held[0]
+    again = tables(mx.array([4, 9], mx.int32), 1, inv, 8)  # another array: recomputed
     assert not mx.array_equal(again[0], held[0]).item()
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import tiny
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.models.rope_utils import initialize_rope
+from mlx_lm.models.rope_utils import SuScaledRoPE, initialize_rope
 
 from flashnorm_mlx import kernels as K
 from flashnorm_mlx.loading import build_model, read_source
@@ -60,6 +60,30 @@ HEADS = {
 }
 OFFSETS = {"off0": 0, "off5": 5, "per_batch": [3, 11]}
 EPS_Q, EPS_K = 0.5, 1e-2  # large eps_q: dropping the eps adjustment would show
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def su_scaled(dims):
+    # Past its original length (4096 > 256): the long factors and _scale 1.22.
+    return SuScaledRoPE(
+        dims,
+        max_position_embeddings=4096,
+        original_max_position_embeddings=256,
+        long_factor=[1.0 + 0.5 * i for i in range(dims // 2)],
+    )
+
+
+# Partial rotary and input-scaled RoPE on head_dim 64 (Hq 4, Hkv 2): the
+# rotated dims R and the stock module that rotates them, as the 4th grid value
+# in place of a GQA ratio. R = 16 and 48: pass-through dims; SuScaled and YaRN:
+# the factor m on the rotated dims (1.22, 1.14); R = 64 with m alone.
+PARTIAL_HEADS = (4, 2, 64)
+PARTIAL_ROPES = {
+    "r16": lambda: nn.RoPE(16, base=10000.0),
+    "r32-su": lambda: su_scaled(32),
+    "r48-yarn": lambda: initialize_rope(48, 10000.0, False, YARN, 512),
+    "r64-su": lambda: su_scaled(64),
+}
 
 GRID = [
     pytest.param(dt, L, off, ratio, mode, id=f"{mode}-{dn}-L{L}-{off}-gqa{ratio}")
@@ -68,6 +92,12 @@ GRID = [
     for L in (1, 7)
     for off in OFFSETS
     for ratio in HEADS
+] + [
+    pytest.param(dt, L, off, rope, mode, id=f"{mode}-{dn}-L{L}-{off}-{rope}")
+    for mode in ("llama", "openelm", "qwen2")
+    for dn, dt in DTYPES.items()
+    for L, off in ((1, "per_batch"), (7, "off5"))
+    for rope in PARTIAL_ROPES
 ]
 
 
@@ -77,15 +107,21 @@ def rel_err(out: mx.array, ref: mx.array) -> float:
 
 
 def make_case(dtype, L, off, ratio, mode, seed=0):
-    hq, hkv, h, theta, scaling = HEADS[ratio]
+    """ratio: a GQA ratio of HEADS, or a name of PARTIAL_ROPES."""
+    if ratio in PARTIAL_ROPES:
+        (hq, hkv, h), rope = PARTIAL_HEADS, PARTIAL_ROPES[ratio]()
+        seed += 10 + list(PARTIAL_ROPES).index(ratio)
+    else:
+        hq, hkv, h, theta, scaling = HEADS[ratio]
+        rope = initialize_rope(h, theta, False, scaling, 512)
+        seed += ratio
     B = 2
-    k = mx.random.split(mx.random.key(seed + 7 * L + ratio), 4)
+    k = mx.random.split(mx.random.key(seed + 7 * L), 4)
     qkv = (mx.random.normal((B, L, (hq + 2 * hkv) * h), key=k[0]) * 3).astype(dtype)
     ms = mx.random.uniform(0.05, 20.0, (B, L, 1), key=k[1])
     p = (
         K._common.pow2_prescale(ms) if K._common.prescaled(dtype) else None
     )  # float16 only
-    rope = initialize_rope(h, theta, False, scaling, 512)
     offset = OFFSETS[off]
     offset = mx.array(offset, mx.int32) if isinstance(offset, list) else offset
     case = dict(qkv=qkv, ms=ms, p=p, offset=offset, rope=rope, hq=hq, hkv=hkv, h=h)
@@ -104,8 +140,8 @@ def epilogue_args(c) -> K.Epilogue:
         kw.update(
             q_gain=c["gq"] * c["h"] ** -0.5, k_gain=c["gk"], eps_q=EPS_Q, eps_k=EPS_K
         )
-    inv_freq = K.rope_inv_freq(c["rope"], c["h"])
-    return K.Epilogue(c["hq"], c["hkv"], inv_freq, c["rope"], **kw)
+    angles = K.rope_angles(c["rope"], c["h"])
+    return K.Epilogue(c["hq"], c["hkv"], angles, c["rope"], **kw)
 
 
 def run_epilogue(fn, c):
@@ -158,16 +194,11 @@ def test_qkv_epilogue_twin_matches_unfused_model_math(dtype, L, off, ratio, mode
     check_against(outs, reference(c), dtype, TOL[dtype], "twin vs reference")
 
 
-# RoPE variants the fused path does not reproduce: the model's own module runs.
+# RoPE variants the fused path does not reproduce (interleaved pairs): the
+# model's own module runs; and ones it does, forced through that path too.
 UNFUSED_ROPES = {
-    "yarn": lambda h: initialize_rope(
-        h,
-        10000.0,
-        False,
-        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-        512,
-    ),
     "traditional": lambda h: nn.RoPE(h, traditional=True, base=10000.0),
+    "yarn": lambda h: initialize_rope(h, 10000.0, False, YARN, 512),
     "partial": lambda h: nn.RoPE(h // 2, base=10000.0),
 }
 
@@ -177,13 +208,18 @@ UNFUSED_ROPES = {
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("off", ["off5", "per_batch"])
 def test_qkv_epilogue_unfused_matches_unfused_model_math(dtype, off, mode, rope):
-    """The picker sends these variants through `qkv_epilogue_unfused`: the same
-    split, scaling, bias, QK-norm (eps * ms) and gains, with the model's RoPE."""
+    """`qkv_epilogue_unfused`: the same split, scaling, bias, QK-norm (eps * ms)
+    and gains, with the model's RoPE. The picker sends interleaved RoPE there;
+    YaRN and partial rotary, which it fuses, are sent there by hand."""
     c = make_case(dtype, 7, off, 2, mode)
     c["rope"] = UNFUSED_ROPES[rope](c["h"])
     e = epilogue_args(c)
-    assert e.inv_freq is None, rope
-    outs = K.qkv_epilogue(c["qkv"], c["ms"], c["offset"], e)
+    if rope == "traditional":
+        assert e.angles is None, rope
+        outs = K.qkv_epilogue(c["qkv"], c["ms"], c["offset"], e)
+    else:
+        assert e.angles is not None, rope
+        outs = K.epilogue.qkv_epilogue_unfused(c["qkv"], c["ms"], c["offset"], e)
     check_against(outs, reference(c), dtype, TOL[dtype], f"unfused {rope}")
 
 
@@ -197,39 +233,64 @@ def test_openelm_epsilon_adjustment_matters():
 
 
 @pytest.mark.parametrize("name", ["gqa_untied", "head_dim_llama3", "linear_bias"])
-def test_rope_inv_freq_reproduces_the_models_rope_bit_for_bit(name):
+@pytest.mark.parametrize("partial", [1, 4], ids=["full", "quarter"])
+def test_rope_angles_reproduce_the_models_rope_bit_for_bit(name, partial):
+    """The twin's tables and pairing are mx.fast.rope's, the whole head rotated
+    or its first quarter (the rest passed through)."""
     cfg = tiny.llama_config(name)
     h = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    rope = initialize_rope(h, cfg["rope_theta"], False, cfg.get("rope_scaling"), 512)
-    inv_freq = K.rope_inv_freq(rope, h)
+    R = h // partial
+    rope = initialize_rope(R, cfg["rope_theta"], False, cfg.get("rope_scaling"), 512)
+    angles = K.rope_angles(rope, h)
+    assert angles.dims == R and angles.mscale == 1.0, angles
     x = mx.random.normal((2, 3, 5, h), key=mx.random.key(1))
     for offset in (0, 9, 300, mx.array([4, 100], mx.int32)):
         # On the CPU stream mx.fast.rope is plain float32 ops: bit for bit there.
         with mx.stream(mx.cpu):
-            cos, sin = K.epilogue._rope_tables(offset, 5, inv_freq)
-            ours, ref = K.epilogue._rope(x, cos, sin), rope(x, offset=offset)
+            cos, sin = K.epilogue._rope_tables(offset, 5, angles, h)
+            ours, ref = K.epilogue._rope(x, cos, sin, R), rope(x, offset=offset)
             assert mx.array_equal(ours, ref).item(), (
                 offset,
                 mx.abs(ours - ref).max().item(),
             )
         # A GPU's rope kernel computes its angles its own way (exp2, fast cos).
-        cos, sin = K.epilogue._rope_tables(offset, 5, inv_freq)
-        ours, ref = K.epilogue._rope(x, cos, sin), rope(x, offset=offset)
+        cos, sin = K.epilogue._rope_tables(offset, 5, angles, h)
+        ours, ref = K.epilogue._rope(x, cos, sin, R), rope(x, offset=offset)
         top = offset if isinstance(offset, int) else offset.max().item()
         assert rel_err(ours, ref) <= 1e-5 + 4 * (top + 5) * 2**-24, offset
 
 
-def test_rope_inv_freq_declines_what_the_epilogue_cannot_do():
-    assert K.rope_inv_freq(nn.RoPE(16, traditional=True), 16) is None
-    assert K.rope_inv_freq(nn.RoPE(8), 16) is None  # partial rotary dims
-    yarn = initialize_rope(
-        16,
-        10000.0,
-        False,
-        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-        512,
-    )
-    assert K.rope_inv_freq(yarn, 16) is None  # scales its input (mscale)
+@pytest.mark.parametrize("rope", PARTIAL_ROPES)
+def test_rope_angles_take_partial_dims_and_the_input_factor(rope):
+    """Each module's rotated dims and input factor, and the twin's RoPE with
+    them against the module itself (m applied after cos and sin here, before
+    the rotation in stock: rounding apart)."""
+    module, h = PARTIAL_ROPES[rope](), PARTIAL_HEADS[2]
+    angles = K.rope_angles(module, h)
+    want_m = getattr(module, "_scale", getattr(module, "mscale", 1.0))
+    assert (angles.dims, angles.mscale) == (int(rope[1:3]), want_m), angles
+    assert (angles.mscale != 1.0) == ("-" in rope), angles
+    x = mx.random.normal((2, 3, 5, h), key=mx.random.key(2))
+    for offset in (0, 300, mx.array([4, 100], mx.int32)):
+        cos, sin = K.epilogue._rope_tables(offset, 5, angles, h)
+        ours = K.epilogue._rope(x, cos, sin, angles.dims)
+        assert rel_err(ours, module(x, offset=offset)) < TOL[mx.float32], offset
+
+
+def test_rope_angles_decline_what_the_epilogue_cannot_do():
+    assert K.rope_angles(nn.RoPE(16, traditional=True), 16) is None
+    assert K.rope_angles(nn.RoPE(32), 16) is None  # more dims than the head
+    yarn = initialize_rope(16, 10000.0, True, YARN, 512)
+    assert K.rope_angles(yarn, 16) is None  # interleaved, scaled or not
+    # Dynamic NTK: its base (so its angles) depends on the offset.
+    ntk = {"type": "dynamic", "factor": 2.0}
+    assert K.rope_angles(initialize_rope(16, 10000.0, False, ntk, 512), 16) is None
+
+    class Unknown(nn.Module):  # frequencies, but a __call__ nobody has read
+        _freqs = mx.ones((8,))
+        dims = 16
+
+    assert K.rope_angles(Unknown(), 16) is None
 
 
 SHAPES = [(1, 1, 64), (2, 7, 40), (1, 5, 576)]
@@ -673,18 +734,19 @@ def test_metal_rendering_builds_full_kernel_source(monkeypatch, capfd, tmp_path)
     by_name = {src.split("`")[0]: src for src in sources}
     qkv_src = by_name["flashnorm_qkv_epilogue_bias0_prescale1_qk_norm1"]
     for line in (
-        "template <typename T, int HQ, int HKV, int HALF, int OFS, int NT, int RP>",
+        "template <typename T, int HQ, int HKV, int HALF, int OFS, int RH, int NT, "
+        "int RP>",
         "const device float16_t* qkv [[buffer(0)]]",
         "const constant int* qkv_shape [[buffer(1)]]",
         "const constant int32_t* offset",
         "device float16_t* v [[buffer(",
         "uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]",
         "#define FN_QK_NORM 1",
-        "<float16_t, 4, 2, 12, 1, 12, 16>",
+        "<float16_t, 4, 2, 12, 1, 12, 12, 16>",
     ):
         assert line in qkv_src, (line, qkv_src[:2000])
     assert (
-        "<bfloat16_t, 8, 2, 8, 0>"
+        "<bfloat16_t, 8, 2, 8, 0, 8>"
         in by_name["flashnorm_qkv_epilogue_bias0_prescale0_qk_norm0"]
     )
     for name, src in by_name.items():
@@ -1022,6 +1084,11 @@ def record_all_variants(host, monkeypatch):
                 run_epilogue(
                     K.epilogue.qkv_epilogue_kernel, make_case(dtype, 1, off, 2, mode)
                 )
+            # partial rotary with m: the pairing over RH < HALF (template RH)
+            run_epilogue(
+                K.epilogue.qkv_epilogue_kernel,
+                make_case(dtype, 1, "per_batch", "r48-yarn", mode),
+            )
         for op, args, _ in elementwise_checks(dtype, (1, 2, 8)):
             impls(op)[0](*args)
         K.attention.decode_attention_kernel(*attention_case(dtype, "mha-d64-off0"))

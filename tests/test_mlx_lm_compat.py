@@ -52,6 +52,15 @@ def test_a_name_mlx_lm_drops_fails_in_one_line_with_its_version(monkeypatch):
     assert "\n" not in msg, msg
 
 
+LONGROPE = {
+    "type": "longrope",
+    "original_max_position_embeddings": 64,
+    "short_factor": 1.0,
+    "long_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0],
+}
+
+
+@pytest.mark.parametrize("dims", [16, 12], ids=["full", "partial"])
 @pytest.mark.parametrize(
     "scaling",
     [
@@ -63,23 +72,42 @@ def test_a_name_mlx_lm_drops_fails_in_one_line_with_its_version(monkeypatch):
             "original_max_position_embeddings": 64,
         },
         {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        LONGROPE,
     ],
-    ids=["llama3", "yarn"],
+    ids=["llama3", "yarn", "longrope"],
 )
-def test_scaled_rope_freqs_are_the_modules_periods(scaling):
-    """The angles of `_freqs` must be what the module rotates by: RoPE at
-    position 1 of a unit pair (1, 0) is (cos, sin) of 1 / freqs (mscale 1)."""
+def test_scaled_rope_freqs_are_the_modules_periods(scaling, dims):
+    """The angles of `_freqs` must be what the module rotates by, times the
+    input factor it reports, on the dims it reports: RoPE at position 1 of unit
+    pairs (1, 0) is scale * (cos, sin) of 1 / freqs, the other dims unchanged."""
     h = 16
-    rope = initialize_rope(h, 10000.0, False, scaling, 512)
+    if scaling is LONGROPE:  # SuScaledRoPE's factors: one per rotated pair
+        scaling = dict(scaling, long_factor=scaling["long_factor"][: dims // 2])
+    rope = initialize_rope(dims, 10000.0, False, scaling, 512)
     got = compat.rope_freqs(rope)
     assert got is not None, changed(f"{type(rope).__name__}._freqs (gone)")
-    freqs, scale = got
-    assert freqs.shape == (h // 2,), changed(f"{type(rope).__name__}._freqs shape")
-    x = mx.concatenate([mx.ones((1, 1, 2, h // 2)), mx.zeros((1, 1, 2, h // 2))], -1)
-    y = rope(x, offset=0)[0, 0, 1] / (getattr(rope, "mscale", 1.0) * scale)
-    want = mx.cos(1 / freqs.astype(mx.float32))
-    err = mx.abs(y[: h // 2] - want).max().item()
-    assert err < 1e-5, changed(f"{type(rope).__name__}._freqs meaning ({err=:.2e})")
+    freqs, scale, got_dims = got
+    name = type(rope).__name__
+    assert got_dims == dims, changed(f"{name}.dims ({got_dims}, built with {dims})")
+    assert freqs.shape == (dims // 2,), changed(f"{name}._freqs shape")
+    if name != "Llama3RoPE":  # YaRN's mscale, SuScaled's _scale: both past 1 here
+        assert scale > 1.0, changed(f"{name}'s input scale ({scale})")
+    half, rest = dims // 2, mx.arange(h - dims, dtype=mx.float32) + 2.0
+    x = mx.concatenate([mx.ones((half,)), mx.zeros((half,)), rest])
+    y = rope(mx.broadcast_to(x, (1, 1, 2, h)), offset=0)[0, 0, 1]
+    angle = 1 / freqs.astype(mx.float32)
+    want = mx.concatenate([scale * mx.cos(angle), scale * mx.sin(angle), rest])
+    err = mx.abs(y - want).max().item()
+    assert err < 1e-5, changed(f"{name}._freqs meaning ({err=:.2e})")
+
+
+def test_rope_freqs_knows_only_mlx_lms_own_scaled_modules():
+    from mlx_lm.models import rope_utils
+
+    for name in compat._SCALED_ROPES:
+        assert hasattr(rope_utils, name), changed(f"rope_utils.{name} (gone)")
+    ntk = initialize_rope(16, 1e4, False, {"type": "dynamic", "factor": 2.0}, 512)
+    assert compat.rope_freqs(ntk) is None
 
 
 def test_tokenizer_wrapper_holds_the_hf_tokenizer(tmp_path):

@@ -213,10 +213,12 @@ MODEL_SHAPES = {
     "qwen2.5-0.5b": (896, 4864, 14, 2, 64, "qwen2", mx.bfloat16),
     "qwen3-0.6b": (1024, 3072, 16, 8, 128, "openelm", mx.bfloat16),
     "openelm-270m-layer0": (1280, 768, 12, 3, 64, "openelm", mx.float16),
+    # 3/4 partial rotary: 96 of 128 dims rotated (template RH 48 < HALF 64).
+    "phi-4-mini": (3072, 8192, 24, 8, 128, "llama", mx.bfloat16, 96),
 }
 
 
-def _model_shape_calls(D, F, hq, hkv, h, mode, dtype):
+def _model_shape_calls(D, F, hq, hkv, h, mode, dtype, rotary=None):
     k = mx.random.split(mx.random.key(5), 4)
     ms = mx.random.uniform(0.1, 2.0, (1, 1, 1), key=k[0])
     qkv = mx.random.normal((1, 1, (hq + 2 * hkv) * h), key=k[1]).astype(dtype)
@@ -226,8 +228,9 @@ def _model_shape_calls(D, F, hq, hkv, h, mode, dtype):
         kw = dict(q_gain=g, k_gain=g, eps_q=1e-6, eps_k=1e-6)
     elif mode == "qwen2":
         kw = dict(bias=mx.zeros((qkv.shape[-1],), dtype))
-    inv_freq = mx.ones((h // 2,), mx.float32)
-    K.epilogue.qkv_epilogue_kernel(qkv, ms, 7, K.Epilogue(hq, hkv, inv_freq, **kw))
+    R = rotary or h
+    angles = K.RopeAngles(mx.ones((R // 2,), mx.float32), R)
+    K.epilogue.qkv_epilogue_kernel(qkv, ms, 7, K.Epilogue(hq, hkv, angles, **kw))
     K.glu.deferred_glu_kernel(mx.zeros((1, 1, 2 * F), dtype), ms)
     x = mx.zeros((1, 1, D), dtype)
     K.block_residual.residual_kernel(x, x, ms, 1e-5)

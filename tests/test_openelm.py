@@ -256,7 +256,7 @@ def test_attention_epilogue_equals_stock_norm_then_fast_rope(head_dim, base, qk_
     attn = _attention(head_dim, base, eps, qk_norm=qk_norm, seed=head_dim)
     half = head_dim // 2
     want_inv = mx.exp(mx.arange(half, dtype=mx.float32) * (-math.log(base) / half))
-    assert mx.array_equal(attn._inv_freq, want_inv), "not mx.fast.rope's formula"
+    assert mx.array_equal(attn._angles.inv_freq, want_inv), "not mx.fast.rope's formula"
     k = mx.random.split(mx.random.key(head_dim + qk_norm))
     qkv = mx.random.normal((B, L, 5 * head_dim), key=k[0]) * 3
     ms = mx.array(10.0 ** np.linspace(-3, 3, B * L, dtype=np.float32))

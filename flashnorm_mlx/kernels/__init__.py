@@ -46,12 +46,13 @@ from ._common import (
 )
 from .attention import decode_attention, scaled_dot_product_attention
 from .block_residual import residual, residual_norm
-from .epilogue import Epilogue, qkv_epilogue, rope_inv_freq
+from .epilogue import Epilogue, RopeAngles, qkv_epilogue, rope_angles
 from .glu import deferred_glu
 from .post_norm import post_residual, post_residual_norm
 
 __all__ = [
     "Epilogue",
+    "RopeAngles",
     "backend",
     "decode_attention",
     "deferred_glu",
@@ -65,7 +66,7 @@ __all__ = [
     "qkv_epilogue",
     "residual",
     "residual_norm",
-    "rope_inv_freq",
+    "rope_angles",
     "scaled_dot_product_attention",
     "tracing",
 ]

@@ -91,12 +91,9 @@ def _variant(args) -> tuple:
             key.append(a is None)
         elif isinstance(a, str):  # a named variant (the GLU's activation)
             key.append(a)
-        else:  # an Epilogue: its form (which optional inputs it has)
-            key.append(tuple(getattr(a, f, None) is None for f in _FORM_FIELDS))
+        else:  # an Epilogue: its form (optional inputs, rotated dims)
+            key.append(a.form())
     return tuple(key)
-
-
-_FORM_FIELDS = ("bias", "q_gain", "inv_freq")
 
 
 @functools.lru_cache(maxsize=64)

@@ -8,7 +8,7 @@ the rotation (OpenELM, Qwen3): docs/design.md sections 2b to 2e.
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,8 +23,10 @@ Offset = Union[int, mx.array]
 QKV_EPILOGUE_BODY = (
     """\
   // qkv (B, L, NH * HD) -> q (B, HQ, L, HD), k and v (B, HKV, L, HD), HD = 2 * HALF.
-  // One threadgroup of HALF threads per (token, head); thread `lane` owns the
-  // half-split rotary pair (lane, lane + HALF).
+  // One threadgroup of HALF threads per (token, head). RoPE rotates the first
+  // 2 * RH dims, pairs (i, i + RH) as mx.fast.rope pairs them; the rest pass
+  // through at angle 0 (docs/design.md section 2e). Thread `lane` owns dims
+  // j1, j2: the pair (lane, lane + RH) if lane < RH, else two pass-through dims.
   const int lane = FN_LANE;
   const int group = FN_GROUP;
   const int NH = HQ + 2 * HKV;
@@ -34,9 +36,12 @@ QKV_EPILOGUE_BODY = (
   const int token = group / NH;
   const int b = token / L;
   const int l = token - b * L;
-  const int src = token * NH * HD + head * HD + lane;
-  const float x1 = static_cast<float>(qkv[src]);
-  const float x2 = static_cast<float>(qkv[src + HALF]);
+  const bool rot = lane < RH;
+  const int j1 = rot ? lane : lane + RH;
+  const int j2 = rot ? lane + RH : lane + HALF;
+  const int src = token * NH * HD + head * HD;
+  const float x1 = static_cast<float>(qkv[src + j1]);
+  const float x2 = static_cast<float>(qkv[src + j2]);
   const float mst = ms[token];
 #if FN_PRESCALE
   // x was pre-scaled by the power of two p: s = rsqrt(ms) / p, 1/s^2 = ms * p^2.
@@ -53,22 +58,30 @@ QKV_EPILOGUE_BODY = (
 #endif
 #if FN_BIAS
   // A q/k/v bias (Qwen2) comes after the deferred scaling and before RoPE.
-  const float b1 = static_cast<float>(bias[head * HD + lane]);
-  const float b2 = static_cast<float>(bias[head * HD + lane + HALF]);
+  const float b1 = static_cast<float>(bias[head * HD + j1]);
+  const float b2 = static_cast<float>(bias[head * HD + j2]);
 #else
   const float b1 = 0.0f;
   const float b2 = 0.0f;
 #endif
   if (head >= HQ + HKV) {
-    const int dst = ((b * HKV + head - HQ - HKV) * L + l) * HD + lane;
-    v[dst] = static_cast<T>(x1 * s + b1);
-    v[dst + HALF] = static_cast<T>(x2 * s + b2);
+    const int dst = ((b * HKV + head - HQ - HKV) * L + l) * HD;
+    v[dst + j1] = static_cast<T>(x1 * s + b1);
+    v[dst + j2] = static_cast<T>(x2 * s + b2);
     return;
   }
   const bool is_q = head < HQ;
-  const float theta = static_cast<float>(offset[b * OFS] + l) * inv_freq[lane];
-  const float c = FN_COS(theta);
-  const float sn = FN_SIN(theta);
+#if FN_QK_NORM
+  const float m = params[2];
+#else
+  const float m = params[1];
+#endif
+  // m: the module's factor on the rotated dims (SuScaledRoPE, YaRN), linear, so
+  // it rides with cos and sin; pass-through dims: cos 1, sin 0, no m.
+  const float theta =
+      rot ? static_cast<float>(offset[b * OFS] + l) * inv_freq[lane] : 0.0f;
+  const float c = rot ? FN_COS(theta) * m : 1.0f;
+  const float sn = rot ? FN_SIN(theta) * m : 0.0f;
 #if FN_QK_NORM
   // rms_norm(s * y, eps) = y * rsqrt(mean(y^2) + eps / s^2): s cancels and only
   // the epsilon changes. The gains (1/sqrt(h) in q's) go with cos and sin.
@@ -79,9 +92,10 @@ QKV_EPILOGUE_BODY = (
     + """\
   const float eps = is_q ? params[0] : params[1];
   const float r = FN_RSQRT(red[0] / static_cast<float>(HD) + eps * inv_s2);
-  const int j = lane + HALF;
-  const float g1 = is_q ? static_cast<float>(q_gain[lane]) : static_cast<float>(k_gain[lane]);
-  const float g2 = is_q ? static_cast<float>(q_gain[j]) : static_cast<float>(k_gain[j]);
+  const float g1 =
+      is_q ? static_cast<float>(q_gain[j1]) : static_cast<float>(k_gain[j1]);
+  const float g2 =
+      is_q ? static_cast<float>(q_gain[j2]) : static_cast<float>(k_gain[j2]);
   const float y1 = x1 * r;
   const float y2 = x2 * r;
   const float o1 = y1 * (g1 * c) - y2 * (g2 * sn);
@@ -99,71 +113,83 @@ QKV_EPILOGUE_BODY = (
   const float o2 = (x1 * sn + x2 * c) * scale;
 #endif
   if (is_q) {
-    const int dst = ((b * HQ + head) * L + l) * HD + lane;
-    q[dst] = static_cast<T>(o1);
-    q[dst + HALF] = static_cast<T>(o2);
+    const int dst = ((b * HQ + head) * L + l) * HD;
+    q[dst + j1] = static_cast<T>(o1);
+    q[dst + j2] = static_cast<T>(o2);
   } else {
-    const int dst = ((b * HKV + head - HQ) * L + l) * HD + lane;
-    k[dst] = static_cast<T>(o1);
-    k[dst + HALF] = static_cast<T>(o2);
+    const int dst = ((b * HKV + head - HQ) * L + l) * HD;
+    k[dst + j1] = static_cast<T>(o1);
+    k[dst + j2] = static_cast<T>(o2);
   }
 """
 )
 
 
-def rope_inv_freq(rope: nn.Module, head_dim: int) -> Optional[mx.array]:
-    """(head_dim/2,) float32 angles per position of an mlx-lm RoPE module, or None.
+class RopeAngles(NamedTuple):
+    """What the fused epilogue needs of a RoPE module (docs/design.md section 2e):
+    inv_freq (dims/2,) float32, the angle per position of each rotary pair;
+    dims, the rotated dims R (pairs (i, i + R/2), the first R dims of a head,
+    the rest passed through); mscale, the factor the module puts on those R
+    dims before rotating them (SuScaledRoPE's, YaRN's), 1.0 for the others."""
 
-    None where the epilogue cannot reproduce the module: interleaved (traditional)
-    layout, partial rotary dims, or a module that also scales its input.
-    """
+    inv_freq: mx.array
+    dims: int
+    mscale: float = 1.0
+
+
+def rope_angles(rope: nn.Module, head_dim: int) -> Optional[RopeAngles]:
+    """The `RopeAngles` of an mlx-lm RoPE module, or None where the epilogue
+    cannot reproduce it: the interleaved (traditional) layout, or a module it
+    does not know (its angles could depend on the offset, e.g. dynamic NTK)."""
     if getattr(rope, "traditional", False):
         return None
     if type(rope) is nn.RoPE:
-        if rope.dims != head_dim:
+        dims = rope.dims
+        if not (0 < dims <= head_dim and dims % 2 == 0):
             return None
-        return _plain_inv_freq(head_dim, float(rope.base), float(rope.scale))
-    scaled = rope_freqs(rope)  # mlx-lm's scaled RoPE modules (Llama 3, YaRN, ...)
-    dims = getattr(rope, "dims", getattr(rope, "dim", None))
-    if scaled is None or dims != head_dim or scaled[0].shape != (head_dim // 2,):
+        return _plain_angles(dims, float(rope.base), float(rope.scale))
+    scaled = rope_freqs(rope)  # mlx-lm's scaled modules (Llama 3, YaRN, SuScaled)
+    if scaled is None:
         return None
-    freqs, scale = scaled
-    if getattr(rope, "mscale", 1.0) != 1.0 or scale != 1.0:
+    freqs, mscale, dims = scaled
+    if not (0 < dims <= head_dim and dims % 2 == 0) or freqs.shape != (dims // 2,):
         return None
-    return mx.reciprocal(freqs.astype(mx.float32))
+    return RopeAngles(mx.reciprocal(freqs.astype(mx.float32)), dims, mscale)
 
 
 @functools.lru_cache(maxsize=None)
-def _plain_inv_freq(head_dim: int, base: float, scale: float) -> mx.array:
-    # One array per RoPE config, shared by every layer, so `_rope_tables` hits.
-    half = head_dim // 2
+def _plain_angles(dims: int, base: float, scale: float) -> RopeAngles:
+    # One object per RoPE config, shared by every layer, so `_rope_tables` hits.
+    half = dims // 2
     # mx.fast.rope's own float32 formula; nn.RoPE's scale multiplies positions.
     inv = mx.exp(mx.arange(half, dtype=mx.float32) * (-math.log(base) / half))
-    return inv if scale == 1.0 else inv * scale
+    return RopeAngles(inv if scale == 1.0 else inv * scale, dims)
 
 
 class _LastTables:
     """The last cos/sin tables made. Every layer of a decode step asks for the
-    same (inv_freq, offset, L), and on the CPU each op costs more than its
-    arithmetic. One entry that holds its keys, so a hit is that very inv_freq
-    and offset (an array offset: a compiled step's position, a batch's offsets,
-    the same object in every layer of one step); tables depend on no weight,
-    and layers share an inv_freq only where their RoPE is the same."""
+    same (angles, head_dim, offset, L), and on the CPU each op costs more than
+    its arithmetic. One entry that holds its keys, so a hit is that very
+    inv_freq and offset (an array offset: a compiled step's position, a batch's
+    offsets, the same object in every layer of one step) with the same rotated
+    dims, mscale and head width; tables depend on no weight, and layers share
+    an inv_freq only where their RoPE is the same."""
 
     def __init__(self):
         self.last = None
 
-    def __call__(self, offset: Offset, L: int, inv_freq: mx.array):
+    def __call__(self, offset: Offset, L: int, angles: RopeAngles, head_dim: int):
         last = self.last
         if (
             last is not None
-            and last[0] is inv_freq
-            and last[2] == L
-            and (last[1] is offset or _same_int(last[1], offset))
+            and last[0] is angles.inv_freq
+            and last[1] == (angles.dims, angles.mscale, head_dim, L)
+            and (last[2] is offset or _same_int(last[2], offset))
         ):
             return last[3], last[4]
-        cos, sin = _compute_rope_tables(offset, L, inv_freq)
-        self.last = (inv_freq, offset, L, cos, sin)
+        cos, sin = _compute_rope_tables(offset, L, angles, head_dim)
+        key = (angles.dims, angles.mscale, head_dim, L)
+        self.last = (angles.inv_freq, key, offset, cos, sin)
         return cos, sin
 
 
@@ -171,13 +197,15 @@ def _same_int(a, b) -> bool:
     return isinstance(a, int) and isinstance(b, int) and a == b
 
 
-# cos, sin of (offset + l) * inv_freq, float32: (L, h/2) or (B, 1, L, h/2).
+# cos, sin of (offset + l) * inv_freq, float32: (L, h) or (B, 1, L, h).
 _rope_tables = _LastTables()
 
 
-def _compute_rope_tables(offset: Offset, L: int, inv_freq: mx.array):
-    """Full-width [cos, cos] and [-sin, sin] (rotate_half's sign folded in), so
-    RoPE(y) = y * cos_t + swap_halves(y) * sin_t: few ops, which the CPU rewards."""
+def _compute_rope_tables(offset: Offset, L: int, angles: RopeAngles, head_dim: int):
+    """Full-width [cos, cos, 1] * m and [-sin, sin, 0] * m (rotate_half's sign
+    folded in, 1 and 0 on the pass-through dims), so RoPE(y) = y * cos_t +
+    swap_halves(y, R) * sin_t: few ops, which the CPU rewards."""
+    inv_freq, dims, m = angles
     pos = mx.arange(L, dtype=mx.float32)
     if isinstance(offset, mx.array) and offset.size > 1:
         pos = (pos + offset.reshape(-1, 1, 1)).reshape(-1, 1, L, 1)
@@ -185,25 +213,38 @@ def _compute_rope_tables(offset: Offset, L: int, inv_freq: mx.array):
         pos = (pos + offset)[:, None]
     theta = pos * inv_freq
     cos, sin = mx.cos(theta), mx.sin(theta)
-    return mx.concatenate([cos, cos], axis=-1), mx.concatenate([-sin, sin], axis=-1)
+    if m != 1.0:  # after cos and sin, as stock scales x before it rotates
+        cos, sin = cos * m, sin * m
+    cos_t, sin_t = [cos, cos], [-sin, sin]
+    if dims < head_dim:
+        rest = (*theta.shape[:-1], head_dim - dims)
+        cos_t.append(mx.ones(rest, mx.float32))
+        sin_t.append(mx.zeros(rest, mx.float32))
+    return mx.concatenate(cos_t, axis=-1), mx.concatenate(sin_t, axis=-1)
 
 
-def _swap_halves(y):
-    half = y.shape[-1] // 2
-    return mx.concatenate([y[..., half:], y[..., :half]], axis=-1)
+def _swap_halves(y, dims: Optional[int] = None):
+    # The two halves of the first `dims` (default: all) swapped, the rest as is.
+    width = y.shape[-1]
+    dims = width if dims is None else dims
+    half = dims // 2
+    parts = [y[..., half:dims], y[..., :half]]
+    if dims < width:
+        parts.append(y[..., dims:])
+    return mx.concatenate(parts, axis=-1)
 
 
-def _rope(y, cos_t, sin_t):
+def _rope(y, cos_t, sin_t, dims: int):
     # Half-split RoPE with float32 tables, as mx.fast.rope computes it (bit for bit:
-    # y1*cos - y2*sin and y2*cos + y1*sin, term for term).
-    return y * cos_t + _swap_halves(y) * sin_t
+    # y1*cos - y2*sin and y2*cos + y1*sin, term for term, where m is 1).
+    return y * cos_t + _swap_halves(y, dims) * sin_t
 
 
-def _gain_rope(y, gains, cos_t, sin_t):
+def _gain_rope(y, gains, cos_t, sin_t, dims: int):
     # RoPE(y * g) = y * (g*cos) + rotate_half(y) * (swap_halves(g)*sin), half-split:
     # the gain lives in the tables; y itself is never multiplied by it.
-    g, swapped = gains  # `Epilogue.rope_gains`: float32 g and swap_halves(g)
-    return y * (cos_t * g) + _swap_halves(y) * (sin_t * swapped)
+    g, swapped = gains  # `Epilogue.rope_gains`: float32 g and swap_halves(g, R)
+    return y * (cos_t * g) + _swap_halves(y, dims) * (sin_t * swapped)
 
 
 @dataclass(frozen=True, eq=False)
@@ -211,8 +252,10 @@ class Epilogue:
     """One attention's epilogue settings: the one signature kernel, twin and the
     unfused path share (the tensors of a call come apart: qkv, ms, offset).
 
-    inv_freq: RoPE angles per position, `rope_inv_freq(rope, h)`; None where the
-    fused path cannot reproduce `rope` (then the model's own module runs).
+    angles: the RoPE, `rope_angles(rope, h)`: angles per position, rotated dims
+    R and input factor m (RoPE below rotates the first R dims of a head by
+    those angles, times m, and passes the rest through); None where the fused
+    path cannot reproduce `rope` (then the model's own module runs).
     Llama form (no gains): q' = RoPE(q) * s * scale (default h**-0.5),
         k' = RoPE(k) * s,  v' = v * s; with a q|k|v `bias` ((Hq+2Hkv)h,), added
         after the deferred scaling: q' = RoPE(q * s + bq) * scale, k', v' alike.
@@ -222,7 +265,7 @@ class Epilogue:
 
     n_heads: int
     n_kv_heads: int
-    inv_freq: Optional[mx.array]
+    angles: Optional[RopeAngles]
     rope: Optional[nn.Module] = None
     scale: Optional[float] = None
     bias: Optional[mx.array] = None
@@ -234,12 +277,33 @@ class Epilogue:
     def __post_init__(self):
         if self.bias is not None and self.q_gain is not None:
             raise ValueError("qkv_epilogue: a q/k/v bias with QK-norm is not supported")
+        a = self.angles
+        if a is not None and (a.dims % 2 or a.inv_freq.shape != (a.dims // 2,)):
+            raise ValueError(
+                f"qkv_epilogue: {a.inv_freq.shape} angles for {a.dims} dims"
+            )
+
+    @property
+    def inv_freq(self) -> Optional[mx.array]:
+        """The angles per position, None where the model's own RoPE module runs."""
+        return None if self.angles is None else self.angles.inv_freq
+
+    @property
+    def rope_dims(self) -> Optional[int]:
+        """The rotated dims R (None: the model's own module decides)."""
+        return None if self.angles is None else self.angles.dims
+
+    def form(self) -> tuple:
+        """What selects a kernel variant beside the dtypes (the first-use check's
+        key): which optional inputs are given, and the rotated dims."""
+        nones = (self.bias is None, self.q_gain is None, self.angles is None)
+        return (*nones, self.rope_dims)
 
     def q_scale(self, head_dim: int) -> float:
         return head_dim**-0.5 if self.scale is None else float(self.scale)
 
     def rope_gains(self, i: int) -> Tuple[mx.array, mx.array]:
-        """(g, swap_halves(g)) in float32 of the QK-norm gain i (0: q, 1: k),
+        """(g, swap_halves(g, R)) in float32 of the QK-norm gain i (0: q, 1: k),
         the twins' RoPE-with-gain factors. Made once per Epilogue, which its
         attention rebuilds whenever a gain array is replaced (loading, a cast),
         so no other model's gains and no stale ones are ever read; not kept
@@ -248,7 +312,7 @@ class Epilogue:
         if held is not None:
             return held[i]
         made = tuple(
-            (g32, _swap_halves(g32))
+            (g32, _swap_halves(g32, self.rope_dims))
             for g32 in (g.astype(mx.float32) for g in (self.q_gain, self.k_gain))
         )
         if not _common.is_tracing():
@@ -300,24 +364,35 @@ def qkv_epilogue_ops(
     ms (B, L, 1) float32 is mean(x^2) + eps of the block input x; the deferred
     scalar is s = `deferred_scale(ms)` (in float16 x came pre-scaled by
     `pow2_prescale(ms)`). RoPE (half-split) angle at position offset + l is
-    (offset + l) * e.inv_freq, offset an int or a (B,) array. Forms: `Epilogue`.
+    (offset + l) * e.angles.inv_freq, offset an int or a (B,) array, on the first
+    e.angles.dims dims, times e.angles.mscale. Forms: `Epilogue`.
     """
-    cos, sin = _rope_tables(offset, qkv.shape[1], e.inv_freq)
+    h = qkv.shape[-1] // (e.n_heads + 2 * e.n_kv_heads)
+    _check_dims(e.angles, h)
+    cos, sin = _rope_tables(offset, qkv.shape[1], e.angles, h)
+    R = e.angles.dims
     return _epilogue_math(
         qkv,
         ms,
         e,
-        lambda y: _rope(y, cos, sin),
-        lambda y, i: _gain_rope(y, e.rope_gains(i), cos, sin),
+        lambda y: _rope(y, cos, sin, R),
+        lambda y, i: _gain_rope(y, e.rope_gains(i), cos, sin, R),
     )
+
+
+def _check_dims(angles: RopeAngles, head_dim: int) -> None:
+    if angles.dims > head_dim:
+        raise ValueError(
+            f"qkv_epilogue: {angles.dims} rotary dims, head_dim {head_dim}"
+        )
 
 
 def qkv_epilogue_unfused(
     qkv: mx.array, ms: mx.array, offset: Offset, e: Epilogue
 ) -> Tuple[mx.array, mx.array, mx.array]:
     """The same outputs through the model's own RoPE module `e.rope`, for the
-    variants the fused path does not reproduce (YaRN's mscale, interleaved
-    pairs, partial rotary dims): RoPE(y * g) with the QK-norm gain applied first."""
+    variants the fused path does not reproduce (interleaved pairs, a module
+    `rope_angles` does not know): RoPE(y * g) with the QK-norm gain applied first."""
 
     def rope(y):
         return e.rope(y, offset=offset)
@@ -343,19 +418,25 @@ def qkv_epilogue_kernel(
 ) -> Tuple[mx.array, mx.array, mx.array]:
     offset = _offset_array(offset)
     h = qkv.shape[-1] // (e.n_heads + 2 * e.n_kv_heads)
+    m = e.angles.mscale
     if e.q_gain is not None:  # QK-norm form (an Epilogue has no bias with it)
         form = [("q_gain", e.q_gain), ("k_gain", e.k_gain)]
-        form.append(("params", _common.consts(e.eps_q, e.eps_k)))
+        form.append(("params", _common.consts(e.eps_q, e.eps_k, m)))
     else:
-        form = [("params", _common.consts(e.q_scale(h))), ("bias", e.bias)]
+        form = [("params", _common.consts(e.q_scale(h), m)), ("bias", e.bias)]
     names, inputs = _common.kernel_inputs(
-        ("qkv", qkv), ("ms", ms), ("offset", offset), ("inv_freq", e.inv_freq), *form
+        ("qkv", qkv),
+        ("ms", ms),
+        ("offset", offset),
+        ("inv_freq", e.angles.inv_freq),
+        *form,
     )
     kernel, launch = _epilogue_plan(
         qkv.shape,
         qkv.dtype,
         e.n_heads,
         e.n_kv_heads,
+        e.angles.dims,
         names,
         offset.size > 1,
         _common.make_kernel,
@@ -370,6 +451,7 @@ def _epilogue_plan(
     dtype,
     n_heads,
     n_kv_heads,
+    rope_dims,
     inputs,
     per_batch,
     make_kernel,
@@ -381,6 +463,8 @@ def _epilogue_plan(
     heads = n_heads + 2 * n_kv_heads
     h = shape[-1] // heads
     half = h // 2
+    if not 0 <= rope_dims <= h:
+        raise ValueError(f"qkv_epilogue: {rope_dims} rotary dims, head_dim {h}")
     kernel = make_kernel(
         "qkv_epilogue",
         QKV_EPILOGUE_BODY,
@@ -391,7 +475,8 @@ def _epilogue_plan(
         bias=has_bias,
     )
     template = [("T", dtype), ("HQ", n_heads), ("HKV", n_kv_heads), ("HALF", half)]
-    template.append(("OFS", int(per_batch)))
+    # RH: half the rotated dims, the kernel's pairing (lane, lane + RH).
+    template += [("OFS", int(per_batch)), ("RH", rope_dims // 2)]
     if qk_norm:  # the per-head reduction: NT threads, shared array of RP floats
         template += [("NT", half), ("RP", _common.next_pow2(half))]
     q_shape, kv_shape = (B, n_heads, L, h), (B, n_kv_heads, L, h)
@@ -406,7 +491,7 @@ def _epilogue_plan(
 
 
 def qkv_epilogue(qkv: mx.array, ms: mx.array, offset: Offset, e: Epilogue):
-    if e.inv_freq is None:  # a RoPE variant only the model's module computes
+    if e.angles is None:  # a RoPE variant only the model's module computes
         return qkv_epilogue_unfused(qkv, ms, offset, e)
     fn = _common.pick("qkv_epilogue", qkv_epilogue_kernel, qkv_epilogue_ops)
     return fn(qkv, ms, offset, e)

@@ -115,13 +115,13 @@ class Attention(FusedAttention):
                 args.rope_scaling,
                 args.max_position_embeddings,
             )
-        self._inv_freq = kernels.rope_inv_freq(self.rope, h)
+        self._angles = kernels.rope_angles(self.rope, h)
         self._qk_gains = QKNormGains(self.scale, args.rms_norm_eps, ARCH.gain_offset)
 
     def epilogue_args(self) -> kernels.Epilogue:
         gains = self._qk_gains(self.q_norm.weight, self.k_norm.weight)
         heads = (self.n_heads, self.n_kv_heads)
-        return kernels.Epilogue(*heads, self._inv_freq, self.rope, **gains)
+        return kernels.Epilogue(*heads, self._angles, self.rope, **gains)
 
 
 class TransformerBlock(DecoderBlock):

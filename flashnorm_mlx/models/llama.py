@@ -75,9 +75,9 @@ class Attention(FusedAttention):
             self.qkv_bias = mx.zeros((out,))
         self.o_proj = nn.Linear(self.n_heads * h, args.hidden_size, bias=o_bias)
         self.rope = self.make_rope(args, h)
-        # RoPE angles per position for the fused epilogue ("_": not a parameter);
-        # None where the epilogue cannot reproduce this RoPE variant.
-        self._inv_freq = kernels.rope_inv_freq(self.rope, h)
+        # RoPE angles, rotated dims and input factor for the fused epilogue ("_":
+        # not a parameter); None where it cannot reproduce this RoPE variant.
+        self._angles = kernels.rope_angles(self.rope, h)
 
     def make_rope(self, args, h: int) -> nn.Module:
         """mlx-lm's RoPE module for this attention (a family's own choice where
@@ -95,7 +95,7 @@ class Attention(FusedAttention):
         bias = self.qkv_bias if "qkv_bias" in self else None
         heads = (self.n_heads, self.n_kv_heads)
         return kernels.Epilogue(
-            *heads, self._inv_freq, self.rope, scale=self.scale, bias=bias
+            *heads, self._angles, self.rope, scale=self.scale, bias=bias
         )
 
 

@@ -89,14 +89,14 @@ class Attention(FusedAttention):
         # RoPE angles per position, mx.fast.rope's own float32 formula ("_": not
         # a parameter).
         rope = nn.RoPE(h, traditional=False, base=args.rope_freq_constant)
-        self._inv_freq = kernels.rope_inv_freq(rope, h)
-        if self._inv_freq is None:
+        self._angles = kernels.rope_angles(rope, h)
+        if self._angles is None:
             raise ValueError(f"head_dim {h}: the qkv epilogue needs an even head_dim")
 
     def epilogue_args(self) -> kernels.Epilogue:
         """The epilogue's form: QK-norm gains and epsilons (see models/gains.py),
         or Llama's scale without QK-norm."""
-        heads = (self.n_heads, self.n_kv_heads, self._inv_freq)
+        heads = (self.n_heads, self.n_kv_heads, self._angles)
         if "q_norm" not in self:
             return kernels.Epilogue(*heads, scale=self.scale)
         return kernels.Epilogue(

@@ -7,9 +7,8 @@ What differs from Llama, each in one place:
 - RoPE as mlx-lm's Phi-3 makes it (`make_rope`): partial rotary dims
   (`partial_rotary_factor`), linear scaling, and su/longrope scaling
   (`SuScaledRoPE`, which also scales the rotated dims of its input). The fused
-  epilogue cannot reproduce partial dims nor that input scale
-  (`kernels.rope_inv_freq` gives None), so those layers take the model's own
-  RoPE module (`kernels.qkv_epilogue_unfused`), still exact;
+  epilogue takes all of them (`kernels.rope_angles`: the rotated dims and that
+  input factor, docs/design.md sections 2e and 3d), one launch as for Llama;
 - a config without `tie_word_embeddings` has an untied head (stock's default).
 Everything else (GLU deferral, residual kernels, caches, shard) is
 models/decoder.py.

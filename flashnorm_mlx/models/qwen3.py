@@ -4,9 +4,10 @@ Qwen3 normalizes each head of q and k (RMSNorm over head_dim, gains shared by
 the heads) before RoPE, as OpenELM does, so the block's deferred 1/RMS cancels
 there: q' = RoPE(gq * q / sqrt(mean(q^2) + eps * ms)) / sqrt(h) with q = x @ Wq*,
 k' likewise, v' = (x @ Wv*) * s. `kernels.qkv_epilogue` does it in one pass with
-the gains (and 1/sqrt(h)) in the RoPE rotation (models/gains.py), or through
-the model's own RoPE module for variants the fused pass does not reproduce
-(e.g. YaRN). Everything else is models/llama.py.
+the gains (and 1/sqrt(h)) in the RoPE rotation (models/gains.py), YaRN's
+input factor and partial rotary dims included, or through the model's own
+RoPE module for variants the fused pass does not reproduce (docs/design.md
+section 3d). Everything else is models/llama.py.
 """
 
 import dataclasses
@@ -38,7 +39,7 @@ class Attention(llama.Attention):
         """QK-norm form: the gains (1/sqrt(h) in q's) and epsilons, no scale."""
         gains = self._qk_gains(self.q_norm.weight, self.k_norm.weight)
         heads = (self.n_heads, self.n_kv_heads)
-        return kernels.Epilogue(*heads, self._inv_freq, self.rope, **gains)
+        return kernels.Epilogue(*heads, self._angles, self.rope, **gains)
 
 
 class Model(llama.Model):

@@ -12,6 +12,7 @@ import dataclasses
 import mlx.core as mx
 from mlx_lm.models.smollm3 import ModelArgs, NoPE  # stock's config and identity
 
+from .. import kernels
 from . import llama
 
 # Llama's names, norms and head.
@@ -27,7 +28,8 @@ class Attention(llama.Attention):
         super().__init__(args)
         if not use_rope:
             self.rope = NoPE()  # what the model's own module path would apply
-            self._inv_freq = mx.zeros((self.head_dim // 2,), mx.float32)
+            h = self.head_dim
+            self._angles = kernels.RopeAngles(mx.zeros((h // 2,), mx.float32), h)
 
 
 class Model(llama.Model):
