@@ -348,3 +348,31 @@ def test_a_wrapper_of_a_text_family_not_read_out_runs_as_stock(tmp_path, capsys)
     assert main(["generate", str(path), "-p", "hi", "-m", "2"]) == 0
     err = capsys.readouterr().err
     assert "FlashNorm does not cover model_type 'mistral3' yet" in err, err
+
+
+@pytest.mark.parametrize(
+    "edit,said",
+    [
+        (lambda c: c.pop("rope_parameters"), "rope_parameters is missing"),
+        (
+            lambda c: c["rope_parameters"].pop("llama_4_scaling_beta"),
+            "rope_parameters needs 'llama_4_scaling_beta'",
+        ),
+        (
+            lambda c: c["rope_parameters"].update(original_max_position_embeddings=0),
+            "original_max_position_embeddings must be a positive number",
+        ),
+        (lambda c: c["rope_parameters"].pop("factor"), "yarn scaling needs 'factor'"),
+    ],
+    ids=["no_rope_parameters", "no_beta", "zero_original", "yarn_no_factor"],
+)
+def test_a_bad_rope_parameters_is_one_line(tmp_path, edit, said, capsys):
+    from flashnorm_mlx.cli import main
+
+    path = tiny.make_ministral3(tmp_path / "m", "ministral3")
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+    assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err, err
