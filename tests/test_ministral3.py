@@ -46,7 +46,7 @@ def quantized_folder(tmp_path, make, cfg):
     source = tiny.quantized(read_source(str(path)))
     config = json.loads((path / "config.json").read_text())
     weights = source.weights
-    if source.config.get("model_type") == "ministral3" and "text_config" in config:
+    if "text_config" in config:
         weights = {f"language_model.{k}": v for k, v in weights.items()}
     config["quantization"] = source.config["quantization"]
     out = tmp_path / f"{cfg}-q4"
@@ -127,7 +127,8 @@ def test_a_wrapper_is_read_as_its_text_model_and_stock_is_mlx_lms_wrapper(
 
     path = tiny.make_mistral3(tmp_path / cfg, cfg, tokenizer=False)
     source = read_source(str(path))
-    assert source.config["model_type"] == "ministral3"
+    text_type = tiny.mistral3_config(cfg)["text_config"]["model_type"]
+    assert source.config["model_type"] == text_type
     assert source.config["tie_word_embeddings"] is False
     assert source.wrapper["model_type"] == "mistral3"
     assert all(
@@ -236,7 +237,8 @@ def test_convert_loads_in_stock_mlx_lm(tmp_path, make, cfg, q_method):
         calibration=gptq.Calibration(num_seqs=4, seq_len=32),
     )
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "ministral3" and "text_config" not in config
+    text_type = source.config["model_type"]  # a wrapper's: its text model's
+    assert config["model_type"] == text_type and "text_config" not in config
     assert config["flashnorm"]["quantization_method"]["method"] == q_method
     theirs, _ = load_model(out)
     ours, _ = build_model(read_source(str(out)), "flashnorm")
@@ -332,13 +334,14 @@ def test_a_bad_wrapper_is_one_line(tmp_path, edit, said, capsys):
 
 
 def test_a_wrapper_of_a_text_family_not_read_out_runs_as_stock(tmp_path, capsys):
-    """mistral3 around a Llama text model (not in the wrapper's table): read
-    as it is, run as stock with the one-line note, as every wrapper was."""
+    """mistral3 around a text model_type not in its table (Qwen2 here, which
+    mlx-lm's wrapper runs as Llama): read as it is, run as stock with the
+    one-line note, as every wrapper was."""
     from flashnorm_mlx.cli import main
 
     path = tiny.make_mistral3(tmp_path / "w", "mistral3")
     config = json.loads((path / "config.json").read_text())
-    text = {**tiny.LLAMA_BASE, "tie_word_embeddings": False}
+    text = {**tiny.LLAMA_BASE, "model_type": "qwen2", "tie_word_embeddings": False}
     config["text_config"] = text
     (path / "config.json").write_text(json.dumps(config))
     w = {f"language_model.{k}": v for k, v in tiny.llama_weights(text).items()}

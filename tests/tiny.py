@@ -766,12 +766,18 @@ MISTRAL3_WRAPPERS = {
     "mistral3_vision": dict(
         text="ministral3_mscale_sliding", prefix="model.language_model.", vision=True
     ),
+    # Mistral Small 3.1's shape: a Mistral (Llama) text model, which mlx-lm's
+    # wrapper runs as Llama.
+    "mistral3_mistral": dict(text="mistral", prefix="language_model.", vision=True),
 }
 
 
 def mistral3_config(name: str) -> dict:
     spec = MISTRAL3_WRAPPERS[name]
-    text = ministral3_config(spec["text"])
+    if spec["text"] == "mistral":
+        text = {**LLAMA_BASE, "model_type": "mistral", "head_dim": 16}
+    else:
+        text = ministral3_config(spec["text"])
     text.pop("tie_word_embeddings", None)
     return {
         "model_type": "mistral3",

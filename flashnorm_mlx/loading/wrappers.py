@@ -38,7 +38,8 @@ class Wrapper:
 # (and its text family in models.ARCHITECTURES) is all another wrapper needs.
 WRAPPERS: Dict[str, Wrapper] = {
     "mistral3": Wrapper(
-        texts=("ministral3",),
+        # Mistral 3's text model, or Mistral Small 3.1's, which it runs as Llama.
+        texts=("ministral3", "mistral", "llama"),
         prefixes=(("model.language_model.", "model."), ("language_model.", "")),
         drop=("vision_tower", "multi_modal_projector"),
         defaults=(("tie_word_embeddings", False),),
