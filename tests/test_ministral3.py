@@ -20,6 +20,7 @@ import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
+from flashnorm_mlx import mlx_lm_compat as compat
 from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import llama, ministral3
@@ -158,7 +159,7 @@ def test_the_reference_sees_what_ministral3_must_get_right(tmp_path, monkeypatch
 
     def on_k_too(self, xs, ms, offset):
         q, k, v = llama.Attention.heads(self, xs, ms, offset)
-        scale = ministral3._get_llama_4_attn_scale(
+        scale = compat.llama4_attn_scale(
             q.shape[2], offset, self.scaling_beta, self.original_max_position_embeddings
         ).astype(q.dtype)
         return q * scale, k * scale, v

@@ -16,13 +16,11 @@ Sliding-window layers (`layer_types`, RotatingKVCache) are the decoder's.
 
 import dataclasses
 
-from mlx_lm.models.ministral3 import (  # stock's config, field for field
-    ModelArgs,
-    _get_llama_4_attn_scale,
-)
+from mlx_lm.models.ministral3 import ModelArgs  # stock's config, field for field
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
+from ..mlx_lm_compat import llama4_attn_scale
 from . import llama
 
 # Llama's names, norms and head.
@@ -51,7 +49,7 @@ class _LastScale:
             and (key[-1] is not None or last[1] is offset)
         ):
             return last[2]
-        scale = _get_llama_4_attn_scale(L, offset, beta, original).astype(dtype)
+        scale = llama4_attn_scale(L, offset, beta, original).astype(dtype)
         if not kernels.is_tracing():
             cls.last = (key, offset, scale)
         return scale
