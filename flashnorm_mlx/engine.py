@@ -211,6 +211,7 @@ def compiled_class(cls: type) -> type:
             kwargs
             or self.__dict__.get("_eager")
             or not DecodeStep.applies(inputs, cache)
+            or _windowed_by_mask(self)
         ):
             return cls.__call__(self, inputs, cache=cache, **kwargs)
         step = self.__dict__.get("_decode_step")
@@ -228,6 +229,12 @@ def compiled_class(cls: type) -> type:
         (cls,),
         {"__call__": __call__, "__module__": cls.__module__, "compiled_decode": True},
     )
+
+
+def _windowed_by_mask(model) -> bool:
+    """Sliding-window layers on plain KVCaches (mlx-lm's Mistral 3 wrapper has
+    no make_cache): their window is in the mask, which `StepCache` never makes."""
+    return any(getattr(l, "use_sliding", False) for l in getattr(model, "layers", ()))
 
 
 # --- FlashNorm blocks over the caches the whole step cannot serve ----------------

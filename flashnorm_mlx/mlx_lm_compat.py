@@ -10,7 +10,9 @@ model or the server (docs/design.md section 5). What they are for:
   SuScaled, YaRN, Proportional), which the fused epilogue reproduces;
 - `inner_tokenizer`: `TokenizerWrapper._tokenizer`, the Hugging Face tokenizer;
 - `kv_buffers` and `set_kv_buffers`: a `KVCache`'s `keys`, `values` and `offset`,
-  which the compiled decode step reads and replaces whole (engine.py).
+  which the compiled decode step reads and replaces whole (engine.py);
+- `llama4_attn_scale`: `mlx_lm.models.ministral3._get_llama_4_attn_scale`, the
+  query scale per position our Ministral 3 applies as stock does.
 """
 
 from typing import Optional, Tuple
@@ -89,3 +91,14 @@ def set_kv_buffers(cache, keys, values, offset: int) -> None:
     """Replace a `KVCache`'s buffers and write position (its capacity is the
     buffers' third axis; positions past `offset` are never read)."""
     cache.keys, cache.values, cache.offset = keys, values, offset
+
+
+def llama4_attn_scale(L: int, offset, beta: float, original: int):
+    """mlx-lm's Ministral 3 query scale for L positions from `offset` (an int
+    or a (B,) array): 1 + beta * log(1 + floor(pos / original)), shaped to
+    multiply q (B, H, L, h) as stock's attention does."""
+    try:
+        from mlx_lm.models.ministral3 import _get_llama_4_attn_scale
+    except ImportError as e:
+        raise _changed("mlx_lm.models.ministral3._get_llama_4_attn_scale", e) from None
+    return _get_llama_4_attn_scale(L, offset, beta, original)

@@ -35,6 +35,7 @@ PARTS = {
     "models": {
         "test_llama.py",
         "test_dense.py",
+        "test_ministral3.py",
         "test_openelm.py",
         "test_qwen.py",
         "test_gemma3.py",
@@ -202,6 +203,7 @@ SLOW_FIXTURES = {
 LAUNCHES = {
     "test_distributed.py",
     "test_dense.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_ministral3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
 }

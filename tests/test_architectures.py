@@ -51,6 +51,8 @@ CONFIGS = (
     + [("gemma3", c, tiny.make_gemma3) for c in tiny.GEMMA3_CONFIGS]
     + [("phi3", c, tiny.make_phi3) for c in tiny.PHI3_CONFIGS]
     + [("smollm3", c, tiny.make_smollm3) for c in tiny.SMOLLM3_CONFIGS]
+    + [("ministral3", c, tiny.make_ministral3) for c in tiny.MINISTRAL3_CONFIGS]
+    + [("mistral3", c, tiny.make_mistral3) for c in tiny.MISTRAL3_WRAPPERS]
 )
 
 
@@ -127,6 +129,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         (tiny.make_llama, "gqa_untied", True),
         (tiny.make_phi3, "phi3", False),
         (tiny.make_smollm3, "smollm3", False),
+        (tiny.make_ministral3, "ministral3_mscale_sliding", False),
     ],
     ids=[
         "llama",
@@ -137,6 +140,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         "llama-4bit",
         "phi3",
         "smollm3",
+        "ministral3",
     ],
 )
 def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):

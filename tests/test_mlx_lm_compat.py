@@ -146,3 +146,19 @@ def test_kvcache_buffers_and_offset():
     assert mx.array_equal(got_k[:, :, :2], k[:, :, :2]).item(), changed("KVCache.keys")
     assert c.offset == 3, changed(f"KVCache.offset ({c.offset} after one more step)")
     assert compat.kv_buffers(c)[0].shape[2] == 8, changed("KVCache capacity")
+
+
+def test_llama4_attn_scale_is_ministral3s_per_position_query_scale():
+    """1 + beta * log(1 + floor(pos / original)) for positions offset..offset+L-1,
+    (L, 1) for an int offset, (B, 1, L, 1) for a (B,) array of them."""
+    import math
+
+    got = compat.llama4_attn_scale(4, 6, 0.5, 4)
+    want = [1 + 0.5 * math.log(1 + (6 + i) // 4) for i in range(4)]
+    assert got.shape == (4, 1), changed(f"_get_llama_4_attn_scale shape {got.shape}")
+    assert mx.allclose(got[:, 0], mx.array(want)).item(), changed("its values")
+    batched = compat.llama4_attn_scale(1, mx.array([3, 9]), 0.5, 4)
+    assert batched.shape == (2, 1, 1, 1), changed("_get_llama_4_attn_scale (B,)")
+    assert mx.allclose(
+        batched.reshape(-1), mx.array([1.0, 1 + 0.5 * math.log(3)])
+    ).item()

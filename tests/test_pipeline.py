@@ -27,6 +27,8 @@ ARCHITECTURES = {
     "gemma3": lambda p: tiny.make_gemma3(p, "gemma3_untied"),
     "phi3": lambda p: tiny.make_phi3(p, "phi3_longrope"),
     "smollm3": lambda p: tiny.make_smollm3(p, "smollm3"),
+    "ministral3": lambda p: tiny.make_ministral3(p, "ministral3_mscale_sliding"),
+    "mistral3": lambda p: tiny.make_mistral3(p, "mistral3_vision"),
 }
 
 # (quantized source?, build_model/convert flags)

@@ -810,3 +810,110 @@ def make_qwen3_5(
 ) -> Path:
     cfg = qwen3_5_config(name, **over)
     return write_model(path, cfg, qwen3_5_weights(cfg, seed, hf), tokenizer)
+
+
+# --- Ministral 3 (YaRN rope_parameters, Llama 4's query scale) and its Mistral 3
+# multimodal wrapper -------------------------------------------------------------
+
+_MINISTRAL3_ROPE = dict(
+    rope_type="yarn",
+    type="yarn",
+    rope_theta=1000000.0,
+    factor=16.0,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    # Tiny, so the prompt plus 32 steps crosses it five times: the query
+    # scale 1 + beta * log(1 + floor(pos / 8)) changes within every test.
+    original_max_position_embeddings=8,
+    llama_4_scaling_beta=0.3,
+)
+MINISTRAL3_BASE = {k: v for k, v in LLAMA_BASE.items() if k != "rope_theta"}
+MINISTRAL3_CONFIGS = {
+    # As Ministral 3 ships: mscale == mscale_all_dim, so YaRN's input scale is
+    # 1 (the fused epilogue can take it); no tie key: tied, stock's default.
+    "ministral3": dict(
+        model_type="ministral3",
+        head_dim=16,
+        rope_parameters=dict(_MINISTRAL3_ROPE, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=4096,
+        tie_word_embeddings=None,  # removed below: absent from the config
+    ),
+    # YaRN with an input scale (mscale 1, mscale_all_dim 0: 1 + 0.1 ln 16),
+    # untied, sliding-window layers shorter than the prompt.
+    "ministral3_mscale_sliding": dict(
+        model_type="ministral3",
+        num_hidden_layers=3,
+        rope_parameters=dict(_MINISTRAL3_ROPE, mscale=1.0, mscale_all_dim=0.0),
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def ministral3_config(name: str) -> dict:
+    cfg = {**MINISTRAL3_BASE, **MINISTRAL3_CONFIGS[name]}
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def make_ministral3(
+    path: Path, name: str = "ministral3", seed: int = 0, tokenizer: bool = True
+) -> Path:
+    cfg = ministral3_config(name)
+    w = llama_weights(cfg, seed)
+    return write_model(path, cfg, w, tokenizer)
+
+
+# Mistral 3 wrappers: the text model under `language_model.` (as mlx-lm's
+# convert writes it) or `model.language_model.` (transformers' newer layout),
+# a vision tower and projector that must be dropped, the text config without
+# tie_word_embeddings (the wrapper's default: untied).
+MISTRAL3_WRAPPERS = {
+    "mistral3": dict(text="ministral3", prefix="language_model.", vision=False),
+    "mistral3_vision": dict(
+        text="ministral3_mscale_sliding", prefix="model.language_model.", vision=True
+    ),
+    # Mistral Small 3.1's shape: a Mistral (Llama) text model, which mlx-lm's
+    # wrapper runs as Llama.
+    "mistral3_mistral": dict(text="mistral", prefix="language_model.", vision=True),
+}
+
+
+def mistral3_config(name: str) -> dict:
+    spec = MISTRAL3_WRAPPERS[name]
+    if spec["text"] == "mistral":
+        text = {**LLAMA_BASE, "model_type": "mistral", "head_dim": 16}
+    else:
+        text = ministral3_config(spec["text"])
+    text.pop("tie_word_embeddings", None)
+    return {
+        "model_type": "mistral3",
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"model_type": "pixtral", "hidden_size": 8},
+        "image_token_index": 10,
+    }
+
+
+def make_mistral3(
+    path: Path, name: str = "mistral3", seed: int = 0, tokenizer: bool = True
+) -> Path:
+    spec = MISTRAL3_WRAPPERS[name]
+    cfg = mistral3_config(name)
+    text = {**cfg["text_config"], "tie_word_embeddings": False}
+    w = {}
+    for k, v in llama_weights(text, seed).items():
+        if spec["prefix"] == "model.language_model." and k.startswith("model."):
+            w["model.language_model." + k[len("model.") :]] = v
+        elif spec["prefix"] == "model.language_model.":
+            w[k] = v  # lm_head.weight stays at the top, as transformers writes it
+        else:
+            w[spec["prefix"] + k] = v
+    if spec["vision"]:  # shapes no text module has: taken, they would not load
+        rng = np.random.default_rng(seed + 5)
+        top = "model." if spec["prefix"].startswith("model.") else ""
+        w[f"{top}vision_tower.patch_conv.weight"] = _lin(rng, 7, 3)
+        w[f"{top}vision_tower.ln_pre.weight"] = _gain(rng, 7)
+        w[f"{top}multi_modal_projector.linear_1.weight"] = _lin(rng, 5, 7)
+        w[f"{top}multi_modal_projector.norm.weight"] = _gain(rng, 7)
+    return write_model(path, cfg, w, tokenizer)

@@ -24,7 +24,8 @@ from . import gguf_kquant, nonorm, stock_fused
 from .adapters import adapted_quantization
 from .recipe import Recipe
 from .shapes import config_name, mismatch, shapes_of
-from .source import Source, folder_weights, read_source
+from .source import Source, folder_weights, read_source, source_weights
+from .wrappers import rewrap
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -85,7 +86,9 @@ def build_model(
             recipe = Recipe(
                 source_weights, source.config, plan, keep_norms=not mode.ours
             )
-            model, config, as_is = _instantiate(source.name, recipe, mode.ours)
+            # mlx-lm's own model of a wrapper folder is its wrapper class.
+            wrapper = source.wrapper if mode.is_mlx_lms else None
+            model, config, as_is = _instantiate(source.name, recipe, mode.ours, wrapper)
             del recipe
             if by_mlx_lm:
                 model, config = _mlx_lm_quantized(model, config, *by_mlx_lm)
@@ -154,20 +157,25 @@ def _share_rows(layer, prefix: str, pairs, weights: dict, as_is: Set[str]) -> No
             mx.eval([weights[k] for k in keys])
 
 
-def _instantiate(name: str, recipe: Recipe, ours: bool):
+def _instantiate(name: str, recipe: Recipe, ours: bool, wrapper=None):
     """(model, config, keys of the source tensors it takes unchanged) of our
     class (`ours`) or mlx-lm's on the recipe's tensors; weights that do not
-    fit the config are one LoadError line."""
+    fit the config are one LoadError line. wrapper: a multimodal wrapper's
+    config (stock: mlx-lm's wrapper class around the text model; the config
+    returned stays the text model's, which the rest of the build reads)."""
     tensors, config = recipe.tensors(), recipe.config
     if ours:  # a GGUF's Q4_K q|k stacked with a Q6_K v: float
         tensors = gguf_kquant.float_pairs(tensors, config, recipe.out_dtype)
     as_is = {k for k, v in tensors.items() if recipe.src.get(k) is v}
     norm_gains = recipe.as_stored and not fold.is_folded(config) and ours
+    built = config
+    if wrapper is not None:
+        built, tensors = rewrap(wrapper, config, tensors)
     # A family FlashNorm does not cover: its config checked for types alone
     # (checks.py), so mlx-lm's class may fail on a value in any way.
     bad = (ValueError, KeyError) if models.is_covered(config) else Exception
     try:
-        model = models.instantiate(config, tensors, ours, norm_gains)
+        model = models.instantiate(built, tensors, ours, norm_gains)
         return model, config, as_is
     except bad as e:  # weights or config that do not fit
         # mlx-lm lists missing parameters on lines of their own: keep one line.
@@ -184,7 +192,9 @@ def _own_handles(source: Source) -> dict:
     if source.folder is None or source.adapter is not None:  # not the files'
         return source.weights
     try:
-        fresh = models.canonical_weights(source.config, folder_weights(source.folder))
+        fresh = source_weights(
+            source.config, folder_weights(source.folder), source.wrapper
+        )
     except LoadError:
         return source.weights
     same = fresh.keys() == source.weights.keys() and all(

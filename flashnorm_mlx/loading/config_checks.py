@@ -185,7 +185,7 @@ _ROPE_KEYS = {
 
 
 def _scaling_problem(key: str, value: dict) -> Optional[str]:
-    if "scaling" not in key:
+    if "scaling" not in key and key != "rope_parameters":  # ministral3's dict
         return None
     kind = value.get("rope_type", value.get("type"))
     if value and not isinstance(kind, str):
@@ -202,8 +202,24 @@ def _scaling_problem(key: str, value: dict) -> Optional[str]:
     return None
 
 
+# A family's config object and the keys its class reads from it with no default.
+_OBJECT_KEYS = {
+    "ministral3": (
+        "rope_parameters",
+        ("rope_theta", "llama_4_scaling_beta", "original_max_position_embeddings"),
+    ),
+}
+
+
 def _relations(config: dict) -> Optional[str]:
-    """Head counts that divide, per-layer lists of the right length."""
+    """Head counts that divide, per-layer lists of the right length, the
+    keys a family reads from a config object."""
+    key, inner = _OBJECT_KEYS.get(config.get("model_type"), (None, ()))
+    if key is not None and not isinstance(config.get(key), dict):
+        return f"{key} is missing (the model needs it)"
+    missing = [k for k in inner if k not in config.get(key, {})]
+    if missing:
+        return f"{key} needs {missing[0]!r}"
     heads = config.get("num_attention_heads")
     hidden = config.get("hidden_size")
     if is_int(heads) and is_int(hidden) and not config.get("head_dim"):

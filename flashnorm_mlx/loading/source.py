@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from .. import models
 from ..errors import LoadError
+from . import wrappers
 from .checks import check_safetensors
 from .config_checks import check_config
 
@@ -42,6 +43,9 @@ class Source:
     adapter: Optional[str] = None  # an adapter folder fused in (adapters.py)
     # The quantization block of a quantized source dequantized to take it.
     adapter_from_quantized: Optional[dict] = None
+    # A multimodal wrapper's own config, where `config` is its text model
+    # (wrappers.py): stock builds mlx-lm's wrapper class from it.
+    wrapper: Optional[dict] = None
 
 
 # --- locating ----------------------------------------------------------------
@@ -129,6 +133,8 @@ def read_source(
     # from deep inside a model's constructor. A family FlashNorm does not cover
     # has mlx-lm's class alone, whose values' meanings we do not know: types only.
     where = path / "config.json" if path.is_dir() else f"{path} (metadata)"
+    if src.wrapper is not None:
+        where = f"{where} text_config"
     covered = models.is_covered(src.config)
     classes = (False, True) if covered else (False,)  # mlx-lm's, ours
     arg_classes = [models.model_classes(src.config, ours)[1] for ours in classes]
@@ -165,8 +171,19 @@ def _read_folder(path: Path, name: str) -> Source:
         models.check_runnable(config)
     except ValueError as e:
         raise LoadError(f"{config_file}: {e}") from None
-    weights = models.canonical_weights(config, folder_weights(path))
-    return Source(name, config, weights, folder=path)
+    wrapper, text = None, wrappers.text_config(config, str(config_file))
+    if text is not None:  # a multimodal wrapper: its text model is what folds
+        wrapper, config = config, text
+    weights = source_weights(config, folder_weights(path), wrapper)
+    return Source(name, config, weights, folder=path, wrapper=wrapper)
+
+
+def source_weights(config: dict, weights: dict, wrapper: Optional[dict]) -> dict:
+    """A folder's weights as a Source holds them: a wrapper's text model's
+    (wrappers.py), as its family reads them (`models.canonical_weights`)."""
+    if wrapper is not None:
+        weights = wrappers.text_weights(wrapper, weights)
+    return models.canonical_weights(config, weights)
 
 
 def folder_weights(path: Path) -> dict:

@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt_oss",
     "llama": "llama",
+    "ministral3": "ministral3",
     "mistral": "llama",  # mlx-lm runs Mistral as Llama, sliding window included
     "mixtral": "mixtral",
     "openelm": "openelm",
