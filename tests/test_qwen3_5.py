@@ -23,12 +23,23 @@ from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import qwen3_5
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
-NAMES = list(tiny.QWEN3_5_CONFIGS)
+# case -> (maker, config): dense untied and tied; qwen3_5_moe on the tied one.
+CASES = {
+    "qwen3_5": (tiny.make_qwen3_5, "qwen3_5"),
+    "qwen3_5_tied": (tiny.make_qwen3_5, "qwen3_5_tied"),
+    "qwen3_5_moe": (tiny.make_qwen3_5_moe, "qwen3_5_tied"),
+}
+NAMES = list(CASES)
+
+
+def make(path, case, **kw):
+    maker, name = CASES[case]
+    return maker(path, name, **kw)
 
 
 @pytest.fixture(scope="module", params=NAMES)
 def folder(request, tmp_path_factory):
-    return tiny.make_qwen3_5(tmp_path_factory.mktemp(request.param), request.param)
+    return make(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +81,33 @@ def test_layers_and_what_is_left_of_the_norms(source):
     assert {k.split(".")[-2] for k in norms} == want, norms
 
 
+def test_every_expert_pick_matches_stock_over_32_cached_steps(tmp_path):
+    """qwen3_5_moe: the experts each token picks (s on the router logits
+    before their softmax) equal stock's at the prompt and every cached step,
+    and the logits with them."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from test_moe import Picks, picks_differ
+
+    src = read_source(str(make(tmp_path / "m", "qwen3_5_moe", tokenizer=False)))
+    logs, errs = {}, []
+    models = {}
+    for mode in ("stock", "flashnorm"):
+        model, _ = build_model(src, mode, dtype=mx.float32, engine="eager")
+        logs[mode] = {}
+        for i, layer in enumerate(model.layers):
+            logs[mode][i] = []
+            layer.mlp.switch_mlp = Picks(layer.mlp.switch_mlp, logs[mode][i])
+        models[mode] = (model, make_prompt_cache(model))
+    x = mx.array([PROMPT])
+    for step in range(33):
+        out = {m: model(x, cache=c) for m, (model, c) in models.items()}
+        errs.append(rel(out["flashnorm"], out["stock"]))
+        x = mx.argmax(out["stock"][:, -1:], axis=-1)
+    differ = picks_differ(logs["stock"], logs["flashnorm"])
+    assert len(logs["stock"][0]) == 33 and not differ, differ[:5]
+    assert max(errs) < tiny.f32_tol(), max(errs)
+
+
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
 def test_verify_float32_and_stock_quantized_as_stored(source, stock_q4, engine):
     """`verify`: a prompt and 32 cached steps within 1e-4 relative of mlx-lm's
@@ -100,20 +138,26 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_hugging_face_files_read_as_mlx_lm_reads_them(tmp_path, name):
+@pytest.mark.parametrize("wrapped", [False, True], ids=["flat", "wrapper"])
+def test_hugging_face_files_read_as_mlx_lm_reads_them(tmp_path, name, wrapped):
     """Hugging Face's layout (1 + w norms, Conv1d (C, 1, K), vision and MTP
-    weights): ours and our stock against mlx-lm's own `load_model` of the
-    folder, the independent reference."""
+    weights), its config flat or as the multimodal wrapper ships it: ours and
+    our stock against mlx-lm's own `load_model` of the folder, the
+    independent reference; `convert` of it writes a folder mlx-lm loads too
+    (the text config flat, as its qwen3_5 class takes it)."""
     from mlx_lm.utils import load_model
 
-    path = tiny.make_qwen3_5(tmp_path / name, name, hf=True, tokenizer=False)
+    path = make(tmp_path / name, name, hf=True, wrapped=wrapped, tokenizer=False)
     theirs, _ = load_model(path)
     src = read_source(str(path), need_tokenizer=False)
+    assert "text_config" not in src.config, src.config
     x = mx.array([PROMPT])
     errs = {
         mode: rel(build_model(src, mode, dtype=mx.float32)[0](x), theirs(x))
         for mode in ("stock", "flashnorm")
     }
+    convert(src, tmp_path / "out", progress=False, compat=True)
+    errs["mlx-lm on convert"] = rel(load_model(tmp_path / "out")[0](x), theirs(x))
     assert max(errs.values()) < tiny.f32_tol(), errs
 
 
@@ -266,7 +310,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
 
     cases = []
     for name in NAMES:
-        path = str(tiny.make_qwen3_5(tmp_path / name, name, tokenizer=False))
+        path = str(make(tmp_path / name, name, tokenizer=False))
         for mode in ("flashnorm", "stock"):
             cases.append({"name": f"{name}-{mode}", "model": path, "mode": mode})
         cases.append(

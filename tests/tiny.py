@@ -806,10 +806,18 @@ def make_qwen3_5(
     seed: int = 0,
     tokenizer: bool = True,
     hf: bool = False,
+    wrapped: bool = False,
     **over,
 ) -> Path:
+    """`wrapped`: the multimodal wrapper's config, as Qwen3.5 ships it (the
+    text model's under text_config, model_type qwen3_5_text, a vision_config)."""
     cfg = qwen3_5_config(name, **over)
-    return write_model(path, cfg, qwen3_5_weights(cfg, seed, hf), tokenizer)
+    weights = qwen3_5_weights(cfg, seed, hf)
+    if wrapped:
+        text = {**cfg, "model_type": "qwen3_5_text"}
+        cfg = {"model_type": "qwen3_5", "text_config": text, "vision_config": {}}
+        cfg["tie_word_embeddings"] = text["tie_word_embeddings"]
+    return write_model(path, cfg, weights, tokenizer)
 
 
 # --- Ministral 3 (YaRN rope_parameters, Llama 4's query scale) and its Mistral 3
@@ -916,4 +924,58 @@ def make_mistral3(
         w[f"{top}vision_tower.ln_pre.weight"] = _gain(rng, 7)
         w[f"{top}multi_modal_projector.linear_1.weight"] = _lin(rng, 5, 7)
         w[f"{top}multi_modal_projector.norm.weight"] = _gain(rng, 7)
+    return write_model(path, cfg, w, tokenizer)
+
+
+QWEN3_5_MOE = dict(
+    model_type="qwen3_5_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,  # two groups of 32: a 4-bit down splits over 2 ranks
+    shared_expert_intermediate_size=64,
+    norm_topk_prob=True,
+)
+
+
+def make_qwen3_5_moe(
+    path: Path,
+    name: str = "qwen3_5",
+    seed: int = 0,
+    tokenizer: bool = True,
+    hf: bool = False,
+    wrapped: bool = False,
+    **over,
+) -> Path:
+    """`make_qwen3_5`'s layers with experts in every one: a router with large
+    weights (routing visibly depends on the token), stacked experts (mlx-lm's
+    switch_mlp; Hugging Face's fused gate_up_proj with `hf`), a shared expert
+    and its sigmoid gate."""
+    cfg = qwen3_5_config(name, **{**QWEN3_5_MOE, **over})
+    w = qwen3_5_weights(cfg, seed, hf)
+    rng = np.random.default_rng(seed + 5)
+    D, E, F = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
+    S = cfg["shared_expert_intermediate_size"]
+    top = "model.language_model." if hf else "language_model.model."
+    for i in range(cfg["num_hidden_layers"]):
+        m = f"{top}layers.{i}.mlp"
+        for n in ("gate", "up", "down"):
+            del w[f"{m}.{n}_proj.weight"]
+        w[f"{m}.gate.weight"] = 4 * _lin(rng, E, D)
+        experts = {
+            n: np.stack([_lin(rng, *shape) for _ in range(E)])
+            for n, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F)))
+        }
+        if hf:
+            gate_up = np.concatenate([experts["gate"], experts["up"]], axis=1)
+            w[f"{m}.experts.gate_up_proj"] = gate_up
+            w[f"{m}.experts.down_proj"] = experts["down"]
+        else:
+            for n, v in experts.items():
+                w[f"{m}.switch_mlp.{n}_proj.weight"] = v
+        for n, (o, i_) in (("gate", (S, D)), ("up", (S, D)), ("down", (D, S))):
+            w[f"{m}.shared_expert.{n}_proj.weight"] = _lin(rng, o, i_)
+        w[f"{m}.shared_expert_gate.weight"] = 2 * _lin(rng, 1, D)
+    if wrapped:
+        text = {**cfg, "model_type": "qwen3_5_moe_text"}
+        cfg = {"model_type": "qwen3_5_moe", "text_config": text, "vision_config": {}}
     return write_model(path, cfg, w, tokenizer)

@@ -80,7 +80,12 @@ def _flat(cls, config: dict):
     if "text_config" in fields and "text_config" not in config:
         import sys
 
-        return getattr(sys.modules[cls.__module__], "TextModelArgs", cls)
+        # Its module's, or that of the model class it extends (qwen3_5_moe's).
+        model = getattr(sys.modules[cls.__module__], "Model", None)
+        for c in model.__mro__ if model else ():
+            text = getattr(sys.modules[c.__module__], "TextModelArgs", None)
+            if text is not None:
+                return text
     return cls
 
 

@@ -173,7 +173,7 @@ def _read_folder(path: Path, name: str) -> Source:
         raise LoadError(f"{config_file}: {e}") from None
     wrapper, text = None, wrappers.text_config(config, str(config_file))
     if text is not None:  # a multimodal wrapper: its text model is what folds
-        wrapper, config = config, text
+        wrapper, config = (None if wrappers.is_flat(config) else config), text
     weights = source_weights(config, folder_weights(path), wrapper)
     return Source(name, config, weights, folder=path, wrapper=wrapper)
 

@@ -32,6 +32,11 @@ class Wrapper:
     # What the wrapper class sets in text_config where absent.
     defaults: Tuple[Tuple[str, object], ...] = ()
     stock_prefix: str = "language_model."  # where the wrapper class holds it
+    # The wrapper's family takes its text config flat, under this model_type,
+    # and reads the weights as they are named (mlx-lm's Qwen3.5: the family
+    # file mirrors the wrapper, its `canonical` reads the names): stock needs
+    # no rewrapping.
+    flat: Optional[str] = None
 
 
 # wrapper model_type -> how FlashNorm reads its text model. A new line here
@@ -43,6 +48,18 @@ WRAPPERS: Dict[str, Wrapper] = {
         prefixes=(("model.language_model.", "model."), ("language_model.", "")),
         drop=("vision_tower", "multi_modal_projector"),
         defaults=(("tie_word_embeddings", False),),
+    ),
+    "qwen3_5": Wrapper(
+        texts=("qwen3_5_text", "qwen3_5"),
+        prefixes=(),
+        drop=("vision_tower", "model.visual"),
+        flat="qwen3_5",
+    ),
+    "qwen3_5_moe": Wrapper(
+        texts=("qwen3_5_moe_text", "qwen3_5_moe"),
+        prefixes=(),
+        drop=("vision_tower", "model.visual"),
+        flat="qwen3_5_moe",
     ),
 }
 
@@ -59,18 +76,21 @@ def text_config(config: dict, where: str) -> Optional[dict]:
         return None
     mt = config["model_type"]
     text = config.get("text_config")
+    if wrapper.flat and "text_config" not in config:  # flat already
+        return None
     if not isinstance(text, dict):
         raise LoadError(f"{where}: a {mt} config needs a text_config object")
     text_type = text.get("model_type")
     if not isinstance(text_type, str):
         raise LoadError(f"{where}: text_config has no model_type string")
-    if text_type not in wrapper.texts or not models.is_covered(text):
+    family = {**text, "model_type": wrapper.flat} if wrapper.flat else text
+    if text_type not in wrapper.texts or not models.is_covered(family):
         try:  # the wrapper runs as stock, if mlx-lm knows its text model
             models.check_runnable(text)
         except UnsupportedModel as e:
             raise LoadError(f"{where}: text_config: {e}") from None
         return None
-    out = {**dict(wrapper.defaults), **text}
+    out = {**dict(wrapper.defaults), **family}
     for key in CARRIED:
         if key in config:
             out[key] = _strip_keys(config[key], wrapper)
@@ -82,6 +102,12 @@ def _strip_keys(block, wrapper: Wrapper):
     if not isinstance(block, dict):
         return block
     return {text_name(k, wrapper): v for k, v in block.items()}
+
+
+def is_flat(config: dict) -> bool:
+    """A wrapper whose family reads its text config flat (`Wrapper.flat`)."""
+    wrapper = WRAPPERS.get(config.get("model_type"))
+    return wrapper is not None and wrapper.flat is not None
 
 
 def text_name(name: str, wrapper: Wrapper) -> str:

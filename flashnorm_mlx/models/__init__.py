@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",  # the same file: experts where the config has them
     "qwen3_moe": "qwen3_moe",
     "smollm3": "smollm3",
 }

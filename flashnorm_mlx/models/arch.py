@@ -122,6 +122,12 @@ class MoE:
     # llama.cpp's names of the router and the stacked experts' fed and down
     # linears, in that order ((E, out, in) as ours); () where no GGUF has them.
     gguf: Tuple[str, ...] = ()
+    # A shared expert beside the routed ones (Qwen3-Next, Qwen3.5): its
+    # norm-fed linears (gate, up), our stacked gate|up of them, and the linear
+    # of its sigmoid gate (quantized as the router is).
+    shared: Tuple[str, ...] = ()
+    shared_fused: Optional[str] = None
+    shared_gate: Optional[str] = None
 
     def gguf_names(self) -> Dict[str, str]:
         """llama.cpp's layer tensor name -> our module, for the MoE's linears."""
@@ -135,9 +141,15 @@ class MoE:
             return []
         fused = f"{prefix}.{self.experts}.{self.fused}"
         if f"{fused}.weight" in weights:
-            return [f"{prefix}.{self.router}", fused]
-        parts = [f"{prefix}.{self.experts}.{f}" for f in self.fed]
-        return [f"{prefix}.{self.router}"] + parts
+            out = [f"{prefix}.{self.router}", fused]
+        else:
+            parts = [f"{prefix}.{self.experts}.{f}" for f in self.fed]
+            out = [f"{prefix}.{self.router}"] + parts
+        shared = (self.shared_fused,) if self.shared_fused else ()
+        if not shared or f"{prefix}.{shared[0]}.weight" not in weights:
+            shared = self.shared
+        shared += (self.shared_gate,) if self.shared_gate else ()
+        return out + [f"{prefix}.{s}" for s in shared]
 
     def stack(self, config: dict, weights: Dict) -> Dict:
         """Hugging Face's per-expert weights (`per_expert`) stacked into the

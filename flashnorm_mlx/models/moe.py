@@ -12,6 +12,7 @@ quantized), gate|up stacked into one (experts, 2F, D) weight; the GLU is the
 dense layers' `kernels.deferred_glu`, one row per (token, expert) pair.
 """
 
+from types import SimpleNamespace
 from typing import Optional
 
 import mlx.core as mx
@@ -19,6 +20,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from .. import kernels
+from .decoder import MLP
 
 
 class SwitchGLU(nn.Module):
@@ -79,7 +81,10 @@ class SparseMoE(nn.Module):
     def route(self, xs, ms):
         """(indices, scores) (B, L, k): the top-k of softmax(s * logits)."""
         z = self.gate(xs)
-        z = (z * kernels.deferred_scale(ms, xs.dtype)).astype(z.dtype)
+        return self.pick((z * kernels.deferred_scale(ms, xs.dtype)).astype(z.dtype))
+
+    def pick(self, z):
+        """(indices, scores) of the router's logits z, s already on them."""
         gates = mx.softmax(z, axis=-1, precise=True)
         k = self.top_k
         inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
@@ -92,6 +97,33 @@ class SparseMoE(nn.Module):
         inds, scores = self.route(xs, ms)
         y = self.switch_mlp(xs, ms, inds)
         y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        if self.sharding_group is not None:  # each rank's hidden columns summed
+            y = mx.distributed.all_sum(y, group=self.sharding_group)
+        return y, ms
+
+
+class SharedExpertMoE(SparseMoE):
+    """Qwen3-Next's and Qwen3.5's block: SparseMoE's routed experts plus a
+    shared expert, a dense GLU on the same s, times sigmoid(s * (xs @ w*)):
+    s goes before that sigmoid, and the sum owes s (docs/design.md 2j). The
+    router's rows and the shared gate's row are one matmul (`gate`, E + 1
+    rows, stacked at load), so s is applied once to both."""
+
+    def __init__(self, dims, hidden, num_experts, top_k, norm_topk, shared_hidden):
+        super().__init__(dims, hidden, num_experts, top_k, norm_topk)
+        self.gate = nn.Linear(dims, num_experts + 1, bias=False)
+        self.shared_expert = MLP(
+            SimpleNamespace(hidden_size=dims, intermediate_size=shared_hidden)
+        )
+
+    def __call__(self, xs, ms):
+        z = self.gate(xs)
+        z = (z * kernels.deferred_scale(ms, xs.dtype)).astype(z.dtype)
+        inds, scores = self.pick(z[..., :-1])
+        y = self.switch_mlp(xs, ms, inds)
+        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        shared, _ = self.shared_expert(xs, ms)  # owes s too
+        y = y + mx.sigmoid(z[..., -1:]) * shared
         if self.sharding_group is not None:  # each rank's hidden columns summed
             y = mx.distributed.all_sum(y, group=self.sharding_group)
         return y, ms

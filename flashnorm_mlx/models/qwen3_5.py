@@ -1,4 +1,5 @@
-"""FlashNorm Qwen3.5 (and Qwen3.6): gated DeltaNet and gated attention layers.
+"""FlashNorm Qwen3.5 and Qwen3.6 (`qwen3_5`, `qwen3_5_moe`): gated DeltaNet and
+gated attention layers.
 
 mlx-lm's `qwen3_5` holds the text model under `language_model` (the multimodal
 wrapper's name; a flat text config loads too). Three of every
@@ -13,7 +14,9 @@ input's deferred 1/RMS (docs/design.md section 2k):
 - gated attention: q|k|v in one matmul through the QK-norm epilogue (Qwen3's:
   s cancels in q and k, v takes it), partial rotary; the output gate's rows,
   apart from q's, take s before their sigmoid.
-- the GLU as Llama's; the last block's residual is the final norm.
+- the GLU as Llama's, or (qwen3_5_moe) routed experts beside a shared expert
+  whose sigmoid gate takes s first (models/moe.py); the last block's residual
+  is the final norm.
 `canonical` reads a checkpoint as mlx-lm's `sanitize` leaves it (its names,
 the Conv1d layout, the 1 + w norm gains of Hugging Face's files).
 """
@@ -32,9 +35,10 @@ from .. import kernels
 from ..errors import UnsupportedModel
 from ..parallel import sharding
 from . import qwen3
-from .arch import Architecture, GatedNorm, Mixer, NormPair
+from .arch import Architecture, GatedNorm, Mixer, MoE, NormPair
 from .decoder import Decoder, DecoderBlock, fuse
 from .gains import Gain
+from .moe import SharedExpertMoE, fuse_experts
 
 PREFIX = "language_model."  # stock's module path of the text model
 
@@ -81,7 +85,19 @@ ARCH = Architecture(
         ),
     ),
     layer_kind=layer_kind,
-    cannot=(("gguf", "llama.cpp's qwen35 files are not read yet"),),
+    # qwen3_5_moe: experts in every layer, beside a sigmoid-gated shared expert
+    # (docs/design.md section 2j); a dense config has no router, so no layer
+    # reads these.
+    moe=MoE(
+        norm="post_attention_layernorm",
+        router="mlp.gate",
+        experts="mlp.switch_mlp",
+        router_quant=(8, 64),  # mlx-lm's quant_predicate: router, shared gate
+        shared=("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+        shared_fused="mlp.shared_expert.gate_up_proj",
+        shared_gate="mlp.shared_expert_gate",
+    ),
+    cannot=(("gguf", "llama.cpp's qwen35 and qwen35moe files are not read yet"),),
 )
 
 # Hugging Face's norms that store w of a 1 + w gain (mlx-lm's sanitize adds 1).
@@ -114,6 +130,14 @@ def canonical(config: dict, weights: dict) -> dict:
             v = v.moveaxis(2, 1)
         elif raw and v.ndim == 1 and k.endswith(_OFFSET_NORMS):
             v = v + 1.0
+        if k.endswith("mlp.experts.gate_up_proj"):  # (E, 2F, D): gate rows first
+            head = k[: -len("experts.gate_up_proj")] + "switch_mlp."
+            gate, up = mx.split(v, 2, axis=-2)
+            out[head + "gate_proj.weight"], out[head + "up_proj.weight"] = gate, up
+            continue
+        if k.endswith("mlp.experts.down_proj"):
+            out[k[: -len("experts.down_proj")] + "switch_mlp.down_proj.weight"] = v
+            continue
         out[k] = v
     if config.get("tie_word_embeddings", False):
         out.pop(PREFIX + "lm_head.weight", None)
@@ -122,8 +146,6 @@ def canonical(config: dict, weights: dict) -> dict:
 
 def _text_args(args: ModelArgs) -> TextModelArgs:
     text = TextModelArgs.from_dict(args.text_config)
-    if text.num_experts:
-        raise UnsupportedModel("qwen3_5 with experts is not folded yet")
     if text.attention_bias:  # a bias before the QK-norm: s would not cancel
         raise UnsupportedModel("qwen3_5 with attention_bias is not folded yet")
     return text
@@ -272,6 +294,19 @@ class TextModel(Decoder):
             return GatedDeltaNet(args, self.norm_gains)
         return Attention(args)
 
+    def feed_forward(self, args: TextModelArgs, i: int) -> nn.Module:
+        """The deferred GLU, or (qwen3_5_moe) the experts beside a shared one."""
+        if not args.num_experts:
+            return super().feed_forward(args, i)
+        return SharedExpertMoE(
+            args.hidden_size,
+            args.moe_intermediate_size,
+            args.num_experts,
+            args.num_experts_per_tok,
+            args.norm_topk_prob,
+            args.shared_expert_intermediate_size,
+        )
+
     def make_cache(self):
         return [ArraysCache(size=2) if l.RECURRENT else KVCache() for l in self.layers]
 
@@ -315,6 +350,14 @@ class Model(nn.Module):
                 parts = [f"{p}.{part}" for part in pair.parts]
                 fused = f"{p}.{pair.fused}"
                 weights = fuse(weights, parts, fused, f"{p}.{pair.fused_bias}")
+            moe = ARCH.moe
+            weights = fuse_experts(weights, p, moe)
+            shared = [f"{p}.{part}" for part in moe.shared]
+            fused = f"{p}.{moe.shared_fused}"
+            weights = fuse(weights, shared, fused, fused + "_bias")
+            # The router's rows and the shared gate's row: one matmul.
+            gates = [f"{p}.{moe.router}", f"{p}.{moe.shared_gate}"]
+            weights = fuse(weights, gates, gates[0], f"{p}.mlp.gate_bias")
         return weights
 
     @property

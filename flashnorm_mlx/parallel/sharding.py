@@ -229,10 +229,27 @@ def split_ffn(hidden: int, unit: int, size: int, name: str) -> List[Tuple[int, i
     return runs(hidden, size, unit)
 
 
-def shard_mlp(mlp: nn.Module, group, where: str = "") -> Tuple[int, int]:
+def take_columns(linear: nn.Module, cols: Tuple[int, int], group, name: str):
+    """`linear` holding only its input columns [a, b), not summed: for a
+    block that all-sums its whole output once (a shared expert's down beside
+    the routed experts'). A bias stays on rank 0 alone, added once by the sum."""
+    part = copy.copy(linear)
+    summed = sum_columns(linear, cols, group, name)
+    for key in ("weight", "scales", "biases"):
+        if key in summed:
+            part[key] = summed[key]
+    if "bias" in linear and group.rank():
+        part.bias = mx.zeros_like(linear.bias)
+    return part
+
+
+def shard_mlp(
+    mlp: nn.Module, group, where: str = "", summed: bool = True
+) -> Tuple[int, int]:
     """Split a GLU feed-forward over `group`: gate and up rows and down's input
     columns, the same hidden columns on each (a quantized down_proj splits on
-    its group boundaries only). Ours (gate_up_proj, optional gate_up_bias),
+    its group boundaries only), down's output all-summed unless `summed` is
+    False (its block sums it). Ours (gate_up_proj, optional gate_up_bias),
     OpenELM's (proj_1 = gate|up, proj_2) and mlx-lm's (gate/up/down_proj)."""
     if "proj_1" in mlp:
         fused, down = "proj_1", "proj_2"
@@ -250,7 +267,8 @@ def shard_mlp(mlp: nn.Module, group, where: str = "") -> Tuple[int, int]:
     else:
         mlp.gate_proj = take_rows(mlp.gate_proj, [(a, b)])
         mlp.up_proj = take_rows(mlp.up_proj, [(a, b)])
-    setattr(mlp, down, sum_columns(mlp[down], (a, b), group, label))
+    cut = sum_columns if summed else take_columns
+    setattr(mlp, down, cut(mlp[down], (a, b), group, label))
     return a, b
 
 
@@ -306,6 +324,9 @@ def shard_experts(moe_module: nn.Module, moe, group, where: str = "") -> None:
         )
     if "bias" in down and group.rank():  # added once, after the all-sum
         down.bias = mx.zeros_like(down.bias)
+    if moe.shared:  # a shared expert's hidden columns, summed with the experts'
+        name = moe.shared[0].rpartition(".")[0].rpartition(".")[2]
+        shard_mlp(moe_module[name], group, f"{where} {name}".strip(), summed=False)
     if hasattr(moe_module, "sharding_group"):  # ours, mlx-lm's Qwen3-MoE: it sums
         moe_module.sharding_group = group
     else:  # mlx-lm's Mixtral: each expert's output summed before the weighting

@@ -96,9 +96,9 @@ def uniform_qspec(
     }
     router = _router_quant(config)
     if router:
-        r_bits, r_group, name = router
+        r_bits, r_group, names = router
         for m, w in widths.items():
-            if m.endswith(name) and w % r_group == 0:
+            if m.endswith(names) and w % r_group == 0:
                 qspec[m] = affine_spec(r_bits, r_group)
     if widths and not qspec:
         sizes = sorted(set(widths.values()))
@@ -116,7 +116,8 @@ def uniform_qspec(
 
 
 def _router_quant(config: Optional[dict]):
-    """(bits, group_size, ".router name") of a mixture-of-experts router, or None."""
+    """(bits, group_size, (".router name", a shared expert's ".gate name")) of
+    a mixture-of-experts router, as mlx-lm's quant_predicate sets it, or None."""
     if not config:
         return None
     from .. import models
@@ -127,7 +128,8 @@ def _router_quant(config: Optional[dict]):
         return None
     if moe is None or moe.router_quant is None:
         return None
-    return (*moe.router_quant, f".{moe.router}")
+    gates = (moe.router,) + ((moe.shared_gate,) if moe.shared_gate else ())
+    return (*moe.router_quant, tuple(f".{g}" for g in gates))
 
 
 def source_qspec(weights: Weights, config: dict) -> dict:
