@@ -36,6 +36,7 @@ PARTS = {
         "test_llama.py",
         "test_dense.py",
         "test_ministral3.py",
+        "test_qwen3_5.py",
         "test_openelm.py",
         "test_qwen.py",
         "test_gemma3.py",
@@ -204,6 +205,7 @@ LAUNCHES = {
     "test_distributed.py",
     "test_dense.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_ministral3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_qwen3_5.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
 }

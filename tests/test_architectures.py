@@ -53,6 +53,8 @@ CONFIGS = (
     + [("smollm3", c, tiny.make_smollm3) for c in tiny.SMOLLM3_CONFIGS]
     + [("ministral3", c, tiny.make_ministral3) for c in tiny.MINISTRAL3_CONFIGS]
     + [("mistral3", c, tiny.make_mistral3) for c in tiny.MISTRAL3_WRAPPERS]
+    + [("qwen3_5", c, tiny.make_qwen3_5) for c in tiny.QWEN3_5_CONFIGS]
+    + [("qwen3_5_moe", c, tiny.make_qwen3_5_moe) for c in tiny.QWEN3_5_CONFIGS]
 )
 
 

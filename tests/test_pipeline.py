@@ -29,6 +29,8 @@ ARCHITECTURES = {
     "smollm3": lambda p: tiny.make_smollm3(p, "smollm3"),
     "ministral3": lambda p: tiny.make_ministral3(p, "ministral3_mscale_sliding"),
     "mistral3": lambda p: tiny.make_mistral3(p, "mistral3_vision"),
+    "qwen3_5": lambda p: tiny.make_qwen3_5(p, "qwen3_5"),
+    "qwen3_5_moe": lambda p: tiny.make_qwen3_5_moe(p, "qwen3_5_tied", wrapped=True),
 }
 
 # (quantized source?, build_model/convert flags)

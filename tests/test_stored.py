@@ -40,6 +40,8 @@ ARCHS = {
     "smollm3": (tiny.make_smollm3, "smollm3"),
     "ministral3": (tiny.make_ministral3, "ministral3"),
     "mistral3-vision": (tiny.make_mistral3, "mistral3_vision"),
+    "qwen3_5": (tiny.make_qwen3_5, "qwen3_5"),
+    "qwen3_5_moe-tied": (tiny.make_qwen3_5_moe, "qwen3_5_tied"),
 }
 
 
