@@ -85,12 +85,17 @@ def test_compiled_by_default_where_a_gpu_runs_the_model(tmp_path, monkeypatch, b
     assert compiled == {mode: want for mode in MODES}, compiled
 
 
+# Families no compiled function serves yet: recurrent states (ArraysCache) are
+# outside the whole step, and their blocks have no cache-free parts (design 2k).
+RUN_EAGER = (tiny.make_qwen3_5, tiny.make_qwen3_5_moe)
+
+
 @EVERY_CONFIG
 def test_compiled_step_gives_the_uncompiled_greedy_text(tmp_path, make, cfg):
     on, off = both(read_source(str(make(tmp_path, cfg, tokenizer=False))))
     a, b = greedy(on, PROMPT, 128), greedy(off, PROMPT, 128)
     assert a == b, f"{cfg}: first difference at step {first_difference(a, b)}"
-    assert compiled_ran(on) and not compiled_ran(off), cfg
+    assert compiled_ran(on) == (make not in RUN_EAGER) and not compiled_ran(off), cfg
 
 
 def test_capacity_grows_in_buckets_and_stays_exact(tmp_path):

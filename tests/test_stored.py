@@ -154,6 +154,17 @@ def _fused_name(key, params):
         ("self_attn.v_proj", "self_attn.qkv_proj"),
         ("mlp.gate_proj", "mlp.gate_up_proj"),
         ("mlp.up_proj", "mlp.gate_up_proj"),
+        # Qwen3.5: the DeltaNet's four inputs, the experts' and shared expert's
+        # gate|up, the shared gate's row beside the router's.
+        *(
+            (f"linear_attn.in_proj_{p}", "linear_attn.in_proj")
+            for p in "qkv z b a".split()
+        ),
+        ("switch_mlp.gate_proj", "switch_mlp.gate_up_proj"),
+        ("switch_mlp.up_proj", "switch_mlp.gate_up_proj"),
+        ("shared_expert.gate_proj", "shared_expert.gate_up_proj"),
+        ("shared_expert.up_proj", "shared_expert.gate_up_proj"),
+        ("mlp.shared_expert_gate", "mlp.gate"),
     ):
         if part in key and key.replace(part, fused) in params:
             return key.replace(part, fused)
