@@ -55,6 +55,7 @@ CONFIGS = (
     + [("mistral3", c, tiny.make_mistral3) for c in tiny.MISTRAL3_WRAPPERS]
     + [("qwen3_5", c, tiny.make_qwen3_5) for c in tiny.QWEN3_5_CONFIGS]
     + [("qwen3_5_moe", c, tiny.make_qwen3_5_moe) for c in tiny.QWEN3_5_CONFIGS]
+    + [("qwen3_next", c, tiny.make_qwen3_next) for c in ("untied", "tied")]
 )
 
 

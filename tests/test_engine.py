@@ -34,6 +34,7 @@ CONFIGS = (
     + [("mistral3", c, tiny.make_mistral3) for c in tiny.MISTRAL3_WRAPPERS]
     + [("qwen3_5", c, tiny.make_qwen3_5) for c in tiny.QWEN3_5_CONFIGS]
     + [("qwen3_5_moe", c, tiny.make_qwen3_5_moe) for c in tiny.QWEN3_5_CONFIGS]
+    + [("qwen3_next", c, tiny.make_qwen3_next) for c in ("untied", "tied")]
 )
 EVERY_CONFIG = pytest.mark.parametrize(
     "make,cfg", [pytest.param(m, c, id=f"{a}-{c}") for a, c, m in CONFIGS]
@@ -87,7 +88,7 @@ def test_compiled_by_default_where_a_gpu_runs_the_model(tmp_path, monkeypatch, b
 
 # Families no compiled function serves yet: recurrent states (ArraysCache) are
 # outside the whole step, and their blocks have no cache-free parts (design 2k).
-RUN_EAGER = (tiny.make_qwen3_5, tiny.make_qwen3_5_moe)
+RUN_EAGER = (tiny.make_qwen3_5, tiny.make_qwen3_5_moe, tiny.make_qwen3_next)
 
 
 @EVERY_CONFIG

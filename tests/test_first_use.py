@@ -56,7 +56,7 @@ FAMILY.update({"qwen3": "Qwen3", "openelm": "OpenELM", "gemma3_text": "Gemma 3"}
 FAMILY.update({"phi3": "Phi-3", "smollm3": "SmolLM3", "qwen3_moe": "Qwen3-MoE"})
 FAMILY.update({"mixtral": "Mixtral", "gpt_oss": "gpt-oss"})
 FAMILY.update({"ministral3": "Ministral 3", "qwen3_5": "Qwen3.5"})
-FAMILY.update({"qwen3_5_moe": "Qwen3.5"})
+FAMILY.update({"qwen3_5_moe": "Qwen3.5", "qwen3_next": "Qwen3-Next"})
 
 
 def test_summary_and_docstring_name_every_family():

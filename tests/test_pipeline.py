@@ -31,6 +31,7 @@ ARCHITECTURES = {
     "mistral3": lambda p: tiny.make_mistral3(p, "mistral3_vision"),
     "qwen3_5": lambda p: tiny.make_qwen3_5(p, "qwen3_5"),
     "qwen3_5_moe": lambda p: tiny.make_qwen3_5_moe(p, "qwen3_5_tied", wrapped=True),
+    "qwen3_next": lambda p: tiny.make_qwen3_next(p, "untied", hf=True),
 }
 
 # (quantized source?, build_model/convert flags)

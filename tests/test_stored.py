@@ -42,6 +42,7 @@ ARCHS = {
     "mistral3-vision": (tiny.make_mistral3, "mistral3_vision"),
     "qwen3_5": (tiny.make_qwen3_5, "qwen3_5"),
     "qwen3_5_moe-tied": (tiny.make_qwen3_5_moe, "qwen3_5_tied"),
+    "qwen3_next": (tiny.make_qwen3_next, "untied"),
 }
 
 
@@ -160,6 +161,8 @@ def _fused_name(key, params):
             (f"linear_attn.in_proj_{p}", "linear_attn.in_proj")
             for p in "qkv z b a".split()
         ),
+        ("linear_attn.in_proj_qkvz", "linear_attn.in_proj"),  # Qwen3-Next's two
+        ("linear_attn.in_proj_ba", "linear_attn.in_proj"),
         ("switch_mlp.gate_proj", "switch_mlp.gate_up_proj"),
         ("switch_mlp.up_proj", "switch_mlp.gate_up_proj"),
         ("shared_expert.gate_proj", "shared_expert.gate_up_proj"),

@@ -979,3 +979,77 @@ def make_qwen3_5_moe(
         text = {**cfg, "model_type": "qwen3_5_moe_text"}
         cfg = {"model_type": "qwen3_5_moe", "text_config": text, "vision_config": {}}
     return write_model(path, cfg, w, tokenizer)
+
+
+# --- Qwen3-Next: Qwen3.5's layers, the DeltaNet inputs in two per-key-head linears --
+
+QWEN3_NEXT = dict(
+    model_type="qwen3_next",
+    num_hidden_layers=4,  # DeltaNet (MoE), DeltaNet (dense), DeltaNet, attention
+    full_attention_interval=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    norm_topk_prob=True,
+    rope_theta=1e6,
+    partial_rotary_factor=0.25,
+)
+
+
+def make_qwen3_next(
+    path: Path,
+    name: str = "untied",
+    seed: int = 0,
+    tokenizer: bool = True,
+    hf: bool = False,
+) -> Path:
+    """mlx-lm's saved layout (stacked experts, gains, Conv1d (C, K, 1)) or,
+    with `hf`, Hugging Face's (per-expert weights, 1 + w norms, Conv1d
+    (C, 1, K), an MTP head); `name` "tied" ties the head."""
+    cfg = {k: v for k, v in QWEN3_5.items() if k != "rope_parameters"}
+    cfg.update(QWEN3_NEXT, tie_word_embeddings=name == "tied")
+    w = qwen3_5_weights({**cfg, "full_attention_interval": 4}, seed, hf)
+    rng = np.random.default_rng(seed + 7)
+    D, E, F = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
+    S = cfg["shared_expert_intermediate_size"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, r = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], nv // nk
+    out = {}
+    for k, v in w.items():  # Qwen3.5's names -> Qwen3-Next's
+        k = k.replace("model.language_model.", "model.")
+        k = k.replace("language_model.model.", "model.").replace("language_model.", "")
+        out[k] = v
+    w = out
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        a = f"{p}.linear_attn"
+        if f"{a}.in_proj_qkv.weight" in w:  # rows per key head: [q k v z], [b a]
+            qkv, z = w.pop(f"{a}.in_proj_qkv.weight"), w.pop(f"{a}.in_proj_z.weight")
+            q, k_, v = np.split(qkv, [nk * dk, 2 * nk * dk])
+            per = [q.reshape(nk, dk, D), k_.reshape(nk, dk, D)]
+            per += [v.reshape(nk, r * dv, D), z.reshape(nk, r * dv, D)]
+            w[f"{a}.in_proj_qkvz.weight"] = np.concatenate(per, 1).reshape(-1, D)
+            b, a_ = w.pop(f"{a}.in_proj_b.weight"), w.pop(f"{a}.in_proj_a.weight")
+            ba = [b.reshape(nk, r, D), a_.reshape(nk, r, D)]
+            w[f"{a}.in_proj_ba.weight"] = np.concatenate(ba, 1).reshape(-1, D)
+        if i in cfg["mlp_only_layers"]:
+            continue
+        m = f"{p}.mlp"
+        for n in ("gate", "up", "down"):
+            del w[f"{m}.{n}_proj.weight"]
+        w[f"{m}.gate.weight"] = 4 * _lin(rng, E, D)
+        for n, (o, i_) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            experts = [_lin(rng, o, i_) for _ in range(E)]
+            if hf:
+                for e, x in enumerate(experts):
+                    w[f"{m}.experts.{e}.{n}_proj.weight"] = x
+            else:
+                w[f"{m}.switch_mlp.{n}_proj.weight"] = np.stack(experts)
+        for n, (o, i_) in (("gate", (S, D)), ("up", (S, D)), ("down", (D, S))):
+            w[f"{m}.shared_expert.{n}_proj.weight"] = _lin(rng, o, i_)
+        w[f"{m}.shared_expert_gate.weight"] = 2 * _lin(rng, 1, D)
+    w = {k: v for k, v in w.items() if "visual" not in k}
+    return write_model(path, cfg, w, tokenizer)

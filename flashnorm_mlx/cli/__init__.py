@@ -28,8 +28,12 @@ def _usage() -> str:
         "",
     ]
     lines.append("Exact FlashNorm inference on MLX for Llama-family models (llama,")
-    lines.append("mistral, ministral3, qwen2, qwen3, phi3, smollm3), openelm, gemma3_text,")
-    lines.append("Qwen3.5's hybrid qwen3_5 and qwen3_5_moe and the mixtures of experts")
+    lines.append(
+        "mistral, ministral3, qwen2, qwen3, phi3, smollm3), openelm, gemma3_text,"
+    )
+    lines.append(
+        "the hybrids qwen3_5, qwen3_5_moe and qwen3_next and the mixtures of experts"
+    )
     lines.append("qwen3_moe, mixtral and gpt_oss; every other model")
     lines.append("mlx-lm loads runs as stock (mlx-lm's own class).")
     lines.append("MODEL defaults to the embedded SmolLM2-135M-Instruct (4-bit GGUF).")

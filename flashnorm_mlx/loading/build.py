@@ -139,7 +139,7 @@ def _share_rows(layer, prefix: str, pairs, weights: dict, as_is: Set[str]) -> No
     same values, held once, where the Source (GGUF, read whole) would keep a
     second copy of them for as long as it lives."""
     params = dict(tree_flatten(layer.parameters()))
-    for pair in pairs:  # the layer's own (a hybrid family's differ by mixer)
+    for pair in (p for p in pairs if p.in_order):  # the layer's own pairs
         for suffix in ("weight", "scales", "biases"):
             keys = [f"{prefix}.{part}.{suffix}" for part in pair.parts]
             whole = params.get(f"{pair.fused}.{suffix}")

@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "qwen3_5": "qwen3_5",
     "qwen3_5_moe": "qwen3_5",  # the same file: experts where the config has them
     "qwen3_moe": "qwen3_moe",
+    "qwen3_next": "qwen3_next",
     "smollm3": "smollm3",
 }
 

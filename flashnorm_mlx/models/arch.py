@@ -51,6 +51,9 @@ class NormPair:
     norm: str
     fused: str
     parts: Tuple[str, ...]
+    # The fused linear's rows are the parts' in order (a build may then share
+    # them with the source); False where they are permuted (Qwen3-Next's).
+    in_order: bool = True
 
     @property
     def fused_bias(self) -> str:

@@ -101,7 +101,7 @@ ARCH = Architecture(
 )
 
 # Hugging Face's norms that store w of a 1 + w gain (mlx-lm's sanitize adds 1).
-_OFFSET_NORMS = (
+OFFSET_NORMS = (
     ".input_layernorm.weight",
     ".post_attention_layernorm.weight",
     "model.norm.weight",
@@ -128,7 +128,7 @@ def canonical(config: dict, weights: dict) -> dict:
             k = PREFIX + k
         if raw and k.endswith("conv1d.weight") and v.shape[-1] != 1:
             v = v.moveaxis(2, 1)
-        elif raw and v.ndim == 1 and k.endswith(_OFFSET_NORMS):
+        elif raw and v.ndim == 1 and k.endswith(OFFSET_NORMS):
             v = v + 1.0
         if k.endswith("mlp.experts.gate_up_proj"):  # (E, 2F, D): gate rows first
             head = k[: -len("experts.gate_up_proj")] + "switch_mlp."
@@ -149,6 +149,35 @@ def _text_args(args: ModelArgs) -> TextModelArgs:
     if text.attention_bias:  # a bias before the QK-norm: s would not cancel
         raise UnsupportedModel("qwen3_5 with attention_bias is not folded yet")
     return text
+
+
+def fuse_layers(weights: dict, args, arch: Architecture) -> dict:
+    """Per layer: q_proj's per-head [q | gate] rows parted; q|k|v, the
+    DeltaNet's inputs, gate|up, the experts' and the shared expert's gate|up,
+    and the router with the shared gate each stacked into one matmul (rows:
+    exact for quantized ones too)."""
+    h, heads, moe = args.head_dim, args.num_attention_heads, arch.moe
+    for i, p in enumerate(arch.layer_prefixes(vars(args))):
+        q = f"{p}.self_attn.q_proj"
+        for suffix in ("weight", "scales", "biases"):
+            w = weights.pop(f"{q}.{suffix}", None)
+            if w is not None:  # rows (heads, [q | gate], h, ...)
+                parts = w.reshape(heads, 2, h, -1)
+                weights[f"{q}.{suffix}"] = parts[:, 0].reshape(heads * h, -1)
+                gate = parts[:, 1].reshape(heads * h, -1)
+                weights[f"{p}.self_attn.gate_proj.{suffix}"] = gate
+        for pair in arch.layer_pairs(vars(args), i):
+            parts = [f"{p}.{part}" for part in pair.parts]
+            fused = f"{p}.{pair.fused}"
+            weights = fuse(weights, parts, fused, f"{p}.{pair.fused_bias}")
+        weights = fuse_experts(weights, p, moe)
+        shared = [f"{p}.{part}" for part in moe.shared]
+        fused = f"{p}.{moe.shared_fused}"
+        weights = fuse(weights, shared, fused, fused + "_bias")
+        # The router's rows and the shared gate's row: one matmul.
+        gates = [f"{p}.{moe.router}", f"{p}.{moe.shared_gate}"]
+        weights = fuse(weights, gates, gates[0], f"{p}.mlp.gate_bias")
+    return weights
 
 
 class Attention(qwen3.Attention):
@@ -331,34 +360,9 @@ class Model(nn.Module):
         return self.language_model.make_cache()
 
     def sanitize(self, weights):
-        """Canonical names (`canonical`), then per attention layer q_proj's
-        per-head [q | gate] rows parted, q|k|v, in_proj_qkv|z|b|a and gate|up
-        each stacked into one matmul (rows: exact for quantized ones too)."""
+        """Canonical names (`canonical`), then `fuse_layers`."""
         text = self.language_model.args
-        weights = canonical(vars(text), weights)
-        h, heads = text.head_dim, text.num_attention_heads
-        for i, p in enumerate(ARCH.layer_prefixes(vars(text))):
-            q = f"{p}.self_attn.q_proj"
-            for suffix in ("weight", "scales", "biases"):
-                w = weights.pop(f"{q}.{suffix}", None)
-                if w is not None:  # rows (heads, [q | gate], h, ...)
-                    parts = w.reshape(heads, 2, h, -1)
-                    weights[f"{q}.{suffix}"] = parts[:, 0].reshape(heads * h, -1)
-                    gate = parts[:, 1].reshape(heads * h, -1)
-                    weights[f"{p}.self_attn.gate_proj.{suffix}"] = gate
-            for pair in ARCH.layer_pairs(vars(text), i):
-                parts = [f"{p}.{part}" for part in pair.parts]
-                fused = f"{p}.{pair.fused}"
-                weights = fuse(weights, parts, fused, f"{p}.{pair.fused_bias}")
-            moe = ARCH.moe
-            weights = fuse_experts(weights, p, moe)
-            shared = [f"{p}.{part}" for part in moe.shared]
-            fused = f"{p}.{moe.shared_fused}"
-            weights = fuse(weights, shared, fused, fused + "_bias")
-            # The router's rows and the shared gate's row: one matmul.
-            gates = [f"{p}.{moe.router}", f"{p}.{moe.shared_gate}"]
-            weights = fuse(weights, gates, gates[0], f"{p}.mlp.gate_bias")
-        return weights
+        return fuse_layers(canonical(vars(text), weights), text, ARCH)
 
     @property
     def cast_predicate(self):

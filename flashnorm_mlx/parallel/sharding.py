@@ -352,7 +352,8 @@ def shard_deltanet(net: nn.Module, group, where: str = "") -> None:
     """Split a gated DeltaNet (Qwen3.5's) over `group` by runs of key heads,
     each with the value heads that read them (value head j reads key head
     j // (value heads / key heads)): the rows of q, k, v, z, b and a (ours
-    fused as `in_proj`, mlx-lm's four linears), the convolution's channels,
+    fused as `in_proj`, mlx-lm's Qwen3.5 four linears, its Qwen3-Next two,
+    whose rows run per key head), the convolution's channels,
     dt_bias and A_log, and out_proj's input columns, all-summed."""
     nk, nv = net.num_k_heads, net.num_v_heads
     dk, dv, r = net.head_k_dim, net.head_v_dim, nv // nk
@@ -372,6 +373,10 @@ def shard_deltanet(net: nn.Module, group, where: str = "") -> None:
         rows = conv + [(at[0] + vals[0], at[0] + vals[1])]
         rows += [(o + heads[0], o + heads[1]) for o in at[1:]]
         net.in_proj = take_rows(net.in_proj, rows)
+    elif "in_proj_qkvz" in net:  # mlx-lm's Qwen3-Next: rows per key head
+        per = 2 * dk + 2 * r * dv
+        net.in_proj_qkvz = take_rows(net.in_proj_qkvz, [(k0 * per, k1 * per)])
+        net.in_proj_ba = take_rows(net.in_proj_ba, [(k0 * 2 * r, k1 * 2 * r)])
     else:
         net.in_proj_qkv = take_rows(net.in_proj_qkv, conv)
         net.in_proj_z = take_rows(net.in_proj_z, [vals])
