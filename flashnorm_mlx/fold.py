@@ -33,17 +33,6 @@ def norm_pairs(config: dict, weights: Weights) -> List[Tuple[str, List[str]]]:
     return models.architecture(config).norm_pairs(config, weights)
 
 
-def tiled(gain: mx.array, width: int) -> mx.array:
-    """A norm gain over `width` input columns: a per-head gain (a gated norm's,
-    docs/design.md section 2k) repeats once per head; any other is whole."""
-    n = gain.shape[-1]
-    if n == width:
-        return gain
-    if width % n:
-        raise FoldError(f"a gain of width {n} cannot feed {width} input columns")
-    return mx.tile(gain, (width // n,))
-
-
 def fold_gain(weights: Weights, gain: mx.array, linear: str) -> Weights:
     """W* = W diag(g), computed in float32 and cast back to W's dtype."""
     if f"{linear}.scales" in weights:
@@ -52,8 +41,7 @@ def fold_gain(weights: Weights, gain: mx.array, linear: str) -> Weights:
             "(folding changes the weight, so fold in float then quantize)"
         )
     w = weights[f"{linear}.weight"]
-    g = tiled(gain.astype(mx.float32), w.shape[-1])
-    folded = (w.astype(mx.float32) * g[None, :]).astype(w.dtype)
+    folded = (w.astype(mx.float32) * gain.astype(mx.float32)[None, :]).astype(w.dtype)
     return {**weights, f"{linear}.weight": folded}
 
 
@@ -82,7 +70,8 @@ def fold_norms(
     folded_norms = []
     for norm, linears in norm_pairs(config, weights):
         stored = weights[f"{norm}.weight"]
-        gain = arch.gain(stored)  # Gemma: 1 + w (docs/design.md section 2h)
+        # Gemma: 1 + w (docs/design.md section 2h); a gated norm's per head (2k).
+        gain = arch.folded_gain(config, norm, stored)
         for linear in linears:
             weights = fold_gain(weights, gain, linear)
         folded_norms.append(norm)

@@ -133,6 +133,8 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         (tiny.make_phi3, "phi3", False),
         (tiny.make_smollm3, "smollm3", False),
         (tiny.make_ministral3, "ministral3_mscale_sliding", False),
+        (tiny.make_qwen3_5_moe, "qwen3_5", False),
+        (tiny.make_qwen3_next, "untied", False),
     ],
     ids=[
         "llama",
@@ -144,6 +146,8 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         "phi3",
         "smollm3",
         "ministral3",
+        "qwen3_5_moe",
+        "qwen3_next",
     ],
 )
 def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
@@ -163,6 +167,9 @@ def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
     nbytes = lambda m: sum(v.nbytes for _, v in tree_flatten(m.parameters()))
     assert nbytes(fused) == nbytes(stock)
     stacked = [n for n, m in fused.named_modules() if type(m).__name__ == "Stacked"]
-    # OpenELM and Phi-3: fused already, by their ARCH.pairs.
+    # OpenELM and Phi-3: fused already, by their ARCH.pairs. Qwen3.5-MoE (4
+    # layers) and Qwen3-Next (a dense layer 1): the mixer's inputs (q|k|v or the
+    # DeltaNet's), each MoE layer's experts' and shared expert's gate|up.
     want = 0 if cfg in ("shared", "phi3") else 2 * len(stock.layers)
+    want = {tiny.make_qwen3_5_moe: 12, tiny.make_qwen3_next: 11}.get(make, want)
     assert len(stacked) == want, stacked

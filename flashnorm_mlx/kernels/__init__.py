@@ -42,6 +42,7 @@ from ._common import (
     gpu_backend,
     is_tracing,
     picking,
+    scaled,
     tracing,
 )
 from .attention import decode_attention, scaled_dot_product_attention
@@ -66,6 +67,7 @@ __all__ = [
     "qkv_epilogue",
     "residual",
     "residual_norm",
+    "scaled",
     "rope_angles",
     "scaled_dot_product_attention",
     "tracing",

@@ -263,3 +263,19 @@ def deferred_scale(ms: mx.array, dtype: mx.Dtype) -> mx.array:
     """The deferred scalar s = rsqrt(ms), divided by p where `prescaled(dtype)`."""
     s = mx.rsqrt(ms)
     return s / pow2_prescale(ms) if prescaled(dtype) else s
+
+
+def scaled(y: mx.array, ms: mx.array) -> mx.array:
+    """y * deferred_scale(ms) in y's dtype, y (..., n) and ms (..., 1): one
+    launch where rsqrt and the product are two (mx.compile fuses them, as
+    mlx-lm's own compiled SwiGLU), for a matmul output s must reach before a
+    nonlinearity or a convolution (docs/design.md section 2k). float16's
+    prescale reads ms's bits (a view a shapeless trace cannot shape): plain ops."""
+    if prescaled(y.dtype):
+        return (y * deferred_scale(ms, y.dtype)).astype(y.dtype)
+    return _scaled(y, ms)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _scaled(y, ms):
+    return (y * mx.rsqrt(ms)).astype(y.dtype)

@@ -81,7 +81,7 @@ class Recipe:
                 # checkpoint's (docs/design.md section 2h).
                 if arch.gain_offset:
                     stored = stored.astype(self.out_dtype)
-                gain = arch.gain(stored)
+                gain = arch.folded_gain(config, norm, stored)
                 self.gains.update({m: gain for m in linears})
             # Lazy: only its keys, config and small (1-D) tensors are evaluated.
             floats = fold.map_floats(plan.weights, lambda v: v.astype(mx.float32))

@@ -30,10 +30,12 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def groups(arch) -> Tuple[Tuple[str, ...], ...]:
-    """The stock module names of each `arch` pair with more than one part."""
+    """The stock module names of each `arch` pair with more than one part, a
+    hybrid family's mixers' too (Qwen3.5's DeltaNet inputs)."""
+    pairs = dict.fromkeys((*arch.pairs, *(m.pair for m in arch.mixers)))
     return tuple(
         tuple(part.rpartition(".")[2] for part in pair.parts)
-        for pair in arch.pairs
+        for pair in pairs
         if len(pair.parts) > 1
     )
 

@@ -75,11 +75,13 @@ class GatedNorm:
     """A norm inside a mixer, y = rms_norm(h) * g * act(z) per head, and the
     linear it feeds (Qwen3.5's RMSNormGated before out_proj): g folds into
     `out`'s input columns, tiled over the heads; the per-head 1/RMS stays
-    (docs/design.md section 2k). `width_key`: the config key of its width."""
+    (docs/design.md section 2k). `width_key`: the config key of its width,
+    `heads_key` of its head count (the tiling)."""
 
     norm: str
     out: str
     width_key: str
+    heads_key: str
 
 
 @dataclass(frozen=True)
@@ -243,20 +245,27 @@ class Architecture:
             return self.pairs
         return (self.mixer(config, i).pair, *self.pairs[1:])
 
-    def gated_norms(self, config: dict) -> Dict[str, Tuple[str, str]]:
-        """{gated norm: (the linear it feeds, its width's config key)}, every
-        layer's (docs/design.md section 2k)."""
+    def gated_norms(self, config: dict) -> Dict[str, Tuple[str, GatedNorm]]:
+        """{gated norm: (the linear it feeds, its GatedNorm)}, every layer's
+        (docs/design.md section 2k)."""
         out = {}
         for i, p in enumerate(self.layer_prefixes(config)):
             g = self.mixer(config, i).gated_norm if self.mixers else None
             if g is not None:
-                out[f"{p}.{g.norm}"] = (f"{p}.{g.out}", g.width_key)
+                out[f"{p}.{g.norm}"] = (f"{p}.{g.out}", g)
         return out
 
     def norm_width(self, config: dict, norm: str) -> int:
         """A foldable norm's width: the residual's, a gated norm's own."""
         gated = self.gated_norms(config).get(norm)
-        return config[gated[1] if gated else self.width_key]
+        return config[gated[1].width_key if gated else self.width_key]
+
+    def folded_gain(self, config: dict, norm: str, weight: mx.array) -> mx.array:
+        """What `norm` multiplies its linears' input columns by: its `gain`,
+        a gated norm's repeated once per head (its linear reads every head)."""
+        gain = self.gain(weight)
+        gated = self.gated_norms(config).get(norm)
+        return mx.tile(gain, (config[gated[1].heads_key],)) if gated else gain
 
     @property
     def attention(self) -> str:

@@ -80,7 +80,10 @@ ARCH = Architecture(
             "gated_deltanet",
             DELTANET,
             GatedNorm(
-                "linear_attn.norm", "linear_attn.out_proj", "linear_value_head_dim"
+                "linear_attn.norm",
+                "linear_attn.out_proj",
+                "linear_value_head_dim",
+                "linear_num_value_heads",
             ),
         ),
     ),
@@ -211,7 +214,7 @@ class Attention(qwen3.Attention):
     def gate(self, xs, ms):
         """sigmoid(s * (x @ Wg*)): s before the sigmoid (B, L, Hq * h)."""
         g = self.gate_proj(xs)
-        return mx.sigmoid((g * kernels.deferred_scale(ms, g.dtype)).astype(g.dtype))
+        return mx.sigmoid(kernels.scaled(g, ms))
 
 
 class GatedDeltaNet(nn.Module):
@@ -255,8 +258,7 @@ class GatedDeltaNet(nn.Module):
     def project(self, y, ms):
         """qkv, z, b, a of the in_proj output y (B, L, rows), each times s:
         before the convolution over tokens and every activation (2k)."""
-        y = (y * kernels.deferred_scale(ms, y.dtype)).astype(y.dtype)
-        return mx.split(y, self.splits, axis=-1)
+        return mx.split(kernels.scaled(y, ms), self.splits, axis=-1)
 
     def __call__(self, xs, ms, mask=None, cache=None):
         B, S, _ = xs.shape

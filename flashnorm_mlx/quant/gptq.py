@@ -130,10 +130,10 @@ def hessians(
     out = {name: c.H for name, c in catchers}
     arch = models.architecture(config)
     for norm, linears in fold.norm_pairs(config, weights):
-        inv = 1.0 / arch.gain(weights[f"{norm}.weight"]).astype(mx.float32)
+        gain = arch.folded_gain(config, norm, weights[f"{norm}.weight"])
+        inv = 1.0 / gain.astype(mx.float32)
         for linear in linears:
-            g = fold.tiled(inv, out[linear].shape[-1])  # a gated norm's, per head
-            out[linear] = out[linear] * g[:, None] * g[None, :]
+            out[linear] = out[linear] * inv[:, None] * inv[None, :]
     return out
 
 
