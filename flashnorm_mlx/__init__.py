@@ -1,7 +1,7 @@
 """flashnorm-mlx: exact FlashNorm inference on MLX for Llama, Mistral, Qwen2/Qwen3,
-Phi-3, SmolLM3, OpenELM, Gemma 3, Qwen3-MoE, Mixtral and gpt-oss language models
-(the same function as stock mlx-lm, fewer ops); every other mlx-lm family runs as
-stock."""
+Phi-3, SmolLM3, OpenELM, Gemma 3, Qwen3-MoE, Mixtral, gpt-oss, LFM2 and LFM2-MoE
+language models (the same function as stock mlx-lm, fewer ops); every other mlx-lm
+family runs as stock."""
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 import tiny
 
-from flashnorm_mlx import kernels
+from flashnorm_mlx import kernels, models
 from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 
@@ -51,6 +51,8 @@ CONFIGS = (
     + [("gemma3", c, tiny.make_gemma3) for c in tiny.GEMMA3_CONFIGS]
     + [("phi3", c, tiny.make_phi3) for c in tiny.PHI3_CONFIGS]
     + [("smollm3", c, tiny.make_smollm3) for c in tiny.SMOLLM3_CONFIGS]
+    + [("lfm2", c, tiny.make_lfm2) for c in tiny.LFM2_CONFIGS]
+    + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
 )
 
 
@@ -121,6 +123,8 @@ def test_unfused_low_precision_close_to_float32_stock(tmp_path, arch, rope, dtyp
         (tiny.make_llama, "gqa_untied", True),
         (tiny.make_phi3, "phi3", False),
         (tiny.make_smollm3, "smollm3", False),
+        (tiny.make_lfm2, "lfm2", False),
+        (tiny.make_lfm2_moe, "lfm2_moe", False),
     ],
     ids=[
         "llama",
@@ -131,6 +135,8 @@ def test_unfused_low_precision_close_to_float32_stock(tmp_path, arch, rope, dtyp
         "llama-4bit",
         "phi3",
         "smollm3",
+        "lfm2",
+        "lfm2_moe",
     ],
 )
 def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
@@ -150,6 +156,11 @@ def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
     nbytes = lambda m: sum(v.nbytes for _, v in tree_flatten(m.parameters()))
     assert nbytes(fused) == nbytes(stock)
     stacked = [n for n, m in fused.named_modules() if type(m).__name__ == "Stacked"]
-    # OpenELM and Phi-3: fused already, by their ARCH.pairs.
-    want = 0 if cfg in ("shared", "phi3") else 2 * len(stock.layers)
+    # Each layer's pairs of more than one part (OpenELM's, Phi-3's: fused
+    # already; a hybrid layer's by its mixer; an MoE layer's experts' gate|up).
+    arch, config = models.architecture(source.config), source.config
+    want = sum(
+        len([p for p in arch.layer_pairs(config, i) if len(p.parts) > 1])
+        for i in range(len(stock.layers))
+    )
     assert len(stacked) == want, stacked

@@ -30,6 +30,8 @@ CONFIGS = (
     + [("gemma3", c, tiny.make_gemma3) for c in tiny.GEMMA3_CONFIGS]
     + [("phi3", c, tiny.make_phi3) for c in tiny.PHI3_CONFIGS]
     + [("smollm3", c, tiny.make_smollm3) for c in tiny.SMOLLM3_CONFIGS]
+    + [("lfm2", c, tiny.make_lfm2) for c in tiny.LFM2_CONFIGS]
+    + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
 )
 EVERY_CONFIG = pytest.mark.parametrize(
     "make,cfg", [pytest.param(m, c, id=f"{a}-{c}") for a, c, m in CONFIGS]

@@ -55,6 +55,7 @@ FAMILY = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 FAMILY.update({"qwen3": "Qwen3", "openelm": "OpenELM", "gemma3_text": "Gemma 3"})
 FAMILY.update({"phi3": "Phi-3", "smollm3": "SmolLM3", "qwen3_moe": "Qwen3-MoE"})
 FAMILY.update({"mixtral": "Mixtral", "gpt_oss": "gpt-oss"})
+FAMILY.update({"lfm2": "LFM2", "lfm2_moe": "LFM2-MoE"})
 
 
 def test_summary_and_docstring_name_every_family():

@@ -27,6 +27,8 @@ ARCHITECTURES = {
     "gemma3": lambda p: tiny.make_gemma3(p, "gemma3_untied"),
     "phi3": lambda p: tiny.make_phi3(p, "phi3_longrope"),
     "smollm3": lambda p: tiny.make_smollm3(p, "smollm3"),
+    "lfm2": lambda p: tiny.make_lfm2(p, "lfm2"),
+    "lfm2_moe": lambda p: tiny.make_lfm2_moe(p, "lfm2_moe"),
 }
 
 # (quantized source?, build_model/convert flags)

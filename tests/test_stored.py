@@ -38,6 +38,8 @@ ARCHS = {
     "gemma3-tied": (tiny.make_gemma3, "gemma3_tied"),
     "phi3-longrope": (tiny.make_phi3, "phi3_longrope"),
     "smollm3": (tiny.make_smollm3, "smollm3"),
+    "lfm2-bias": (tiny.make_lfm2, "lfm2_bias"),
+    "lfm2_moe": (tiny.make_lfm2_moe, "lfm2_moe"),
 }
 
 
@@ -150,6 +152,13 @@ def _fused_name(key, params):
         ("self_attn.v_proj", "self_attn.qkv_proj"),
         ("mlp.gate_proj", "mlp.gate_up_proj"),
         ("mlp.up_proj", "mlp.gate_up_proj"),
+        # LFM2's names (models/lfm2.py `_OURS`): w1|w3 fused, w2 and out_proj renamed.
+        ("feed_forward.w1", "feed_forward.gate_up_proj"),
+        ("feed_forward.w3", "feed_forward.gate_up_proj"),
+        ("feed_forward.w2", "feed_forward.down_proj"),
+        ("feed_forward.gate_proj", "feed_forward.gate_up_proj"),
+        ("feed_forward.up_proj", "feed_forward.gate_up_proj"),
+        ("self_attn.out_proj", "self_attn.o_proj"),
     ):
         if part in key and key.replace(part, fused) in params:
             return key.replace(part, fused)
