@@ -30,7 +30,7 @@ from .loading import Source, build_model, gguf_kquant, model_dtype, weight_bytes
 from .loading.nonorm import rms_norm_paths
 from .loading.variants import BY_NAME, NAMES, REFERENCE, STOCK, absent, comparison
 from .machine import device_info, versions
-from .models import covered_words, model_classes
+from .models import covered_words, is_covered, model_classes
 from .parallel import distributed
 from .timing import (
     HOST_NOTE,
@@ -345,8 +345,10 @@ def run_bench(
     on_slow(line): told once, after the first warm-up, where the generations
     left would take more than `estimate.threshold()`.
     """
-    missing = absent(source.config)  # rows a family FlashNorm does not cover lacks
+    missing = absent(source.config)  # rows the family cannot run, or lacks
     asked = [v for v in variants or () if v in missing]
+    if asked and is_covered(source.config):  # a mode the family cannot
+        raise BenchError(f"--variants {asked[0]}: {missing[asked[0]]}")
     if asked:
         raise BenchError(
             f"--variants {asked[0]}: FlashNorm does not cover model_type "
@@ -414,7 +416,8 @@ def run_bench(
         "float_kquants": gguf_kquant.floats_of(source.config),
         **comparison(source, quantize, quantized_way),
     }
-    result = _report(settings, src, info, records, covered=not missing)
+    covered = is_covered(source.config)
+    result = _report(settings, src, info, records, covered=covered)
     why = sorted(set(missing.values()))  # one reason for all of them
     result.update(absent=missing, notes=why + result["notes"])
     return result

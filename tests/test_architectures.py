@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 import tiny
 
-from flashnorm_mlx import kernels
+from flashnorm_mlx import kernels, models
 from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 
@@ -56,6 +56,8 @@ CONFIGS = (
     + [("qwen3_5", c, tiny.make_qwen3_5) for c in tiny.QWEN3_5_CONFIGS]
     + [("qwen3_5_moe", c, tiny.make_qwen3_5_moe) for c in tiny.QWEN3_5_CONFIGS]
     + [("qwen3_next", c, tiny.make_qwen3_next) for c in ("untied", "tied")]
+    + [("lfm2", c, tiny.make_lfm2) for c in tiny.LFM2_CONFIGS]
+    + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
 )
 
 
@@ -135,6 +137,8 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         (tiny.make_ministral3, "ministral3_mscale_sliding", False),
         (tiny.make_qwen3_5_moe, "qwen3_5", False),
         (tiny.make_qwen3_next, "untied", False),
+        (tiny.make_lfm2, "lfm2", False),
+        (tiny.make_lfm2_moe, "lfm2_moe", False),
     ],
     ids=[
         "llama",
@@ -148,6 +152,8 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         "ministral3",
         "qwen3_5_moe",
         "qwen3_next",
+        "lfm2",
+        "lfm2_moe",
     ],
 )
 def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
@@ -167,9 +173,12 @@ def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
     nbytes = lambda m: sum(v.nbytes for _, v in tree_flatten(m.parameters()))
     assert nbytes(fused) == nbytes(stock)
     stacked = [n for n, m in fused.named_modules() if type(m).__name__ == "Stacked"]
-    # OpenELM and Phi-3: fused already, by their ARCH.pairs. Qwen3.5-MoE (4
-    # layers) and Qwen3-Next (a dense layer 1): the mixer's inputs (q|k|v or the
-    # DeltaNet's), each MoE layer's experts' and shared expert's gate|up.
-    want = 0 if cfg in ("shared", "phi3") else 2 * len(stock.layers)
+    # Each layer's pairs of more than one part (OpenELM's, Phi-3's: fused
+    # already; a hybrid layer's by its mixer; an MoE layer's experts' gate|up).
+    arch, config = models.architecture(source.config), source.config
+    want = sum(
+        len([p for p in arch.layer_pairs(config, i) if len(p.parts) > 1])
+        for i in range(len(stock.layers))
+    )
     want = {tiny.make_qwen3_5_moe: 12, tiny.make_qwen3_next: 11}.get(make, want)
     assert len(stacked) == want, stacked

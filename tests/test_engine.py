@@ -35,6 +35,8 @@ CONFIGS = (
     + [("qwen3_5", c, tiny.make_qwen3_5) for c in tiny.QWEN3_5_CONFIGS]
     + [("qwen3_5_moe", c, tiny.make_qwen3_5_moe) for c in tiny.QWEN3_5_CONFIGS]
     + [("qwen3_next", c, tiny.make_qwen3_next) for c in ("untied", "tied")]
+    + [("lfm2", c, tiny.make_lfm2) for c in tiny.LFM2_CONFIGS]
+    + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
 )
 EVERY_CONFIG = pytest.mark.parametrize(
     "make,cfg", [pytest.param(m, c, id=f"{a}-{c}") for a, c, m in CONFIGS]

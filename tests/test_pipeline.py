@@ -32,6 +32,8 @@ ARCHITECTURES = {
     "qwen3_5": lambda p: tiny.make_qwen3_5(p, "qwen3_5"),
     "qwen3_5_moe": lambda p: tiny.make_qwen3_5_moe(p, "qwen3_5_tied", wrapped=True),
     "qwen3_next": lambda p: tiny.make_qwen3_next(p, "untied", hf=True),
+    "lfm2": lambda p: tiny.make_lfm2(p, "lfm2"),
+    "lfm2_moe": lambda p: tiny.make_lfm2_moe(p, "lfm2_moe"),
 }
 
 # (quantized source?, build_model/convert flags)

@@ -43,6 +43,8 @@ ARCHS = {
     "qwen3_5": (tiny.make_qwen3_5, "qwen3_5"),
     "qwen3_5_moe-tied": (tiny.make_qwen3_5_moe, "qwen3_5_tied"),
     "qwen3_next": (tiny.make_qwen3_next, "untied"),
+    "lfm2-bias": (tiny.make_lfm2, "lfm2_bias"),
+    "lfm2_moe": (tiny.make_lfm2_moe, "lfm2_moe"),
 }
 
 
@@ -168,6 +170,13 @@ def _fused_name(key, params):
         ("shared_expert.gate_proj", "shared_expert.gate_up_proj"),
         ("shared_expert.up_proj", "shared_expert.gate_up_proj"),
         ("mlp.shared_expert_gate", "mlp.gate"),
+        # LFM2's names (models/lfm2.py `_OURS`): w1|w3 fused, w2 and out_proj renamed.
+        ("feed_forward.w1", "feed_forward.gate_up_proj"),
+        ("feed_forward.w3", "feed_forward.gate_up_proj"),
+        ("feed_forward.w2", "feed_forward.down_proj"),
+        ("feed_forward.gate_proj", "feed_forward.gate_up_proj"),
+        ("feed_forward.up_proj", "feed_forward.gate_up_proj"),
+        ("self_attn.out_proj", "self_attn.o_proj"),
     ):
         if part in key and key.replace(part, fused) in params:
             return key.replace(part, fused)

@@ -1053,3 +1053,175 @@ def make_qwen3_next(
         w[f"{m}.shared_expert_gate.weight"] = 2 * _lin(rng, 1, D)
     w = {k: v for k, v in w.items() if "visual" not in k}
     return write_model(path, cfg, w, tokenizer)
+
+
+# --- LFM2: short gated convolutions beside attention (mlx-lm's lfm2, lfm2_moe) -------
+
+LFM2 = dict(
+    model_type="lfm2",
+    vocab_size=VOCAB,
+    hidden_size=64,
+    block_dim=64,
+    num_hidden_layers=4,  # conv, attention, conv, conv
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    norm_eps=1e-5,
+    conv_bias=False,
+    conv_L_cache=3,
+    block_ff_dim=144,  # auto-adjusted: int(2 * 144 / 3) = 96, a multiple of 32
+    block_multiple_of=32,
+    block_ffn_dim_multiplier=1.0,
+    block_auto_adjust_ff_dim=True,
+    rope_theta=1e6,
+    layer_types=["conv", "full_attention", "conv", "conv"],
+)
+LFM2_CONFIGS = {
+    "lfm2": {},
+    # Biases on the conv's linears and convolution, attention first and last
+    # (full_attn_idxs), an odd ff_dim rounded up by block_multiple_of.
+    "lfm2_bias": dict(
+        conv_bias=True,
+        num_hidden_layers=3,
+        layer_types=None,
+        full_attn_idxs=[0, 2],
+        block_ff_dim=100,
+        block_ffn_dim_multiplier=1.5,
+    ),
+}
+
+
+def lfm2_config(name: str = "lfm2", **over) -> dict:
+    cfg = {**LFM2, **LFM2_CONFIGS[name], **over}
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def _lfm2_ff_dim(cfg: dict) -> int:
+    dim = cfg["block_ff_dim"]
+    if cfg["block_auto_adjust_ff_dim"]:
+        dim = int(cfg["block_ffn_dim_multiplier"] * int(2 * dim / 3))
+        m = cfg["block_multiple_of"]
+        dim = m * ((dim + m - 1) // m)
+    return dim
+
+
+def lfm2_attends(cfg: dict, i: int) -> bool:
+    if cfg.get("full_attn_idxs") is not None:
+        return i in cfg["full_attn_idxs"]
+    return cfg["layer_types"][i] == "full_attention"
+
+
+def lfm2_weights(cfg: dict, seed: int = 0, ffn=None) -> dict:
+    """Hugging Face's layout (Conv1d (C, 1, K), which mlx-lm's sanitize moves),
+    every norm gain in [0.25, 4] (QK-norms' too), biases of size ~1 where
+    `conv_bias`; `ffn(w, prefix, i)`: layer i's feed-forward (default LFM2's
+    w1/w3/w2 GLU)."""
+    rng = np.random.default_rng(seed)
+    D, V, K = cfg["hidden_size"], cfg["vocab_size"], cfg["conv_L_cache"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    h = D // hq
+    w = {
+        "model.embed_tokens.weight": rng.standard_normal((V, D)).astype(np.float32),
+        "model.embedding_norm.weight": _gain(rng, D),
+    }
+
+    def bias(n):
+        return rng.uniform(-1.0, 1.0, n).astype(np.float32)
+
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        w[f"{p}.operator_norm.weight"] = _gain(rng, D)
+        w[f"{p}.ffn_norm.weight"] = _gain(rng, D)
+        if lfm2_attends(cfg, i):
+            a = f"{p}.self_attn"
+            for n, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
+                w[f"{a}.{n}_proj.weight"] = _lin(rng, out, D)
+            w[f"{a}.out_proj.weight"] = _lin(rng, D, hq * h)
+            w[f"{a}.q_layernorm.weight"] = _gain(rng, h)
+            w[f"{a}.k_layernorm.weight"] = _gain(rng, h)
+        else:
+            c = f"{p}.conv"
+            w[f"{c}.in_proj.weight"] = _lin(rng, 3 * D, D)
+            w[f"{c}.out_proj.weight"] = _lin(rng, D, D)
+            conv = rng.standard_normal((D, 1, K)) / np.sqrt(K)
+            w[f"{c}.conv.weight"] = conv.astype(np.float32)
+            if cfg["conv_bias"]:
+                w[f"{c}.in_proj.bias"] = bias(3 * D)
+                w[f"{c}.out_proj.bias"] = bias(D)
+                w[f"{c}.conv.bias"] = bias(D)
+        if ffn is not None:
+            ffn(w, p, i)
+        else:
+            F = _lfm2_ff_dim(cfg)
+            for n, (o, i_) in (("w1", (F, D)), ("w3", (F, D)), ("w2", (D, F))):
+                w[f"{p}.feed_forward.{n}.weight"] = _lin(rng, o, i_)
+    return w
+
+
+def make_lfm2(
+    path: Path, name: str = "lfm2", seed: int = 0, tokenizer: bool = True, **over
+) -> Path:
+    cfg = lfm2_config(name, **over)
+    return write_model(path, cfg, lfm2_weights(cfg, seed), tokenizer)
+
+
+LFM2_MOE = dict(
+    model_type="lfm2_moe",
+    intermediate_size=96,
+    moe_intermediate_size=64,  # two groups of 32: a 4-bit down splits over 2 ranks
+    num_experts=6,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    use_expert_bias=True,
+    num_dense_layers=1,
+    routed_scaling_factor=1.5,
+)
+LFM2_MOE_CONFIGS = {
+    "lfm2_moe": {},
+    # No expert bias, raw top-k weights, attention first, two dense layers.
+    "lfm2_moe_plain": dict(
+        use_expert_bias=False,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        num_dense_layers=2,
+        layer_types=["full_attention", "conv", "conv", "full_attention"],
+    ),
+}
+
+
+def lfm2_moe_config(name: str = "lfm2_moe", **over) -> dict:
+    cfg = {**LFM2, **LFM2_MOE, **LFM2_MOE_CONFIGS[name], **over}
+    for k in ("block_dim", "block_ff_dim", "block_multiple_of"):
+        cfg.pop(k)
+    for k in ("block_ffn_dim_multiplier", "block_auto_adjust_ff_dim"):
+        cfg.pop(k)
+    return cfg
+
+
+def make_lfm2_moe(
+    path: Path, name: str = "lfm2_moe", seed: int = 0, tokenizer: bool = True, **over
+) -> Path:
+    """Hugging Face's per-expert w1/w3/w2 names, routers with large weights
+    (routing visibly depends on the token), an expert bias of the sigmoid
+    weights' own size (so it changes picks), dense layers first."""
+    cfg = lfm2_moe_config(name, **over)
+    rng = np.random.default_rng(seed + 5)
+    D, E = cfg["hidden_size"], cfg["num_experts"]
+    F, Fd = cfg["moe_intermediate_size"], cfg["intermediate_size"]
+
+    def ffn(w, p, i):
+        f = f"{p}.feed_forward"
+        glu = (("w1", (F, D)), ("w3", (F, D)), ("w2", (D, F)))
+        if i < cfg["num_dense_layers"]:
+            glu = (("w1", (Fd, D)), ("w3", (Fd, D)), ("w2", (D, Fd)))
+            for n, (o, i_) in glu:
+                w[f"{f}.{n}.weight"] = _lin(rng, o, i_)
+            return
+        w[f"{f}.gate.weight"] = 4 * _lin(rng, E, D)
+        if cfg["use_expert_bias"]:
+            w[f"{f}.expert_bias"] = rng.uniform(-0.3, 0.3, E).astype(np.float32)
+        for e in range(E):
+            for n, (o, i_) in glu:
+                w[f"{f}.experts.{e}.{n}.weight"] = _lin(rng, o, i_)
+
+    return write_model(path, cfg, lfm2_weights(cfg, seed, ffn), tokenizer)

@@ -44,9 +44,15 @@ NAMES = tuple(BY_NAME)  # bench and /compare rows, the reference first
 def absent(config: dict) -> Dict[str, str]:
     """{row: why it cannot run} for the model `config` describes: the modes that
     need FlashNorm's cover (all but stock) where FlashNorm does not cover its
-    model_type; {} where it does."""
+    model_type; where it does, the modes its family `cannot` (models/arch.py)."""
     if models.is_covered(config):
-        return {}
+        mt = config.get("model_type")
+        cannot = dict(models.architecture(config).cannot)
+        return {
+            v.name: f"{v.name} is absent: {mt} has no {v.mode.name}: {cannot[v.mode.name]}"
+            for v in VARIANTS
+            if v.mode.name in cannot
+        }
     rows = [v.name for v in VARIANTS if v.mode.needs_cover]
     why = (
         f"{', '.join(rows[:-1])} and {rows[-1]} are absent: they are FlashNorm's "

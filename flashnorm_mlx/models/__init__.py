@@ -18,6 +18,8 @@ from .arch import Architecture
 ARCHITECTURES = {
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt_oss",
+    "lfm2": "lfm2",
+    "lfm2_moe": "lfm2_moe",
     "llama": "llama",
     "ministral3": "ministral3",
     "mistral": "llama",  # mlx-lm runs Mistral as Llama, sliding window included

@@ -75,9 +75,10 @@ class Block(nn.Module):
         a = self[self.ATTENTION](xs, ms, mask, cache)
         return self.close(x, a, out_gain, final)
 
-    def close(self, x, a, out_gain, final: bool):
-        """Everything after attention: residual, feed-forward, residual."""
-        h, ms_h, hs = kernels.residual(x, a, None, self.eps, self.gain(1))
+    def close(self, x, a, out_gain, final: bool, ms_a=None):
+        """Everything after attention: residual, feed-forward, residual. ms_a:
+        the mixer's output owes deferred_scale(ms_a) (None: nothing)."""
+        h, ms_h, hs = kernels.residual(x, a, ms_a, self.eps, self.gain(1))
         y, ms_y = self[self.FEED_FORWARD](hs, ms_h)
         if final:
             return kernels.residual_norm(h, y, ms_y, self.eps, out_gain)

@@ -71,12 +71,12 @@ class DecoderBlock(Block):
     def post_gain(self, i: int) -> mx.array:
         return self[self.POST_NORMS[i]].gain(self.GAIN_OFFSET)
 
-    def close(self, x, a, out_gain, final: bool):
+    def close(self, x, a, out_gain, final: bool, ms_a=None):
         if not self.POST_NORMS:
-            return super().close(x, a, out_gain, final)
+            return super().close(x, a, out_gain, final, ms_a)
         # Post-norm, residual, pre-FFN statistics; FFN; post-norm, residual.
         h, ms_h, hs = kernels.post_residual(
-            x, a, None, self.post_gain(0), self.eps, self.gain(1)
+            x, a, ms_a, self.post_gain(0), self.eps, self.gain(1)
         )
         y, ms_y = self[self.FEED_FORWARD](hs, ms_h)
         post = self.post_gain(1)

@@ -250,9 +250,12 @@ def shard_mlp(
     columns, the same hidden columns on each (a quantized down_proj splits on
     its group boundaries only), down's output all-summed unless `summed` is
     False (its block sums it). Ours (gate_up_proj, optional gate_up_bias),
-    OpenELM's (proj_1 = gate|up, proj_2) and mlx-lm's (gate/up/down_proj)."""
+    OpenELM's (proj_1 = gate|up, proj_2) and mlx-lm's (gate/up/down_proj, and
+    LFM2's w1/w3/w2)."""
     if "proj_1" in mlp:
         fused, down = "proj_1", "proj_2"
+    elif "w1" in mlp:  # mlx-lm's LFM2: w1 gate, w3 up, w2 down
+        fused, down = None, "w2"
     else:
         fused = "gate_up_proj" if "gate_up_proj" in mlp else None
         down = "down_proj"
@@ -265,8 +268,8 @@ def shard_mlp(
         if "gate_up_bias" in mlp:
             mlp.gate_up_bias = _cut(mlp.gate_up_bias, rows)
     else:
-        mlp.gate_proj = take_rows(mlp.gate_proj, [(a, b)])
-        mlp.up_proj = take_rows(mlp.up_proj, [(a, b)])
+        for name in ("w1", "w3") if down == "w2" else ("gate_proj", "up_proj"):
+            setattr(mlp, name, take_rows(mlp[name], [(a, b)]))
     cut = sum_columns if summed else take_columns
     setattr(mlp, down, cut(mlp[down], (a, b), group, label))
     return a, b
@@ -393,6 +396,27 @@ def shard_deltanet(net: nn.Module, group, where: str = "") -> None:
         net.splits.append(net.splits[1] + net.num_v_heads)
 
 
+def shard_short_conv(conv: nn.Module, group, where: str = "") -> None:
+    """Split a short gated convolution (LFM2's) over `group` by channels: the
+    B, C and x rows of in_proj (with ours `in_bias`), the depthwise Conv1d's
+    channels (each reads its own), out_proj's input columns, all-summed (a
+    quantized out_proj on its group boundaries)."""
+    D = conv.conv.weight.shape[0]
+    label = f"{where} conv out_proj".strip()
+    unit = column_unit(conv.out_proj)
+    a, b = split_ffn(D, unit, group.size(), label)[group.rank()]
+    rows = [(a, b), (D + a, D + b), (2 * D + a, 2 * D + b)]
+    conv.in_proj = take_rows(conv.in_proj, rows)
+    if "in_bias" in conv:
+        conv.in_bias = _cut(conv.in_bias, rows)
+    conv.conv = take_rows(conv.conv, [(a, b)])
+    conv.conv.groups = b - a
+    conv.out_proj = sum_columns(conv.out_proj, (a, b), group, label)
+    if hasattr(conv, "args"):  # mlx-lm's: its first state is args.hidden_size wide
+        conv.args = copy.copy(conv.args)
+        conv.args.hidden_size = b - a
+
+
 def _mixer(layer: nn.Module, arch):
     """(module, kind) of the token mixer `layer` holds, by `arch`'s contract."""
     for m in arch.mixers:
@@ -417,6 +441,8 @@ def shard_layers(layers: List[nn.Module], group, arch=None) -> None:
             kind = "attention"
         if kind == "gated_deltanet":
             shard_deltanet(attn, group, f"layer {i}")
+        elif kind == "short_conv":
+            shard_short_conv(attn, group, f"layer {i}")
         else:
             shard_attention(attn, group, f"layer {i}")
         if at in layer and router in layer[at]:  # this layer's experts
