@@ -84,9 +84,7 @@ class SigmoidRouted(SparseMoE):
 
     def route(self, xs, ms):
         """(indices, scores): s before the sigmoid (2l); the bias only picks."""
-        z = self.gate(xs)
-        z = (z * kernels.deferred_scale(ms, xs.dtype)).astype(z.dtype)
-        weights = mx.sigmoid(z)
+        weights = mx.sigmoid(kernels.scaled(self.gate(xs), ms))
         pick = weights
         if "expert_bias" in self:
             pick = weights.astype(mx.float32) + self.expert_bias
