@@ -31,10 +31,10 @@ def _usage() -> str:
     lines.append(
         "mistral, ministral3, qwen2, qwen3, phi3, smollm3), openelm, gemma3_text,"
     )
+    lines.append("the hybrids qwen3_5, qwen3_5_moe, qwen3_next, lfm2 and lfm2_moe and")
     lines.append(
-        "the hybrids qwen3_5, qwen3_5_moe and qwen3_next and the mixtures of experts"
+        "the mixtures of experts qwen3_moe, mixtral and gpt_oss; every other model"
     )
-    lines.append("qwen3_moe, mixtral and gpt_oss; every other model")
     lines.append("mlx-lm loads runs as stock (mlx-lm's own class).")
     lines.append("MODEL defaults to the embedded SmolLM2-135M-Instruct (4-bit GGUF).")
     lines.append("")
