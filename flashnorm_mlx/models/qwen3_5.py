@@ -4,8 +4,8 @@ gated attention layers.
 mlx-lm's `qwen3_5` holds the text model under `language_model` (the multimodal
 wrapper's name; a flat text config loads too). Three of every
 `full_attention_interval` layers mix tokens with a gated DeltaNet, the fourth
-with gated attention; every layer's feed-forward is a GLU. With s the block
-input's deferred 1/RMS (docs/design.md section 2k):
+with gated attention. With s the block input's deferred 1/RMS (docs/design.md
+section 2k):
 - gated DeltaNet: input norm gain folded into in_proj_qkv|z|b|a, one matmul;
   s applied to its output before the token-mixing convolution, the SiLU gate,
   beta's sigmoid and the decay's softplus (s commutes with none of them). The
