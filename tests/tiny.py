@@ -1143,3 +1143,27 @@ def make_gemma4(
 ) -> Path:
     cfg = gemma4_config(name)
     return write_model(path, cfg, gemma4_weights(cfg, seed), tokenizer)
+
+
+def make_gemma4_wrapped(
+    path: Path, seed: int = 0, vision: bool = True, tokenizer: bool = True
+) -> Path:
+    """Gemma 4's multimodal wrapper as Hugging Face writes it: {"model_type":
+    "gemma4", "text_config": gemma4_text's}, the text weights under
+    `model.language_model.`, a vision tower and its embedder beside them."""
+    text = gemma4_config("gemma4_tied")
+    cfg = {
+        "model_type": "gemma4",
+        "vocab_size": text["vocab_size"],
+        "text_config": {k: v for k, v in text.items() if k != "vocab_size"},
+        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 7},
+    }
+    w = {
+        "model.language_model." + k[len("model.") :]: v
+        for k, v in gemma4_weights(text, seed).items()
+    }
+    if vision:  # shapes no text module has: taken, they would not load
+        rng = np.random.default_rng(seed + 5)
+        w["model.vision_tower.patch_embedder.weight"] = _lin(rng, 7, 3)
+        w["model.embed_vision.embedding_projection.weight"] = _lin(rng, 64, 7)
+    return write_model(path, cfg, w, tokenizer)
