@@ -56,6 +56,7 @@ CONFIGS = (
     + [("qwen3_5", c, tiny.make_qwen3_5) for c in tiny.QWEN3_5_CONFIGS]
     + [("qwen3_5_moe", c, tiny.make_qwen3_5_moe) for c in tiny.QWEN3_5_CONFIGS]
     + [("qwen3_next", c, tiny.make_qwen3_next) for c in ("untied", "tied")]
+    + [("gemma4_text", c, tiny.make_gemma4) for c in tiny.GEMMA4_CONFIGS]
 )
 
 

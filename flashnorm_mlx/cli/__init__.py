@@ -31,6 +31,7 @@ def _usage() -> str:
     lines.append(
         "mistral, ministral3, qwen2, qwen3, phi3, smollm3), openelm, gemma3_text,"
     )
+    lines.append("gemma4_text (dense),")
     lines.append(
         "the hybrids qwen3_5, qwen3_5_moe and qwen3_next and the mixtures of experts"
     )
