@@ -1225,3 +1225,117 @@ def make_lfm2_moe(
                 w[f"{f}.experts.{e}.{n}.weight"] = _lin(rng, o, i_)
 
     return write_model(path, cfg, lfm2_weights(cfg, seed, ffn), tokenizer)
+
+
+# --- Gemma 4 (gemma4_text): plain gains w, v renormalized, partial RoPE --------
+
+GEMMA4_BASE = dict(
+    model_type="gemma4_text",
+    hidden_size=64,
+    num_hidden_layers=6,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,  # global layers: wider heads, a quarter of them rotated
+    rms_norm_eps=1e-6,
+    vocab_size=VOCAB,
+    vocab_size_per_layer_input=VOCAB,
+    num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0,
+    sliding_window=6,
+    layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2,
+    rope_parameters={
+        "full_attention": {
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1000000.0,
+            "rope_type": "proportional",
+        },
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+    },
+    max_position_embeddings=512,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+)
+
+GEMMA4_CONFIGS = {
+    "gemma4_tied": {},
+    # Untied (the final norm folds into the head), a large eps (the epsilon
+    # adjustments of the q, k and v norms matter), a tighter softcap.
+    "gemma4_untied": dict(
+        tie_word_embeddings=False, rms_norm_eps=0.05, final_logit_softcapping=5.0
+    ),
+}
+
+
+def gemma4_config(name: str) -> dict:
+    return {**GEMMA4_BASE, **GEMMA4_CONFIGS[name]}
+
+
+def gemma4_weights(cfg: dict, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = {
+        "model.embed_tokens.weight": (rng.standard_normal((V, D)) / np.sqrt(D)).astype(
+            np.float32
+        ),
+        "model.norm.weight": _gain(rng, D),
+    }
+    if not cfg.get("tie_word_embeddings", True):
+        w["lm_head.weight"] = _lin(rng, V, D)
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}"
+        h = cfg["head_dim"] if kind == "sliding_attention" else cfg["global_head_dim"]
+        for n in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
+            w[f"{p}.{n}.weight"] = _gain(rng, D)
+        for n, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
+            w[f"{p}.self_attn.{n}_proj.weight"] = _lin(rng, out, D)
+        # Attention's scale is 1: QK gains far below 1 keep its logits in the
+        # range a trained model has (gains of 0.25 to 4 made stock itself
+        # move 2e-4 for a 1e-7 change of its weights).
+        for n in ("q_norm", "k_norm"):
+            w[f"{p}.self_attn.{n}.weight"] = rng.uniform(0.05, 0.4, h).astype(
+                np.float32
+            )
+        w[f"{p}.self_attn.o_proj.weight"] = _lin(rng, D, hq * h)
+        for n, (o, i_) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            w[f"{p}.mlp.{n}_proj.weight"] = _lin(rng, o, i_)
+        w[f"{p}.layer_scalar"] = rng.uniform(0.5, 2.0, size=(1,)).astype(np.float32)
+    return w
+
+
+def make_gemma4(
+    path: Path, name: str = "gemma4_tied", seed: int = 0, tokenizer: bool = True
+) -> Path:
+    cfg = gemma4_config(name)
+    return write_model(path, cfg, gemma4_weights(cfg, seed), tokenizer)
+
+
+def make_gemma4_wrapped(
+    path: Path, seed: int = 0, vision: bool = True, tokenizer: bool = True
+) -> Path:
+    """Gemma 4's multimodal wrapper as Hugging Face writes it: {"model_type":
+    "gemma4", "text_config": gemma4_text's}, the text weights under
+    `model.language_model.`, a vision tower and its embedder beside them."""
+    text = gemma4_config("gemma4_tied")
+    cfg = {
+        "model_type": "gemma4",
+        "vocab_size": text["vocab_size"],
+        "text_config": {k: v for k, v in text.items() if k != "vocab_size"},
+        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 7},
+    }
+    w = {
+        "model.language_model." + k[len("model.") :]: v
+        for k, v in gemma4_weights(text, seed).items()
+    }
+    if vision:  # shapes no text module has: taken, they would not load
+        rng = np.random.default_rng(seed + 5)
+        w["model.vision_tower.patch_embedder.weight"] = _lin(rng, 7, 3)
+        w["model.embed_vision.embedding_projection.weight"] = _lin(rng, 64, 7)
+    return write_model(path, cfg, w, tokenizer)

@@ -19,7 +19,13 @@ from ..limits import GROUP_SIZES, MLX_Q_MODE, WEIGHT_BITS, is_int, is_number
 # --- config values -----------------------------------------------------------
 
 # Integer fields that may be 0 (all others must be at least 1).
-_NON_NEGATIVE = {"max_window_layers", "rope_max_length"}
+# Gemma 4: 0 KV-shared layers, 0 per-layer input width (none of either).
+_NON_NEGATIVE = {
+    "max_window_layers",
+    "rope_max_length",
+    "num_kv_shared_layers",
+    "hidden_size_per_layer_input",
+}
 # Per-layer lists of OpenELM and their element checks.
 _LAYER_LISTS = {
     "num_query_heads": "positive integer",
@@ -162,6 +168,15 @@ def _value_problem(key: str, value, hint) -> Optional[str]:
     if origin in (dict, Dict) or hint is dict:
         if not isinstance(value, dict):
             return "expected an object"
+        if (
+            key == "rope_parameters"
+            and value
+            and all(isinstance(v, dict) for v in value.values())
+        ):  # Gemma 4's: one RoPE per layer type, each checked as a flat one
+            return next(
+                filter(None, (_value_problem(key, v, hint) for v in value.values())),
+                None,
+            )
         if any(
             not isinstance(v, str) and not is_number(v) and v is not None
             for v in value.values()

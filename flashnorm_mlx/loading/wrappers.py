@@ -37,6 +37,9 @@ class Wrapper:
     # file mirrors the wrapper, its `canonical` reads the names): stock needs
     # no rewrapping.
     flat: Optional[str] = None
+    # text_config keys the wrapper class sets from its own config, whatever
+    # text_config says (key, the wrapper's default): Gemma 4's vocab_size.
+    forced: Tuple[Tuple[str, object], ...] = ()
 
 
 # wrapper model_type -> how FlashNorm reads its text model. A new line here
@@ -60,6 +63,20 @@ WRAPPERS: Dict[str, Wrapper] = {
         prefixes=(),
         drop=("vision_tower", "model.visual"),
         flat="qwen3_5_moe",
+    ),
+    "gemma4": Wrapper(
+        texts=("gemma4_text",),
+        prefixes=(("model.language_model.", "model."), ("language_model.", "")),
+        drop=(
+            "vision_tower",
+            "multi_modal_projector",
+            "audio_tower",
+            "embed_audio",
+            "embed_vision",
+            "vision_embedder",
+        ),
+        defaults=(("num_attention_heads", 8), ("num_key_value_heads", 1)),
+        forced=(("vocab_size", 262144),),
     ),
 }
 
@@ -91,6 +108,7 @@ def text_config(config: dict, where: str) -> Optional[dict]:
             raise LoadError(f"{where}: text_config: {e}") from None
         return None
     out = {**dict(wrapper.defaults), **family}
+    out.update({k: config.get(k, default) for k, default in wrapper.forced})
     for key in CARRIED:
         if key in config:
             out[key] = _strip_keys(config[key], wrapper)

@@ -17,6 +17,7 @@ from .arch import Architecture
 # config model_type -> module in flashnorm_mlx.models
 ARCHITECTURES = {
     "gemma3_text": "gemma3",
+    "gemma4_text": "gemma4_text",
     "gpt_oss": "gpt_oss",
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2_moe",

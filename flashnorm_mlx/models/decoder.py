@@ -88,6 +88,9 @@ class DecoderBlock(Block):
 class DecoderModel(nn.Module):
     """Embeddings -> blocks -> the final norm (in the last block)."""
 
+    # mlx-lm's Gemma 3 rounds sqrt(width) to bfloat16 first; Gemma 4 does not.
+    ROUND_EMBED_SCALE = True
+
     def __init__(self, args, arch: Architecture, layers: List[Block], norm_gains):
         super().__init__()
         self.args, self.arch = args, arch
@@ -108,9 +111,11 @@ class DecoderModel(nn.Module):
             if input_embeddings is not None
             else self.embed_tokens(inputs)
         )
-        if self.arch.embed_scale:  # as mlx-lm's Gemma: rounded to bfloat16 first
+        if self.arch.embed_scale:  # as mlx-lm's Gemma 3: rounded to bfloat16 first
             scale = self.arch.embedding_scale(vars(self.args))
-            h = h * mx.array(scale, mx.bfloat16).astype(h.dtype)
+            if self.ROUND_EMBED_SCALE:
+                scale = mx.array(scale, mx.bfloat16).astype(h.dtype)
+            h = h * scale
         cache = cache or [None] * len(self.layers)
         fa_mask = create_attention_mask(h, cache[self.fa_idx])
         swa_mask = None
@@ -137,6 +142,7 @@ class Decoder(nn.Module):
 
     Block: type
     attention_cls: type
+    Inner = DecoderModel  # the embeddings-blocks-norm module (`model`)
 
     def __init__(self, args, norm_gains: bool = False):
         """norm_gains: the weights are unfolded (a quantized checkpoint as stored)
@@ -156,7 +162,7 @@ class Decoder(nn.Module):
             )
             for i in range(getattr(args, arch.layers_key))
         ]
-        self.model = DecoderModel(args, arch, layers, norm_gains)
+        self.model = self.Inner(args, arch, layers, norm_gains)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

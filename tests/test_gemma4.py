@@ -1,0 +1,276 @@
+"""FlashNorm Gemma 4 (gemma4_text) against mlx-lm's own class on the same weights.
+
+Tiny random models (tests/tiny.py): every norm gain random in 0.25..4 (the QK
+gains 0.05..0.4: attention's scale is 1), a layer scalar of 0.5..2 per layer,
+six layers (two sliding, one global, twice), a window of 6 (shorter than every
+prompt plus decode here), global heads twice as wide with proportional RoPE
+on a quarter of their dims, a softcapped head; one tied, one untied with a
+large eps (the q, k and v norms' epsilon adjustments matter).
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from flashnorm_mlx import fold, kernels
+from flashnorm_mlx.checkpoint import convert
+from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.models import gemma4_text
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
+
+
+@pytest.fixture(scope="module", params=list(tiny.GEMMA4_CONFIGS))
+def folder(request, tmp_path_factory):
+    return tiny.make_gemma4(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def source(folder):
+    return read_source(str(folder))
+
+
+@pytest.fixture(scope="module")
+def stock_q4(folder, tmp_path_factory):
+    """mlx-lm's own `convert -q` of the tiny model, read back as stored."""
+    from mlx_lm.convert import convert as mlx_convert
+
+    out = tmp_path_factory.mktemp("q4") / "mlx-q4"
+    mlx_convert(str(folder), str(out), quantize=True, q_group_size=32, q_bits=4)
+    return read_source(str(out))
+
+
+def rel(a, b) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def test_classes_and_what_is_left_of_the_norms(source):
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    assert type(stock).__module__ == "mlx_lm.models.gemma4_text"
+    assert type(flash).__module__ == "flashnorm_mlx.models.gemma4_text"
+    names = {n for n, _ in flash.named_modules()}
+    # Pre-linear norms folded away (no gain left as a parameter); post-norms
+    # and QK gains kept; the final norm only before a tied head.
+    params = {k for k, _ in tree_flatten(flash.parameters())}
+    assert not any(
+        n.endswith(("input_layernorm", "pre_feedforward_layernorm")) for n in names
+    )
+    assert not any(("input_layernorm" in k or "pre_feed" in k) for k in params)
+    layers = source.config["num_hidden_layers"]
+    assert sum(k.endswith("post_attention_layernorm.weight") for k in params) == layers
+    assert sum(k.endswith("layer_scalar") for k in params) == layers
+    assert ("model.norm" in names) == source.config["tie_word_embeddings"]
+    kinds = [type(c) for c in flash.make_cache()]
+    assert kinds == [type(c) for c in stock.make_cache()], kinds
+    assert kinds == [RotatingKVCache, RotatingKVCache, KVCache] * 2, kinds
+    heads = [l.self_attn.head_dim for l in flash.layers]
+    assert heads == [16, 16, 32] * 2, heads
+    # The global layers' proportional RoPE: 8 of 32 dims rotated, in the epilogue.
+    assert flash.layers[2].self_attn._angles.dims == 32
+    assert (flash.layers[2].self_attn._angles.inv_freq[4:] == 0).all().item()
+
+
+def test_prompt_and_32_cached_steps_across_the_window_match_stock(source):
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    cs, cf = make_prompt_cache(stock), make_prompt_cache(flash)
+    a, b = stock(mx.array([PROMPT]), cache=cs), flash(mx.array([PROMPT]), cache=cf)
+    errs = [rel(b, a)]
+    for _ in range(32):
+        t = mx.argmax(a[:, -1], axis=-1)[:, None]
+        a, b = stock(t, cache=cs), flash(t, cache=cf)
+        errs.append(rel(b, a))
+    assert cf[0].offset == len(PROMPT) + 32 > 4 * source.config["sliding_window"]
+    assert max(errs) < tiny.f32_tol(), f"max rel logit diff {max(errs):.3e}: {errs}"
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_verify_float32_and_stock_quantized_as_stored(source, stock_q4, engine):
+    """`verify`'s comparison: float32, and mlx-lm's own 4-bit output as stored
+    (the gains then applied in the kernels)."""
+    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    r = compare(stock_q4, PROMPT, horizon=32, engine=engine)
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_64_greedy_tokens_identical_to_stock(source, stock_q4, quantized, engine):
+    src = stock_q4 if quantized else source
+    dtype = None if quantized else mx.float32
+    if quantized:
+        flash, _ = build_model(src, "flashnorm")
+        qkv = flash.layers[0].self_attn.qkv_proj
+        assert type(qkv).__name__ == "QuantizedLinear", type(qkv)
+        assert "input_layernorm" in flash.layers[0]  # gains kept, in the kernels
+    r = compare(src, PROMPT, horizon=64, dtype=dtype, engine=engine)
+    assert r["greedy_match"] == 64, r
+
+
+def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
+    """Each piece broken on purpose is far off stock on the prompt: v's norm
+    dropped, the layer scalar dropped, the softcap dropped, the global
+    layers' partial RoPE made full, the embedding scale dropped, and (where
+    eps is large) Gemma 4's input 1/RMS applied twice (the q, k and v norms
+    then see its epsilon wrong: it must cancel, not be applied)."""
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    x = mx.array([PROMPT])
+    ref = stock(x)
+
+    def broken(patch=None, edit=None):
+        with monkeypatch.context() as m:
+            if patch:
+                patch(m)
+            flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+            if edit:
+                edit(flash)
+            return rel(flash(x), ref)
+
+    def plain_heads(self, xs, ms, offset):
+        e = self.epilogue()
+        return kernels.qkv_epilogue(self.qkv_proj(xs), ms, offset, e)
+
+    def no_scalar(flash):
+        for layer in flash.layers:
+            layer.layer_scalar = mx.ones((1,))
+
+    def no_softcap(flash):
+        flash.args.final_logit_softcapping = None
+
+    def full_rope(flash):
+        for layer in flash.layers[2::3]:
+            a = layer.self_attn
+            a._angles = kernels.rope_angles(nn.RoPE(a.head_dim, base=1e6), a.head_dim)
+
+    errs = {
+        "no v norm": broken(
+            lambda m: m.setattr(gemma4_text.Attention, "heads", plain_heads)
+        ),
+        "no layer scalar": broken(edit=no_scalar),
+        "no softcap": broken(edit=no_softcap),
+        "full RoPE on global layers": broken(edit=full_rope),
+        "no embedding scale": broken(
+            lambda m: m.setattr(
+                gemma4_text.Architecture, "embedding_scale", lambda s, c: 1
+            )
+        ),
+    }
+    if source.config["rms_norm_eps"] >= 0.01:
+        real = gemma4_text.Attention.heads
+
+        def twice(self, xs, ms, offset):
+            s = kernels.deferred_scale(ms, xs.dtype)
+            return real(self, (xs * s).astype(xs.dtype), ms, offset)
+
+        errs["Gemma 4's input 1/RMS applied twice"] = broken(
+            lambda m: m.setattr(gemma4_text.Attention, "heads", twice)
+        )
+    print(errs)
+    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+
+
+def test_fold_twice_equals_fold_once_and_compat_writes_unit_gains(source):
+    once_w, once_c = fold.fold_norms(source.weights, source.config, compat=True)
+    twice_w, twice_c = fold.fold_norms(once_w, once_c)
+    assert once_c == twice_c and once_w.keys() == twice_w.keys()
+    assert all(mx.array_equal(once_w[k], twice_w[k]).item() for k in once_w)
+    p = "model.layers.0"
+    for n in ("input_layernorm", "pre_feedforward_layernorm"):
+        assert (once_w[f"{p}.{n}.weight"] == 1).all().item(), n
+    for n in ("post_attention_layernorm", "self_attn.q_norm", "layer_scalar"):
+        key = f"{p}.{n}" if n == "layer_scalar" else f"{p}.{n}.weight"
+        assert mx.array_equal(once_w[key], source.weights[key]), n
+
+
+def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
+    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def test_convert_q_rtn_and_gptq_load_in_mlx_lm(source, tmp_path):
+    """-q, both methods (RTN: mx.quantize of the folded weight; GPTQ: not);
+    each --compat checkpoint loads in mlx-lm, whose logits there equal ours,
+    and both are near stock at 8 bits."""
+    from mlx_lm.utils import load_model
+
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    x = mx.array([PROMPT])
+    key = "model.layers.0.self_attn.q_proj.weight"
+    folded_w, _ = fold.fold_norms(source.weights, source.config)
+    rtn_w = mx.quantize(folded_w[key], group_size=32, bits=8)[0]
+    errs = {}
+    for method in ("rtn", "gptq"):
+        out = tmp_path / f"q8-{method}"
+        convert(
+            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
+        )
+        folded = read_source(str(out))
+        ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+        qkv = ours.layers[0].self_attn.qkv_proj
+        assert type(qkv).__name__ == "QuantizedLinear", type(qkv)
+        same = mx.array_equal(folded.weights[key], rtn_w).item()
+        assert same == (method == "rtn"), (method, same)
+        theirs, _ = load_model(out)
+        assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
+        errs[method] = rel(ours(x), ref(x))
+    print(errs)
+    assert all(e < 0.1 for e in errs.values()), errs
+
+
+def test_the_wrapper_is_read_as_its_text_model_and_stock_is_mlx_lms(tmp_path):
+    """gemma4 around gemma4_text: config = text_config (the wrapper's vocab),
+    no vision weight, the text model's names; stock is mlx-lm's own
+    load_model of the folder; ours matches it, prompt and 32 steps."""
+    from mlx_lm.utils import load_model
+
+    path = tiny.make_gemma4_wrapped(tmp_path / "w", tokenizer=False)
+    src = read_source(str(path))
+    assert src.config["model_type"] == "gemma4_text"
+    assert src.config["vocab_size"] == tiny.VOCAB
+    assert src.wrapper["model_type"] == "gemma4"
+    assert all(k.startswith("model.") for k in src.weights), sorted(src.weights)
+    assert not any("vision" in k for k in src.weights)
+    stock, _ = build_model(src, "stock", dtype=mx.float32)
+    theirs, _ = load_model(path)
+    assert type(stock).__module__ == "mlx_lm.models.gemma4"
+    x = mx.array([PROMPT])
+    assert rel(stock(x), theirs(x)) == 0.0
+    r = compare(src, PROMPT, horizon=32, dtype=mx.float32)
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+
+
+def test_bench_counts_fewer_launches(source):
+    from flashnorm_mlx import speed
+
+    r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
+    v = r["variants"]
+    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
+    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
+    print("launches per decode step:", gpu)
+    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+
+
+@pytest.mark.parametrize(
+    "over, what",
+    [
+        (dict(hidden_size_per_layer_input=8), "per-layer input embeddings"),
+        (dict(num_kv_shared_layers=3), "KV-shared layers"),
+        (dict(attention_k_eq_v=True), "K = V global layers"),
+        (dict(enable_moe_block=True), "the MoE block"),
+    ],
+)
+def test_variants_not_folded_yet_are_one_line(tmp_path, capsys, over, what):
+    from flashnorm_mlx.cli import main
+
+    cfg = {**tiny.gemma4_config("gemma4_tied"), **over}
+    path = tiny.write_model(tmp_path / "v", cfg, tiny.gemma4_weights(cfg))
+    assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and what in err[0] and "--mode stock" in err[0], err
