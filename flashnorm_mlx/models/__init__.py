@@ -38,9 +38,21 @@ ARCHITECTURES = {
 
 
 def is_covered(config: dict) -> bool:
-    """Whether FlashNorm has a model file for the config's model_type (any other
-    family mlx-lm loads runs as stock, its own class: `run_mode`)."""
-    return config.get("model_type") in ARCHITECTURES
+    """Whether FlashNorm folds this config: a model file for its model_type
+    that folds every part of it (`uncovered_why`). Any other config mlx-lm
+    loads runs as stock, its own class (`run_mode`)."""
+    return config.get("model_type") in ARCHITECTURES and not uncovered_why(config)
+
+
+def uncovered_why(config: dict) -> Optional[str]:
+    """What of a config its family's file does not fold yet (the file's
+    `uncovered(config)`, e.g. Gemma 4's per-layer inputs), None otherwise."""
+    mt = config.get("model_type")
+    if mt not in ARCHITECTURES:
+        return None
+    module = importlib.import_module(f"{__name__}.{ARCHITECTURES[mt]}")
+    check = getattr(module, "uncovered", None)
+    return check(config) if check else None
 
 
 def covered_words() -> str:
@@ -82,8 +94,9 @@ def stock_note(config: dict, engine: Optional[str] = None) -> str:
         if engine == "compiled"
         else ""
     )
+    what = uncovered_why(config) or f"model_type {config.get('model_type')!r}"
     return (
-        f"FlashNorm does not cover model_type {config.get('model_type')!r} yet: "
+        f"FlashNorm does not cover {what} yet: "
         f"it runs as stock (mlx-lm's own class){eager}"
     )
 
@@ -95,9 +108,11 @@ def not_covered(
 ) -> UnsupportedModel:
     """The error for FlashNorm asked (`what`: how) of a family it does not
     cover; `fix`: what the user can run instead."""
+    part = uncovered_why(config)
+    said = part if part else f"model_type {config.get('model_type')!r}"
     return UnsupportedModel(
-        (f"{what}: " if what else "") + "FlashNorm does not cover model_type "
-        f"{config.get('model_type')!r} yet (it covers {covered_words()}); {fix}"
+        (f"{what}: " if what else "") + f"FlashNorm does not cover {said} yet "
+        f"(it covers {covered_words()}); {fix}"
     )
 
 
@@ -116,7 +131,7 @@ def model_module(config: dict) -> ModuleType:
     """Our module for a covered model_type; `not_covered` (or, for a type mlx-lm
     has no class for either, `check_runnable`'s error) otherwise."""
     mt = config.get("model_type")
-    if mt not in ARCHITECTURES:
+    if mt not in ARCHITECTURES or uncovered_why(config):
         check_runnable(config)
         raise not_covered(config)
     return importlib.import_module(f"{__name__}.{ARCHITECTURES[mt]}")
