@@ -157,6 +157,12 @@ def context_length(config: dict) -> Optional[int]:
 
 
 def architecture(config: dict) -> Architecture:
+    """The family's contract (`ARCH`) by model_type alone: it describes the
+    family whatever parts of it a config has (GGUF reading asks it of a bare
+    {"model_type": ...}); building ours on a config is `model_module`'s."""
+    mt = config.get("model_type")
+    if mt in ARCHITECTURES:
+        return importlib.import_module(f"{__name__}.{ARCHITECTURES[mt]}").ARCH
     return model_module(config).ARCH
 
 
