@@ -17,6 +17,7 @@ Not folded yet (one line each, `unsupported`): per-layer input embeddings,
 KV-shared layers, K = V global layers and the MoE block.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,38 +28,16 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
 from ..errors import UnsupportedModel
-from .arch import Architecture, NormPair, PostNorm
+from . import gemma3
 from .blocks import FusedAttention
 from .decoder import Decoder, DecoderBlock, DecoderModel
 from .gains import QKNorm, QKNormGains
 
-ARCH = Architecture(
-    layers_key="num_hidden_layers",
-    layer="model.layers.{i}",
-    pairs=(
-        NormPair(
-            "input_layernorm",
-            "self_attn.qkv_proj",
-            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        ),
-        NormPair(
-            "pre_feedforward_layernorm",
-            "mlp.gate_up_proj",
-            ("mlp.gate_proj", "mlp.up_proj"),
-        ),
-    ),
-    final_norm="model.norm",
-    embed="model.embed_tokens",
-    head="lm_head",
-    tie_key="tie_word_embeddings",
-    width_key="hidden_size",
-    qk_norms=("self_attn.q_norm", "self_attn.k_norm"),
-    activation="gelu_tanh",
-    post_norms=(
-        PostNorm("post_attention_layernorm", "self_attn.o_proj"),
-        PostNorm("post_feedforward_layernorm", "mlp.down_proj"),
-    ),
-    embed_scale=True,
+# Gemma 3's names, norms and sandwich post-norms, with plain gains (no 1 + w).
+ARCH = dataclasses.replace(
+    gemma3.ARCH,
+    gain_offset=0.0,
+    gguf=None,
     cannot=(("gguf", "llama.cpp's gemma4 files are not read yet"),),
 )
 
