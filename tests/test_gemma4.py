@@ -20,6 +20,7 @@ from flashnorm_mlx.checkpoint import convert
 from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import gemma4_text
+from flashnorm_mlx.models.arch import Architecture
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 
@@ -37,11 +38,7 @@ def source(folder):
 @pytest.fixture(scope="module")
 def stock_q4(folder, tmp_path_factory):
     """mlx-lm's own `convert -q` of the tiny model, read back as stored."""
-    from mlx_lm.convert import convert as mlx_convert
-
-    out = tmp_path_factory.mktemp("q4") / "mlx-q4"
-    mlx_convert(str(folder), str(out), quantize=True, q_group_size=32, q_bits=4)
-    return read_source(str(out))
+    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
 
 
 def rel(a, b) -> float:
@@ -157,9 +154,7 @@ def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
         "no softcap": broken(edit=no_softcap),
         "full RoPE on global layers": broken(edit=full_rope),
         "no embedding scale": broken(
-            lambda m: m.setattr(
-                gemma4_text.Architecture, "embedding_scale", lambda s, c: 1
-            )
+            lambda m: m.setattr(Architecture, "embedding_scale", lambda s, c: 1)
         ),
     }
     if source.config["rms_norm_eps"] >= 0.01:

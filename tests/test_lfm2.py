@@ -53,13 +53,14 @@ def source(folder):
 
 @pytest.fixture(scope="module")
 def stock_q4(folder, tmp_path_factory):
-    """mlx-lm's own `convert -q` of the tiny model (the MoE's router at 8 bits,
-    as its quant_predicate says), read back as a checkpoint."""
-    from mlx_lm.convert import convert as mlx_convert
+    """mlx-lm's own `convert -q` (the MoE's router at 8 bits, as its
+    quant_predicate says)."""
+    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
 
-    out = tmp_path_factory.mktemp("q4") / "mlx-q4"
-    mlx_convert(str(folder), str(out), quantize=True, q_group_size=32, q_bits=4)
-    return read_source(str(out))
+
+@pytest.fixture(scope="module", params=list(tiny.LFM2_MOE_CONFIGS))
+def moe_folder(request, tmp_path_factory):
+    return make(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def _source(tmp_path, name):
@@ -73,10 +74,6 @@ def rel(a, b) -> float:
 
 def greedy(model, n=64):
     return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
-
-
-def is_moe(source) -> bool:
-    return source.config["model_type"] == "lfm2_moe"
 
 
 def test_layers_and_what_is_left_of_the_norms(source):
@@ -131,20 +128,10 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
     assert len(want) == 64 and got == {"eager": want, "compiled": want}, (want, got)
 
 
-class Picks(nn.Module):
-    """Records the expert indices (B, L, k) its experts module is called with."""
-
-    def __init__(self, inner, log):
-        super().__init__()
-        self.inner = inner
-        self._log = log
-
-    def __call__(self, *args):
-        self._log.append(mx.sort(args[-1], axis=-1))
-        return self.inner(*args)
-
-
 def record_picks(model):
+    """tests/test_moe.py's Picks on every layer with experts: {layer: picks}."""
+    from test_moe import Picks
+
     logs = {}
     for i, layer in enumerate(model.layers):
         if "switch_mlp" in layer.feed_forward:
@@ -155,12 +142,15 @@ def record_picks(model):
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
-def test_every_tokens_experts_are_stocks_at_every_step(source, stock_q4, quantized):
+def test_every_tokens_experts_are_stocks_at_every_step(
+    moe_folder, tmp_path_factory, quantized
+):
     """The experts each token picks (the expert bias choosing, the sigmoid
     weights not) equal stock's, prompt and 32 greedy steps; and they vary."""
-    if not is_moe(source):
-        pytest.skip("dense LFM2 has no experts")
-    src = stock_q4 if quantized else source
+    if quantized:
+        src = tiny.mlx_q4(moe_folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
+    else:
+        src = read_source(str(moe_folder))
     dtype = None if quantized else mx.float32
     logs = {}
     for mode in ("stock", "flashnorm"):

@@ -82,11 +82,7 @@ def qwen(tmp_path_factory):
 def stock_q4(source, tmp_path_factory):
     """mlx-lm's own `convert -q` of the tiny model (its router at 8 bits, as
     its quant_predicate says), read back as a checkpoint."""
-    from mlx_lm.convert import convert as mlx_convert
-
-    out = tmp_path_factory.mktemp("q4") / "mlx-q4"
-    mlx_convert(source.name, str(out), quantize=True, q_group_size=32, q_bits=4)
-    return read_source(str(out))
+    return tiny.mlx_q4(source.name, tmp_path_factory.mktemp("q4") / "mlx-q4")
 
 
 def rel(a, b) -> float:

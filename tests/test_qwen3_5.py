@@ -58,11 +58,7 @@ def source(folder):
 @pytest.fixture(scope="module")
 def stock_q4(folder, tmp_path_factory):
     """mlx-lm's own `convert -q` of the tiny model, read back as a checkpoint."""
-    from mlx_lm.convert import convert as mlx_convert
-
-    out = tmp_path_factory.mktemp("q4") / "mlx-q4"
-    mlx_convert(str(folder), str(out), quantize=True, q_group_size=32, q_bits=4)
-    return read_source(str(out))
+    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
 
 
 def rel(a, b) -> float:

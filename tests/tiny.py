@@ -508,6 +508,18 @@ def quantized(source, bits: int = 4, group_size: int = 32):
     return Source(source.name, {**source.config, "quantization": q}, w)
 
 
+def mlx_q4(folder, out: Path):
+    """mlx-lm's own `convert -q` (4 bits, groups of 32; a family's
+    quant_predicate, e.g. an 8-bit router, as it says) of `folder` into `out`,
+    read back as a checkpoint: the quantized source "as stored" tests take."""
+    from mlx_lm.convert import convert as mlx_convert
+
+    from flashnorm_mlx.loading import read_source
+
+    mlx_convert(str(folder), str(out), quantize=True, q_group_size=32, q_bits=4)
+    return read_source(str(out))
+
+
 def compat_errors(source, out: Path, prompt) -> dict:
     """`convert --compat` of `source` into `out`, then the relative logit error
     on `prompt` against stock on `source` of mlx-lm's own `load_model` and of
