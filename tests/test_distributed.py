@@ -229,6 +229,25 @@ def launch2(args, env=None, stdin=None):
     return launch(2, args, env, stdin)
 
 
+def two_ranks_and_one(cases, tmp_path):
+    """Every case (tests/distributed_child.py's) built over a 2-rank launch and
+    in this one process: (the launch's arrays, {name: (logits, tokens)} of one
+    process, {name: max relative logit difference}, seconds), the greedy
+    tokens asserted identical."""
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    args = [distributed_child.__file__, "cases", "2"]
+    args += [str(tmp_path / "cases.json"), str(tmp_path / "o.npz")]
+    rc, out, err, secs = launch(2, args)
+    assert (tmp_path / "o.npz").exists(), f"launch failed ({rc}):\n{out}\n{err}"
+    got = dict(np.load(tmp_path / "o.npz"))
+    one = {c["name"]: distributed_child.run_case(c, None) for c in cases}
+    errs = {}
+    for name, (logits, tokens) in one.items():
+        errs[name] = np.abs(got[f"{name}/logits"] - logits).max() / np.abs(logits).max()
+        assert got[f"{name}/tokens"].tolist() == tokens.tolist(), name
+    return got, one, errs, secs
+
+
 def cli(*args):
     return ["-m", "flashnorm_mlx", *args]
 

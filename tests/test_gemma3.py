@@ -317,23 +317,10 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tied, tmp_path):
     prompt and 16 cached greedy steps across the window. Each as one process
     within 1e-5 (all-sums add in another order), sharded FlashNorm against
     stock in one process within 1e-4, greedy tokens identical."""
-    import json
-
-    import distributed_child
     import test_distributed
 
     cases = [{"name": m, "model": tied.name, "mode": m} for m in ("flashnorm", "stock")]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    args = [distributed_child.__file__, "cases", "2"]
-    args += [str(tmp_path / "cases.json"), str(tmp_path / "o.npz")]
-    rc, out, err, secs = test_distributed.launch(2, args)
-    assert (tmp_path / "o.npz").exists(), f"launch failed ({rc}):\n{out}\n{err}"
-    got = dict(np.load(tmp_path / "o.npz"))
-    one = {c["name"]: distributed_child.run_case(c, None) for c in cases}
-    errs = {}
-    for name, (logits, tokens) in one.items():
-        errs[name] = np.abs(got[f"{name}/logits"] - logits).max() / np.abs(logits).max()
-        assert got[f"{name}/tokens"].tolist() == tokens.tolist(), name
+    got, one, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
     stock = one["stock"][0]
     to_stock = np.abs(got["flashnorm/logits"] - stock).max() / np.abs(stock).max()
     print(f"2 ranks in {secs:.1f} s; vs one process {errs}, vs stock {to_stock:.2e}")

@@ -305,9 +305,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(
     prompt and 16 cached greedy steps. Each as one process within 1e-5,
     sharded FlashNorm against stock in one process within 1e-4, greedy tokens
     identical."""
-    import json
 
-    import distributed_child
     import numpy as np
     import test_distributed
 
@@ -316,17 +314,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(
         for m in ("flashnorm", "stock")
         for q, src in (("", source), ("-q4", stock_q4))
     ]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    args = [distributed_child.__file__, "cases", "2"]
-    args += [str(tmp_path / "cases.json"), str(tmp_path / "o.npz")]
-    rc, out, err, secs = test_distributed.launch(2, args)
-    assert (tmp_path / "o.npz").exists(), f"launch failed ({rc}):\n{out}\n{err}"
-    got = dict(np.load(tmp_path / "o.npz"))
-    one = {c["name"]: distributed_child.run_case(c, None) for c in cases}
-    errs = {}
-    for name, (logits, tokens) in one.items():
-        errs[name] = np.abs(got[f"{name}/logits"] - logits).max() / np.abs(logits).max()
-        assert got[f"{name}/tokens"].tolist() == tokens.tolist(), name
+    got, one, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
     to_stock = {}
     for q in ("", "-q4"):
         stock = one[f"stock{q}"][0]

@@ -325,10 +325,6 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     on both configs (DeltaNets split by key heads, attention by GQA groups with
     its gate rows, the MLPs by hidden columns; float32 and FlashNorm's 4-bit):
     each as one process gives it, greedy tokens identical."""
-    import json
-
-    import distributed_child
-    import numpy as np
     import test_distributed
 
     cases = []
@@ -344,18 +340,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
                 "quantize": [4, 32],
             }
         )
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    args = [distributed_child.__file__, "cases", "2"]
-    args += [str(tmp_path / "cases.json"), str(tmp_path / "o.npz")]
-    rc, out, err, secs = test_distributed.launch(2, args)
-    assert (tmp_path / "o.npz").exists(), f"launch failed ({rc}):\n{out}\n{err}"
-    got = dict(np.load(tmp_path / "o.npz"))
-    errs = {}
-    for c in cases:
-        logits, tokens = distributed_child.run_case(c, None)
-        name = c["name"]
-        errs[name] = np.abs(got[f"{name}/logits"] - logits).max() / np.abs(logits).max()
-        assert got[f"{name}/tokens"].tolist() == tokens.tolist(), name
+    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
     print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
     assert max(errs.values()) < tiny.f32_tol(1e-5), errs
 
