@@ -37,6 +37,8 @@ PARTS = {
         "test_dense.py",
         "test_ministral3.py",
         "test_qwen3_5.py",
+        "test_lfm2.py",
+        "test_gemma4.py",
         "test_openelm.py",
         "test_qwen.py",
         "test_gemma3.py",
@@ -206,6 +208,7 @@ LAUNCHES = {
     "test_dense.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_ministral3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_qwen3_5.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_lfm2.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
 }
