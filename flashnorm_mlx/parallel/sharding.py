@@ -147,12 +147,12 @@ def input_width(linear: nn.Module) -> int:
     return cols
 
 
-def sum_columns(linear: nn.Module, cols: Tuple[int, int], group, name: str):
-    """The sharded-to-all half: `linear`'s input columns [a, b), output all-summed."""
+def _column_arrays(linear: nn.Module, cols: Tuple[int, int], group, name: str):
+    """`linear`'s arrays for its input columns [a, b) (a quantized layer's cut
+    on its group boundaries only, else ShardError), its bias apart."""
     a, b = cols
-    bias = linear["bias"] if "bias" in linear else None
     if not isinstance(linear, nn.QuantizedLinear):
-        return _SumLinear(_cut(linear.weight, [cols], -1), bias, group)
+        return {"weight": _cut(linear.weight, [cols], -1)}
     gs, bits = linear.group_size, linear.bits
     if a % gs or b % gs or (a * bits) % 32:
         raise ShardError(
@@ -166,6 +166,15 @@ def sum_columns(linear: nn.Module, cols: Tuple[int, int], group, name: str):
     for key in ("scales", "biases"):
         if key in linear and linear[key] is not None:
             arrays[key] = _cut(linear[key], [(a // gs, b // gs)], -1)
+    return arrays
+
+
+def sum_columns(linear: nn.Module, cols: Tuple[int, int], group, name: str):
+    """The sharded-to-all half: `linear`'s input columns [a, b), output all-summed."""
+    arrays = _column_arrays(linear, cols, group, name)
+    bias = linear["bias"] if "bias" in linear else None
+    if not isinstance(linear, nn.QuantizedLinear):
+        return _SumLinear(arrays["weight"], bias, group)
     return _QuantizedSumLinear(arrays, bias, linear, group)
 
 
@@ -234,10 +243,8 @@ def take_columns(linear: nn.Module, cols: Tuple[int, int], group, name: str):
     block that all-sums its whole output once (a shared expert's down beside
     the routed experts'). A bias stays on rank 0 alone, added once by the sum."""
     part = copy.copy(linear)
-    summed = sum_columns(linear, cols, group, name)
-    for key in ("weight", "scales", "biases"):
-        if key in summed:
-            part[key] = summed[key]
+    for key, array in _column_arrays(linear, cols, group, name).items():
+        part[key] = array
     if "bias" in linear and group.rank():
         part.bias = mx.zeros_like(linear.bias)
     return part
