@@ -182,9 +182,7 @@ class DecodeStep:
         """A single-token step over plain, non-empty KVCaches at one offset."""
         if not cache or inputs.ndim != 2 or inputs.shape[1] != 1:
             return False
-        if any(type(c) is not KVCache for c in cache):  # recurrent states, ...
-            return False
-        first = cache[0].offset
+        first = getattr(cache[0], "offset", None)  # a recurrent state has none
         return all(
             type(c) is KVCache and kv_buffers(c)[0] is not None and c.offset == first
             for c in cache
