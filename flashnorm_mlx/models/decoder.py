@@ -196,13 +196,7 @@ class Decoder(nn.Module):
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
         if self.args.tie_word_embeddings:
             weights.pop(f"{arch.head}.weight", None)
-        for p in arch.layer_prefixes(vars(self.args)):
-            for pair in arch.pairs:
-                if pair.parts != (pair.fused,):
-                    parts = [f"{p}.{part}" for part in pair.parts]
-                    fused = f"{p}.{pair.fused}"
-                    weights = fuse(weights, parts, fused, f"{p}.{pair.fused_bias}")
-        return weights
+        return fuse_pairs(weights, arch, vars(self.args))
 
     def shard(self, group: Optional[mx.distributed.Group] = None):
         """Tensor parallelism as mlx-lm's Llama shards (`mlx_lm.utils.sharded_load`
@@ -221,6 +215,18 @@ class Decoder(nn.Module):
             RotatingKVCache(max_size=window) if l.use_sliding else KVCache()
             for l in self.layers
         ]
+
+
+def fuse_pairs(weights, arch: Architecture, config: dict) -> dict:
+    """Every layer's pairs (`arch.layer_pairs`: a hybrid family's by mixer)
+    stacked into their fused linears."""
+    for i, p in enumerate(arch.layer_prefixes(config)):
+        for pair in arch.layer_pairs(config, i):
+            if pair.parts != (pair.fused,):
+                parts = [f"{p}.{part}" for part in pair.parts]
+                fused = f"{p}.{pair.fused}"
+                weights = fuse(weights, parts, fused, f"{p}.{pair.fused_bias}")
+    return weights
 
 
 def fuse(weights, parts, fused, fused_bias):

@@ -32,7 +32,7 @@ from ..kernels._common import prescaled
 from ..parallel import sharding
 from . import qwen3
 from .arch import Architecture, Mixer, NormPair
-from .decoder import MLP, Decoder, DecoderBlock, fuse
+from .decoder import MLP, Decoder, DecoderBlock, fuse_pairs
 
 ATTENTION = NormPair(
     "operator_norm",
@@ -226,13 +226,7 @@ class Model(Decoder):
         matmul (rows: exact for quantized ones too), then our module names."""
         arch = self.ARCH
         config = vars(self.args)
-        weights = canonical(config, weights)
-        for i, p in enumerate(arch.layer_prefixes(config)):
-            for pair in arch.layer_pairs(config, i):
-                if pair.parts != (pair.fused,):
-                    parts = [f"{p}.{part}" for part in pair.parts]
-                    fused = f"{p}.{pair.fused}"
-                    weights = fuse(weights, parts, fused, f"{p}.{pair.fused_bias}")
+        weights = fuse_pairs(canonical(config, weights), arch, config)
         return {_ours(k): v for k, v in weights.items()}
 
     @property

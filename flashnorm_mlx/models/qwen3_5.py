@@ -36,7 +36,7 @@ from ..errors import UnsupportedModel
 from ..parallel import sharding
 from . import qwen3
 from .arch import Architecture, GatedNorm, Mixer, MoE, NormPair
-from .decoder import Decoder, DecoderBlock, fuse
+from .decoder import Decoder, DecoderBlock, fuse, fuse_pairs
 from .gains import Gain
 from .moe import SharedExpertMoE, fuse_experts
 
@@ -160,7 +160,8 @@ def fuse_layers(weights: dict, args, arch: Architecture) -> dict:
     and the router with the shared gate each stacked into one matmul (rows:
     exact for quantized ones too)."""
     h, heads, moe = args.head_dim, args.num_attention_heads, arch.moe
-    for i, p in enumerate(arch.layer_prefixes(vars(args))):
+    prefixes = list(arch.layer_prefixes(vars(args)))
+    for p in prefixes:
         q = f"{p}.self_attn.q_proj"
         for suffix in ("weight", "scales", "biases"):
             w = weights.pop(f"{q}.{suffix}", None)
@@ -169,10 +170,8 @@ def fuse_layers(weights: dict, args, arch: Architecture) -> dict:
                 weights[f"{q}.{suffix}"] = parts[:, 0].reshape(heads * h, -1)
                 gate = parts[:, 1].reshape(heads * h, -1)
                 weights[f"{p}.self_attn.gate_proj.{suffix}"] = gate
-        for pair in arch.layer_pairs(vars(args), i):
-            parts = [f"{p}.{part}" for part in pair.parts]
-            fused = f"{p}.{pair.fused}"
-            weights = fuse(weights, parts, fused, f"{p}.{pair.fused_bias}")
+    weights = fuse_pairs(weights, arch, vars(args))
+    for p in prefixes:
         weights = fuse_experts(weights, p, moe)
         shared = [f"{p}.{part}" for part in moe.shared]
         fused = f"{p}.{moe.shared_fused}"
