@@ -54,14 +54,14 @@ WRAPPERS: Dict[str, Wrapper] = {
     ),
     "qwen3_5": Wrapper(
         texts=("qwen3_5_text", "qwen3_5"),
-        prefixes=(),
-        drop=("vision_tower", "model.visual"),
+        prefixes=(),  # read flat: the family's `canonical` names and drops
+        drop=(),
         flat="qwen3_5",
     ),
     "qwen3_5_moe": Wrapper(
         texts=("qwen3_5_moe_text", "qwen3_5_moe"),
-        prefixes=(),
-        drop=("vision_tower", "model.visual"),
+        prefixes=(),  # read flat: the family's `canonical` names and drops
+        drop=(),
         flat="qwen3_5_moe",
     ),
     "gemma4": Wrapper(
