@@ -82,6 +82,7 @@ def test_the_compiled_engine_asked_runs_eager_and_the_note_says_so(folders, caps
 def test_config_values_of_such_a_family_are_checked_for_types_alone():
     """Another family's fields may be 0 or negative where ours must not be."""
     from dataclasses import dataclass
+    from typing import List, Optional
 
     from flashnorm_mlx.errors import LoadError
     from flashnorm_mlx.loading.config_checks import check_config
@@ -100,6 +101,52 @@ def test_config_values_of_such_a_family_are_checked_for_types_alone():
         check_config({**legit, "hidden_size": "big"}, "c", [Args], ranges=False)
     with pytest.raises(LoadError, match="hidden_size is missing"):
         check_config({}, "config.json", [Args], ranges=False)
+
+    @dataclass
+    class Shipped:  # mlx-lm's hints; the values as checkpoints write them
+        pattern: Optional[List[str]] = None
+        top_k: int = 2
+
+    check_config({"pattern": "M-*", "top_k": [2, 4]}, "c", [Shipped], ranges=False)
+    for bad, why in [
+        ({"pattern": 3}, "pattern is 3: expected list"),
+        ({"top_k": "2"}, 'top_k is "2": expected int'),
+        ({"top_k": ["a"]}, r'top_k is \["a"\]: expected int'),
+    ]:
+        with pytest.raises(LoadError, match=why):
+            check_config(bad, "c", [Shipped], ranges=False)
+
+
+@pytest.mark.parametrize("family", tuple(tiny_stock.SHIPPED))
+def test_configs_as_checkpoints_write_them_run_where_mlx_lm_loads_them(
+    family, tmp_path
+):
+    """A field's form comes from the checkpoints people ship, not only from
+    mlx-lm's type hint (tiny_stock.SHIPPED): our checks must not refuse what
+    mlx-lm's own load takes. Reference: `mlx_lm.load` of the same folder."""
+    from mlx_lm import load
+
+    folder = tiny_stock.make(tmp_path / family, family)
+    model, _ = build_model(read_source(str(folder), need_tokenizer=False), "stock")
+    ref, _ = load(str(folder))
+    tokens = mx.array([[5, 17, 99, 3, 250, 42]])
+    got, want = model(tokens), ref(tokens)
+    err = mx.abs(got - want).max().item()
+    assert err == 0.0 and mx.abs(want).max().item() > 0, (family, err)
+
+
+def test_nemotron_h_with_its_pattern_string_generates_mlx_lms_text(tmp_path, capsys):
+    """Nemotron-H's `hybrid_override_pattern` is a string ("M-*-") in every
+    shipped checkpoint; it once stopped with 'expected list'."""
+    folder = tiny_stock.make(tmp_path / "nemotron_h", "nemotron_h")
+    assert isinstance(tiny_stock.config("nemotron_h")["hybrid_override_pattern"], str)
+    want, ids = _mlx_lm_greedy(folder)
+    assert len(set(ids)) >= 4, ids
+    argv = ["generate", str(folder), "-p", PROMPT, "-m", str(TOKENS), "--temp", "0"]
+    assert main([*argv, "--ignore-chat-template"]) == 0
+    out, err = capsys.readouterr()
+    assert _generated(out) == want, (_generated(out), want)
+    assert len(_note_lines(err, "nemotron_h")) == 1, err
 
 
 def test_the_mode_defaults_to_stock_and_flashnorm_asked_is_one_error(folders, capsys):

@@ -57,8 +57,72 @@ CONFIGS = {
 }
 
 
+# Configs written as the families' real checkpoints write them, where that
+# differs from the type mlx-lm's ModelArgs declares (and mlx-lm loads them):
+# Nemotron-H's layer pattern is one string (Hugging Face's config class, every
+# shipped Nemotron-H and Nemotron 3), its time_step_limit ends in Infinity;
+# Hunyuan-A13B gives moe_topk, num_shared_expert and moe_intermediate_size per
+# layer; Step 3.5 gives rope_theta per layer.
+SHIPPED = {
+    "nemotron_h": dict(
+        model_type="nemotron_h",
+        architectures=["NemotronHForCausalLM"],
+        hybrid_override_pattern="M-*-",
+        num_hidden_layers=4,
+        head_dim=16,
+        attention_bias=False,
+        mlp_bias=False,
+        use_bias=False,
+        mlp_hidden_act="relu2",
+        layer_norm_epsilon=1e-5,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        mamba_proj_bias=False,
+        ssm_state_size=16,
+        conv_kernel=4,
+        n_groups=2,
+        expand=2,
+        chunk_size=128,
+        mamba_hidden_act="silu",
+        use_conv_bias=True,
+        time_step_limit=[0.0, float("inf")],
+        time_step_min=0.001,
+        time_step_max=0.1,
+        tie_word_embeddings=False,
+    ),
+    "hunyuan": dict(
+        model_type="hunyuan",
+        attention_bias=False,
+        moe_topk=[2, 2],
+        num_experts=4,
+        num_shared_expert=[1, 1],
+        moe_intermediate_size=[32, 32],
+        use_mixed_mlp_moe=True,
+        use_qk_norm=True,
+        rms_norm_eps=1e-5,
+        use_cla=False,
+        cla_share_factor=2,
+        rope_scaling={"alpha": 1000.0, "factor": 1.0, "type": "dynamic"},
+        tie_word_embeddings=True,
+    ),
+    "step3p5": dict(
+        model_type="step3p5",
+        num_attention_groups=2,
+        head_dim=16,
+        rope_theta=[10000.0, 5000.0],
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=8,
+        moe_num_experts=4,
+        moe_top_k=2,
+        moe_intermediate_size=32,
+        share_expert_dim=32,
+        moe_layers_enum="1",
+    ),
+}
+
+
 def config(model_type: str) -> dict:
-    return {**_BASE, **CONFIGS[model_type]}
+    return {**_BASE, **CONFIGS.get(model_type, SHIPPED.get(model_type))}
 
 
 def weights(cfg: dict, seed: int = 0) -> dict:

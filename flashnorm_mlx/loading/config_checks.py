@@ -108,12 +108,20 @@ def _show(v) -> str:
 
 def _type_problem(key: str, value, hint) -> Optional[str]:
     """A value whose JSON type the field cannot take (None always passes:
-    mlx-lm declares many optional fields plainly)."""
+    mlx-lm declares many optional fields plainly). The hint is mlx-lm's, but
+    the value is written by the checkpoints people ship, and mlx-lm's classes
+    take what they write beside it: a string for a list of one-character
+    strings (Nemotron-H's "M-M*-" pattern, indexed per layer), a list of
+    numbers for a number (per-layer values: Hunyuan's moe_topk, Gemma 3n's
+    intermediate_size, Step 3.5's rope_theta). What the class then cannot
+    take is its own one-line error (build._instantiate)."""
     if value is None:
         return None
     union = typing.get_origin(hint) is typing.Union
     kinds = typing.get_args(hint) if union else (hint,)
     for t in kinds:  # Optional[X]: X
+        if _shipped_form(value, t):
+            return None
         t = typing.get_origin(t) or t  # List[int]: list
         if t is bool and isinstance(value, (bool, int)):
             return None
@@ -127,6 +135,17 @@ def _type_problem(key: str, value, hint) -> Optional[str]:
             return None  # a type we do not check
     names = [(typing.get_origin(t) or t).__name__ for t in kinds]
     return f"expected {' or '.join(n for n in names if n != 'NoneType')}"
+
+
+def _shipped_form(value, hint) -> bool:
+    """`value` is another form checkpoints write for a field of type `hint`
+    that mlx-lm's classes take as it is (see _type_problem)."""
+    origin, args = typing.get_origin(hint) or hint, typing.get_args(hint)
+    if origin in (list, tuple) and args and args[0] is str:
+        return isinstance(value, str)
+    if hint in (int, float):
+        return isinstance(value, list) and all(map(is_number, value))
+    return False
 
 
 def _value_problem(key: str, value, hint) -> Optional[str]:
