@@ -16,6 +16,7 @@ we build what `source.Source` holds for a Hugging Face folder:
 - a fast tokenizer from the GGUF vocabulary, wrapped for mlx-lm.
 """
 
+import importlib
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -41,6 +42,11 @@ _LLAMA3_RE = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_RE = _LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")
+_QWEN35_RE = (  # Qwen2's with marks (\p{M}) in words
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+    r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT_RES = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"]
 _DIGITS_THEN_GPT2 = [r"\p{N}", _GPT2_RE]
 # (tokenizer.ggml.pre names, regexes, ignore_merges, add_bos default), as llama.cpp
@@ -60,8 +66,9 @@ _PRE_GROUPS = [
         False,
     ),
     (("gpt-2", "phi-2", "mpt", "olmo", "jais"), [_GPT2_RE], False, False),
-    (("llama3", "llama-v3", "llama-bpe", "falcon3"), [_LLAMA3_RE], True, True),
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "lfm2"), [_LLAMA3_RE], True, True),
     (("qwen2", "stablelm2", "megrez"), [_QWEN2_RE], False, False),
+    (("qwen35",), [_QWEN35_RE], False, False),
     (("default",), _DEFAULT_RES, False, False),
 ]
 PRE_TOKENIZERS = {n: spec for names, *spec in _PRE_GROUPS for n in names}
@@ -91,13 +98,19 @@ def read_gguf(
             f"(flashnorm-mlx reads {', '.join(families)} GGUF files)"
         )
     model_type, family = families[arch]
+    names = gguf_names.layer_names(family)
+    rename = lambda n: gguf_names.hf_name(n, names)  # noqa: E731
     try:
-        config = gguf_config(meta, raw, path, arch, model_type, family)
-        if arch == "gemma3":
-            config = gguf_gemma3.gemma3_config(meta, config, path)
-        weights = hf_weights(raw, config, path, family)
-        if arch == "gemma3":
-            weights = gguf_gemma3.gemma3_weights(weights)
+        if family.gguf.reader:  # a hybrid family's own module reads it whole
+            reader = importlib.import_module(f".{family.gguf.reader}", __package__)
+            config, weights, rename = reader.read(meta, raw, path, arch, family)
+        else:
+            config = gguf_config(meta, raw, path, arch, model_type, family)
+            if arch == "gemma3":
+                config = gguf_gemma3.gemma3_config(meta, config, path)
+            weights = hf_weights(raw, config, path, family)
+            if arch == "gemma3":
+                weights = gguf_gemma3.gemma3_weights(weights)
     except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
         # Metadata of the wrong kind (a string where a count belongs, ...).
         raise LoadError(f"{path}: unusable GGUF metadata ({_first_line(e)})") from None
@@ -105,11 +118,7 @@ def read_gguf(
     if qblock:
         config["quantization"] = qblock
     if floats:
-        names = gguf_names.layer_names(family)
-        mods = {
-            gguf_names.hf_name(n, names).rpartition(".")[0]: t
-            for n, t in floats.items()
-        }
+        mods = {rename(n).rpartition(".")[0]: t for n, t in floats.items() if rename(n)}
         config[gguf_kquant.CONFIG_KEY] = mods
     tokenizer = None
     if load_tokenizer:
