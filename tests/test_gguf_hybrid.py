@@ -109,8 +109,9 @@ def reorder_v_heads(x, axis, nk, r, hd):
     return np.swapaxes(t, axis, axis + 1).reshape(shape)
 
 
-def qwen35_gguf_tensors(cfg: dict, hf: dict) -> dict:
-    """Hugging Face Qwen3.5 tensors -> llama.cpp's, as the converter writes them."""
+def qwen35_gguf_tensors(cfg: dict, hf: dict, fuse: bool = False) -> dict:
+    """Hugging Face Qwen3.5 tensors -> llama.cpp's, as the converter writes them
+    (`fuse`: its --fuse-gate-up-exps, ModelBase.modify_tensors's gate|up)."""
     nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     r, qk = nv // nk, 2 * nk * dk
@@ -157,6 +158,8 @@ def qwen35_gguf_tensors(cfg: dict, hf: dict) -> dict:
             out[f"blk.{i}.ssm_a"] = v
         elif rest.endswith("dt_bias"):  # ... renamed dt_proj.bias: ssm_dt.bias
             out[f"blk.{i}.ssm_dt.bias"] = v
+        elif rest.startswith("mlp.experts.gate_up_proj") and fuse:
+            out[f"blk.{i}.ffn_gate_up_exps.weight"] = v  # (E, 2F, D), gate first
         elif rest.startswith("mlp.experts.gate_up_proj"):  # Qwen2MoeModel: split
             F = v.shape[-2] // 2
             out[f"blk.{i}.ffn_gate_exps.weight"] = v[..., :F, :]
@@ -214,7 +217,7 @@ def _qwen35_case(tmp_path, moe: bool, qtype=None, **over):
     cfg = json.loads((folder / "config.json").read_text())
     hf = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
     arch = "qwen35moe" if moe else "qwen35"
-    tensors = qwen35_gguf_tensors(cfg, hf)
+    tensors = qwen35_gguf_tensors(cfg, hf, fuse=moe and qtype is None)
     path = write_gguf(
         tmp_path / f"{arch}.gguf", arch, qwen35_metadata(cfg, arch), tensors, qtype
     )
@@ -235,8 +238,6 @@ def test_llama_cpp_qwen35_gguf_reads_back_and_runs_as_the_hf_checkpoint(tmp_path
         assert config[k] == cfg[k], (k, config[k], cfg[k])
     src = read_source(str(folder))
     want = qwen3_5.canonical(cfg, dict(src.weights))
-    if moe:  # mlx-lm's own sanitize splits Hugging Face's fused experts
-        want = {k: v for k, v in want.items()}
     assert sorted(weights) == sorted(want), sorted(set(weights) ^ set(want))
     for k, v in want.items():
         got, ref = np.array(weights[k]), np.array(v)
