@@ -229,7 +229,8 @@ def test_every_known_pre_tokenizer_builds_and_round_trips(pre):
     assert tok.encode("x<|im_end|>", add_special_tokens=False).ids[-1] == 2, pre
     # llama.cpp adds BOS by default for the Llama 3 pre-tokenizers only.
     bos_first = tok.encode("x").ids[0] == 1
-    assert bos_first == (pre in ("llama3", "llama-v3", "llama-bpe", "falcon3")), pre
+    llama3 = ("llama3", "llama-v3", "llama-bpe", "falcon3", "lfm2")
+    assert bos_first == (pre in llama3), pre
 
 
 def test_unknown_pre_tokenizer_is_refused():
@@ -539,9 +540,13 @@ def test_gguf_families_come_from_each_arch_declaration():
     got = {a: mt for a, (mt, _) in gguf_names.families().items()}
     want = {
         "gemma3": "gemma3_text",
+        "lfm2": "lfm2",
+        "lfm2moe": "lfm2_moe",
         "llama": "llama",
         "qwen2": "qwen2",
         "qwen3": "qwen3",
+        "qwen35": "qwen3_5",  # its reader makes a file with experts qwen3_5_moe
+        "qwen35moe": "qwen3_5",
         "qwen3moe": "qwen3_moe",
     }
     assert got == want, got
