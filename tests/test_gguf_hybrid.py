@@ -115,8 +115,10 @@ def qwen35_gguf_tensors(cfg: dict, hf: dict, fuse: bool = False) -> dict:
     nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     r, qk = nv // nk, 2 * nk * dk
+    # Qwen3.5's converter classes only (Qwen3NextModel has no reorder).
+    reorder = nk != nv and cfg["model_type"].startswith("qwen3_5")
     L = cfg["num_hidden_layers"]
-    out = {}
+    out, experts = {}, {}
     for k, v in hf.items():
         v = np.array(v)
         if k.startswith("model.visual"):  # the vision tower: the mmproj file's
@@ -128,7 +130,7 @@ def qwen35_gguf_tensors(cfg: dict, hf: dict, fuse: bool = False) -> dict:
         # Qwen3NextModel.modify_tensors: 1 + w norms stored as the gain.
         if k.endswith("norm.weight") and not k.endswith("linear_attn.norm.weight"):
             v = v + 1.0
-        if nk != nv and ".linear_attn." in k:  # _LinearAttentionVReorderBase
+        if reorder and ".linear_attn." in k:  # _LinearAttentionVReorderBase
             if ".in_proj_qkv." in k:
                 v = np.concatenate([v[:qk], reorder_v_heads(v[qk:], 0, nk, r, dv)])
             elif ".in_proj_z." in k:
@@ -142,6 +144,14 @@ def qwen35_gguf_tensors(cfg: dict, hf: dict, fuse: bool = False) -> dict:
                 v = np.concatenate([v[:qk], reorder_v_heads(v[qk:], 0, nk, r, dv)])
             elif ".out_proj." in k:
                 v = reorder_v_heads(v, 1, nk, r, dv)
+        if ".in_proj_qkvz." in k:  # Qwen3NextModel.modify_tensors: per key
+            per = v.reshape(nk, 2 * dk + 2 * r * dv, -1)  # head [q k v z] -> all
+            q, k_, v_, z = np.split(per, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+            i = k.split(".")[2]
+            qkv = [x.reshape(-1, v.shape[-1]) for x in (q, k_, v_)]
+            out[f"blk.{i}.attn_qkv.weight"] = np.concatenate(qkv)
+            out[f"blk.{i}.attn_gate.weight"] = z.reshape(-1, v.shape[-1])
+            continue
         if k.endswith(".A_log"):  # Qwen3NextModel.modify_tensors: -exp
             v = -np.exp(v)
         elif "conv1d" in k:  # ... squeeze: (C, 1, K) -> (C, K)
@@ -166,16 +176,24 @@ def qwen35_gguf_tensors(cfg: dict, hf: dict, fuse: bool = False) -> dict:
             out[f"blk.{i}.ffn_up_exps.weight"] = v[..., F:, :]
         elif rest.startswith("mlp.experts.down_proj"):
             out[f"blk.{i}.ffn_down_exps.weight"] = v
+        elif rest.startswith("mlp.experts."):  # Qwen2MoeModel: stacked
+            _, _, e, proj, _ = rest.split(".")
+            experts.setdefault((i, proj), {})[int(e)] = v
+        elif rest.startswith("linear_attn.in_proj_ba."):  # as it is: ssm_ba
+            out[f"blk.{i}.ssm_ba.weight"] = v
         else:
             module, _, suffix = rest.rpartition(".")
             out[f"blk.{i}.{QWEN35_NAMES[module]}.{suffix}"] = v
+    for (i, proj), per in experts.items():
+        stem = proj.removesuffix("_proj")
+        out[f"blk.{i}.ffn_{stem}_exps.weight"] = np.stack([per[e] for e in sorted(per)])
     return out
 
 
 def qwen35_metadata(cfg: dict, arch: str) -> dict:
     """Qwen3NextModel.set_gguf_parameters (+ Qwen2MoeModel's, _QwenMtpMixin's,
     _Qwen35MRopeMixin's) for a one-block MTP head."""
-    rope = cfg["rope_parameters"]
+    rope = cfg.get("rope_parameters") or cfg  # Qwen3-Next's: top-level keys
     meta = tiny_metadata({**cfg, "rope_theta": rope["rope_theta"]}, arch=arch)
     a, h = arch, cfg["head_dim"]
     meta.update(
@@ -186,9 +204,6 @@ def qwen35_metadata(cfg: dict, arch: str) -> dict:
             f"{a}.attention.value_length": _u32(h),
             f"{a}.rope.freq_base": mx.array(rope["rope_theta"]),
             f"{a}.rope.dimension_count": _u32(int(h * rope["partial_rotary_factor"])),
-            f"{a}.rope.dimension_sections": mx.array(
-                rope["mrope_section"] + [0], dtype=mx.int32
-            ),
             f"{a}.ssm.conv_kernel": _u32(cfg["linear_conv_kernel_dim"]),
             f"{a}.ssm.state_size": _u32(cfg["linear_key_head_dim"]),
             f"{a}.ssm.group_count": _u32(cfg["linear_num_key_heads"]),
@@ -199,6 +214,9 @@ def qwen35_metadata(cfg: dict, arch: str) -> dict:
             f"{a}.full_attention_interval": _u32(cfg["full_attention_interval"]),
         }
     )
+    if "mrope_section" in rope:  # _Qwen35MRopeMixin
+        sections = rope["mrope_section"] + [0]
+        meta[f"{a}.rope.dimension_sections"] = mx.array(sections, dtype=mx.int32)
     if cfg.get("num_experts"):
         meta[f"{a}.expert_count"] = _u32(cfg["num_experts"])
         meta[f"{a}.expert_used_count"] = _u32(cfg["num_experts_per_tok"])
@@ -395,3 +413,36 @@ def test_llama_cpp_lfm2_q4_0_gguf_runs_as_stored_like_stock(tmp_path, name):
     r = compare(source, PROMPT, horizon=8, dtype=mx.float32)
     assert r["quantized"] and r["max_rel_logit_diff"] < tiny.f32_tol(), r
     assert r["greedy_match"] == 8, r
+
+
+# --- Qwen3-Next (qwen3next) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"], ids=["f32", "q8_0"])
+def test_llama_cpp_qwen3next_gguf_runs_as_the_hf_checkpoint(tmp_path, qtype):
+    """A float32 qwen3next file (in_proj_qkvz split into attn_qkv and
+    attn_gate, A = -exp(A_log), 1 + w norms, per-expert weights stacked, an MTP
+    block): in_proj_qkvz and in_proj_ba back bit for bit, and stock and
+    FlashNorm on the file match stock on the Hugging Face folder; a Q8_0 file
+    (in_proj_qkvz's rows moved back quantized) runs as stored like stock."""
+    import json
+
+    folder = tiny.make_qwen3_next(tmp_path / "hf", hf=True, seed=6)
+    cfg = json.loads((folder / "config.json").read_text())
+    hf = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    meta = qwen35_metadata(cfg, "qwen3next")
+    tensors = qwen35_gguf_tensors(cfg, hf)
+    path = write_gguf(tmp_path / "next.gguf", "qwen3next", meta, tensors, qtype)
+    if qtype:
+        r = compare(read_source(str(path)), PROMPT, horizon=8, dtype=mx.float32)
+        assert r["quantized"] and r["max_rel_logit_diff"] < tiny.f32_tol(), r
+        assert r["greedy_match"] == 8, r
+        return
+    config, weights, _ = read_gguf(path, load_tokenizer=False)
+    assert config["model_type"] == "qwen3_next", config
+    assert config["mlp_only_layers"] == cfg["mlp_only_layers"], config
+    for name in ("in_proj_qkvz", "in_proj_ba"):
+        k = f"model.layers.0.linear_attn.{name}.weight"
+        assert np.array_equal(np.array(weights[k]), hf[k]), k
+    errs = _runs_as_the_folder(folder, path)
+    print(f"qwen3next: rel logit errors {errs}")
