@@ -227,9 +227,9 @@ def test_every_known_pre_tokenizer_builds_and_round_trips(pre):
         ids = tok.encode(text, add_special_tokens=False).ids
         assert tok.decode(ids, skip_special_tokens=False) == text, (pre, text, ids)
     assert tok.encode("x<|im_end|>", add_special_tokens=False).ids[-1] == 2, pre
-    # llama.cpp adds BOS by default for the Llama 3 pre-tokenizers only.
+    # llama.cpp adds BOS by default for the Llama 3 pre-tokenizers (and tekken).
     bos_first = tok.encode("x").ids[0] == 1
-    llama3 = ("llama3", "llama-v3", "llama-bpe", "falcon3", "lfm2")
+    llama3 = ("llama3", "llama-v3", "llama-bpe", "falcon3", "lfm2", "tekken")
     assert bos_first == (pre in llama3), pre
 
 
@@ -534,7 +534,8 @@ def test_quantized_gguf_runs_as_stored_like_stock(tmp_path, qtype):
 def test_gguf_families_come_from_each_arch_declaration():
     """llama.cpp's architecture -> the family whose ARCH.gguf declares it; a
     family deriving from Llama's ARCH (mixtral, gpt_oss, smollm3) must not
-    take Llama's files by inheritance, and only qwen3moe's MoE has GGUF names."""
+    take Llama's files by inheritance, and only qwen3moe's MoE has GGUF names
+    (the hybrid families' readers name their experts themselves)."""
     from flashnorm_mlx.loading import gguf_names
 
     got = {a: mt for a, (mt, _) in gguf_names.families().items()}
@@ -543,11 +544,13 @@ def test_gguf_families_come_from_each_arch_declaration():
         "lfm2": "lfm2",
         "lfm2moe": "lfm2_moe",
         "llama": "llama",
+        "mistral3": "ministral3",  # its reader makes a file without YaRN mistral
         "qwen2": "qwen2",
         "qwen3": "qwen3",
         "qwen35": "qwen3_5",  # its reader makes a file with experts qwen3_5_moe
         "qwen35moe": "qwen3_5",
         "qwen3moe": "qwen3_moe",
+        "qwen3next": "qwen3_next",
     }
     assert got == want, got
     moe = gguf_names.families()["qwen3moe"][1].moe.gguf_names()

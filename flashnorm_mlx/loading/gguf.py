@@ -47,6 +47,11 @@ _QWEN35_RE = (  # Qwen2's with marks (\p{M}) in words
     r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_TEKKEN_RE = (  # Mistral's: words split at case changes
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT_RES = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"]
 _DIGITS_THEN_GPT2 = [r"\p{N}", _GPT2_RE]
 # (tokenizer.ggml.pre names, regexes, ignore_merges, add_bos default), as llama.cpp
@@ -69,6 +74,7 @@ _PRE_GROUPS = [
     (("llama3", "llama-v3", "llama-bpe", "falcon3", "lfm2"), [_LLAMA3_RE], True, True),
     (("qwen2", "stablelm2", "megrez"), [_QWEN2_RE], False, False),
     (("qwen35",), [_QWEN35_RE], False, False),
+    (("tekken",), [_TEKKEN_RE], True, True),
     (("default",), _DEFAULT_RES, False, False),
 ]
 PRE_TOKENIZERS = {n: spec for names, *spec in _PRE_GROUPS for n in names}

@@ -43,7 +43,6 @@ ARCH = dataclasses.replace(
         qwen3_5.ARCH.mixers[0],
         Mixer("gated_deltanet", DELTANET, qwen3_5.ARCH.mixers[1].gated_norm),
     ),
-    cannot=(),
     # llama.cpp's qwen3next files: loading/gguf_qwen35.py.
     gguf=Gguf("qwen3next", "Qwen3NextForCausalLM", reader="gguf_qwen35"),
 )
