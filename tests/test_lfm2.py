@@ -437,10 +437,10 @@ LFM2_NAMES = {
 LFM2_EXPERTS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
-def lfm2_gguf_tensors(cfg: dict, hf: dict) -> dict:
+def lfm2_gguf_tensors(cfg: dict, hf: dict, fuse: bool = False) -> dict:
     """Hugging Face LFM2 (-MoE) tensors -> llama.cpp's, as the converter writes
     them (LFM2Model / LFM2MoeModel.modify_tensors: the conv squeezed, the
-    experts stacked, expert_bias as exp_probs_b.bias)."""
+    experts stacked, expert_bias as exp_probs_b.bias; `fuse`: --fuse-qkv)."""
     out, experts = {}, {}
     for k, v in hf.items():
         v = np.array(v)
@@ -464,6 +464,12 @@ def lfm2_gguf_tensors(cfg: dict, hf: dict) -> dict:
     for (i, name), per in experts.items():
         stacked = np.stack([per[e] for e in range(len(per))])
         out[f"blk.{i}.{LFM2_EXPERTS[name]}.weight"] = stacked
+    for i in range(cfg["num_hidden_layers"] if fuse else 0):  # --fuse-qkv
+        names = [f"blk.{i}.attn_{x}.weight" for x in "qkv"]
+        if names[0] in out:
+            out[f"blk.{i}.attn_qkv.weight"] = np.concatenate(
+                [out.pop(n) for n in names]
+            )
     return out
 
 
@@ -503,7 +509,7 @@ def _lfm2_case(tmp_path, name: str, qtype=None, **over):
         tmp_path / f"{arch}.gguf",
         arch,
         lfm2_metadata(cfg, arch),
-        lfm2_gguf_tensors(cfg, hf),
+        lfm2_gguf_tensors(cfg, hf, fuse=moe and qtype is None),
         qtype,
     )
     return folder, cfg, path

@@ -430,7 +430,8 @@ def reorder_v_heads(x, axis, nk, r, hd):
 
 def qwen35_gguf_tensors(cfg: dict, hf: dict, fuse: bool = False) -> dict:
     """Hugging Face Qwen3.5 tensors -> llama.cpp's, as the converter writes them
-    (`fuse`: its --fuse-gate-up-exps, ModelBase.modify_tensors's gate|up)."""
+    (`fuse`: its --fuse-gate-up-exps and --fuse-qkv, ModelBase.modify_tensors's
+    gate|up and q|k|v)."""
     nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     r, qk = nv // nk, 2 * nk * dk
@@ -503,6 +504,12 @@ def qwen35_gguf_tensors(cfg: dict, hf: dict, fuse: bool = False) -> dict:
         else:
             module, _, suffix = rest.rpartition(".")
             out[f"blk.{i}.{QWEN35_NAMES[module]}.{suffix}"] = v
+    for i in range(L if fuse else 0):  # ModelBase.modify_tensors's --fuse-qkv
+        names = [f"blk.{i}.attn_{x}.weight" for x in "qkv"]
+        if names[0] in out:
+            out[f"blk.{i}.attn_qkv.weight"] = np.concatenate(
+                [out.pop(n) for n in names]
+            )
     for (i, proj), per in experts.items():
         stem = proj.removesuffix("_proj")
         out[f"blk.{i}.ffn_{stem}_exps.weight"] = np.stack([per[e] for e in sorted(per)])

@@ -5,7 +5,8 @@ What llama.cpp's converter (conversion/lfm2.py) does, each undone exactly:
 - `LFM2Model.modify_tensors` / `LFM2MoeModel.modify_tensors`: the short
   convolution's (C, 1, K) squeezed to (C, K): MLX's (C, K, 1); everything
   else renamed only (no Q/K permutation: llama.cpp runs LFM2's RoPE as NEOX,
-  Hugging Face's half-split), the final norm as `token_embd_norm`;
+  Hugging Face's half-split), the final norm as `token_embd_norm`; with
+  --fuse-qkv (`ModelBase.modify_tensors`) q|k|v rows in one `attn_qkv`;
 - `set_gguf_parameters`: the attention layers are those whose
   `head_count_kv` entry is not 0; the GLU's width is written adjusted
   (`_add_feed_forward_length`), so it is read with no adjustment;
@@ -33,6 +34,7 @@ _LAYER = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.out_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # --fuse-qkv's q|k|v rows: split below
     "attn_q_norm": "self_attn.q_layernorm",
     "attn_k_norm": "self_attn.k_layernorm",
     "shortconv.conv": "conv.conv",
@@ -101,6 +103,7 @@ def read(
             raise LoadError(f"{path}: unexpected tensor {name!r} for a {arch} GGUF")
         _check_type(name, value, raw, path)
         weights[ours] = value
+    weights = split_qkv(weights, config)
     weights = conv_layout(weights)
     _check_complete(weights, config, path, arch)
     return config, weights, rename
@@ -160,6 +163,20 @@ def lfm2_config(meta: dict, raw: dict, path: Path, arch: str) -> dict:
         routed_scaling_factor=scale or 1.0,
     )
     return config
+
+
+def split_qkv(weights: dict, config: dict) -> dict:
+    """The converter's --fuse-qkv `attn_qkv` (q|k|v rows) as q, k and v."""
+    h = config["hidden_size"] // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * h, config["num_key_value_heads"] * h
+    out = {}
+    for k, v in weights.items():
+        if ".self_attn.qkv_proj." in k:
+            for name, part in zip("qkv", mx.split(v, [q, q + kv])):
+                out[k.replace(".qkv_proj.", f".{name}_proj.")] = part
+        else:
+            out[k] = v
+    return out
 
 
 def conv_layout(weights: dict) -> dict:

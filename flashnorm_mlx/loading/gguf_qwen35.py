@@ -19,7 +19,9 @@ or column moves, exact on quantized rows too) or up to float32 rounding:
 - `_QwenMtpMixin`: the multi-token-prediction block appended as more blocks
   (`nextn_predict_layers`), dropped as mlx-lm drops `mtp.`;
 - `Qwen2MoeModel`: experts stacked (E, out, in), or gate|up in one
-  `ffn_gate_up_exps` (gate rows first); the shared expert's gate a row.
+  `ffn_gate_up_exps` (gate rows first); the shared expert's gate a row;
+- `ModelBase.modify_tensors` with --fuse-qkv: an attention layer's q|k|v rows
+  in one `attn_qkv`, split again.
 llama.cpp's qwen35moe graph renormalizes the top-k scores (its code, not the
 file, says so); Qwen3.5's interleaved MRoPE is plain RoPE on text positions.
 """
@@ -126,6 +128,7 @@ def read(
         if ours:
             _check_type(name, value, raw, path)
             weights[ours] = value
+    weights = split_qkv(weights, config, top)
     weights = split_gate_up(weights)
     weights = a_log(weights)
     weights = conv_layout(weights)
@@ -227,6 +230,27 @@ def qwen35_config(meta: dict, raw: dict, path: Path, arch: str) -> dict:
 
 
 # --- weight transforms (each dict -> dict) -----------------------------------
+
+
+def split_qkv(weights: dict, config: dict, top: str = "") -> dict:
+    """An attention layer's `attn_qkv` (the converter's --fuse-qkv: q|k|v rows,
+    q's per head [q | gate]) as q_proj, k_proj and v_proj; a DeltaNet layer's
+    attn_qkv is its in_proj_qkv."""
+    from ..models.qwen3_5 import layer_kind
+
+    h, kv = config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    q = 2 * config["num_attention_heads"] * h
+    out = dict(weights)
+    for i in range(config["num_hidden_layers"]):
+        if layer_kind(config, i) != "gated_attention":
+            continue
+        p = f"{top}model.layers.{i}"
+        for suffix in ("weight", "scales", "biases"):
+            qkv = out.pop(f"{p}.linear_attn.in_proj_qkv.{suffix}", None)
+            if qkv is not None:
+                for name, part in zip("qkv", mx.split(qkv, [q, q + kv])):
+                    out[f"{p}.self_attn.{name}_proj.{suffix}"] = part
+    return out
 
 
 def split_gate_up(weights: dict) -> dict:
