@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from ..errors import LoadError
 from ..models.arch import Architecture
+from .gguf import check_type, meta_f32, meta_required, meta_value
 
 _LAYER = {
     "attn_norm": "operator_norm",
@@ -59,25 +60,10 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(.+)\.(\w+)")
 SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 
-def _scalar(meta: dict, key: str, default=None):
-    v = meta.get(key, default)
-    if isinstance(v, mx.array):
-        return v.item() if v.ndim == 0 else v.tolist()
-    return v
-
-
-def _need(meta: dict, key: str, path: Path):
-    v = _scalar(meta, key)
-    if v is None:
-        raise LoadError(f"{path}: GGUF metadata has no {key}")
-    return v
-
-
 def read(
     meta: dict, raw: Dict[str, mx.array], path: Path, arch: str, family: Architecture
 ) -> Tuple[dict, Dict[str, mx.array], Callable[[str], Optional[str]]]:
     """(config, weights under mlx-lm's names, GGUF name -> our name)."""
-    from .gguf import _check_type
 
     config = lfm2_config(meta, raw, path, arch)
     layer_names = {**_LAYER, **{k: f"feed_forward.{v}" for k, v in _GLU[arch].items()}}
@@ -101,7 +87,7 @@ def read(
         ours = rename(name)
         if ours is None:
             raise LoadError(f"{path}: unexpected tensor {name!r} for a {arch} GGUF")
-        _check_type(name, value, raw, path)
+        check_type(name, value, raw, path)
         weights[ours] = value
     weights = split_qkv(weights, config)
     weights = conv_layout(weights)
@@ -111,20 +97,19 @@ def read(
 
 def lfm2_config(meta: dict, raw: dict, path: Path, arch: str) -> dict:
     """mlx-lm's lfm2 (or lfm2_moe) config of the file."""
-    from .gguf import _f32
 
     a = arch
     if "output.weight" in raw:  # mlx-lm's class reads its head from the embedding
         raise LoadError(f"{path}: an {a} GGUF with its own output head is not run")
-    if int(_scalar(meta, f"{a}.attention.sliding_window", 0) or 0):
+    if int(meta_value(meta, f"{a}.attention.sliding_window", 0) or 0):
         raise LoadError(f"{path}: {a} with a sliding window is not in mlx-lm's {a}")
-    layers = int(_need(meta, f"{a}.block_count", path))
-    heads = int(_need(meta, f"{a}.attention.head_count", path))
-    kv = _need(meta, f"{a}.attention.head_count_kv", path)
+    layers = int(meta_required(meta, f"{a}.block_count", path))
+    heads = int(meta_required(meta, f"{a}.attention.head_count", path))
+    kv = meta_required(meta, f"{a}.attention.head_count_kv", path)
     kv = kv if isinstance(kv, list) else [kv] * layers
     attention = [i for i, n in enumerate(kv) if n]
-    hidden = int(_need(meta, f"{a}.embedding_length", path))
-    ff = int(_need(meta, f"{a}.feed_forward_length", path))
+    hidden = int(meta_required(meta, f"{a}.embedding_length", path))
+    ff = int(meta_required(meta, f"{a}.feed_forward_length", path))
     config = {
         "model_type": "lfm2" if a == "lfm2" else "lfm2_moe",
         "vocab_size": int(raw["token_embd.weight"].shape[0]),
@@ -132,11 +117,13 @@ def lfm2_config(meta: dict, raw: dict, path: Path, arch: str) -> dict:
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": int(max(kv)),
-        "max_position_embeddings": int(_scalar(meta, f"{a}.context_length", 128000)),
-        "norm_eps": _f32(_need(meta, f"{a}.attention.layer_norm_rms_epsilon", path)),
+        "max_position_embeddings": int(meta_value(meta, f"{a}.context_length", 128000)),
+        "norm_eps": meta_f32(
+            meta_required(meta, f"{a}.attention.layer_norm_rms_epsilon", path)
+        ),
         "conv_bias": any(k.endswith("shortconv.in_proj.bias") for k in raw),
-        "conv_L_cache": int(_need(meta, f"{a}.shortconv.l_cache", path)),
-        "rope_theta": _f32(_scalar(meta, f"{a}.rope.freq_base", 1000000.0)),
+        "conv_L_cache": int(meta_required(meta, f"{a}.shortconv.l_cache", path)),
+        "rope_theta": meta_f32(meta_value(meta, f"{a}.rope.freq_base", 1000000.0)),
         "full_attn_idxs": attention,
     }
     if a == "lfm2":
@@ -148,16 +135,18 @@ def lfm2_config(meta: dict, raw: dict, path: Path, arch: str) -> dict:
             block_auto_adjust_ff_dim=False,
         )
         return config
-    gating = int(_scalar(meta, f"{a}.expert_gating_func", SIGMOID))
+    gating = int(meta_value(meta, f"{a}.expert_gating_func", SIGMOID))
     if gating != SIGMOID:
         raise LoadError(f"{path}: {a} expert gating {gating} is not LFM2-MoE's sigmoid")
-    scale = float(_scalar(meta, f"{a}.expert_weights_scale", 0.0) or 0.0)
+    scale = float(meta_value(meta, f"{a}.expert_weights_scale", 0.0) or 0.0)
     config.update(
         intermediate_size=ff,
-        moe_intermediate_size=int(_need(meta, f"{a}.expert_feed_forward_length", path)),
-        num_experts=int(_need(meta, f"{a}.expert_count", path)),
-        num_experts_per_tok=int(_need(meta, f"{a}.expert_used_count", path)),
-        num_dense_layers=int(_scalar(meta, f"{a}.leading_dense_block_count", 0)),
+        moe_intermediate_size=int(
+            meta_required(meta, f"{a}.expert_feed_forward_length", path)
+        ),
+        num_experts=int(meta_required(meta, f"{a}.expert_count", path)),
+        num_experts_per_tok=int(meta_required(meta, f"{a}.expert_used_count", path)),
+        num_dense_layers=int(meta_value(meta, f"{a}.leading_dense_block_count", 0)),
         use_expert_bias=any(k.endswith("exp_probs_b.bias") for k in raw),
         norm_topk_prob=True,  # llama.cpp's graph renormalizes (build_moe_ffn)
         routed_scaling_factor=scale or 1.0,

@@ -20,6 +20,7 @@ import mlx.core as mx
 from ..errors import LoadError
 from ..models.arch import Architecture
 from . import gguf_names
+from .gguf import gguf_config, hf_weights, meta_f32, meta_value
 
 _KEEP = (  # mlx-lm's ministral3 ModelArgs fields, beside rope_parameters
     "hidden_size",
@@ -41,19 +42,18 @@ def read(
     meta: dict, raw: Dict[str, mx.array], path: Path, arch: str, family: Architecture
 ) -> Tuple[dict, Dict[str, mx.array], Callable[[str], Optional[str]]]:
     """(config, weights under Hugging Face's names, GGUF name -> our name)."""
-    from .gguf import _f32, _value, gguf_config, hf_weights
 
     a = arch
-    if int(_value(meta, f"{a}.attention.sliding_window", 0) or 0):
+    if int(meta_value(meta, f"{a}.attention.sliding_window", 0) or 0):
         raise LoadError(f"{path}: a {a} file with a sliding window is not read")
     for key in ("yarn_attn_factor", "attn_factor", "yarn_ext_factor"):
-        v = _value(meta, f"{a}.rope.scaling.{key}")
+        v = meta_value(meta, f"{a}.rope.scaling.{key}")
         if v is not None and float(v) != 1.0:
             raise LoadError(
                 f"{path}: rope.scaling.{key} {v} is not in mlx-lm's ministral3"
             )
     base = gguf_config(meta, raw, path, a, "ministral3", family)
-    beta = _value(meta, f"{a}.attention.temperature_scale")
+    beta = meta_value(meta, f"{a}.attention.temperature_scale")
     yarn = (base.get("rope_scaling") or {}).get("type") == "yarn"
     config = {k: base[k] for k in _KEEP if k in base}
     if not yarn and beta is None:  # Mistral Small 3.1's text model: Llama's
@@ -68,15 +68,19 @@ def read(
             "rope_theta": base["rope_theta"],
             "factor": base["rope_scaling"]["factor"],
             "original_max_position_embeddings": int(
-                _value(meta, f"{a}.rope.scaling.original_context_length")
+                meta_value(meta, f"{a}.rope.scaling.original_context_length")
             ),
-            "beta_fast": _f32(_value(meta, f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
-            "beta_slow": _f32(_value(meta, f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+            "beta_fast": meta_f32(
+                meta_value(meta, f"{a}.rope.scaling.yarn_beta_fast", 32.0)
+            ),
+            "beta_slow": meta_f32(
+                meta_value(meta, f"{a}.rope.scaling.yarn_beta_slow", 1.0)
+            ),
             "mscale": 1.0,  # not in the file; llama.cpp assumes 1
-            "mscale_all_dim": _f32(
-                _value(meta, f"{a}.rope.scaling.yarn_log_multiplier", 0.0)
+            "mscale_all_dim": meta_f32(
+                meta_value(meta, f"{a}.rope.scaling.yarn_log_multiplier", 0.0)
             ),
-            "llama_4_scaling_beta": _f32(beta or 0.0),
+            "llama_4_scaling_beta": meta_f32(beta or 0.0),
         }
     config["architectures"] = [family.gguf.hf]
     config["num_hidden_layers"] = base["num_hidden_layers"]

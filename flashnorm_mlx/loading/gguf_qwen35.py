@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from ..errors import LoadError
 from ..models.arch import Architecture
+from .gguf import check_type, meta_f32, meta_required, meta_value
 
 PREFIX = "language_model."  # mlx-lm's Qwen3.5 module path of the text model
 _LAYER = {
@@ -72,25 +73,10 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 GROUP = 32  # GGUF's quantization groups, along a row
 
 
-def _scalar(meta: dict, key: str, default=None):
-    v = meta.get(key, default)
-    if isinstance(v, mx.array):
-        return v.item() if v.ndim == 0 else v.tolist()
-    return v
-
-
-def _need(meta: dict, key: str, path: Path):
-    v = _scalar(meta, key)
-    if v is None:
-        raise LoadError(f"{path}: GGUF metadata has no {key}")
-    return v
-
-
 def read(
     meta: dict, raw: Dict[str, mx.array], path: Path, arch: str, family: Architecture
 ) -> Tuple[dict, Dict[str, mx.array], Callable[[str], Optional[str]]]:
     """(config, weights under mlx-lm's names, GGUF name -> our name)."""
-    from .gguf import _check_type  # gguf.py imports this module lazily
 
     config = qwen35_config(meta, raw, path, arch)
     next_ = arch == "qwen3next"
@@ -126,7 +112,7 @@ def read(
         if ours is None:
             raise LoadError(f"{path}: unexpected tensor {name!r} for a {arch} GGUF")
         if ours:
-            _check_type(name, value, raw, path)
+            check_type(name, value, raw, path)
             weights[ours] = value
     weights = split_qkv(weights, config, top)
     weights = split_gate_up(weights)
@@ -145,21 +131,20 @@ def read(
 
 def qwen35_config(meta: dict, raw: dict, path: Path, arch: str) -> dict:
     """mlx-lm's flat text config of the file (qwen3_5, qwen3_5_moe or qwen3_next)."""
-    from .gguf import _f32
 
     a = arch
-    block_count = int(_need(meta, f"{a}.block_count", path))
-    layers = block_count - int(_scalar(meta, f"{a}.nextn_predict_layers", 0) or 0)
-    heads = int(_need(meta, f"{a}.attention.head_count", path))
-    hidden = int(_need(meta, f"{a}.embedding_length", path))
-    head_dim = int(_scalar(meta, f"{a}.attention.key_length", 0) or hidden // heads)
-    v_heads = int(_need(meta, f"{a}.ssm.time_step_rank", path))
-    rope_dim = int(_scalar(meta, f"{a}.rope.dimension_count", head_dim))
-    kind = _scalar(meta, f"{a}.rope.scaling.type", "none")
+    block_count = int(meta_required(meta, f"{a}.block_count", path))
+    layers = block_count - int(meta_value(meta, f"{a}.nextn_predict_layers", 0) or 0)
+    heads = int(meta_required(meta, f"{a}.attention.head_count", path))
+    hidden = int(meta_required(meta, f"{a}.embedding_length", path))
+    head_dim = int(meta_value(meta, f"{a}.attention.key_length", 0) or hidden // heads)
+    v_heads = int(meta_required(meta, f"{a}.ssm.time_step_rank", path))
+    rope_dim = int(meta_value(meta, f"{a}.rope.dimension_count", head_dim))
+    kind = meta_value(meta, f"{a}.rope.scaling.type", "none")
     if kind not in ("none", None):
         raise LoadError(f"{path}: {a} with RoPE scaling {kind!r} is not supported")
-    interval = int(_scalar(meta, f"{a}.full_attention_interval", 4))
-    recurrent = _scalar(meta, f"{a}.attention.recurrent_layers")
+    interval = int(meta_value(meta, f"{a}.full_attention_interval", 4))
+    recurrent = meta_value(meta, f"{a}.attention.recurrent_layers")
     if recurrent is not None:  # mlx-lm's layers attend every interval-th only
         want = [bool((i + 1) % interval) for i in range(layers)]
         if [bool(r) for r in recurrent[:layers]] != want:
@@ -167,42 +152,54 @@ def qwen35_config(meta: dict, raw: dict, path: Path, arch: str) -> dict:
                 f"{path}: its recurrent layers are not every layer but each "
                 f"{interval}th, the only pattern mlx-lm's {a} runs"
             )
-    experts = int(_scalar(meta, f"{a}.expert_count", 0) or 0)
+    experts = int(meta_value(meta, f"{a}.expert_count", 0) or 0)
     config = {
         "model_type": "qwen3_5_moe" if experts else "qwen3_5",
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "intermediate_size": int(_scalar(meta, f"{a}.feed_forward_length", 0) or 0),
         "num_attention_heads": heads,
         "num_key_value_heads": int(
-            _scalar(meta, f"{a}.attention.head_count_kv", heads)
+            meta_value(meta, f"{a}.attention.head_count_kv", heads)
         ),
         "head_dim": head_dim,
-        "rms_norm_eps": _f32(
-            _need(meta, f"{a}.attention.layer_norm_rms_epsilon", path)
+        "rms_norm_eps": meta_f32(
+            meta_required(meta, f"{a}.attention.layer_norm_rms_epsilon", path)
         ),
         "vocab_size": int(raw["token_embd.weight"].shape[0]),
-        "max_position_embeddings": int(_scalar(meta, f"{a}.context_length", 4096)),
-        "linear_num_key_heads": int(_need(meta, f"{a}.ssm.group_count", path)),
+        "max_position_embeddings": int(meta_value(meta, f"{a}.context_length", 4096)),
+        "linear_num_key_heads": int(meta_required(meta, f"{a}.ssm.group_count", path)),
         "linear_num_value_heads": v_heads,
-        "linear_key_head_dim": int(_need(meta, f"{a}.ssm.state_size", path)),
-        "linear_value_head_dim": int(_need(meta, f"{a}.ssm.inner_size", path))
+        "linear_key_head_dim": int(meta_required(meta, f"{a}.ssm.state_size", path)),
+        "linear_value_head_dim": int(meta_required(meta, f"{a}.ssm.inner_size", path))
         // v_heads,
-        "linear_conv_kernel_dim": int(_need(meta, f"{a}.ssm.conv_kernel", path)),
+        "linear_conv_kernel_dim": int(
+            meta_required(meta, f"{a}.ssm.conv_kernel", path)
+        ),
         "full_attention_interval": interval,
         "tie_word_embeddings": "output.weight" not in raw,
         "attention_bias": False,
     }
-    theta = _f32(_scalar(meta, f"{a}.rope.freq_base", 10000.0))
+    ff = int(meta_value(meta, f"{a}.feed_forward_length", 0) or 0)
+    if ff or not experts:  # an all-sparse file may have none: no dense layer reads it
+        config["intermediate_size"] = int(
+            meta_required(meta, f"{a}.feed_forward_length", path)
+        )
+    elif a == "qwen3next":  # a field mlx-lm's qwen3_next requires
+        config["intermediate_size"] = int(
+            meta_required(meta, f"{a}.expert_feed_forward_length", path)
+        )
+    theta = meta_f32(meta_value(meta, f"{a}.rope.freq_base", 10000.0))
     if experts:
         config.update(
             num_experts=experts,
-            num_experts_per_tok=int(_need(meta, f"{a}.expert_used_count", path)),
+            num_experts_per_tok=int(
+                meta_required(meta, f"{a}.expert_used_count", path)
+            ),
             moe_intermediate_size=int(
-                _need(meta, f"{a}.expert_feed_forward_length", path)
+                meta_required(meta, f"{a}.expert_feed_forward_length", path)
             ),
             shared_expert_intermediate_size=int(
-                _scalar(meta, f"{a}.expert_shared_feed_forward_length", 0) or 0
+                meta_value(meta, f"{a}.expert_shared_feed_forward_length", 0) or 0
             ),
             norm_topk_prob=True,  # llama.cpp's graph renormalizes
             decoder_sparse_step=1,
@@ -222,7 +219,7 @@ def qwen35_config(meta: dict, raw: dict, path: Path, arch: str) -> dict:
     else:
         rope = {"type": "default", "rope_theta": theta}
         rope["partial_rotary_factor"] = rope_dim / head_dim
-        sections = _scalar(meta, f"{a}.rope.dimension_sections")
+        sections = meta_value(meta, f"{a}.rope.dimension_sections")
         if sections:
             rope["mrope_section"] = [int(s) for s in sections[:3]]
         config["rope_parameters"] = rope
