@@ -456,3 +456,25 @@ def test_a_mistral3_file_with_a_sliding_window_is_one_line(tmp_path, capsys):
     assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "sliding window" in err, err
+
+
+def test_a_mistral3_file_without_yarn_is_a_plain_mistral(tmp_path):
+    """Mistral Small 3.1's text model converts to `mistral3` with neither YaRN
+    nor a temperature scale: read as Mistral (mlx-lm runs it as Llama), its
+    Q/K rows unpermuted, the same tensors as the Llama-layout file."""
+    from test_gguf import write_tiny_gguf
+
+    cfg = dict(tiny.LLAMA_BASE)
+    hf = tiny.llama_weights(cfg, seed=8)
+    llama = write_tiny_gguf(tmp_path / "llama.gguf", cfg, hf)
+    tensors, meta = mx.load(str(llama), return_metadata=True)
+    meta = {k.replace("llama.", "mistral3.", 1): v for k, v in meta.items()}
+    meta["general.architecture"] = "mistral3"
+    path = tmp_path / "mistral3.gguf"
+    mx.save_gguf(str(path), tensors, meta)
+    config, weights, _ = read_gguf(path, load_tokenizer=False)
+    assert config["model_type"] == "mistral" and "rope_parameters" not in config
+    _, want, _ = read_gguf(llama, load_tokenizer=False)
+    assert sorted(weights) == sorted(want)
+    for k, v in want.items():
+        assert mx.array_equal(weights[k], v).item(), k
