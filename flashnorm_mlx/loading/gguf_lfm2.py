@@ -64,7 +64,6 @@ def read(
     meta: dict, raw: Dict[str, mx.array], path: Path, arch: str, family: Architecture
 ) -> Tuple[dict, Dict[str, mx.array], Callable[[str], Optional[str]]]:
     """(config, weights under mlx-lm's names, GGUF name -> our name)."""
-
     config = lfm2_config(meta, raw, path, arch)
     layer_names = {**_LAYER, **{k: f"feed_forward.{v}" for k, v in _GLU[arch].items()}}
 

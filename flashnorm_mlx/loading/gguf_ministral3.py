@@ -42,7 +42,6 @@ def read(
     meta: dict, raw: Dict[str, mx.array], path: Path, arch: str, family: Architecture
 ) -> Tuple[dict, Dict[str, mx.array], Callable[[str], Optional[str]]]:
     """(config, weights under Hugging Face's names, GGUF name -> our name)."""
-
     a = arch
     if int(meta_value(meta, f"{a}.attention.sliding_window", 0) or 0):
         raise LoadError(f"{path}: a {a} file with a sliding window is not read")

@@ -77,7 +77,6 @@ def read(
     meta: dict, raw: Dict[str, mx.array], path: Path, arch: str, family: Architecture
 ) -> Tuple[dict, Dict[str, mx.array], Callable[[str], Optional[str]]]:
     """(config, weights under mlx-lm's names, GGUF name -> our name)."""
-
     config = qwen35_config(meta, raw, path, arch)
     next_ = arch == "qwen3next"
     top = "" if next_ else PREFIX
