@@ -227,9 +227,10 @@ def test_every_known_pre_tokenizer_builds_and_round_trips(pre):
         ids = tok.encode(text, add_special_tokens=False).ids
         assert tok.decode(ids, skip_special_tokens=False) == text, (pre, text, ids)
     assert tok.encode("x<|im_end|>", add_special_tokens=False).ids[-1] == 2, pre
-    # llama.cpp adds BOS by default for the Llama 3 pre-tokenizers only.
+    # llama.cpp adds BOS by default for the Llama 3 pre-tokenizers (and tekken).
     bos_first = tok.encode("x").ids[0] == 1
-    assert bos_first == (pre in ("llama3", "llama-v3", "llama-bpe", "falcon3")), pre
+    llama3 = ("llama3", "llama-v3", "llama-bpe", "falcon3", "lfm2", "tekken")
+    assert bos_first == (pre in llama3), pre
 
 
 def test_unknown_pre_tokenizer_is_refused():
@@ -512,6 +513,55 @@ def _quantized_gguf(src: Path, dst: Path, qtype) -> Path:
     return dst
 
 
+# --- the hybrid families' files (their tests: test_qwen3_5.py, test_lfm2.py,
+# test_ministral3.py), written as llama.cpp's converter writes them ---------
+
+
+def write_gguf(path, arch: str, meta: dict, tensors: dict, qtype=None):
+    """Tensors (GGUF names -> numpy) and metadata into a GGUF by the `gguf`
+    package (llama.cpp's own); with `qtype`, every 2-D or 3-D weight whose rows
+    split into 32-wide blocks in that type, the rest as the converter keeps
+    them (F32: norms, conv, A, biases)."""
+    import gguf
+
+    f32 = path.with_suffix(".f32.gguf")
+    mx.save_gguf(str(f32), {k: mx.array(v) for k, v in tensors.items()}, meta)
+    if qtype is None:
+        return f32
+    r = gguf.GGUFReader(str(f32))
+    w = gguf.GGUFWriter(str(path), arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        t = f.types
+        w.add_key_value(f.name, f.contents(), t[0], sub_type=t[1] if t[1:] else None)
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    for t in r.tensors:
+        data = np.array(t.data)
+        if data.ndim >= 2 and data.shape[-1] % 32 == 0 and "conv" not in t.name:
+            w.add_tensor(t.name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def gguf_runs_as_folder(folder, gguf_path, prompt):
+    """FlashNorm and stock on the GGUF against stock on the folder (float32)."""
+    ids = mx.array([prompt])
+    ref, _ = build_model(read_source(str(folder)), "stock", dtype=mx.float32)
+    want = ref(ids)
+    errs = {}
+    for mode in ("stock", "flashnorm"):
+        got, _ = build_model(read_source(str(gguf_path)), mode, dtype=mx.float32)
+        errs[mode] = (mx.abs(got(ids) - want).max() / mx.abs(want).max()).item()
+    assert max(errs.values()) < tiny.f32_tol(), errs
+    return errs
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_quantized_gguf_runs_as_stored_like_stock(tmp_path, qtype):
     """A llama.cpp-quantized GGUF (Q4_0, Q4_1, Q8_0): MLX reads affine triples,
@@ -533,16 +583,23 @@ def test_quantized_gguf_runs_as_stored_like_stock(tmp_path, qtype):
 def test_gguf_families_come_from_each_arch_declaration():
     """llama.cpp's architecture -> the family whose ARCH.gguf declares it; a
     family deriving from Llama's ARCH (mixtral, gpt_oss, smollm3) must not
-    take Llama's files by inheritance, and only qwen3moe's MoE has GGUF names."""
+    take Llama's files by inheritance, and only qwen3moe's MoE has GGUF names
+    (the hybrid families' readers name their experts themselves)."""
     from flashnorm_mlx.loading import gguf_names
 
     got = {a: mt for a, (mt, _) in gguf_names.families().items()}
     want = {
         "gemma3": "gemma3_text",
+        "lfm2": "lfm2",
+        "lfm2moe": "lfm2_moe",
         "llama": "llama",
+        "mistral3": "ministral3",  # its reader makes a file without YaRN mistral
         "qwen2": "qwen2",
         "qwen3": "qwen3",
+        "qwen35": "qwen3_5",  # its reader makes a file with experts qwen3_5_moe
+        "qwen35moe": "qwen3_5",
         "qwen3moe": "qwen3_moe",
+        "qwen3next": "qwen3_next",
     }
     assert got == want, got
     moe = gguf_names.families()["qwen3moe"][1].moe.gguf_names()

@@ -17,16 +17,19 @@ token's picks are compared with stock's at every step.
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
+from test_gguf import _u32, gguf_runs_as_folder, tiny_metadata, write_gguf
 
 from flashnorm_mlx import fold, kernels, speed
 from flashnorm_mlx.checkpoint import convert
 from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.errors import UnsupportedModel
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import lfm2, lfm2_moe
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
@@ -408,3 +411,131 @@ def test_load_peak_is_stocks(tmp_path, name, quantized):
     peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
     print(f"{name} load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+
+
+# --- LFM2 (lfm2, lfm2moe) ----------------------------------------------------------
+
+# Hugging Face module (under model.layers.i) -> llama.cpp's (gguf-py constants
+# MODEL_ARCH.LFM2 / LFM2MOE, tensor_mapping.py).
+LFM2_NAMES = {
+    "operator_norm": "attn_norm",
+    "ffn_norm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.out_proj": "attn_output",
+    "self_attn.q_layernorm": "attn_q_norm",
+    "self_attn.k_layernorm": "attn_k_norm",
+    "conv.conv": "shortconv.conv",
+    "conv.in_proj": "shortconv.in_proj",
+    "conv.out_proj": "shortconv.out_proj",
+    "feed_forward.w1": "ffn_gate",
+    "feed_forward.w3": "ffn_up",
+    "feed_forward.w2": "ffn_down",
+    "feed_forward.gate": "ffn_gate_inp",
+}
+LFM2_EXPERTS = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def lfm2_gguf_tensors(cfg: dict, hf: dict, fuse: bool = False) -> dict:
+    """Hugging Face LFM2 (-MoE) tensors -> llama.cpp's, as the converter writes
+    them (LFM2Model / LFM2MoeModel.modify_tensors: the conv squeezed, the
+    experts stacked, expert_bias as exp_probs_b.bias; `fuse`: --fuse-qkv)."""
+    out, experts = {}, {}
+    for k, v in hf.items():
+        v = np.array(v)
+        if k == "model.embed_tokens.weight":
+            out["token_embd.weight"] = v
+            continue
+        if k == "model.embedding_norm.weight":
+            out["token_embd_norm.weight"] = v
+            continue
+        _, _, i, rest = k.split(".", 3)
+        if "conv.conv" in rest and v.ndim == 3:
+            v = v.squeeze(1)  # (C, 1, K) -> (C, K)
+        if rest == "feed_forward.expert_bias":
+            out[f"blk.{i}.exp_probs_b.bias"] = v
+        elif rest.startswith("feed_forward.experts."):
+            _, _, e, name, _ = rest.split(".")
+            experts.setdefault((i, name), {})[int(e)] = v
+        else:
+            module, _, suffix = rest.rpartition(".")
+            out[f"blk.{i}.{LFM2_NAMES[module]}.{suffix}"] = v
+    for (i, name), per in experts.items():
+        stacked = np.stack([per[e] for e in range(len(per))])
+        out[f"blk.{i}.{LFM2_EXPERTS[name]}.weight"] = stacked
+    for i in range(cfg["num_hidden_layers"] if fuse else 0):  # --fuse-qkv
+        names = [f"blk.{i}.attn_{x}.weight" for x in "qkv"]
+        if names[0] in out:
+            out[f"blk.{i}.attn_qkv.weight"] = np.concatenate(
+                [out.pop(n) for n in names]
+            )
+    return out
+
+
+def lfm2_metadata(cfg: dict, arch: str) -> dict:
+    """LFM2Model / LFM2MoeModel.set_gguf_parameters."""
+    moe = arch == "lfm2moe"
+    attends = [tiny.lfm2_attends(cfg, i) for i in range(cfg["num_hidden_layers"])]
+    ff = cfg["intermediate_size"] if moe else tiny._lfm2_ff_dim(cfg)
+    base = {**cfg, "rms_norm_eps": cfg["norm_eps"], "intermediate_size": ff}
+    meta = tiny_metadata(base, arch=arch)
+    kv = [cfg["num_key_value_heads"] if a else 0 for a in attends]
+    meta[f"{arch}.attention.head_count_kv"] = mx.array(kv, dtype=mx.uint32)
+    meta[f"{arch}.shortconv.l_cache"] = _u32(cfg["conv_L_cache"])
+    meta[f"{arch}.vocab_size"] = _u32(cfg["vocab_size"])
+    if moe:
+        meta[f"{arch}.expert_feed_forward_length"] = _u32(cfg["moe_intermediate_size"])
+        meta[f"{arch}.leading_dense_block_count"] = _u32(cfg["num_dense_layers"])
+        meta[f"{arch}.expert_gating_func"] = _u32(2)  # SIGMOID
+        meta[f"{arch}.expert_count"] = _u32(cfg["num_experts"])
+        meta[f"{arch}.expert_used_count"] = _u32(cfg["num_experts_per_tok"])
+    return meta
+
+
+def _lfm2_case(tmp_path, name: str, qtype=None, **over):
+    import json
+
+    moe = name.startswith("lfm2_moe")
+    if moe:  # what llama.cpp's graph runs: the file holds neither value
+        over = dict(norm_topk_prob=True, routed_scaling_factor=1.0, **over)
+        folder = tiny.make_lfm2_moe(tmp_path / "hf", name, seed=4, **over)
+    else:
+        folder = tiny.make_lfm2(tmp_path / "hf", name, seed=4, **over)
+    cfg = json.loads((folder / "config.json").read_text())
+    hf = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    arch = "lfm2moe" if moe else "lfm2"
+    path = write_gguf(
+        tmp_path / f"{arch}.gguf",
+        arch,
+        lfm2_metadata(cfg, arch),
+        lfm2_gguf_tensors(cfg, hf, fuse=moe and qtype is None),
+        qtype,
+    )
+    return folder, cfg, path
+
+
+@pytest.mark.parametrize("name", ["lfm2", "lfm2_bias", "lfm2_moe"])
+def test_llama_cpp_lfm2_gguf_runs_as_the_hf_checkpoint(tmp_path, name):
+    """Float32 lfm2 / lfm2moe files: the layer kinds from head_count_kv, the
+    conv's layout, the stacked experts; stock and FlashNorm on the file match
+    stock on the folder."""
+    folder, cfg, path = _lfm2_case(tmp_path, name)
+    config, weights, _ = read_gguf(path, load_tokenizer=False)
+    attends = [tiny.lfm2_attends(cfg, i) for i in range(cfg["num_hidden_layers"])]
+    assert config["full_attn_idxs"] == [i for i, a in enumerate(attends) if a]
+    conv = next(v for k, v in weights.items() if k.endswith("conv.conv.weight"))
+    assert conv.shape == (cfg["hidden_size"], cfg["conv_L_cache"], 1), conv.shape
+    errs = gguf_runs_as_folder(folder, path, PROMPT)
+    print(f"{name}: rel logit errors {errs}")
+
+
+@pytest.mark.parametrize("name", ["lfm2", "lfm2_moe"])
+def test_llama_cpp_lfm2_q4_0_gguf_runs_as_stored_like_stock(tmp_path, name):
+    """Q4_0 files run as stored: FlashNorm and stock agree, greedy tokens equal."""
+    _, _, path = _lfm2_case(tmp_path, name, "Q4_0")
+    source = read_source(str(path))
+    assert source.config["quantization"]["bits"] == 4, source.config
+    r = compare(source, PROMPT, horizon=8, dtype=mx.float32)
+    assert r["quantized"] and r["max_rel_logit_diff"] < tiny.f32_tol(), r
+    assert r["greedy_match"] == 8, r

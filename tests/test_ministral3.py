@@ -19,10 +19,12 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
+from test_gguf import _u32, gguf_runs_as_folder, tiny_metadata, write_gguf
 
 from flashnorm_mlx import mlx_lm_compat as compat
 from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import llama, ministral3
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
@@ -368,3 +370,111 @@ def test_a_bad_rope_parameters_is_one_line(tmp_path, edit, said, capsys):
     assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and said in err, err
+
+
+# --- Ministral 3 (mistral3) ----------------------------------------------------------
+
+
+def ministral3_gguf(tmp_path, cfg: dict, hf: dict, qtype=None, **meta_over):
+    """A mistral3 file as llama.cpp's converter writes it: LlamaModel's names
+    and Q/K permutation (test_gguf's copy of LlamaModel.permute), YaRN in the
+    metadata (TextModel.set_gguf_parameters) and Ministral3Model's
+    yarn_log_multiplier (mscale_all_dim) and temperature scale (beta)."""
+    from test_gguf import _gguf_name, llama_cpp_permute
+
+    rope = cfg["rope_parameters"]
+    meta = tiny_metadata({**cfg, "rope_theta": rope["rope_theta"]}, arch="mistral3")
+    a = "mistral3"
+    meta.update(
+        {
+            f"{a}.rope.scaling.type": "yarn",
+            f"{a}.rope.scaling.factor": mx.array(rope["factor"]),
+            f"{a}.rope.scaling.original_context_length": _u32(
+                rope["original_max_position_embeddings"]
+            ),
+            f"{a}.rope.scaling.yarn_beta_fast": mx.array(rope["beta_fast"]),
+            f"{a}.rope.scaling.yarn_beta_slow": mx.array(rope["beta_slow"]),
+            f"{a}.rope.scaling.yarn_log_multiplier": mx.array(rope["mscale_all_dim"]),
+            f"{a}.attention.temperature_scale": mx.array(rope["llama_4_scaling_beta"]),
+            **meta_over,
+        }
+    )
+    tensors = {}
+    for k, v in hf.items():
+        if "rotary_emb" in k:  # a buffer, no weight (TextModel.filter_tensors)
+            continue
+        v = np.array(v)
+        if ".q_proj." in k:
+            v = llama_cpp_permute(v, cfg["num_attention_heads"])
+        elif ".k_proj." in k:
+            v = llama_cpp_permute(v, cfg["num_key_value_heads"])
+        tensors[_gguf_name(k)] = v
+    return write_gguf(tmp_path / "mistral3.gguf", a, meta, tensors, qtype)
+
+
+@pytest.mark.parametrize("qtype", [None, "Q4_0"], ids=["f32", "q4_0"])
+def test_llama_cpp_mistral3_gguf_runs_as_the_ministral3_checkpoint(tmp_path, qtype):
+    """Float32: the same tensors (Q/K unpermuted), YaRN and Llama 4's query
+    scale from the metadata, stock and FlashNorm on the file as stock on the
+    folder past several scale changes; Q4_0: as stored, like stock."""
+    import json
+
+    folder = tiny.make_ministral3(tmp_path / "hf", seed=7)
+    cfg = json.loads((folder / "config.json").read_text())
+    hf = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    path = ministral3_gguf(tmp_path, cfg, hf, qtype)
+    if qtype:
+        r = compare(read_source(str(path)), PROMPT, horizon=12, dtype=mx.float32)
+        assert r["quantized"] and r["max_rel_logit_diff"] < tiny.f32_tol(), r
+        assert r["greedy_match"] == 12, r
+        return
+    config, weights, _ = read_gguf(path, load_tokenizer=False)
+    assert config["model_type"] == "ministral3", config
+    want = {k: v for k, v in cfg["rope_parameters"].items()}
+    got = {k: config["rope_parameters"].get(k) for k in want}
+    assert got == want, (got, want)
+    hf = {k: v for k, v in hf.items() if "rotary_emb" not in k}
+    assert sorted(weights) == sorted(hf)
+    for k, v in hf.items():
+        assert np.array_equal(np.array(weights[k]), v), k
+    errs = gguf_runs_as_folder(folder, path, PROMPT * 2)  # 24 > 2 * 8 positions
+    print(f"mistral3: rel logit errors {errs}")
+
+
+def test_a_mistral3_file_with_a_sliding_window_is_one_line(tmp_path, capsys):
+    """llama.cpp's converter writes no layer types: a window in the file is
+    refused in one line, exit 1, nothing run."""
+    from flashnorm_mlx.cli import main
+
+    folder = tiny.make_ministral3(tmp_path / "hf", seed=7, tokenizer=False)
+    import json
+
+    cfg = json.loads((folder / "config.json").read_text())
+    hf = dict(mx.load(str(folder / "model.safetensors")))
+    window = {"mistral3.attention.sliding_window": _u32(4)}
+    path = ministral3_gguf(tmp_path, cfg, hf, **window)
+    assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "sliding window" in err, err
+
+
+def test_a_mistral3_file_without_yarn_is_a_plain_mistral(tmp_path):
+    """Mistral Small 3.1's text model converts to `mistral3` with neither YaRN
+    nor a temperature scale: read as Mistral (mlx-lm runs it as Llama), its
+    Q/K rows unpermuted, the same tensors as the Llama-layout file."""
+    from test_gguf import write_tiny_gguf
+
+    cfg = dict(tiny.LLAMA_BASE)
+    hf = tiny.llama_weights(cfg, seed=8)
+    llama = write_tiny_gguf(tmp_path / "llama.gguf", cfg, hf)
+    tensors, meta = mx.load(str(llama), return_metadata=True)
+    meta = {k.replace("llama.", "mistral3.", 1): v for k, v in meta.items()}
+    meta["general.architecture"] = "mistral3"
+    path = tmp_path / "mistral3.gguf"
+    mx.save_gguf(str(path), tensors, meta)
+    config, weights, _ = read_gguf(path, load_tokenizer=False)
+    assert config["model_type"] == "mistral" and "rope_parameters" not in config
+    _, want, _ = read_gguf(llama, load_tokenizer=False)
+    assert sorted(weights) == sorted(want)
+    for k, v in want.items():
+        assert mx.array_equal(weights[k], v).item(), k

@@ -14,15 +14,18 @@ head, a dense layer between sparse ones, per-expert Hugging Face weights.
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
+from test_gguf import _u32, gguf_runs_as_folder, tiny_metadata, write_gguf
 
 from flashnorm_mlx import fold, kernels, models
 from flashnorm_mlx.checkpoint import convert
 from flashnorm_mlx.equivalence import compare
-from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.loading import LoadError, build_model, read_source
+from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import qwen3_5
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
@@ -383,3 +386,267 @@ def test_qwen3_next_in_proj_rows_follow_key_heads(tmp_path, monkeypatch):
     errs = {"reordered": rel(ours(x), ref(x)), "as stored": rel(wrong(x), ref(x))}
     print(errs)
     assert errs["reordered"] < tiny.f32_tol() < errs["as stored"] / 10, errs
+
+
+# --- Qwen3.5 (qwen35, qwen35moe) -------------------------------------------------
+
+# Hugging Face module (under model.layers.i) -> llama.cpp's tensor (gguf-py
+# constants MODEL_ARCH.QWEN35 / QWEN35MOE, tensor_mapping.py).
+QWEN35_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+
+
+def reorder_v_heads(x, axis, nk, r, hd):
+    """conversion/qwen.py `_LinearAttentionVReorderBase._reorder_v_heads`:
+    value heads grouped by key head -> tiled."""
+    axis %= x.ndim
+    shape = x.shape
+    t = x.reshape(*shape[:axis], nk, r, hd, *shape[axis + 1 :])
+    return np.swapaxes(t, axis, axis + 1).reshape(shape)
+
+
+def qwen35_gguf_tensors(cfg: dict, hf: dict, fuse: bool = False) -> dict:
+    """Hugging Face Qwen3.5 tensors -> llama.cpp's, as the converter writes them
+    (`fuse`: its --fuse-gate-up-exps and --fuse-qkv, ModelBase.modify_tensors's
+    gate|up and q|k|v)."""
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    r, qk = nv // nk, 2 * nk * dk
+    # Qwen3.5's converter classes only (Qwen3NextModel has no reorder).
+    reorder = nk != nv and cfg["model_type"].startswith("qwen3_5")
+    L = cfg["num_hidden_layers"]
+    out, experts = {}, {}
+    for k, v in hf.items():
+        v = np.array(v)
+        if k.startswith("model.visual"):  # the vision tower: the mmproj file's
+            continue
+        if k.startswith("mtp."):  # _QwenMtpMixin: one more block, never read
+            out[f"blk.{L}.nextn.eh_proj.weight"] = v
+            continue
+        k = k.replace("model.language_model.", "model.")
+        # Qwen3NextModel.modify_tensors: 1 + w norms stored as the gain.
+        if k.endswith("norm.weight") and not k.endswith("linear_attn.norm.weight"):
+            v = v + 1.0
+        if reorder and ".linear_attn." in k:  # _LinearAttentionVReorderBase
+            if ".in_proj_qkv." in k:
+                v = np.concatenate([v[:qk], reorder_v_heads(v[qk:], 0, nk, r, dv)])
+            elif ".in_proj_z." in k:
+                v = reorder_v_heads(v, 0, nk, r, dv)
+            elif ".in_proj_b." in k or ".in_proj_a." in k:
+                v = reorder_v_heads(v, 0, nk, r, 1)
+            elif k.endswith((".A_log", ".dt_bias")):
+                v = reorder_v_heads(v[:, None], 0, nk, r, 1)[:, 0]
+            elif ".conv1d." in k:
+                v = v.squeeze()
+                v = np.concatenate([v[:qk], reorder_v_heads(v[qk:], 0, nk, r, dv)])
+            elif ".out_proj." in k:
+                v = reorder_v_heads(v, 1, nk, r, dv)
+        if ".in_proj_qkvz." in k:  # Qwen3NextModel.modify_tensors: per key
+            per = v.reshape(nk, 2 * dk + 2 * r * dv, -1)  # head [q k v z] -> all
+            q, k_, v_, z = np.split(per, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+            i = k.split(".")[2]
+            qkv = [x.reshape(-1, v.shape[-1]) for x in (q, k_, v_)]
+            out[f"blk.{i}.attn_qkv.weight"] = np.concatenate(qkv)
+            out[f"blk.{i}.attn_gate.weight"] = z.reshape(-1, v.shape[-1])
+            continue
+        if k.endswith(".A_log"):  # Qwen3NextModel.modify_tensors: -exp
+            v = -np.exp(v)
+        elif "conv1d" in k:  # ... squeeze: (C, 1, K) -> (C, K)
+            v = v.squeeze()
+        if k == "lm_head.weight":
+            out["output.weight"] = v
+            continue
+        if k in ("model.embed_tokens.weight", "model.norm.weight"):
+            name = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}
+            out[f"{name[k.rpartition('.')[0]]}.weight"] = v
+            continue
+        _, _, i, rest = k.split(".", 3)
+        if rest.endswith("A_log"):
+            out[f"blk.{i}.ssm_a"] = v
+        elif rest.endswith("dt_bias"):  # ... renamed dt_proj.bias: ssm_dt.bias
+            out[f"blk.{i}.ssm_dt.bias"] = v
+        elif rest.startswith("mlp.experts.gate_up_proj") and fuse:
+            out[f"blk.{i}.ffn_gate_up_exps.weight"] = v  # (E, 2F, D), gate first
+        elif rest.startswith("mlp.experts.gate_up_proj"):  # Qwen2MoeModel: split
+            F = v.shape[-2] // 2
+            out[f"blk.{i}.ffn_gate_exps.weight"] = v[..., :F, :]
+            out[f"blk.{i}.ffn_up_exps.weight"] = v[..., F:, :]
+        elif rest.startswith("mlp.experts.down_proj"):
+            out[f"blk.{i}.ffn_down_exps.weight"] = v
+        elif rest.startswith("mlp.experts."):  # Qwen2MoeModel: stacked
+            _, _, e, proj, _ = rest.split(".")
+            experts.setdefault((i, proj), {})[int(e)] = v
+        elif rest.startswith("linear_attn.in_proj_ba."):  # as it is: ssm_ba
+            out[f"blk.{i}.ssm_ba.weight"] = v
+        else:
+            module, _, suffix = rest.rpartition(".")
+            out[f"blk.{i}.{QWEN35_NAMES[module]}.{suffix}"] = v
+    for i in range(L if fuse else 0):  # ModelBase.modify_tensors's --fuse-qkv
+        names = [f"blk.{i}.attn_{x}.weight" for x in "qkv"]
+        if names[0] in out:
+            out[f"blk.{i}.attn_qkv.weight"] = np.concatenate(
+                [out.pop(n) for n in names]
+            )
+    for (i, proj), per in experts.items():
+        stem = proj.removesuffix("_proj")
+        out[f"blk.{i}.ffn_{stem}_exps.weight"] = np.stack([per[e] for e in sorted(per)])
+    return out
+
+
+def qwen35_metadata(cfg: dict, arch: str) -> dict:
+    """Qwen3NextModel.set_gguf_parameters (+ Qwen2MoeModel's, _QwenMtpMixin's,
+    _Qwen35MRopeMixin's) for a one-block MTP head."""
+    rope = cfg.get("rope_parameters") or cfg  # Qwen3-Next's: top-level keys
+    meta = tiny_metadata({**cfg, "rope_theta": rope["rope_theta"]}, arch=arch)
+    a, h = arch, cfg["head_dim"]
+    meta.update(
+        {
+            f"{a}.block_count": _u32(cfg["num_hidden_layers"] + 1),
+            f"{a}.nextn_predict_layers": _u32(1),
+            f"{a}.attention.key_length": _u32(h),
+            f"{a}.attention.value_length": _u32(h),
+            f"{a}.rope.freq_base": mx.array(rope["rope_theta"]),
+            f"{a}.rope.dimension_count": _u32(int(h * rope["partial_rotary_factor"])),
+            f"{a}.ssm.conv_kernel": _u32(cfg["linear_conv_kernel_dim"]),
+            f"{a}.ssm.state_size": _u32(cfg["linear_key_head_dim"]),
+            f"{a}.ssm.group_count": _u32(cfg["linear_num_key_heads"]),
+            f"{a}.ssm.time_step_rank": _u32(cfg["linear_num_value_heads"]),
+            f"{a}.ssm.inner_size": _u32(
+                cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"]
+            ),
+            f"{a}.full_attention_interval": _u32(cfg["full_attention_interval"]),
+        }
+    )
+    if "mrope_section" in rope:  # _Qwen35MRopeMixin
+        sections = rope["mrope_section"] + [0]
+        meta[f"{a}.rope.dimension_sections"] = mx.array(sections, dtype=mx.int32)
+    if cfg.get("num_experts"):
+        meta[f"{a}.expert_count"] = _u32(cfg["num_experts"])
+        meta[f"{a}.expert_used_count"] = _u32(cfg["num_experts_per_tok"])
+        meta[f"{a}.expert_feed_forward_length"] = _u32(cfg["moe_intermediate_size"])
+        meta[f"{a}.expert_shared_feed_forward_length"] = _u32(
+            cfg["shared_expert_intermediate_size"]
+        )
+    return meta
+
+
+def _qwen35_case(tmp_path, moe: bool, qtype=None, **over):
+    import json
+
+    make = tiny.make_qwen3_5_moe if moe else tiny.make_qwen3_5
+    folder = make(tmp_path / "hf", hf=True, seed=3, **over)
+    cfg = json.loads((folder / "config.json").read_text())
+    hf = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    arch = "qwen35moe" if moe else "qwen35"
+    tensors = qwen35_gguf_tensors(cfg, hf, fuse=moe and qtype is None)
+    path = write_gguf(
+        tmp_path / f"{arch}.gguf", arch, qwen35_metadata(cfg, arch), tensors, qtype
+    )
+    return folder, cfg, path
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
+def test_llama_cpp_qwen35_gguf_reads_back_and_runs_as_the_hf_checkpoint(tmp_path, moe):
+    """Float32: mlx-lm's sanitized tensors back (A_log to float32 rounding,
+    the rest bit for bit, the value heads untiled), the MTP block dropped, and
+    stock and FlashNorm on the file match stock on the folder."""
+    from flashnorm_mlx.models import qwen3_5
+
+    folder, cfg, path = _qwen35_case(tmp_path, moe)
+    config, weights, _ = read_gguf(path, load_tokenizer=False)
+    assert config["model_type"] == ("qwen3_5_moe" if moe else "qwen3_5"), config
+    for k in ("num_hidden_layers", "linear_value_head_dim", "full_attention_interval"):
+        assert config[k] == cfg[k], (k, config[k], cfg[k])
+    src = read_source(str(folder))
+    want = qwen3_5.canonical(cfg, dict(src.weights))
+    assert sorted(weights) == sorted(want), sorted(set(weights) ^ set(want))
+    for k, v in want.items():
+        got, ref = np.array(weights[k]), np.array(v)
+        if k.endswith("A_log"):
+            assert np.allclose(got, ref, rtol=1e-6, atol=0), k
+        else:
+            assert np.array_equal(got, ref), f"{k} differs after reading"
+    errs = gguf_runs_as_folder(folder, path, PROMPT)
+    print(f"qwen35 moe={moe}: rel logit errors {errs}")
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
+def test_llama_cpp_qwen35_q8_0_gguf_runs_as_stored_like_stock(tmp_path, moe):
+    """A Q8_0 file (value heads 32 wide, so ssm_out's untiled columns move in
+    whole groups): FlashNorm and stock on it agree, greedy tokens equal."""
+    _, _, path = _qwen35_case(tmp_path, moe, "Q8_0", linear_value_head_dim=32)
+    source = read_source(str(path))
+    assert source.config["quantization"]["bits"] == 8, source.config
+    r = compare(source, PROMPT, horizon=8, dtype=mx.float32)
+    assert r["quantized"] and r["max_rel_logit_diff"] < tiny.f32_tol(), r
+    assert r["greedy_match"] == 8, r
+
+
+def test_a_quantized_qwen35_ssm_out_split_inside_groups_is_one_line(tmp_path, capsys):
+    """Value heads 16 wide: llama.cpp's tiled ssm_out columns cannot be moved
+    back inside 32-wide quantization groups: one line, exit 1."""
+    from flashnorm_mlx.cli import main
+
+    _, _, path = _qwen35_case(tmp_path, False, "Q8_0")
+    with pytest.raises(LoadError) as e:
+        read_gguf(path, load_tokenizer=False)
+    assert "ssm_out" in str(e.value) and "\n" not in str(e.value), e.value
+    assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "ssm_out" in err, err
+
+
+# --- Qwen3-Next (qwen3next) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"], ids=["f32", "q8_0"])
+def test_llama_cpp_qwen3next_gguf_runs_as_the_hf_checkpoint(tmp_path, qtype):
+    """A float32 qwen3next file (in_proj_qkvz split into attn_qkv and
+    attn_gate, A = -exp(A_log), 1 + w norms, per-expert weights stacked, an MTP
+    block): in_proj_qkvz and in_proj_ba back bit for bit, and stock and
+    FlashNorm on the file match stock on the Hugging Face folder; a Q8_0 file
+    (in_proj_qkvz's rows moved back quantized) runs as stored like stock."""
+    import json
+
+    folder = tiny.make_qwen3_next(tmp_path / "hf", hf=True, seed=6)
+    cfg = json.loads((folder / "config.json").read_text())
+    hf = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    meta = qwen35_metadata(cfg, "qwen3next")
+    tensors = qwen35_gguf_tensors(cfg, hf)
+    path = write_gguf(tmp_path / "next.gguf", "qwen3next", meta, tensors, qtype)
+    if qtype:
+        r = compare(read_source(str(path)), PROMPT, horizon=8, dtype=mx.float32)
+        assert r["quantized"] and r["max_rel_logit_diff"] < tiny.f32_tol(), r
+        assert r["greedy_match"] == 8, r
+        return
+    config, weights, _ = read_gguf(path, load_tokenizer=False)
+    assert config["model_type"] == "qwen3_next", config
+    assert config["mlp_only_layers"] == cfg["mlp_only_layers"], config
+    for name in ("in_proj_qkvz", "in_proj_ba"):
+        k = f"model.layers.0.linear_attn.{name}.weight"
+        assert np.array_equal(np.array(weights[k]), hf[k]), k
+    errs = gguf_runs_as_folder(folder, path, PROMPT)
+    print(f"qwen3next: rel logit errors {errs}")

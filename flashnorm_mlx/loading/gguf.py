@@ -2,6 +2,9 @@
 `ARCH.gguf` (models/arch.py) declares how: llama.cpp's architecture name, the
 layer names beyond Llama's, biases, Q/K permutation; a mixture-of-experts'
 names are on `ARCH.moe` (gguf_moe.py). Gemma 3's hyperparameters: gguf_gemma3.py.
+A family whose files need more (Qwen3.5, Qwen3-Next, LFM2, Ministral 3) names
+the module that reads them whole (`Gguf.reader`: gguf_qwen35.py, gguf_lfm2.py,
+gguf_ministral3.py; docs/design.md section 2n).
 
 `mx.load(path, return_metadata=True)` gives the tensors (Q4_0/Q4_1/Q8_0 as MLX
 affine group-32 triples `.weight/.scales/.biases`, F32/F16 as plain arrays)
@@ -16,6 +19,7 @@ we build what `source.Source` holds for a Hugging Face folder:
 - a fast tokenizer from the GGUF vocabulary, wrapped for mlx-lm.
 """
 
+import importlib
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -41,6 +45,16 @@ _LLAMA3_RE = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_RE = _LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")
+_QWEN35_RE = (  # Qwen2's with marks (\p{M}) in words
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+    r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_RE = (  # Mistral's: words split at case changes
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT_RES = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"]
 _DIGITS_THEN_GPT2 = [r"\p{N}", _GPT2_RE]
 # (tokenizer.ggml.pre names, regexes, ignore_merges, add_bos default), as llama.cpp
@@ -60,8 +74,10 @@ _PRE_GROUPS = [
         False,
     ),
     (("gpt-2", "phi-2", "mpt", "olmo", "jais"), [_GPT2_RE], False, False),
-    (("llama3", "llama-v3", "llama-bpe", "falcon3"), [_LLAMA3_RE], True, True),
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "lfm2"), [_LLAMA3_RE], True, True),
     (("qwen2", "stablelm2", "megrez"), [_QWEN2_RE], False, False),
+    (("qwen35",), [_QWEN35_RE], False, False),
+    (("tekken",), [_TEKKEN_RE], True, True),
     (("default",), _DEFAULT_RES, False, False),
 ]
 PRE_TOKENIZERS = {n: spec for names, *spec in _PRE_GROUPS for n in names}
@@ -91,13 +107,19 @@ def read_gguf(
             f"(flashnorm-mlx reads {', '.join(families)} GGUF files)"
         )
     model_type, family = families[arch]
+    names = gguf_names.layer_names(family)
+    rename = lambda n: gguf_names.hf_name(n, names)  # noqa: E731
     try:
-        config = gguf_config(meta, raw, path, arch, model_type, family)
-        if arch == "gemma3":
-            config = gguf_gemma3.gemma3_config(meta, config, path)
-        weights = hf_weights(raw, config, path, family)
-        if arch == "gemma3":
-            weights = gguf_gemma3.gemma3_weights(weights)
+        if family.gguf.reader:  # a hybrid family's own module reads it whole
+            reader = importlib.import_module(f".{family.gguf.reader}", __package__)
+            config, weights, rename = reader.read(meta, raw, path, arch, family)
+        else:
+            config = gguf_config(meta, raw, path, arch, model_type, family)
+            if arch == "gemma3":
+                config = gguf_gemma3.gemma3_config(meta, config, path)
+            weights = hf_weights(raw, config, path, family)
+            if arch == "gemma3":
+                weights = gguf_gemma3.gemma3_weights(weights)
     except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
         # Metadata of the wrong kind (a string where a count belongs, ...).
         raise LoadError(f"{path}: unusable GGUF metadata ({_first_line(e)})") from None
@@ -105,11 +127,7 @@ def read_gguf(
     if qblock:
         config["quantization"] = qblock
     if floats:
-        names = gguf_names.layer_names(family)
-        mods = {
-            gguf_names.hf_name(n, names).rpartition(".")[0]: t
-            for n, t in floats.items()
-        }
+        mods = {rename(n).rpartition(".")[0]: t for n, t in floats.items() if rename(n)}
         config[gguf_kquant.CONFIG_KEY] = mods
     tokenizer = None
     if load_tokenizer:
@@ -135,7 +153,7 @@ def _first_line(e: BaseException) -> str:
 # --- config ------------------------------------------------------------------
 
 
-def _value(meta: dict, key: str, default=None):
+def meta_value(meta: dict, key: str, default=None):
     """A metadata value as a Python scalar (MLX hands numbers back as 0-d arrays)."""
     v = meta.get(key, default)
     if isinstance(v, mx.array):
@@ -143,13 +161,13 @@ def _value(meta: dict, key: str, default=None):
     return v
 
 
-def _f32(v) -> float:
+def meta_f32(v) -> float:
     """A float32 metadata number as its shortest decimal (1e-05, not 9.99e-06)."""
     return float(str(np.float32(v)))
 
 
-def _required(meta: dict, key: str, path: Path):
-    v = _value(meta, key)
+def meta_required(meta: dict, key: str, path: Path):
+    v = meta_value(meta, key)
     if v is None:
         raise LoadError(f"{path}: GGUF metadata has no {key}")
     return v
@@ -166,35 +184,39 @@ def gguf_config(
     """A Hugging Face config.json dict from `<arch>.*` metadata."""
     a = arch
     moe = gguf_moe.moe_config(meta, a, path, family)  # {}: the file has no experts
-    n_heads = int(_required(meta, f"{a}.attention.head_count", path))
-    n_kv = int(_value(meta, f"{a}.attention.head_count_kv", n_heads))
-    hidden = int(_required(meta, f"{a}.embedding_length", path))
-    head_dim = int(_value(meta, f"{a}.attention.key_length", 0) or hidden // n_heads)
-    v_dim = int(_value(meta, f"{a}.attention.value_length", head_dim))
-    rope_dim = int(_value(meta, f"{a}.rope.dimension_count", head_dim))
+    n_heads = int(meta_required(meta, f"{a}.attention.head_count", path))
+    n_kv = int(meta_value(meta, f"{a}.attention.head_count_kv", n_heads))
+    hidden = int(meta_required(meta, f"{a}.embedding_length", path))
+    head_dim = int(
+        meta_value(meta, f"{a}.attention.key_length", 0) or hidden // n_heads
+    )
+    v_dim = int(meta_value(meta, f"{a}.attention.value_length", head_dim))
+    rope_dim = int(meta_value(meta, f"{a}.rope.dimension_count", head_dim))
     if v_dim != head_dim or rope_dim != head_dim:
         raise LoadError(
             f"{path}: key/value/rope widths {head_dim}/{v_dim}/{rope_dim} differ; "
             "only full-width RoPE with equal key and value heads is supported"
         )
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = len(tokens) if isinstance(tokens, list) else _value(meta, f"{a}.vocab_size")
+    vocab = (
+        len(tokens) if isinstance(tokens, list) else meta_value(meta, f"{a}.vocab_size")
+    )
     if "token_embd.weight" in tensors:  # the embedding rows are what the model needs
         vocab = tensors["token_embd.weight"].shape[0]
     config = {
         "model_type": model_type,
         "architectures": [family.gguf.hf],
         "hidden_size": hidden,
-        "num_hidden_layers": int(_required(meta, f"{a}.block_count", path)),
-        "intermediate_size": int(_required(meta, f"{a}.feed_forward_length", path)),
+        "num_hidden_layers": int(meta_required(meta, f"{a}.block_count", path)),
+        "intermediate_size": int(meta_required(meta, f"{a}.feed_forward_length", path)),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
-        "rms_norm_eps": _f32(
-            _required(meta, f"{a}.attention.layer_norm_rms_epsilon", path)
+        "rms_norm_eps": meta_f32(
+            meta_required(meta, f"{a}.attention.layer_norm_rms_epsilon", path)
         ),
-        "rope_theta": _f32(_value(meta, f"{a}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_value(meta, f"{a}.context_length", 2048)),
+        "rope_theta": meta_f32(meta_value(meta, f"{a}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta_value(meta, f"{a}.context_length", 2048)),
         "vocab_size": int(vocab),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
@@ -202,7 +224,7 @@ def gguf_config(
     }
     config.update(moe)
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
-        tid = _value(meta, f"tokenizer.ggml.{name}_token_id")
+        tid = meta_value(meta, f"tokenizer.ggml.{name}_token_id")
         if tid is not None:
             config[key] = int(tid)
     scaling = _rope_scaling(meta, tensors, config, path, a)
@@ -214,9 +236,9 @@ def gguf_config(
 def _rope_scaling(
     meta: dict, tensors: dict, config: dict, path: Path, a: str = "llama"
 ) -> Optional[dict]:
-    kind = _value(meta, f"{a}.rope.scaling.type", "none")
-    factor = float(_value(meta, f"{a}.rope.scaling.factor", 0.0) or 0.0)
-    original = _value(meta, f"{a}.rope.scaling.original_context_length")
+    kind = meta_value(meta, f"{a}.rope.scaling.type", "none")
+    factor = float(meta_value(meta, f"{a}.rope.scaling.factor", 0.0) or 0.0)
+    original = meta_value(meta, f"{a}.rope.scaling.original_context_length")
     if "rope_freqs.weight" in tensors:
         return llama3_scaling(tensors["rope_freqs.weight"], config, path)
     if kind in ("none", None) or factor in (0.0, 1.0):
@@ -259,7 +281,7 @@ def hf_weights(
             raise LoadError(
                 f"{path}: unexpected tensor {name!r} for a {config['model_type']} GGUF"
             )
-        _check_type(name, value, raw, path)
+        check_type(name, value, raw, path)
         if permuted and ".self_attn.q_proj." in hf:
             value = unpermute_rows(value, config["num_attention_heads"])
         elif permuted and ".self_attn.k_proj." in hf:
@@ -274,7 +296,7 @@ def hf_weights(
     return out
 
 
-def _check_type(name: str, value: mx.array, raw: dict, path: Path) -> None:
+def check_type(name: str, value: mx.array, raw: dict, path: Path) -> None:
     if mx.issubdtype(value.dtype, mx.floating):
         return
     stem = name.rpartition(".")[0]
@@ -323,7 +345,7 @@ def gguf_tokenizer(meta: dict, path: Path):
     tokens = meta["tokenizer.ggml.tokens"]
 
     def token(key):
-        tid = _value(meta, f"tokenizer.ggml.{key}_token_id")
+        tid = meta_value(meta, f"tokenizer.ggml.{key}_token_id")
         return (
             tokens[int(tid)]
             if tid is not None and 0 <= int(tid) < len(tokens)
@@ -341,9 +363,9 @@ def gguf_tokenizer(meta: dict, path: Path):
     )
     # End-of-turn tokens also end a reply (llama.cpp's eot/eom).
     eos = {
-        int(_value(meta, f"tokenizer.ggml.{k}_token_id"))
+        int(meta_value(meta, f"tokenizer.ggml.{k}_token_id"))
         for k in ("eos", "eot", "eom")
-        if _value(meta, f"tokenizer.ggml.{k}_token_id") is not None
+        if meta_value(meta, f"tokenizer.ggml.{k}_token_id") is not None
     }
     return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=sorted(eos))
 
@@ -371,7 +393,7 @@ def build_fast_tokenizer(meta: dict, path: Path):
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
-    _add_special_tokens(tok, tokens, _value(meta, "tokenizer.ggml.token_type"))
+    _add_special_tokens(tok, tokens, meta_value(meta, "tokenizer.ggml.token_type"))
     _add_bos_eos(tok, tokens, meta, add_bos_default)
     return tok
 
@@ -411,10 +433,10 @@ def _add_bos_eos(tok, tokens: List[str], meta: dict, add_bos_default: bool) -> N
     """BOS/EOS around every encoding where the file (or its pre-tokenizer) says."""
     from tokenizers import processors
 
-    bos_id = _value(meta, "tokenizer.ggml.bos_token_id")
-    eos_id = _value(meta, "tokenizer.ggml.eos_token_id")
-    add_bos = bool(_value(meta, "tokenizer.ggml.add_bos_token", add_bos_default))
-    add_eos = bool(_value(meta, "tokenizer.ggml.add_eos_token", False))
+    bos_id = meta_value(meta, "tokenizer.ggml.bos_token_id")
+    eos_id = meta_value(meta, "tokenizer.ggml.eos_token_id")
+    add_bos = bool(meta_value(meta, "tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(meta_value(meta, "tokenizer.ggml.add_eos_token", False))
     single, marks = "$A", []
     if add_bos and bos_id is not None:
         single = f"{tokens[bos_id]} {single}"

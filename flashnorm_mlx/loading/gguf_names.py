@@ -40,7 +40,8 @@ def families() -> Dict[str, Tuple[str, Architecture]]:
     for model_type in models.ARCHITECTURES:
         family = models.architecture({"model_type": model_type})
         if family.gguf is not None:
-            out.setdefault(family.gguf.arch, (model_type, family))
+            for arch in (family.gguf.arch, *family.gguf.also):
+                out.setdefault(arch, (model_type, family))
     return out
 
 

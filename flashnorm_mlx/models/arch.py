@@ -187,13 +187,18 @@ class Gguf:
     general.architecture, `hf` the Hugging Face architectures entry; `names`
     the layer tensors (GGUF name -> our module) the family adds to, or renames
     in, llama.cpp's Llama names; `biases` the modules whose bias every layer
-    has; `permuted`: llama.cpp permuted Q/K rows for interleaved RoPE (Llama)."""
+    has; `permuted`: llama.cpp permuted Q/K rows for interleaved RoPE (Llama).
+    A hybrid family's files are read whole by `reader`, a module of
+    flashnorm_mlx.loading (its `read`), and `also` names more llama.cpp
+    architectures that module reads (Qwen3.5's qwen35moe)."""
 
     arch: str
     hf: str
     names: Tuple[Tuple[str, str], ...] = ()
     biases: Tuple[str, ...] = ()
     permuted: bool = False
+    reader: str = ""
+    also: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from .. import kernels
 from ..kernels._common import prescaled
 from ..parallel import sharding
 from . import qwen3
-from .arch import Architecture, Mixer, NormPair
+from .arch import Architecture, Gguf, Mixer, NormPair
 from .decoder import MLP, Decoder, DecoderBlock, fuse_pairs
 
 ATTENTION = NormPair(
@@ -83,7 +83,6 @@ def make_arch(ffn: NormPair, **more) -> Architecture:
         mixers=(Mixer("attention", ATTENTION), Mixer("short_conv", CONV)),
         layer_kind=layer_kind,
         cannot=(
-            ("gguf", "llama.cpp's lfm2 files are not read yet"),
             (
                 "nonorm",
                 "mlx-lm's class always reads its head from the embedding, so the "
@@ -94,7 +93,8 @@ def make_arch(ffn: NormPair, **more) -> Architecture:
     )
 
 
-ARCH = make_arch(FFN)
+# llama.cpp's lfm2 files: loading/gguf_lfm2.py.
+ARCH = make_arch(FFN, gguf=Gguf("lfm2", "Lfm2ForCausalLM", reader="gguf_lfm2"))
 
 
 def canonical(config: dict, weights: dict) -> dict:

@@ -18,7 +18,7 @@ from mlx_lm.models import lfm2_moe
 
 from .. import kernels
 from . import lfm2
-from .arch import MoE, NormPair
+from .arch import Gguf, MoE, NormPair
 from .decoder import MLP
 from .moe import SparseMoE, fuse_experts
 
@@ -36,6 +36,8 @@ ARCH = lfm2.make_arch(
         per_expert="feed_forward.experts.{e}",
         router_quant=(8, 64),  # mlx-lm's LFM2-MoE quant_predicate
     ),
+    # llama.cpp's lfm2moe files: loading/gguf_lfm2.py.
+    gguf=Gguf("lfm2moe", "Lfm2MoeForCausalLM", reader="gguf_lfm2"),
 )
 # Hugging Face's names of the GLUs' linears -> mlx-lm's (its sanitize's test).
 _RENAMES = {

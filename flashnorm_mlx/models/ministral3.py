@@ -22,12 +22,15 @@ from mlx_lm.models.rope_utils import initialize_rope
 from .. import kernels
 from ..mlx_lm_compat import llama4_attn_scale
 from . import llama
+from .arch import Gguf
 
 # Llama's names, norms and head.
 ARCH = dataclasses.replace(
     llama.ARCH,
-    cannot=(("gguf", "llama.cpp's ministral3 files are not read yet"),),
-    gguf=None,  # not Llama's
+    # llama.cpp's mistral3 files (its LlamaModel's layout): gguf_ministral3.py.
+    gguf=Gguf(
+        "mistral3", "Ministral3ForCausalLM", permuted=True, reader="gguf_ministral3"
+    ),
 )
 
 

@@ -35,7 +35,7 @@ from .. import kernels
 from ..errors import UnsupportedModel
 from ..parallel import sharding
 from . import qwen3
-from .arch import Architecture, GatedNorm, Mixer, MoE, NormPair
+from .arch import Architecture, GatedNorm, Gguf, Mixer, MoE, NormPair
 from .decoder import Decoder, DecoderBlock, fuse, fuse_pairs
 from .gains import Gain
 from .moe import SharedExpertMoE, fuse_experts
@@ -100,7 +100,10 @@ ARCH = Architecture(
         shared_fused="mlp.shared_expert.gate_up_proj",
         shared_gate="mlp.shared_expert_gate",
     ),
-    cannot=(("gguf", "llama.cpp's qwen35 and qwen35moe files are not read yet"),),
+    # llama.cpp's qwen35 and qwen35moe files: loading/gguf_qwen35.py.
+    gguf=Gguf(
+        "qwen35", "Qwen3_5ForCausalLM", reader="gguf_qwen35", also=("qwen35moe",)
+    ),
 )
 
 # Hugging Face's norms that store w of a 1 + w gain (mlx-lm's sanitize adds 1).

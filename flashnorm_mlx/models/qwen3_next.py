@@ -24,7 +24,7 @@ from mlx_lm.models.qwen3_next import ModelArgs  # stock's config
 from ..errors import UnsupportedModel
 from ..parallel import sharding
 from . import qwen3_5
-from .arch import Mixer, NormPair
+from .arch import Gguf, Mixer, NormPair
 from .decoder import Decoder
 
 DELTANET = NormPair(
@@ -43,7 +43,8 @@ ARCH = dataclasses.replace(
         qwen3_5.ARCH.mixers[0],
         Mixer("gated_deltanet", DELTANET, qwen3_5.ARCH.mixers[1].gated_norm),
     ),
-    cannot=(("gguf", "llama.cpp's qwen3next files are not read yet"),),
+    # llama.cpp's qwen3next files: loading/gguf_qwen35.py.
+    gguf=Gguf("qwen3next", "Qwen3NextForCausalLM", reader="gguf_qwen35"),
 )
 
 
