@@ -609,3 +609,19 @@ def test_gemma4_gguf_what_mlx_lms_class_cannot_say_is_one_line(tmp_path, capsys)
     assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'gemma4'" in err, err
+
+
+def test_gemma4_gguf_without_layer_scales_runs_with_scalars_of_1(tmp_path):
+    """llama.cpp's graph skips a missing `layer_output_scale` (not required):
+    mlx-lm's class gets layer_scalar 1, and matches a folder of scalars 1."""
+
+    def no_scales(cfg, tensors):
+        for k in [k for k in tensors if "layer_output_scale" in k]:
+            del tensors[k]
+
+    folder, cfg, path = _gemma4_gguf(tmp_path, "gemma4_tied", edit=no_scales)
+    hf = dict(mx.load(str(folder / "model.safetensors")))
+    hf.update({k: mx.ones((1,)) for k in hf if k.endswith("layer_scalar")})
+    ref = tiny.write_model(tmp_path / "ones", cfg, hf, tokenizer=False)
+    errs = gemma4_gguf_errors(ref, path, horizon=2)
+    assert all(e < tiny.f32_tol() and s == 2 for e, s in errs.values()), errs

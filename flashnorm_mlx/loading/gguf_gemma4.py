@@ -115,6 +115,7 @@ def read(
     config = gemma4_config(meta, raw, weights, path, arch)
     weights = split_fused(weights, config)
     weights = drop_shared_kv(weights, config)
+    weights = unit_layer_scalars(weights, config)
     _check_complete(weights, config, path)
     return config, weights, rename
 
@@ -167,12 +168,11 @@ def gemma4_config(meta: dict, raw: dict, weights: dict, path: Path, arch: str) -
     if len(k_eq_v) > 1:
         raise LoadError(f"{path}: some global layers have a v projection, some not")
     k_eq_v = bool(k_eq_v and k_eq_v.pop())
-    kv_swa = {kv[i] for i in range(n) if types[i] == "sliding_attention"}
-    kv_full = {kv[i] for i in range(n) if types[i] == "full_attention"}
-    if len(kv_swa) > 1 or len(kv_full) > 1:
+    by_type = {t: {kv[i] for i in range(n) if types[i] == t} for t in set(types)}
+    if any(len(counts) > 1 for counts in by_type.values()):
         raise LoadError(f"{path}: head_count_kv differs between layers of one type")
-    kv_swa = kv_swa.pop() if kv_swa else kv_full.copy().pop()
-    kv_full = kv_full.pop() if kv_full else kv_swa
+    swa_kv = by_type.get("sliding_attention") or by_type["full_attention"]
+    kv_swa, kv_full = min(swa_kv), min(by_type.get("full_attention") or swa_kv)
     if kv_full != kv_swa and not k_eq_v:  # mlx-lm: only K = V layers have their own
         raise LoadError(
             f"{path}: global layers with {kv_full} KV heads, sliding ones {kv_swa}, "
@@ -303,6 +303,15 @@ def split_fused(weights: dict, config: dict) -> dict:
             out[k.replace(".gate_up_proj.", ".up_proj.")] = up
         else:
             out[k] = v
+    return out
+
+
+def unit_layer_scalars(weights: dict, config: dict) -> dict:
+    """A layer without `layer_output_scale` (llama.cpp's graph then scales by
+    nothing) gets mlx-lm's layer_scalar of 1, so its class loads strictly."""
+    out = dict(weights)
+    for i in range(config["num_hidden_layers"]):
+        out.setdefault(f"model.layers.{i}.layer_scalar", mx.ones((1,)))
     return out
 
 
