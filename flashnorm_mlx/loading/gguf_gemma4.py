@@ -22,9 +22,13 @@ quantized rows too) or read from where llama.cpp's code fixes it:
   uses k as v); KV-shared layers' k and v are dropped as mlx-lm's sanitize
   drops them; --fuse-qkv's `attn_qkv` is split again.
 llama.cpp's code, not the file: attention scale 1, softmax top-k routing
-renormalized, a KV-shared layer reuses the last (global) or second-to-last
+renormalized, a missing `layer_output_scale` skipped (a layer_scalar of 1
+here), a KV-shared layer reuses the last (global) or second-to-last
 (sliding) layer holding KV, which mlx-lm's "last of the same type" matches
-only where those two layers are a sliding then a global one (else refused).
+only where those two layers are a sliding then a global one. Refused in one
+line where mlx-lm's class cannot hold the file: that KV reuse otherwise,
+global KV heads of their own without K = V, a partly rotated sliding head,
+a `rope_freqs` not of proportional RoPE, experts in some layers only.
 """
 
 import re
