@@ -295,3 +295,333 @@ def test_variants_not_folded_yet_run_as_stock_with_one_note(
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and what in err[0] and "--mode stock" in err[0], err
+
+
+# =============================================================================
+# llama.cpp's gemma4 GGUF files (loading/gguf_gemma4.py; docs/design.md 2n),
+# written from a tiny Hugging Face checkpoint by the converter's own transforms
+# (conversion/gemma.py `Gemma4Model` and its bases, gguf-py's tensor_mapping.py
+# names) with the `gguf` package, read back and run against mlx-lm's class on
+# the folder. Until FlashNorm folds per-layer inputs, KV-shared and K = V
+# layers and the MoE block (section 2m), the default mode runs those as stock.
+# =============================================================================
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from flashnorm_mlx import models  # noqa: E402
+from flashnorm_mlx.errors import LoadError  # noqa: E402
+from flashnorm_mlx.loading.gguf import read_gguf  # noqa: E402
+
+# Hugging Face module under model.layers.i -> llama.cpp's (tensor_mapping.py
+# for MODEL_ARCH.GEMMA4's tensors; pre_feedforward_layernorm is FFN_PRE_NORM,
+# "ffn_norm").
+G4_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "pre_feedforward_layernorm_2": "pre_ffw_norm_2",
+    "post_feedforward_layernorm_1": "post_ffw_norm_1",
+    "post_feedforward_layernorm_2": "post_ffw_norm_2",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "router.proj": "ffn_gate_inp",
+    "per_layer_input_gate": "inp_gate",
+    "per_layer_projection": "proj",
+    "post_per_layer_input_norm": "post_norm",
+}
+G4_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+
+
+def gemma4_gguf_tensors(cfg: dict, hf: dict, fuse_qkv: bool = False) -> dict:
+    """Hugging Face Gemma 4 tensors -> llama.cpp's, as the converter writes
+    them: `Gemma4Model.norm_shift` 0 (norms as w), `filter_tensors` (layer_scalar
+    -> layer_output_scale.weight), `modify_tensors` (router.scale,
+    per_expert_scale -> ffn_gate_inp.scale, ffn_down_exps.scale),
+    experts.gate_up_proj as ffn_gate_up_exps, `generate_extra_tensors`'
+    rope_freqs, and with `fuse_qkv` `ModelBase.modify_tensors`' q|k|v rows.
+    (`Gemma3Model.modify_tensors` trims the embedding to the tokenizer's
+    size: a no-op here, the vocabulary is the embedding's.)"""
+    out = {}
+    for k, v in hf.items():
+        v = np.array(v)
+        if k in G4_GLOBAL:
+            out[G4_GLOBAL[k]] = v
+            continue
+        _, _, i, rest = k.split(".", 3)
+        if rest == "layer_scalar":
+            out[f"blk.{i}.layer_output_scale.weight"] = v
+        elif rest == "router.scale":
+            out[f"blk.{i}.ffn_gate_inp.scale"] = v
+        elif rest == "router.per_expert_scale":
+            out[f"blk.{i}.ffn_down_exps.scale"] = v
+        elif rest == "experts.gate_up_proj":
+            out[f"blk.{i}.ffn_gate_up_exps.weight"] = v
+        elif rest == "experts.down_proj":
+            out[f"blk.{i}.ffn_down_exps.weight"] = v
+        else:
+            module, _, suffix = rest.rpartition(".")
+            out[f"blk.{i}.{G4_LAYER[module]}.{suffix}"] = v
+    for i in range(cfg["num_hidden_layers"] if fuse_qkv else 0):
+        names = [f"blk.{i}.attn_{x}.weight" for x in "qkv"]
+        if all(n in out for n in names):
+            out[f"blk.{i}.attn_qkv.weight"] = np.concatenate(
+                [out.pop(n) for n in names]
+            )
+    full = cfg["rope_parameters"]["full_attention"]
+    n_rot = int(cfg["global_head_dim"] * full["partial_rotary_factor"] / 2)
+    n_unrot = cfg["global_head_dim"] // 2 - n_rot
+    out["rope_freqs.weight"] = np.array([1.0] * n_rot + [1e30] * n_unrot, np.float32)
+    return out
+
+
+def write_gemma4_gguf(path, cfg: dict, tensors: dict, qtype=None):
+    """The metadata `TextModel`, `Gemma3Model` and `Gemma4Model`'s
+    set_gguf_parameters and `Gemma4Model.set_vocab` write (later calls
+    overwrite earlier ones, as GGUFWriter does), the tensors as they are or,
+    with `qtype`, every 2-D or 3-D one whose rows split into 32-wide blocks in
+    that type, by the `gguf` package (llama.cpp's own)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    L, swa = cfg["num_hidden_layers"], cfg["sliding_window"]
+    types = cfg["layer_types"]
+    rope = cfg["rope_parameters"]
+    w.add_block_count(L)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("enable_moe_block"):
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["top_k_experts"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    w.add_sliding_window(swa)  # no sliding_window_pattern of 1 in the config
+    shared = cfg["num_kv_shared_layers"]
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(cfg["hidden_size_per_layer_input"])
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    w.add_key_length(cfg["global_head_dim"])
+    w.add_value_length(cfg["global_head_dim"])
+    w.add_key_length_swa(cfg["head_dim"])
+    w.add_value_length_swa(cfg["head_dim"])
+    if cfg.get("use_double_wide_mlp"):
+        F = cfg["intermediate_size"]
+        w.add_feed_forward_length([F if i < L - shared else 2 * F for i in range(L)])
+    if cfg.get("num_global_key_value_heads") is not None:
+        kv, kv_full = cfg["num_key_value_heads"], cfg["num_global_key_value_heads"]
+        w.add_head_count_kv(
+            [kv if t == "sliding_attention" else kv_full for t in types]
+        )
+    w.add_rope_dimension_count(cfg["global_head_dim"])
+    w.add_rope_dimension_count_swa(cfg["head_dim"])
+    # set_vocab: the tokenizer model is "gemma4" (LlamaHfVocab's tokens).
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
+    w.add_token_types([1] * cfg["vocab_size"])
+    w.add_add_bos_token(True)
+    kind = getattr(gguf.GGMLQuantizationType, qtype) if qtype else None
+    for name, data in tensors.items():
+        if kind is not None and data.ndim >= 2 and data.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def rounded(tensors: dict, qtype) -> dict:
+    """Each tensor `write_gemma4_gguf` quantizes, as its `qtype` blocks hold it
+    (the `gguf` package's quantize, then dequantize). The converter moves whole
+    rows only and blocks run along a row, so Hugging Face tensors rounded so
+    are what the quantized file holds: the folder it must run as."""
+    import gguf
+
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    return {
+        k: (
+            gguf.quants.dequantize(gguf.quants.quantize(v, kind), kind)
+            if v.ndim >= 2 and v.shape[-1] % 32 == 0
+            else v
+        )
+        for k, v in tensors.items()
+    }
+
+
+def _gemma4_gguf(tmp_path, name, qtype=None, fuse_qkv=False, edit=None):
+    folder = tiny.make_gemma4_gguf_source(tmp_path / "hf", name, seed=4)
+    cfg = json.loads((folder / "config.json").read_text())
+    hf = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    tensors = gemma4_gguf_tensors(cfg, hf, fuse_qkv)
+    if edit:
+        edit(cfg, tensors)
+    path = write_gemma4_gguf(tmp_path / f"{name}.gguf", cfg, tensors, qtype)
+    return folder, cfg, path
+
+
+def gemma4_gguf_errors(folder, path, horizon=8):
+    """Stock and the default mode on the file against stock on `folder` (a
+    folder or a float file), float32: prompt logits, then greedy decoding
+    with their own caches."""
+    ids = mx.array([PROMPT])
+    ref_src = read_source(str(folder), need_tokenizer=False)
+    ref, _ = build_model(ref_src, "stock", dtype=mx.float32)
+    src = read_source(str(path), need_tokenizer=False)
+    out = {}
+    for mode in ("stock", models.run_mode(src.config, None)):
+        got, _ = build_model(src, mode, dtype=mx.float32)
+        cr, cg = make_prompt_cache(ref), make_prompt_cache(got)
+        a, b = ref(ids, cache=cr), got(ids, cache=cg)
+        errs, same = [rel(b, a)], 0
+        for _ in range(horizon):
+            ta, tb = mx.argmax(a[:, -1], -1), mx.argmax(b[:, -1], -1)
+            same += int((ta == tb).item())
+            a, b = ref(ta[:, None], cache=cr), got(tb[:, None], cache=cg)
+            errs.append(rel(b, a))
+        out[mode] = (max(errs), same)
+    return out
+
+
+G4_GGUF_CASES = [
+    ("gemma4_tied", None, False),
+    ("gemma4_untied", None, True),  # --fuse-qkv
+    ("gemma4_tied", "Q8_0", False),
+    ("gemma4_every_part", None, False),
+    ("gemma4_every_part", "Q8_0", False),
+]
+
+
+@pytest.mark.parametrize(
+    "name, qtype, fuse",
+    G4_GGUF_CASES,
+    ids=[f"{n}-{q or 'f32'}" for n, q, _ in G4_GGUF_CASES],
+)
+def test_llama_cpp_gemma4_gguf_runs_as_the_hf_checkpoint(tmp_path, name, qtype, fuse):
+    """mlx-lm's config back (every key its class reads), its sanitized tensors
+    back bit for bit (float32 files), and stock and the default mode on the
+    file match stock on the folder (a Q8_0 file: on the folder's weights
+    rounded as its blocks hold them): logits within the float32
+    tolerance, greedy tokens equal."""
+    folder, cfg, path = _gemma4_gguf(tmp_path, name, qtype, fuse)
+    config, weights, _ = read_gguf(path, load_tokenizer=False)
+    for k in (
+        "hidden_size", "num_hidden_layers", "intermediate_size", "use_double_wide_mlp",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
+        "rms_norm_eps", "vocab_size", "num_kv_shared_layers", "sliding_window",
+        "layer_types", "rope_parameters", "max_position_embeddings",
+        "final_logit_softcapping", "tie_word_embeddings",
+    ):  # fmt: skip
+        assert config[k] == cfg[k], (k, config[k], cfg[k])
+    for k in ("hidden_size_per_layer_input", "attention_k_eq_v", "enable_moe_block"):
+        assert config[k] == (cfg.get(k) or type(config[k])()), (k, config[k])
+    if cfg.get("attention_k_eq_v"):
+        assert config["num_global_key_value_heads"] == cfg["num_global_key_value_heads"]
+    if cfg.get("enable_moe_block"):
+        for k in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            assert config[k] == cfg[k], (k, config[k], cfg[k])
+    if qtype is None:
+        from mlx_lm.models import gemma4_text as stock
+
+        theirs = stock.Model(stock.ModelArgs.from_dict(cfg))
+        want = theirs.sanitize(
+            {
+                k: mx.array(v)
+                for k, v in mx.load(str(folder / "model.safetensors")).items()
+            }
+        )
+        assert sorted(weights) == sorted(want), sorted(set(weights) ^ set(want))
+        for k, v in want.items():
+            assert mx.array_equal(weights[k], v).item(), f"{k} differs after reading"
+    else:
+        assert config["quantization"]["bits"] == 8, config.get("quantization")
+    ref = folder
+    if qtype is not None:  # the folder's weights as the file's blocks round them
+        hf = mx.load(str(folder / "model.safetensors"))
+        hf = rounded({k: np.array(v) for k, v in hf.items()}, qtype)
+        ref = tiny.write_model(tmp_path / "rounded", cfg, hf, tokenizer=False)
+    errs = gemma4_gguf_errors(ref, path)
+    print(f"{name} {qtype or 'f32'}: (max rel logit error, greedy equal of 8) {errs}")
+    for mode, (err, same) in errs.items():
+        assert err < tiny.f32_tol() and same == 8, (mode, errs)
+
+
+def _refusal(tmp_path, edit):
+    _, _, path = _gemma4_gguf(tmp_path, "gemma4_tied", edit=edit)
+    with pytest.raises(LoadError) as e:
+        read_gguf(path, load_tokenizer=False)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_gemma4_gguf_what_mlx_lms_class_cannot_say_is_one_line(tmp_path, capsys):
+    """Refused in one line each (design 2n): KV-shared layers after a sliding
+    layer (llama.cpp reuses other layers than mlx-lm), global layers with their
+    own KV heads but a v projection, a rope_freqs that is not proportional
+    RoPE's; and the converter's `gemma4` vocabulary (no --tokenizer): one line
+    and exit 1 from the CLI."""
+    from flashnorm_mlx.cli import main
+
+    def shared_after_sliding(cfg, tensors):
+        cfg["num_kv_shared_layers"] = 2  # layers 4, 5 after sliding layer 3
+
+    def global_kv_heads(cfg, tensors):
+        cfg["num_global_key_value_heads"] = 1
+
+    def llama3_freqs(cfg, tensors):
+        tensors["rope_freqs.weight"] = np.linspace(1, 8, 16, dtype=np.float32)
+
+    msgs = {
+        "shared": _refusal(tmp_path / "a", shared_after_sliding),
+        "kv heads": _refusal(tmp_path / "b", global_kv_heads),
+        "rope_freqs": _refusal(tmp_path / "c", llama3_freqs),
+    }
+    print(msgs)
+    assert "reuse other layers" in msgs["shared"], msgs
+    assert "without K = V" in msgs["kv heads"], msgs
+    assert "proportional" in msgs["rope_freqs"], msgs
+    _, _, path = _gemma4_gguf(tmp_path / "d", "gemma4_tied")
+    assert main(["generate", str(path), "-p", "hi", "-m", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'gemma4'" in err, err
+
+
+def test_gemma4_gguf_without_layer_scales_runs_with_scalars_of_1(tmp_path):
+    """llama.cpp's graph skips a missing `layer_output_scale` (not required):
+    mlx-lm's class gets layer_scalar 1, and matches a folder of scalars 1."""
+
+    def no_scales(cfg, tensors):
+        for k in [k for k in tensors if "layer_output_scale" in k]:
+            del tensors[k]
+
+    folder, cfg, path = _gemma4_gguf(tmp_path, "gemma4_tied", edit=no_scales)
+    hf = dict(mx.load(str(folder / "model.safetensors")))
+    hf.update({k: mx.ones((1,)) for k in hf if k.endswith("layer_scalar")})
+    ref = tiny.write_model(tmp_path / "ones", cfg, hf, tokenizer=False)
+    errs = gemma4_gguf_errors(ref, path, horizon=2)
+    assert all(e < tiny.f32_tol() and s == 2 for e, s in errs.values()), errs

@@ -590,6 +590,7 @@ def test_gguf_families_come_from_each_arch_declaration():
     got = {a: mt for a, (mt, _) in gguf_names.families().items()}
     want = {
         "gemma3": "gemma3_text",
+        "gemma4": "gemma4_text",  # its reader reads every part mlx-lm's class has
         "lfm2": "lfm2",
         "lfm2moe": "lfm2_moe",
         "llama": "llama",

@@ -1351,3 +1351,75 @@ def make_gemma4_wrapped(
         w["model.vision_tower.patch_embedder.weight"] = _lin(rng, 7, 3)
         w["model.embed_vision.embedding_projection.weight"] = _lin(rng, 64, 7)
     return write_model(path, cfg, w, tokenizer)
+
+
+# --- Gemma 4 with every part llama.cpp's gemma4 files hold (tests/test_gemma4.py's
+# GGUF block): per-layer inputs, KV-shared layers (double-wide MLP), K = V
+# global layers with their own KV heads, the MoE block --------------------------
+
+GEMMA4_GGUF_CONFIGS = {
+    "gemma4_tied": {},
+    "gemma4_untied": GEMMA4_CONFIGS["gemma4_untied"],
+    # Layers 3..5 share 1's (sliding) and 2's (global) KV, as llama.cpp reuses.
+    "gemma4_every_part": dict(
+        hidden_size_per_layer_input=16,
+        num_kv_shared_layers=3,
+        use_double_wide_mlp=True,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    ),
+}
+
+
+def gemma4_gguf_config(name: str) -> dict:
+    cfg = {**GEMMA4_BASE, **GEMMA4_GGUF_CONFIGS[name]}
+    cfg.setdefault("use_double_wide_mlp", False)
+    return cfg
+
+
+def gemma4_hf_weights(cfg: dict, seed: int = 0) -> dict:
+    """Random Hugging Face-named weights for any Gemma 4 config, shaped by
+    mlx-lm's own class: gains 0.25..4 (QK gains 0.05..0.4), layer scalars
+    0.5..2; experts as Hugging Face stores them (gate|up in one (E, 2F, D)),
+    KV-shared layers with the k, v and k_norm Hugging Face keeps (unused)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import gemma4_text
+
+    model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(cfg))
+    rng = np.random.default_rng(seed)
+    w = {}
+    for k, v in tree_flatten(model.parameters()):
+        shape = tuple(v.shape)
+        if k.endswith(("q_norm.weight", "k_norm.weight")):
+            w[k] = rng.uniform(0.05, 0.4, shape).astype(np.float32)
+        elif k.endswith(("layer_scalar", "per_expert_scale")):
+            w[k] = rng.uniform(0.5, 2.0, shape).astype(np.float32)
+        elif "norm" in k or k.endswith("router.scale"):
+            w[k] = rng.uniform(0.25, 4.0, shape).astype(np.float32)
+        else:
+            w[k] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    first_shared = cfg["num_hidden_layers"] - cfg.get("num_kv_shared_layers", 0)
+    for i in range(first_shared, cfg["num_hidden_layers"]):
+        p, kind = f"model.layers.{i}.self_attn", cfg["layer_types"][i]
+        h = cfg["head_dim"] if kind == "sliding_attention" else cfg["global_head_dim"]
+        for n in ("k_proj", "v_proj"):
+            w[f"{p}.{n}.weight"] = _lin(
+                rng, cfg["num_key_value_heads"] * h, cfg["hidden_size"]
+            )
+        w[f"{p}.k_norm.weight"] = _gain(rng, h)
+    for k in [k for k in w if ".experts.switch_glu.gate_proj" in k]:
+        base = k.split(".switch_glu.")[0]
+        gate = w.pop(k)
+        up = w.pop(f"{base}.switch_glu.up_proj.weight")
+        w[f"{base}.gate_up_proj"] = np.concatenate([gate, up], axis=-2)
+        w[f"{base}.down_proj"] = w.pop(f"{base}.switch_glu.down_proj.weight")
+    return w
+
+
+def make_gemma4_gguf_source(path: Path, name: str, seed: int = 0) -> Path:
+    cfg = gemma4_gguf_config(name)
+    return write_model(path, cfg, gemma4_hf_weights(cfg, seed), tokenizer=False)

@@ -2,9 +2,9 @@
 `ARCH.gguf` (models/arch.py) declares how: llama.cpp's architecture name, the
 layer names beyond Llama's, biases, Q/K permutation; a mixture-of-experts'
 names are on `ARCH.moe` (gguf_moe.py). Gemma 3's hyperparameters: gguf_gemma3.py.
-A family whose files need more (Qwen3.5, Qwen3-Next, LFM2, Ministral 3) names
-the module that reads them whole (`Gguf.reader`: gguf_qwen35.py, gguf_lfm2.py,
-gguf_ministral3.py; docs/design.md section 2n).
+A family whose files need more (Qwen3.5, Qwen3-Next, LFM2, Ministral 3, Gemma 4)
+names the module that reads them whole (`Gguf.reader`: gguf_qwen35.py,
+gguf_lfm2.py, gguf_ministral3.py, gguf_gemma4.py; docs/design.md section 2n).
 
 `mx.load(path, return_metadata=True)` gives the tensors (Q4_0/Q4_1/Q8_0 as MLX
 affine group-32 triples `.weight/.scales/.biases`, F32/F16 as plain arrays)

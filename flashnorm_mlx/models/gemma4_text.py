@@ -37,8 +37,15 @@ from .gains import QKNorm, QKNormGains
 ARCH = dataclasses.replace(
     gemma3.ARCH,
     gain_offset=0.0,
-    gguf=None,
-    cannot=(("gguf", "llama.cpp's gemma4 files are not read yet"),),
+    # llama.cpp's gemma4 files: loading/gguf_gemma4.py reads them whole.
+    gguf=dataclasses.replace(
+        gemma3.ARCH.gguf,
+        arch="gemma4",
+        hf="Gemma4ForCausalLM",
+        names=(),
+        reader="gguf_gemma4",
+    ),
+    cannot=(),
 )
 
 # Weights stock's sanitize drops (quantization-aware training's clip ranges).
