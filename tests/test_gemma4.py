@@ -65,9 +65,18 @@ def test_classes_and_what_is_left_of_the_norms(source):
     assert ("model.norm" in names) == source.config["tie_word_embeddings"]
     kinds = [type(c) for c in flash.make_cache()]
     assert kinds == [type(c) for c in stock.make_cache()], kinds
-    assert kinds == [RotatingKVCache, RotatingKVCache, KVCache] * 2, kinds
+    own = gemma4_text.first_shared(source.config)  # none for the KV-shared
+    assert kinds == ([RotatingKVCache, RotatingKVCache, KVCache] * 2)[:own], kinds
     heads = [l.self_attn.head_dim for l in flash.layers]
     assert heads == [16, 16, 32] * 2, heads
+    # Each layer's q|k|v rows as stock's q, k and v (K = V: no v; shared: q).
+    for ours, theirs in zip(flash.layers, stock.layers):
+        a = theirs.self_attn
+        rows = sum(
+            a[n].weight.shape[0] for n in ("q_proj", "k_proj", "v_proj") if n in a
+        )
+        assert ours.self_attn.qkv_proj.weight.shape[0] == rows
+        assert ours.mlp.down_proj.weight.shape == theirs.mlp.down_proj.weight.shape
     # The global layers' proportional RoPE: 8 of 32 dims rotated, in the epilogue.
     assert flash.layers[2].self_attn._angles.dims == 32
     assert (flash.layers[2].self_attn._angles.inv_freq[4:] == 0).all().item()
@@ -130,9 +139,15 @@ def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
                 edit(flash)
             return rel(flash(x), ref)
 
+    real_heads = gemma4_text.Attention.heads
+
     def plain_heads(self, xs, ms, offset):
-        e = self.epilogue()
-        return kernels.qkv_epilogue(self.qkv_proj(xs), ms, offset, e)
+        if not self.has_kv:
+            return real_heads(self, xs, ms, offset)
+        y = self.qkv_proj(xs)
+        if self.k_eq_v:
+            y = mx.concatenate([y, y[..., self.n_heads * self.head_dim :]], axis=-1)
+        return kernels.qkv_epilogue(y, ms, offset, self.epilogue())
 
     def no_scalar(flash):
         for layer in flash.layers:
@@ -255,9 +270,6 @@ def test_bench_counts_fewer_launches(source):
 @pytest.mark.parametrize(
     "over, what",
     [
-        (dict(hidden_size_per_layer_input=8), "per-layer input embeddings"),
-        (dict(num_kv_shared_layers=3), "KV-shared layers"),
-        (dict(attention_k_eq_v=True), "K = V global layers"),
         (
             dict(
                 enable_moe_block=True,
