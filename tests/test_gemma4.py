@@ -25,7 +25,7 @@ from flashnorm_mlx.models.arch import Architecture
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 
 
-@pytest.fixture(scope="module", params=list(tiny.GEMMA4_CONFIGS))
+@pytest.fixture(scope="module", params=[*tiny.GEMMA4_CONFIGS, *tiny.GEMMA4_PARTS])
 def folder(request, tmp_path_factory):
     return tiny.make_gemma4(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -265,45 +265,3 @@ def test_bench_counts_fewer_launches(source):
     gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
     print("launches per decode step:", gpu)
     assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
-
-
-@pytest.mark.parametrize(
-    "over, what",
-    [
-        (
-            dict(
-                enable_moe_block=True,
-                num_experts=4,
-                top_k_experts=2,
-                moe_intermediate_size=32,
-            ),
-            "the MoE block",
-        ),
-    ],
-)
-def test_variants_not_folded_yet_run_as_stock_with_one_note(
-    tmp_path, capsys, over, what
-):
-    """A Gemma 4 FlashNorm does not fold all of runs as stock (mlx-lm's class,
-    weights from it), as before FlashNorm covered any Gemma 4: one note naming
-    what is not folded; `--mode flashnorm` asked of it is one error line."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import gemma4_text as stock
-
-    from flashnorm_mlx import models
-    from flashnorm_mlx.cli import main
-
-    cfg = {**tiny.gemma4_config("gemma4_tied"), **over}
-    theirs = stock.Model(stock.ModelArgs.from_dict(cfg))
-    weights = dict(tree_flatten(theirs.parameters()))
-    path = tiny.write_model(tmp_path / "v", cfg, weights)
-    assert not models.is_covered(cfg) and what in models.uncovered_why(cfg)
-    assert main(["generate", str(path), "-p", "hi", "-m", "2"]) == 0
-    err = capsys.readouterr().err.strip().splitlines()
-    notes = [l for l in err if "runs as stock" in l]
-    assert len(notes) == 1 and what in notes[0], err
-    assert (
-        main(["generate", str(path), "-p", "hi", "-m", "1", "--mode", "flashnorm"]) == 1
-    )
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and what in err[0] and "--mode stock" in err[0], err

@@ -1277,6 +1277,12 @@ GEMMA4_CONFIGS = {
     "gemma4_untied": dict(
         tie_word_embeddings=False, rms_norm_eps=0.05, final_logit_softcapping=5.0
     ),
+}
+
+
+# Gemma 4's other parts, tested in test_gemma4.py alone (the cross-family
+# files run GEMMA4_CONFIGS: the suite's time budget).
+GEMMA4_PARTS = {
     # The small Gemma 4s' shape (E2B, E4B): per-layer inputs, the last three
     # layers KV-shared (double-wide MLPs; sliding 3 and 4 read layer 1, global
     # 5 reads 2), and K = V on the global layer that has its own keys (one
@@ -1288,11 +1294,21 @@ GEMMA4_CONFIGS = {
         num_global_key_value_heads=1,
         rms_norm_eps=0.05,
     ),
+    # The 26B-A4B's shape: a MoE block beside each dense MLP (4 experts, top
+    # 2, per-expert scales), K = V global layers with one KV head.
+    "gemma4_moe": dict(
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+    ),
 }
 
 
 def gemma4_config(name: str) -> dict:
-    return {**GEMMA4_BASE, **GEMMA4_CONFIGS[name]}
+    return {**GEMMA4_BASE, **{**GEMMA4_CONFIGS, **GEMMA4_PARTS}[name]}
 
 
 def gemma4_weights(cfg: dict, seed: int = 0) -> dict:
@@ -1346,6 +1362,21 @@ def gemma4_weights(cfg: dict, seed: int = 0) -> dict:
         Fi = 2 * F if wide else F
         for n, (o, i_) in (("gate", (Fi, D)), ("up", (Fi, D)), ("down", (D, Fi))):
             w[f"{p}.mlp.{n}_proj.weight"] = _lin(rng, o, i_)
+        if cfg.get("enable_moe_block"):  # Hugging Face's fused 3-D experts
+            E, Fm = cfg["num_experts"], cfg["moe_intermediate_size"]
+            # A strong router: the experts picked depend on the token.
+            w[f"{p}.router.proj.weight"] = 8 * _lin(rng, E, D)
+            w[f"{p}.router.scale"] = _gain(rng, D)
+            w[f"{p}.router.per_expert_scale"] = _gain(rng, E)
+            gu = np.stack([_lin(rng, 2 * Fm, D) for _ in range(E)])
+            w[f"{p}.experts.gate_up_proj"] = gu
+            w[f"{p}.experts.down_proj"] = np.stack([_lin(rng, D, Fm) for _ in range(E)])
+            for n in (
+                "pre_feedforward_layernorm_2",
+                "post_feedforward_layernorm_1",
+                "post_feedforward_layernorm_2",
+            ):
+                w[f"{p}.{n}.weight"] = _gain(rng, D)
         if P:
             w[f"{p}.per_layer_input_gate.weight"] = _lin(rng, P, D)
             w[f"{p}.per_layer_projection.weight"] = _lin(rng, D, P)

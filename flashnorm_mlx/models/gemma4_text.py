@@ -20,27 +20,33 @@ What differs from Gemma 3 (docs/design.md section 2m), each read from mlx-lm:
 - per-layer inputs (`hidden_size_per_layer_input`): stock's model-level
   embedding and projection as they are; in each layer the gate reads the raw
   residual (no norm: nothing folds), `geglu` times the layer's input, the
-  projection, its post-norm in `kernels.post_residual`.
-Not folded yet (`uncovered`): the MoE block.
+  projection, its post-norm in `kernels.post_residual`;
+- the MoE block beside the dense MLP: its router's norm and the experts'
+  pre-norm read the same residual as the pre-FFN norm, so the block's s
+  serves all three; the router's gain (scale * hidden**-0.5) folds into its
+  projection at load, the experts' into their gate|up; s scales the k picked
+  logits before their softmax; both outputs owe s, their post-norms cancel it.
+Nothing is left stock.
 """
 
 import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .. import kernels
-from ..errors import UnsupportedModel
+from .. import fold, kernels
+from ..kernels._common import pow2_prescale, prescaled
+from ..mlx_lm_compat import gemma4_per_layer_inputs
 from . import gemma3
-from .arch import NormPair
+from .arch import MoE, NormPair
 from .blocks import FusedAttention
 from .decoder import MLP, Decoder, DecoderBlock, DecoderModel
 from .gains import Gain, QKNorm, QKNormGains
+from .moe import SwitchGLU, fuse_experts
 
 
 def _args(config) -> gemma4_text.ModelArgs:
@@ -86,18 +92,40 @@ def _pairs(config: dict, i: int):
     parts = qkv.parts if has_kv(config, i) else qkv.parts[:1]
     if has_kv(config, i) and k_eq_v(config, i):
         parts = qkv.parts[:2]
-    return (dataclasses.replace(qkv, parts=parts), ffn)
+    pairs = (dataclasses.replace(qkv, parts=parts), ffn)
+    return pairs + ((EXPERTS_PAIR,) if _args(config).enable_moe_block else ())
+
+
+# The MoE block's experts, fed by their own norm of the same residual as the
+# dense MLP's (section 2m): its gain folds into the stacked gate and up (3-D,
+# along the input axis); our gate|up stacks them per expert (`fuse_experts`).
+EXPERTS = MoE(
+    norm="pre_feedforward_layernorm_2",
+    router="router.proj",
+    experts="experts.switch_glu",
+)
+EXPERTS_PAIR = NormPair(
+    EXPERTS.norm,
+    f"{EXPERTS.experts}.{EXPERTS.fused}",
+    tuple(f"{EXPERTS.experts}.{f}" for f in EXPERTS.fed),
+)
 
 
 def _more_post_norms(config) -> dict:
-    """The per-layer inputs' norms on a linear's output (nonorm's constants go
-    into its rows): the model's projection norm (per layer's P rows) and each
-    layer's norm after its per-layer projection."""
-    if not _args(config).hidden_size_per_layer_input:
-        return {}
-    out = {"model.per_layer_projection_norm": "model.per_layer_model_projection"}
+    """Norms on a linear's output beyond the sandwich ones (nonorm's constants
+    go into its rows): the per-layer inputs' (the model's projection norm, per
+    layer's P rows; each layer's after its per-layer projection) and the MoE
+    block's on the dense MLP's and the experts' outputs."""
+    args, out = _args(config), {}
+    if args.hidden_size_per_layer_input:
+        out["model.per_layer_projection_norm"] = "model.per_layer_model_projection"
     for p in ARCH.layer_prefixes(config):
-        out[f"{p}.post_per_layer_input_norm"] = f"{p}.per_layer_projection"
+        if args.hidden_size_per_layer_input:
+            out[f"{p}.post_per_layer_input_norm"] = f"{p}.per_layer_projection"
+        if args.enable_moe_block:
+            out[f"{p}.post_feedforward_layernorm_1"] = f"{p}.mlp.down_proj"
+            down = f"{p}.{EXPERTS.experts}.{EXPERTS.down}"
+            out[f"{p}.post_feedforward_layernorm_2"] = down
     return out
 
 
@@ -122,21 +150,11 @@ _DROPPED = (
 )
 
 
-def uncovered(config: dict) -> Optional[str]:
-    """What of this Gemma 4 FlashNorm does not fold yet (docs/design.md section
-    2m), None where it folds all: such a config runs as stock, with a note
-    (`models.is_covered`), as every family FlashNorm does not cover."""
-    get = config.get
-    why = [
-        (get("enable_moe_block", False), "the MoE block"),
-    ]
-    found = [what for on, what in why if on]
-    return f"gemma4_text with {', '.join(found)}" if found else None
-
-
 def canonical(config: dict, weights: dict) -> dict:
     """`weights` as stock's sanitize keeps them (lazily); idempotent: a
-    KV-shared layer's k_proj, v_proj and k_norm dropped, as stock drops them."""
+    KV-shared layer's k_proj, v_proj and k_norm dropped, as stock drops them;
+    Hugging Face's experts (`experts.gate_up_proj` (E, 2F, D), `down_proj`)
+    as stock's switch_glu gate, up and down."""
     first = first_shared(config)
 
     def kept(k: str) -> bool:
@@ -147,17 +165,23 @@ def canonical(config: dict, weights: dict) -> dict:
         i = k.split("layers.")[1].split(".")[0] if "layers." in k else ""
         return not (i.isdigit() and int(i) >= first)
 
-    return {k: v for k, v in weights.items() if kept(k)}
+    out = {}
+    for k, v in weights.items():
+        if k.endswith(".experts.gate_up_proj"):
+            base = k.removesuffix(".gate_up_proj")
+            gate, up = mx.split(v, 2, axis=-2)
+            out[f"{base}.switch_glu.gate_proj.weight"] = mx.contiguous(gate)
+            out[f"{base}.switch_glu.up_proj.weight"] = mx.contiguous(up)
+        elif k.endswith(".experts.down_proj"):
+            out[f"{k.removesuffix('.down_proj')}.switch_glu.down_proj.weight"] = v
+        elif kept(k):
+            out[k] = v
+    return out
 
 
 @dataclass
 class ModelArgs(gemma4_text.ModelArgs):
-    def __post_init__(self):
-        super().__post_init__()
-        self.layer_types = list(self.layer_types)
-        why = uncovered(vars(self))
-        if why:  # `models.run_mode` never builds ours on one; a caller that does
-            raise UnsupportedModel(f"{why} is not folded yet")
+    pass
 
 
 def is_sliding(args: ModelArgs, i: int) -> bool:
@@ -245,12 +269,57 @@ class Attention(FusedAttention):
         return kernels.scaled_dot_product_attention(q, k, v, cache, 1.0, mask)
 
 
+class Router(nn.Module):
+    """Stock's router with its norm's gain (scale * hidden**-0.5) folded into
+    proj at load (`Model.sanitize`); a quantized proj keeps it as `gain`, for
+    the row it reads. Its norm is of the same residual as the pre-FFN norm's,
+    with the same epsilon: the block's s serves it (section 2m)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.proj = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.per_expert_scale = mx.ones((args.num_experts,))
+        self.top_k = args.top_k_experts
+
+    def __call__(self, xs, ms):
+        """(indices, weights) (B, L, k): stock's top k of s z (the top k of z,
+        s > 0), the softmax of the k picked s z, times per_expert_scale."""
+        z = self.proj(xs)
+        k = self.top_k
+        inds = mx.stop_gradient(mx.argpartition(z, kth=-k, axis=-1)[..., -k:])
+        picked = kernels.scaled(mx.take_along_axis(z, inds, axis=-1), ms)
+        weights = mx.softmax(picked, axis=-1) * self.per_expert_scale[inds]
+        return inds, weights
+
+
+class Experts(nn.Module):
+    """Stock's experts (GELU GLUs, gate|up stacked per expert), the deferred
+    GLU of section 2j: the weighted sum owes s."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        D, F, E = args.hidden_size, args.moe_intermediate_size, args.num_experts
+        self.switch_glu = SwitchGLU(D, F, E, ARCH.activation)
+
+    def __call__(self, xs, ms, inds, weights):
+        y = self.switch_glu(xs, ms, inds)
+        return (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
+
+
 class TransformerBlock(DecoderBlock):
     ARCH = ARCH
 
-    def __init__(self, args, *a, **kw):
-        super().__init__(args, *a, **kw)
+    def __init__(self, args, attention, ffn, norm_gains=False, use_sliding=False):
+        super().__init__(args, attention, ffn, norm_gains, use_sliding)
         self.layer_scalar = mx.ones((1,))
+        self.enable_moe = args.enable_moe_block
+        if self.enable_moe:  # stock's names; the pre-FFN norm's of the experts
+            D = args.hidden_size  # folded, or kept where the gains are
+            self.router, self.experts = Router(args), Experts(args)
+            self.post_feedforward_layernorm_1 = Gain(D)
+            self.post_feedforward_layernorm_2 = Gain(D)
+            if norm_gains:
+                self.pre_feedforward_layernorm_2 = Gain(D)
         if args.hidden_size_per_layer_input:  # stock's names
             D, P = args.hidden_size, args.hidden_size_per_layer_input
             self.per_layer_input_gate = nn.Linear(D, P, bias=False)
@@ -270,7 +339,10 @@ class TransformerBlock(DecoderBlock):
         h, ms_h, hs = kernels.post_residual(
             x, a, None, self.post_gain(0), self.eps, self.gain(1)
         )
-        y, ms_y = self[self.FEED_FORWARD](hs, ms_h)
+        if self.enable_moe:
+            y, ms_y = self.mixture(h, ms_h, hs)
+        else:
+            y, ms_y = self[self.FEED_FORWARD](hs, ms_h)
         out = kernels.post_residual(h, y, ms_y, self.post_gain(1), self.eps)[0]
         if per_layer_input is not None:
             # The gate reads the raw residual (no norm before it: nothing to
@@ -283,6 +355,26 @@ class TransformerBlock(DecoderBlock):
         if final:
             return kernels.residual_norm(out, None, None, self.eps, out_gain)
         return kernels.residual(out, None, None, self.eps, out_gain)
+
+    def mixture(self, h, ms, hs):
+        """Stock's MoE block: the dense MLP and the experts beside it, each
+        output post-normed and the two summed, (y, None). The three norms of h
+        (pre-FFN, router, experts') share its s; the two outputs owe it, and
+        their post-norms cancel it (section 2m)."""
+        y1, _ = self.mlp(hs, ms)
+        xr = x2 = hs  # gains folded: every matmul reads the same row
+        if "gain" in self.router or "pre_feedforward_layernorm_2" in self:
+            x = h * pow2_prescale(ms).astype(h.dtype) if prescaled(h.dtype) else h
+            if "gain" in self.router:  # a quantized router as stored
+                xr = x * self.router.gain
+            if "pre_feedforward_layernorm_2" in self:  # quantized experts as stored
+                x2 = x * self.pre_feedforward_layernorm_2.gain()
+        inds, weights = self.router(xr, ms)
+        y2 = kernels.scaled(self.experts(x2, ms, inds, weights), ms)
+        n2 = mx.fast.rms_norm(y2, self.post_feedforward_layernorm_2.gain(), self.eps)
+        # n2 + post_norm_1(s y1): one launch.
+        post = self.post_feedforward_layernorm_1.gain()
+        return kernels.post_residual(n2, y1, ms, post, self.eps)[0], None
 
 
 class EagerBlock(TransformerBlock):
@@ -327,9 +419,7 @@ class GemmaModel(DecoderModel):
         h = self.embed(None, raw)
         extra = [{} for _ in range(n)]
         if self.hidden_size_per_layer_input:
-            stock = gemma4_text.Gemma4TextModel
-            per_layer = stock._get_per_layer_inputs(self, inputs, raw)
-            per_layer = stock._project_per_layer_inputs(self, h, per_layer)
+            per_layer = gemma4_per_layer_inputs(self, inputs, raw, h)
             for i in range(n):
                 extra[i]["per_layer_input"] = per_layer[:, :, i, :]
         masks = self.masks(h, cache)
@@ -379,7 +469,21 @@ class Model(Decoder):
         return out if cap is None else gemma4_text.logit_softcap(cap, out)
 
     def sanitize(self, weights):
-        return super().sanitize(canonical(vars(self.args), weights))
+        weights = canonical(vars(self.args), weights)
+        if self.args.enable_moe_block:
+            root = self.args.hidden_size**-0.5
+            for layer, p in zip(self.layers, ARCH.layer_prefixes(vars(self.args))):
+                weights = fuse_experts(weights, p, EXPERTS)
+                scale = weights.pop(f"{p}.router.scale", None)
+                if scale is None:
+                    continue
+                gain = scale * root  # stock's router norm gain, in scale's dtype
+                if f"{p}.router.proj.scales" in weights:  # quantized: in the row
+                    layer.router.gain = mx.zeros_like(gain)
+                    weights[f"{p}.router.gain"] = gain
+                else:
+                    weights = fold.fold_gain(weights, gain, f"{p}.router.proj")
+        return super().sanitize(weights)
 
     def make_cache(self):
         # Stock's: none for the KV-shared layers.
