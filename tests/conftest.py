@@ -210,6 +210,7 @@ LAUNCHES = {
     "test_qwen3_5.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_lfm2.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_gemma4.py::test_two_rank_tensor_parallel_matches_one_process",
     "test_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
 }
 # Seconds per file in a whole-suite run (pytest-xdist sends the heaviest first).

@@ -1386,9 +1386,9 @@ def gemma4_weights(cfg: dict, seed: int = 0) -> dict:
 
 
 def make_gemma4(
-    path: Path, name: str = "gemma4_tied", seed: int = 0, tokenizer: bool = True
+    path: Path, name: str = "gemma4_tied", seed: int = 0, tokenizer: bool = True, **over
 ) -> Path:
-    cfg = gemma4_config(name)
+    cfg = {**gemma4_config(name), **over}
     return write_model(path, cfg, gemma4_weights(cfg, seed), tokenizer)
 
 

@@ -206,7 +206,9 @@ class Attention(FusedAttention):
             kv = args.num_global_key_value_heads
         self.n_kv_heads = kv
         self.eps = args.rms_norm_eps
-        rows = self.n_heads + (kv * (1 if self.k_eq_v else 2) if self.has_kv else 0)
+        # k and v row blocks after q's (sharding reads it): q|k where K = V.
+        self.kv_row_sets = (1 if self.k_eq_v else 2) if self.has_kv else 0
+        rows = self.n_heads + kv * self.kv_row_sets
         self.qkv_proj = nn.Linear(args.hidden_size, rows * h, bias=False)
         self.o_proj = nn.Linear(self.n_heads * h, args.hidden_size, bias=False)
         self.q_norm = QKNorm(h)
