@@ -85,17 +85,6 @@ def kv_source(config, j: int) -> int:
     return max(i for i in range(first_shared(config)) if kinds[i] == kinds[j])
 
 
-def _pairs(config: dict, i: int):
-    """Layer i's pairs: what its input norm feeds (q|k|v; q|k where K = V; q
-    alone where KV-shared), then the FFN's."""
-    qkv, ffn = gemma3.ARCH.pairs
-    parts = qkv.parts if has_kv(config, i) else qkv.parts[:1]
-    if has_kv(config, i) and k_eq_v(config, i):
-        parts = qkv.parts[:2]
-    pairs = (dataclasses.replace(qkv, parts=parts), ffn)
-    return pairs + ((EXPERTS_PAIR,) if _args(config).enable_moe_block else ())
-
-
 # The MoE block's experts, fed by their own norm of the same residual as the
 # dense MLP's (section 2m): its gain folds into the stacked gate and up (3-D,
 # along the input axis); our gate|up stacks them per expert (`fuse_experts`).
@@ -109,6 +98,17 @@ EXPERTS_PAIR = NormPair(
     f"{EXPERTS.experts}.{EXPERTS.fused}",
     tuple(f"{EXPERTS.experts}.{f}" for f in EXPERTS.fed),
 )
+
+
+def _pairs(config: dict, i: int):
+    """Layer i's pairs: what its input norm feeds (q|k|v; q|k where K = V; q
+    alone where KV-shared), then the FFN's."""
+    qkv, ffn = gemma3.ARCH.pairs
+    parts = qkv.parts if has_kv(config, i) else qkv.parts[:1]
+    if has_kv(config, i) and k_eq_v(config, i):
+        parts = qkv.parts[:2]
+    pairs = (dataclasses.replace(qkv, parts=parts), ffn)
+    return pairs + ((EXPERTS_PAIR,) if _args(config).enable_moe_block else ())
 
 
 def _more_post_norms(config) -> dict:
