@@ -12,7 +12,10 @@ model or the server (docs/design.md section 5). What they are for:
 - `kv_buffers` and `set_kv_buffers`: a `KVCache`'s `keys`, `values` and `offset`,
   which the compiled decode step reads and replaces whole (engine.py);
 - `llama4_attn_scale`: `mlx_lm.models.ministral3._get_llama_4_attn_scale`, the
-  query scale per position our Ministral 3 applies as stock does.
+  query scale per position our Ministral 3 applies as stock does;
+- `gemma4_per_layer_inputs`: `Gemma4TextModel._get_per_layer_inputs` and
+  `_project_per_layer_inputs`, Gemma 4's per-layer inputs, run on our model
+  (which holds stock's modules under stock's names) as stock runs them.
 """
 
 from typing import Optional, Tuple
@@ -102,3 +105,17 @@ def llama4_attn_scale(L: int, offset, beta: float, original: int):
     except ImportError as e:
         raise _changed("mlx_lm.models.ministral3._get_llama_4_attn_scale", e) from None
     return _get_llama_4_attn_scale(L, offset, beta, original)
+
+
+def gemma4_per_layer_inputs(model, inputs, embeddings, h):
+    """Stock's per-layer inputs (B, L, layers, P) of token ids `inputs` (or,
+    with None, of the raw `embeddings`' nearest tokens), projected from the
+    scaled embeddings h: mlx-lm's two methods called on `model`, which holds
+    their modules and fields under stock's names."""
+    try:
+        from mlx_lm.models.gemma4_text import Gemma4TextModel as stock
+
+        get, project = stock._get_per_layer_inputs, stock._project_per_layer_inputs
+    except (ImportError, AttributeError) as e:
+        raise _changed("gemma4_text.Gemma4TextModel's per-layer input methods", e)
+    return project(model, h, get(model, inputs, embeddings))

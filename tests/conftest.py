@@ -125,6 +125,10 @@ SLOW = {
         "test_two_rank_tensor_parallel_matches_one_process_and_stock",  # 11 s
         "test_verify_float32_and_quantized_as_stored",  # 25 s
     ),
+    "test_gemma4.py": (
+        "test_every_tokens_experts_are_stocks_at_every_step",  # 5 s
+        "test_two_rank_tensor_parallel_matches_one_process",  # 15 s
+    ),
     "test_limits.py": (
         "test_the_loader_and_the_flags_take_the_same_quantization_settings",  # 6 s
     ),
@@ -210,6 +214,7 @@ LAUNCHES = {
     "test_qwen3_5.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_lfm2.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_gemma4.py::test_two_rank_tensor_parallel_matches_one_process",
     "test_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
 }
 # Seconds per file in a whole-suite run (pytest-xdist sends the heaviest first).

@@ -1,31 +1,40 @@
 """FlashNorm Gemma 4 (gemma4_text) against mlx-lm's own class on the same weights.
 
 Tiny random models (tests/tiny.py): every norm gain random in 0.25..4 (the QK
-gains 0.05..0.4: attention's scale is 1), a layer scalar of 0.5..2 per layer,
-six layers (two sliding, one global, twice), a window of 6 (shorter than every
-prompt plus decode here), global heads twice as wide with proportional RoPE
-on a quarter of their dims, a softcapped head; one tied, one untied with a
-large eps (the q, k and v norms' epsilon adjustments matter).
+gains 0.05..0.4: attention's scale is 1; the router's too), a layer scalar of
+0.5..2 per layer, six layers (two sliding, one global, twice), a window of 6
+(shorter than every prompt plus decode here), global heads twice as wide with
+proportional RoPE on a quarter of their dims, a softcapped head; one tied, one
+untied with a large eps (the q, k and v norms' epsilon adjustments matter);
+`gemma4_e` (per-layer inputs, the last three layers KV-shared, K = V) and
+`gemma4_moe` (the MoE block beside each MLP, a strong router, K = V), in
+Hugging Face's layout (its fused 3-D experts, the shared layers' unused k and
+v projections).
 """
+
+import json
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from flashnorm_mlx import fold, kernels
+from flashnorm_mlx import fold, kernels, models
 from flashnorm_mlx.checkpoint import convert
 from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.errors import LoadError
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import gemma4_text
 from flashnorm_mlx.models.arch import Architecture
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 
 
-@pytest.fixture(scope="module", params=list(tiny.GEMMA4_CONFIGS))
+@pytest.fixture(scope="module", params=[*tiny.GEMMA4_CONFIGS, *tiny.GEMMA4_PARTS])
 def folder(request, tmp_path_factory):
     return tiny.make_gemma4(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -33,6 +42,13 @@ def folder(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def source(folder):
     return read_source(str(folder))
+
+
+@pytest.fixture(scope="module", params=list(tiny.GEMMA4_CONFIGS))
+def dense_source(request, tmp_path_factory):
+    """The dense configs alone (the parts' are `verify`'s over the same steps)."""
+    path = tiny.make_gemma4(tmp_path_factory.mktemp(request.param), request.param)
+    return read_source(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -59,21 +75,32 @@ def test_classes_and_what_is_left_of_the_norms(source):
         n.endswith(("input_layernorm", "pre_feedforward_layernorm")) for n in names
     )
     assert not any(("input_layernorm" in k or "pre_feed" in k) for k in params)
+    assert not any(k.endswith(("router.scale", "router.gain")) for k in params)
     layers = source.config["num_hidden_layers"]
     assert sum(k.endswith("post_attention_layernorm.weight") for k in params) == layers
     assert sum(k.endswith("layer_scalar") for k in params) == layers
     assert ("model.norm" in names) == source.config["tie_word_embeddings"]
     kinds = [type(c) for c in flash.make_cache()]
     assert kinds == [type(c) for c in stock.make_cache()], kinds
-    assert kinds == [RotatingKVCache, RotatingKVCache, KVCache] * 2, kinds
+    own = gemma4_text.first_shared(source.config)  # none for the KV-shared
+    assert kinds == ([RotatingKVCache, RotatingKVCache, KVCache] * 2)[:own], kinds
     heads = [l.self_attn.head_dim for l in flash.layers]
     assert heads == [16, 16, 32] * 2, heads
+    # Each layer's q|k|v rows as stock's q, k and v (K = V: no v; shared: q).
+    for ours, theirs in zip(flash.layers, stock.layers):
+        a = theirs.self_attn
+        rows = sum(
+            a[n].weight.shape[0] for n in ("q_proj", "k_proj", "v_proj") if n in a
+        )
+        assert ours.self_attn.qkv_proj.weight.shape[0] == rows
+        assert ours.mlp.down_proj.weight.shape == theirs.mlp.down_proj.weight.shape
     # The global layers' proportional RoPE: 8 of 32 dims rotated, in the epilogue.
     assert flash.layers[2].self_attn._angles.dims == 32
     assert (flash.layers[2].self_attn._angles.inv_freq[4:] == 0).all().item()
 
 
-def test_prompt_and_32_cached_steps_across_the_window_match_stock(source):
+def test_prompt_and_32_cached_steps_across_the_window_match_stock(dense_source):
+    source = dense_source
     stock, _ = build_model(source, "stock", dtype=mx.float32)
     flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
     cs, cf = make_prompt_cache(stock), make_prompt_cache(flash)
@@ -130,9 +157,15 @@ def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
                 edit(flash)
             return rel(flash(x), ref)
 
+    real_heads = gemma4_text.Attention.heads
+
     def plain_heads(self, xs, ms, offset):
-        e = self.epilogue()
-        return kernels.qkv_epilogue(self.qkv_proj(xs), ms, offset, e)
+        if not self.has_kv:
+            return real_heads(self, xs, ms, offset)
+        y = self.qkv_proj(xs)
+        if self.k_eq_v:
+            y = mx.concatenate([y, y[..., self.n_heads * self.head_dim :]], axis=-1)
+        return kernels.qkv_epilogue(y, ms, offset, self.epilogue())
 
     def no_scalar(flash):
         for layer in flash.layers:
@@ -146,6 +179,7 @@ def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
             a = layer.self_attn
             a._angles = kernels.rope_angles(nn.RoPE(a.head_dim, base=1e6), a.head_dim)
 
+    cfg = source.config
     errs = {
         "no v norm": broken(
             lambda m: m.setattr(gemma4_text.Attention, "heads", plain_heads)
@@ -167,6 +201,60 @@ def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
         errs["Gemma 4's input 1/RMS applied twice"] = broken(
             lambda m: m.setattr(gemma4_text.Attention, "heads", twice)
         )
+    if cfg.get("attention_k_eq_v"):
+
+        def v_is_k(self, xs, ms, offset):  # K = V read as "the values are k'"
+            q, k, v = real_heads(self, xs, ms, offset)
+            return (q, k, k) if self.k_eq_v and self.has_kv else (q, k, v)
+
+        errs["K = V layers' v taken as k'"] = broken(
+            lambda m: m.setattr(gemma4_text.Attention, "heads", v_is_k)
+        )
+    if cfg.get("num_kv_shared_layers"):
+
+        def wrong_source(flash):  # the sliding shared layers read layer 0, not 1
+            src = flash.model.sources
+            flash.model.sources = [
+                0 if s != j and s == 1 else s for j, s in enumerate(src)
+            ]
+            flash.layers[0].self_attn.shares = True
+
+        errs["KV sharing from the wrong layer"] = broken(edit=wrong_source)
+    if cfg.get("hidden_size_per_layer_input"):
+
+        def unit_projection_norm(flash):
+            norm = flash.model.per_layer_projection_norm
+            norm.weight = mx.ones_like(norm.weight)
+
+        def unit_post_norm(flash):
+            for layer in flash.layers:
+                g = layer.post_per_layer_input_norm
+                g.weight = mx.ones_like(g.weight)
+
+        def no_per_layer_inputs(flash):
+            flash.model.hidden_size_per_layer_input = 0
+
+        errs["per-layer projection norm's gain dropped"] = broken(
+            edit=unit_projection_norm
+        )
+        errs["per-layer input post-norm's gain dropped"] = broken(edit=unit_post_norm)
+        errs["no per-layer inputs"] = broken(edit=no_per_layer_inputs)
+    if cfg.get("enable_moe_block"):
+
+        def s_after_softmax(self, xs, ms):  # s on the weights, not the logits
+            z = self.proj(xs)
+            inds = mx.argpartition(z, kth=-self.top_k, axis=-1)[..., -self.top_k :]
+            w = mx.softmax(mx.take_along_axis(z, inds, axis=-1), axis=-1)
+            w = kernels.scaled(w, ms)
+            return inds, w * self.per_expert_scale[inds]
+
+        def router_gain_unfolded(m):  # the router's scale never reaches proj
+            m.setattr(gemma4_text.fold, "fold_gain", lambda w, g, lin: w)
+
+        errs["router's s after the softmax"] = broken(
+            lambda m: m.setattr(gemma4_text.Router, "__call__", s_after_softmax)
+        )
+        errs["router's gain unfolded"] = broken(router_gain_unfolded)
     print(errs)
     assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
 
@@ -252,49 +340,96 @@ def test_bench_counts_fewer_launches(source):
     assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
 
 
-@pytest.mark.parametrize(
-    "over, what",
-    [
-        (dict(hidden_size_per_layer_input=8), "per-layer input embeddings"),
-        (dict(num_kv_shared_layers=3), "KV-shared layers"),
-        (dict(attention_k_eq_v=True), "K = V global layers"),
-        (
-            dict(
-                enable_moe_block=True,
-                num_experts=4,
-                top_k_experts=2,
-                moe_intermediate_size=32,
-            ),
-            "the MoE block",
-        ),
-    ],
-)
-def test_variants_not_folded_yet_run_as_stock_with_one_note(
-    tmp_path, capsys, over, what
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    return tiny.make_gemma4(tmp_path_factory.mktemp("gemma4_moe"), "gemma4_moe")
+
+
+def record_picks(model):
+    """tests/test_moe.py's Picks on every layer's experts: {layer: picks}."""
+    from test_moe import Picks
+
+    logs = {}
+    for i, layer in enumerate(model.layers):
+        logs[i] = []
+        layer.experts.switch_glu = Picks(layer.experts.switch_glu, logs[i])
+    return logs
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_every_tokens_experts_are_stocks_at_every_step(
+    moe_folder, tmp_path_factory, quantized
 ):
-    """A Gemma 4 FlashNorm does not fold all of runs as stock (mlx-lm's class,
-    weights from it), as before FlashNorm covered any Gemma 4: one note naming
-    what is not folded; `--mode flashnorm` asked of it is one error line."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import gemma4_text as stock
+    """The experts each token picks equal stock's (mlx-lm's class), prompt and
+    32 greedy steps, float32 and mlx-lm's 4-bit as stored; and they vary."""
+    from mlx_lm.generate import generate_step
 
-    from flashnorm_mlx import models
-    from flashnorm_mlx.cli import main
+    if quantized:
+        src = tiny.mlx_q4(moe_folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
+    else:
+        src = read_source(str(moe_folder))
+    dtype = None if quantized else mx.float32
+    logs = {}
+    for mode in ("stock", "flashnorm"):
+        model, _ = build_model(src, mode, dtype=dtype, engine="eager")
+        logs[mode] = record_picks(model)
+        for _ in generate_step(mx.array(PROMPT), model, max_tokens=32):
+            pass
+    ls, lf = logs["stock"], logs["flashnorm"]
+    assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls  # prompt + steps
+    bad = [
+        (i, step)
+        for i in ls
+        for step, (a, b) in enumerate(zip(ls[i], lf[i]))
+        if not mx.array_equal(a, b).item()
+    ]
+    assert not bad, bad
+    first = ls[0][0].reshape(-1, 2).tolist()
+    assert len({tuple(p) for p in first}) >= 3, first  # routing reads the input
 
-    cfg = {**tiny.gemma4_config("gemma4_tied"), **over}
-    theirs = stock.Model(stock.ModelArgs.from_dict(cfg))
-    weights = dict(tree_flatten(theirs.parameters()))
-    path = tiny.write_model(tmp_path / "v", cfg, weights)
-    assert not models.is_covered(cfg) and what in models.uncovered_why(cfg)
-    assert main(["generate", str(path), "-p", "hi", "-m", "2"]) == 0
-    err = capsys.readouterr().err.strip().splitlines()
-    notes = [l for l in err if "runs as stock" in l]
-    assert len(notes) == 1 and what in notes[0], err
-    assert (
-        main(["generate", str(path), "-p", "hi", "-m", "1", "--mode", "flashnorm"]) == 1
-    )
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and what in err[0] and "--mode stock" in err[0], err
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])
+@pytest.mark.parametrize("name", list(tiny.GEMMA4_PARTS))
+def test_load_peak_is_stocks(tmp_path, name, quantized):
+    """Reading and building FlashNorm peaks within 3% of stock on the same
+    12-layer folder, float32 and mlx-lm's 4-bit as stored
+    (tests/test_load_memory.py's measure)."""
+    import test_load_memory
+    from mlx_lm.convert import convert as mlx_convert
+
+    over = dict(hidden_size=128, num_hidden_layers=12, vocab_size=2048)
+    over.update(vocab_size_per_layer_input=2048, intermediate_size=256)
+    over["layer_types"] = tiny.GEMMA4_BASE["layer_types"] * 2
+    if name == "gemma4_e":
+        over["num_kv_shared_layers"] = 6
+    path = tiny.make_gemma4(tmp_path / "f", name, tokenizer=quantized, **over)
+    if quantized:
+        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
+        path = tmp_path / "q"
+    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    print(f"{name} load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
+    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+
+
+def test_two_rank_tensor_parallel_matches_one_process(tmp_path):
+    """A 2-rank `mlx.launch` (tests/distributed_child.py) of FlashNorm on the
+    part configs, float32 and its 4-bit: attention split by GQA groups (q|k
+    rows of K = V layers, two global KV heads here; q rows of KV-shared ones,
+    whose source's heads split alike), the dense MLPs by hidden columns; the
+    experts, router and per-layer inputs whole on each rank. Each as one
+    process gives it, within 1e-5 (all-sums add in another order)."""
+    import test_distributed
+
+    cases = []
+    for name in tiny.GEMMA4_PARTS:
+        over = dict(num_global_key_value_heads=2, tokenizer=False)
+        path = str(tiny.make_gemma4(tmp_path / name, name, **over))
+        cases.append({"name": name, "model": path, "mode": "flashnorm"})
+        q4 = {"name": f"{name}-q4", "model": path, "mode": "flashnorm"}
+        cases.append({**q4, "quantize": [4, 32]})
+    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
+    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
+    assert max(errs.values()) < tiny.f32_tol(1e-5), errs
 
 
 # =============================================================================
@@ -302,17 +437,9 @@ def test_variants_not_folded_yet_run_as_stock_with_one_note(
 # written from a tiny Hugging Face checkpoint by the converter's own transforms
 # (conversion/gemma.py `Gemma4Model` and its bases, gguf-py's tensor_mapping.py
 # names) with the `gguf` package, read back and run against mlx-lm's class on
-# the folder. Until FlashNorm folds per-layer inputs, KV-shared and K = V
-# layers and the MoE block (section 2m), the default mode runs those as stock.
+# the folder, both modes.
 # =============================================================================
 
-import json  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-from flashnorm_mlx import models  # noqa: E402
-from flashnorm_mlx.errors import LoadError  # noqa: E402
-from flashnorm_mlx.loading.gguf import read_gguf  # noqa: E402
 
 # Hugging Face module under model.layers.i -> llama.cpp's (tensor_mapping.py
 # for MODEL_ARCH.GEMMA4's tensors; pre_feedforward_layernorm is FFN_PRE_NORM,

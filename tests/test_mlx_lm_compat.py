@@ -162,3 +162,25 @@ def test_llama4_attn_scale_is_ministral3s_per_position_query_scale():
     assert mx.allclose(
         batched.reshape(-1), mx.array([1.0, 1 + 0.5 * math.log(3)])
     ).item()
+
+
+def test_gemma4_per_layer_inputs_are_stocks_on_a_model_holding_its_modules():
+    """Stock's per-layer inputs of ids and of embeddings alone (the nearest
+    tokens), from its two methods run on another module with its fields."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models import gemma4_text
+
+    cfg = tiny.gemma4_config("gemma4_e")
+    stock = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(cfg)).model
+    holder = SimpleNamespace(**{k: getattr(stock, k) for k in vars(stock)})
+    for k, v in stock.children().items():
+        setattr(holder, k, v)
+    ids = mx.array([[3, 5, 250]])
+    raw = stock.embed_tokens(ids)
+    h = raw * stock.embed_scale
+    want = stock._project_per_layer_inputs(h, stock._get_per_layer_inputs(ids))
+    for inputs in (ids, None):
+        got = compat.gemma4_per_layer_inputs(holder, inputs, raw, h)
+        assert got.shape == (1, 3, cfg["num_hidden_layers"], 16), changed("shape")
+        assert mx.array_equal(got, want).item(), changed("its per-layer inputs")

@@ -124,7 +124,13 @@ FOREIGN_PRIVATES = {
     **{
         ("flashnorm_mlx.mlx_lm_compat", read): "the one module that reads mlx-lm's"
         " private names, each with a test that names the version when it changes"
-        for read in ("rope._freqs", "rope._scale", "tokenizer._tokenizer")
+        for read in (
+            "rope._freqs",
+            "rope._scale",
+            "tokenizer._tokenizer",
+            "stock._get_per_layer_inputs",
+            "stock._project_per_layer_inputs",
+        )
     },
 }
 
@@ -326,13 +332,8 @@ def test_a_mode_compared_by_name_is_found(code, n):
 
 
 def test_every_registered_architecture_has_its_model_file():
-    # Gemma 4's bare config has stock's defaults, per-layer inputs among them,
-    # which it does not fold yet (models.uncovered_why): a config without them.
-    foldable = {
-        "gemma4_text": dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0)
-    }
     for model_type, file in models.ARCHITECTURES.items():
-        config = {"model_type": model_type, **foldable.get(model_type, {})}
+        config = {"model_type": model_type}
         module = models.model_module(config)
         assert module.__name__ == f"flashnorm_mlx.models.{file}", model_type
         assert models.architecture({"model_type": model_type}) is module.ARCH

@@ -1280,14 +1280,46 @@ GEMMA4_CONFIGS = {
 }
 
 
+# Gemma 4's other parts, tested in test_gemma4.py alone (the cross-family
+# files run GEMMA4_CONFIGS: the suite's time budget).
+GEMMA4_PARTS = {
+    # The small Gemma 4s' shape (E2B, E4B): per-layer inputs, the last three
+    # layers KV-shared (double-wide MLPs; sliding 3 and 4 read layer 1, global
+    # 5 reads 2), and K = V on the global layer that has its own keys (one
+    # global KV head, the 31B's); a large eps (the norms' epsilons matter).
+    "gemma4_e": dict(
+        hidden_size_per_layer_input=16,
+        num_kv_shared_layers=3,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        rms_norm_eps=0.05,
+    ),
+    # The 26B-A4B's shape: a MoE block beside each dense MLP (4 experts, top
+    # 2, per-expert scales), K = V global layers with one KV head.
+    "gemma4_moe": dict(
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+    ),
+}
+
+
 def gemma4_config(name: str) -> dict:
-    return {**GEMMA4_BASE, **GEMMA4_CONFIGS[name]}
+    return {**GEMMA4_BASE, **{**GEMMA4_CONFIGS, **GEMMA4_PARTS}[name]}
 
 
 def gemma4_weights(cfg: dict, seed: int = 0) -> dict:
+    """As Hugging Face's checkpoints hold them: KV-shared layers keep k_proj,
+    v_proj and k_norm (stock's sanitize drops them), K = V layers have no
+    v_proj, per-layer inputs their embedding, projections and norms."""
     rng = np.random.default_rng(seed)
     D, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    N, P = cfg["num_hidden_layers"], cfg.get("hidden_size_per_layer_input", 0)
+    shared_from = N - cfg.get("num_kv_shared_layers", 0)
     w = {
         "model.embed_tokens.weight": (rng.standard_normal((V, D)) / np.sqrt(D)).astype(
             np.float32
@@ -1296,9 +1328,18 @@ def gemma4_weights(cfg: dict, seed: int = 0) -> dict:
     }
     if not cfg.get("tie_word_embeddings", True):
         w["lm_head.weight"] = _lin(rng, V, D)
+    if P:
+        w["model.embed_tokens_per_layer.weight"] = rng.standard_normal(
+            (cfg["vocab_size_per_layer_input"], N * P)
+        ).astype(np.float32) / np.sqrt(P)
+        w["model.per_layer_model_projection.weight"] = _lin(rng, N * P, D)
+        w["model.per_layer_projection_norm.weight"] = _gain(rng, P)
     for i, kind in enumerate(cfg["layer_types"]):
         p = f"model.layers.{i}"
-        h = cfg["head_dim"] if kind == "sliding_attention" else cfg["global_head_dim"]
+        full = kind != "sliding_attention"
+        h = cfg["global_head_dim"] if full else cfg["head_dim"]
+        k_eq_v = full and cfg.get("attention_k_eq_v") and i < shared_from
+        kv = cfg.get("num_global_key_value_heads") or hkv if k_eq_v else hkv
         for n in (
             "input_layernorm",
             "post_attention_layernorm",
@@ -1306,8 +1347,9 @@ def gemma4_weights(cfg: dict, seed: int = 0) -> dict:
             "post_feedforward_layernorm",
         ):
             w[f"{p}.{n}.weight"] = _gain(rng, D)
-        for n, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
-            w[f"{p}.self_attn.{n}_proj.weight"] = _lin(rng, out, D)
+        for n, out in (("q", hq * h), ("k", kv * h), ("v", kv * h)):
+            if not (n == "v" and k_eq_v):
+                w[f"{p}.self_attn.{n}_proj.weight"] = _lin(rng, out, D)
         # Attention's scale is 1: QK gains far below 1 keep its logits in the
         # range a trained model has (gains of 0.25 to 4 made stock itself
         # move 2e-4 for a 1e-7 change of its weights).
@@ -1316,16 +1358,37 @@ def gemma4_weights(cfg: dict, seed: int = 0) -> dict:
                 np.float32
             )
         w[f"{p}.self_attn.o_proj.weight"] = _lin(rng, D, hq * h)
-        for n, (o, i_) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+        wide = cfg.get("use_double_wide_mlp", True) and i >= shared_from > 0
+        Fi = 2 * F if wide else F
+        for n, (o, i_) in (("gate", (Fi, D)), ("up", (Fi, D)), ("down", (D, Fi))):
             w[f"{p}.mlp.{n}_proj.weight"] = _lin(rng, o, i_)
+        if cfg.get("enable_moe_block"):  # Hugging Face's fused 3-D experts
+            E, Fm = cfg["num_experts"], cfg["moe_intermediate_size"]
+            # A strong router: the experts picked depend on the token.
+            w[f"{p}.router.proj.weight"] = 8 * _lin(rng, E, D)
+            w[f"{p}.router.scale"] = _gain(rng, D)
+            w[f"{p}.router.per_expert_scale"] = _gain(rng, E)
+            gu = np.stack([_lin(rng, 2 * Fm, D) for _ in range(E)])
+            w[f"{p}.experts.gate_up_proj"] = gu
+            w[f"{p}.experts.down_proj"] = np.stack([_lin(rng, D, Fm) for _ in range(E)])
+            for n in (
+                "pre_feedforward_layernorm_2",
+                "post_feedforward_layernorm_1",
+                "post_feedforward_layernorm_2",
+            ):
+                w[f"{p}.{n}.weight"] = _gain(rng, D)
+        if P:
+            w[f"{p}.per_layer_input_gate.weight"] = _lin(rng, P, D)
+            w[f"{p}.per_layer_projection.weight"] = _lin(rng, D, P)
+            w[f"{p}.post_per_layer_input_norm.weight"] = _gain(rng, D)
         w[f"{p}.layer_scalar"] = rng.uniform(0.5, 2.0, size=(1,)).astype(np.float32)
     return w
 
 
 def make_gemma4(
-    path: Path, name: str = "gemma4_tied", seed: int = 0, tokenizer: bool = True
+    path: Path, name: str = "gemma4_tied", seed: int = 0, tokenizer: bool = True, **over
 ) -> Path:
-    cfg = gemma4_config(name)
+    cfg = {**gemma4_config(name), **over}
     return write_model(path, cfg, gemma4_weights(cfg, seed), tokenizer)
 
 

@@ -146,7 +146,7 @@ def norm_sites(model: nn.Module, config: dict, weights: fold.Weights) -> List[No
         if path in pairs:
             sites.append(NormSite(path, tuple(pairs[path])))
         elif path in posts:  # rows of the linear whose output it normalizes
-            rows = (0, weights[f"{posts[path]}.weight"].shape[0])
+            rows = (0, weights[f"{posts[path]}.weight"].shape[-2])
             sites.append(NormSite(path, (posts[path],), rows=rows))
         elif path == arch.final_norm:
             sites.append(NormSite(path, (arch.head,), untie=True))
@@ -192,11 +192,21 @@ def fold_constants(
 
 
 def _fold_rows(weights: fold.Weights, c: mx.array, linear: str, a: int, b: int):
-    """Scale output rows [a, b) of `linear` (heads of width len(c)) by c, per head."""
+    """Scale output rows [a, b) of `linear` (heads of width len(c)) by c, per head;
+    stacked experts' (E, out, in) rows of every expert."""
     out = dict(weights)
+    experts = weights[linear + ".weight"].ndim == 3
     for suffix in (".weight", ".bias"):
         w = weights.get(linear + suffix)
         if w is None:
+            continue
+        if experts:  # rows on axis 1 of the weight (E, out, in) and bias (E, out)
+            part = w[:, a:b].astype(mx.float32)
+            c_rows = mx.tile(c, (part.shape[1] // c.shape[0],))
+            part = part * c_rows.reshape(1, -1, *[1] * (w.ndim - 2))
+            out[linear + suffix] = mx.concatenate(
+                [w[:, :a], part.astype(w.dtype), w[:, b:]], axis=1
+            )
             continue
         part = w[a:b].astype(mx.float32)
         shape = part.shape

@@ -46,7 +46,7 @@ def is_covered(config: dict) -> bool:
 
 def uncovered_why(config: dict) -> Optional[str]:
     """What of a config its family's file does not fold yet (the file's
-    `uncovered(config)`, e.g. Gemma 4's per-layer inputs), None otherwise."""
+    `uncovered(config)`, where it has one), None otherwise."""
     mt = config.get("model_type")
     if mt not in ARCHITECTURES:
         return None

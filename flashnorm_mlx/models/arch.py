@@ -23,7 +23,10 @@ Beyond the Llama shape (docs/design.md section 2h), an architecture states:
 - `mixers` and `layer_kind`: a hybrid family's token mixers (attention, gated
   attention, gated DeltaNet, short convolution), each with the pair its norm
   feeds and the gated norm that closes it, and which one layer i holds;
-  `layer_pairs(config, i)` is that layer's pairs (docs/design.md section 2k).
+  `layer_pairs(config, i)` is that layer's pairs (docs/design.md section 2k);
+- `pairs_of`: layer i's pairs where layers of one family differ in what their
+  norms feed (Gemma 4's K = V and KV-shared attention, its MoE layers);
+  `more_post_norms`: post-norms a config adds (Gemma 4's per-layer inputs).
 The block and sublayer names (`norms`, `attention`, `feed_forward`) come from
 `pairs`, so the shared decoder (models/decoder.py) and sharding read them here.
 """
@@ -226,6 +229,11 @@ class Architecture:
     # pair), and the kind of layer i from the config.
     mixers: Tuple[Mixer, ...] = ()
     layer_kind: Optional[Callable[[dict, int], str]] = None
+    # Layer i's pairs from the config, where they differ by layer (Gemma 4).
+    pairs_of: Optional[Callable[[dict, int], Tuple[NormPair, ...]]] = None
+    # Post-norms a config adds to `post_norms` ({norm: the linear before}, full
+    # paths: Gemma 4's per-layer inputs), for nonorm's constants.
+    more_post_norms: Optional[Callable[[dict], Dict[str, str]]] = None
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -246,6 +254,8 @@ class Architecture:
 
     def layer_pairs(self, config: dict, i: int) -> Tuple[NormPair, ...]:
         """Layer i's pairs: its mixer's, then the feed-forward's."""
+        if self.pairs_of is not None:
+            return self.pairs_of(config, i)
         if not self.mixers:
             return self.pairs
         return (self.mixer(config, i).pair, *self.pairs[1:])
@@ -311,11 +321,12 @@ class Architecture:
 
     def post_norm_paths(self, config: dict) -> Dict[str, str]:
         """{post-norm: the linear whose output it normalizes}, every layer's."""
-        return {
+        out = {
             f"{p}.{post.norm}": f"{p}.{post.after}"
             for p in self.layer_prefixes(config)
             for post in self.post_norms
         }
+        return {**out, **(self.more_post_norms(config) if self.more_post_norms else {})}
 
     def norm_pairs(self, config: dict, weights: Dict) -> List[Tuple[str, List[str]]]:
         """(norm, [linears it feeds]) for every foldable norm, final one included

@@ -106,6 +106,14 @@ class DecoderModel(nn.Module):
         self.ssm_idx = next((i for i, l in enumerate(layers) if l.RECURRENT), None)
 
     def __call__(self, inputs, cache=None, input_embeddings=None):
+        h = self.embed(inputs, input_embeddings)
+        cache = cache or [None] * len(self.layers)
+        masks = self.masks(h, cache)
+        gain = self.final_gain()
+        return run_blocks(self.layers, h, self.args.rms_norm_eps, masks, cache, gain)
+
+    def embed(self, inputs, input_embeddings=None):
+        """The first block's input (B, L, D): embeddings, scaled where `embed_scale`."""
         h = (
             input_embeddings
             if input_embeddings is not None
@@ -116,7 +124,15 @@ class DecoderModel(nn.Module):
             if self.ROUND_EMBED_SCALE:
                 scale = mx.array(scale, mx.bfloat16).astype(h.dtype)
             h = h * scale
-        cache = cache or [None] * len(self.layers)
+        return h
+
+    def final_gain(self):
+        """The final norm's gain, None where it is folded into an untied head."""
+        return self.norm.gain(self.arch.gain_offset) if "norm" in self else None
+
+    def masks(self, h, cache) -> list:
+        """Each layer's mask: full, sliding-window or recurrent, each made once
+        from the first such layer's cache."""
         fa_mask = create_attention_mask(h, cache[self.fa_idx])
         swa_mask = None
         if self.swa_idx is not None:
@@ -126,12 +142,10 @@ class DecoderModel(nn.Module):
         ssm_mask = None
         if self.ssm_idx is not None:  # recurrent mixers' padding mask (mlx-lm's)
             ssm_mask = create_ssm_mask(h, cache[self.ssm_idx])
-        masks = [
+        return [
             ssm_mask if l.RECURRENT else swa_mask if l.use_sliding else fa_mask
             for l in self.layers
         ]
-        gain = self.norm.gain(self.arch.gain_offset) if "norm" in self else None
-        return run_blocks(self.layers, h, self.args.rms_norm_eps, masks, cache, gain)
 
 
 class Decoder(nn.Module):

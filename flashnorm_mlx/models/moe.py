@@ -28,8 +28,9 @@ class SwitchGLU(nn.Module):
     scale applied in the GLU kernel: (xs, ms, indices) -> (B, L, k, D), which
     owes the factor s = deferred_scale(ms) of each token."""
 
-    def __init__(self, dims: int, hidden: int, num_experts: int):
+    def __init__(self, dims: int, hidden: int, num_experts: int, activation="silu"):
         super().__init__()
+        self.activation = activation  # the GLU's gate activation (Gemma 4: gelu_tanh)
         self.gate_up_proj = SwitchLinear(dims, 2 * hidden, num_experts, bias=False)
         self.down_proj = SwitchLinear(hidden, dims, num_experts, bias=False)
 
@@ -58,7 +59,7 @@ class SwitchGLU(nn.Module):
         """act(s * gate) * up of each (token, expert) row; up's s is owed."""
         n = ms_rows.size  # rows of (token, expert): the GLU kernel's (1, n, .) view
         act = kernels.deferred_glu(
-            gu.reshape(1, n, gu.shape[-1]), ms_rows.reshape(1, n, 1)
+            gu.reshape(1, n, gu.shape[-1]), ms_rows.reshape(1, n, 1), self.activation
         )
         return act.reshape(*gu.shape[:-1], gu.shape[-1] // 2)
 

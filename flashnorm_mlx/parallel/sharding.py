@@ -192,16 +192,20 @@ def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
     hq, hkv = (getattr(attn, c) for c in counts)
     mine = split_heads(hq, hkv, group.size(), where)[group.rank()]
     fused = "qkv_proj" in attn
+    # Row blocks of k and v heads after q's: 2, or Gemma 4's K = V layer's 1
+    # (k alone) and KV-shared layer's 0 (q alone: it reads the same kv heads
+    # of its source layer, split alike).
+    kv_sets = getattr(attn, "kv_row_sets", 2)
     if fused:  # (rows are output features, quantized or not)
-        h = attn.qkv_proj.weight.shape[0] // (hq + 2 * hkv)
+        h = attn.qkv_proj.weight.shape[0] // (hq + kv_sets * hkv)
     else:  # mlx-lm's Qwen2 keeps no head_dim
         h = getattr(attn, "head_dim", None) or attn.q_proj.weight.shape[0] // hq
     q = [(mine.q0 * h, mine.q1 * h)]
     kv = [(mine.k0 * h, mine.k1 * h)]
     if fused:  # rows [q heads | k heads | v heads]
         k_at, v_at = hq * h, (hq + hkv) * h
-        rows = q + [(a + k_at, b + k_at) for a, b in kv]
-        rows += [(a + v_at, b + v_at) for a, b in kv]
+        rows = q + ([(a + k_at, b + k_at) for a, b in kv] if kv_sets > 0 else [])
+        rows += [(a + v_at, b + v_at) for a, b in kv] if kv_sets > 1 else []
         attn.qkv_proj = take_rows(attn.qkv_proj, rows)
         if "qkv_bias" in attn:
             attn.qkv_bias = _cut(attn.qkv_bias, rows)
