@@ -124,6 +124,8 @@ class MoE:
     count_key: str = "num_experts"  # config key: number of experts
     # mlx-lm's quant_predicate for the router (qwen3_moe: 8 bits, groups of 64).
     router_quant: Optional[Tuple[int, int]] = None  # (bits, group_size)
+    # mlx-lm's router is no Linear (GLM's MoEGate), so its -q leaves it float.
+    router_float: bool = False
     # llama.cpp's names of the router and the stacked experts' fed and down
     # linears, in that order ((E, out, in) as ours); () where no GGUF has them.
     gguf: Tuple[str, ...] = ()
