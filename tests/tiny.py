@@ -491,13 +491,22 @@ def make_smollm3(
 
 def quantized(source, bits: int = 4, group_size: int = 32):
     """`source` (a loading.Source) stored pre-quantized: every 2-D weight whose
-    width the group size divides as (weight, scales, biases), the config with
-    its quantization block."""
+    width the group size divides as (weight, scales, biases), but a router
+    mlx-lm keeps float (GLM's), the config with its quantization block."""
+    from flashnorm_mlx import models
     from flashnorm_mlx.loading import Source
 
+    moe = (
+        models.architecture(source.config).moe
+        if models.is_covered(source.config)
+        else None
+    )
+    kept = f".{moe.router}.weight" if moe and moe.router_float else None
     w = {}
     for k, v in source.weights.items():
-        if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group_size == 0:
+        if kept and k.endswith(kept):
+            w[k] = v
+        elif k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group_size == 0:
             m = k[: -len(".weight")]
             w[k], w[f"{m}.scales"], w[f"{m}.biases"] = mx.quantize(
                 mx.array(v), group_size=group_size, bits=bits
