@@ -153,6 +153,19 @@ def test_every_tokens_experts_are_stocks_at_every_step(source, stock_q4, quantiz
         assert moved, "the correction bias changes no pick"
 
 
+def test_the_correction_bias_stays_float32_in_bfloat16_as_stocks(source):
+    """mlx-lm keeps `e_score_correction_bias` float32 whatever the dtype (its
+    cast_predicate; rounded to bfloat16 it would move picks): built in
+    bfloat16, ours and stock hold it float32, every weight else bfloat16."""
+    for mode in ("stock", "flashnorm"):
+        model, _ = build_model(source, mode, dtype=mx.bfloat16)
+        dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
+        bias = {k: d for k, d in dtypes.items() if "e_score" in k}
+        rest = {d for k, d in dtypes.items() if "e_score" not in k}
+        assert bias and set(bias.values()) == {mx.float32}, (mode, bias)
+        assert rest == {mx.bfloat16}, (mode, rest)
+
+
 def test_hugging_face_files_read_as_mlx_lm_reads_them(source):
     """The tiny folders are Hugging Face's layout (per-expert files, an MTP
     layer): ours and our stock against mlx-lm's own `load_model`."""

@@ -23,7 +23,9 @@ Beyond the Llama shape (docs/design.md section 2h), an architecture states:
 - `mixers` and `layer_kind`: a hybrid family's token mixers (attention, gated
   attention, gated DeltaNet, short convolution), each with the pair its norm
   feeds and the gated norm that closes it, and which one layer i holds;
-  `layer_pairs(config, i)` is that layer's pairs (docs/design.md section 2k).
+  `layer_pairs(config, i)` is that layer's pairs (docs/design.md section 2k);
+- `uncast`: tensors kept float32 whatever the dtype, as stock's
+  `cast_predicate` keeps them (GLM's correction bias, section 2n).
 The block and sublayer names (`norms`, `attention`, `feed_forward`) come from
 `pairs`, so the shared decoder (models/decoder.py) and sharding read them here.
 """
@@ -228,6 +230,9 @@ class Architecture:
     # pair), and the kind of layer i from the config.
     mixers: Tuple[Mixer, ...] = ()
     layer_kind: Optional[Callable[[dict, int], str]] = None
+    # Name endings of tensors stock never casts to the run's dtype (its
+    # `cast_predicate`; GLM's correction bias: picks at float32's resolution).
+    uncast: Tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:

@@ -17,6 +17,7 @@ The multi-token-prediction layer of the checkpoints is dropped, as stock does.
 """
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 from typing import Optional
 
@@ -47,6 +48,7 @@ ARCH = dataclasses.replace(
     ),
     gguf=None,
     cannot=(("gguf", "llama.cpp's glm4moe files are not read yet"),),
+    uncast=(".e_score_correction_bias",),  # float32 in any dtype, as stock's
 )
 
 
@@ -62,11 +64,18 @@ def canonical(config: dict, weights: dict) -> dict:
     return {k: v for k, v in weights.items() if not mtp(k)}
 
 
-@mx.compile
+def bias_over_s(qkv, ms, bias):
+    """qkv + bias / s, so that the QK-norm form's s * (qkv + bias / s) is
+    stock's s * qkv + b (2n): one launch, any length (float16: plain ops,
+    1/s = p * sqrt(ms) with the prescale p of 2g)."""
+    if qkv.dtype == mx.float16:
+        return (qkv + bias / kernels.deferred_scale(ms, qkv.dtype)).astype(qkv.dtype)
+    return _bias_over_s(qkv, ms, bias)
+
+
+@functools.partial(mx.compile, shapeless=True)
 def _bias_over_s(qkv, ms, bias):
-    # qkv + bias / s: the QK-norm form's s * (qkv + bias / s) = stock's s * qkv + b.
-    s = kernels.deferred_scale(ms, qkv.dtype)
-    return (qkv + bias / s).astype(qkv.dtype)
+    return (qkv + bias * mx.sqrt(ms)).astype(qkv.dtype)
 
 
 class Attention(llama.Attention):
@@ -91,7 +100,7 @@ class Attention(llama.Attention):
         and v' = s * (v + b / s) is stock's v."""
         qkv = self.qkv_proj(xs)
         if "q_norm" in self and "qkv_bias" in self:
-            qkv = _bias_over_s(qkv, ms, self.qkv_bias)
+            qkv = bias_over_s(qkv, ms, self.qkv_bias)
         return kernels.qkv_epilogue(qkv, ms, offset, self.epilogue())
 
     def epilogue_args(self) -> kernels.Epilogue:
