@@ -153,6 +153,14 @@ def test_every_tokens_experts_are_stocks_at_every_step(source, stock_q4, quantiz
         assert moved, "the correction bias changes no pick"
 
 
+def test_without_shared_experts_it_runs_as_stock():
+    from flashnorm_mlx import models
+
+    assert models.is_covered(tiny.glm4_moe_config())
+    config = tiny.glm4_moe_config(n_shared_experts=None)
+    assert not models.is_covered(config) and "shared" in models.stock_note(config)
+
+
 def test_the_correction_bias_stays_float32_in_bfloat16_as_stocks(source):
     """mlx-lm keeps `e_score_correction_bias` float32 whatever the dtype (its
     cast_predicate; rounded to bfloat16 it would move picks): built in

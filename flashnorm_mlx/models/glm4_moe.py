@@ -52,6 +52,14 @@ ARCH = dataclasses.replace(
 )
 
 
+def uncovered(config: dict) -> Optional[str]:
+    """GLM without shared experts (never shipped; its routed layers' sum would
+    miss the shared GLU this file always builds) runs as stock, with a note."""
+    if config.get("n_routed_experts") and not config.get("n_shared_experts"):
+        return "glm4_moe without shared experts"
+    return None
+
+
 def canonical(config: dict, weights: dict) -> dict:
     """`weights` without the multi-token-prediction layers (index
     num_hidden_layers and up), which mlx-lm's sanitize drops."""
