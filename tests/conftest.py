@@ -231,7 +231,7 @@ FILE_S = {  # summed --durations=0, 2 workers, quiet, fresh clone, 2026-11-28
     "test_serve_page_chat.py": 48,
     "test_serve.py": 45,
     "test_moe.py": 41,
-    "test_glm4_moe.py": 47,  # CPU s, file alone, fresh TMPDIR, 2026-12-06
+    "test_glm4_moe.py": 60,  # file alone, fresh TMPDIR, load 4-5, 2026-12-06
     "test_decoding.py": 31,
     "test_serve_guard.py": 29,
     "test_serve_load.py": 26,
