@@ -25,7 +25,7 @@ Beyond the Llama shape (docs/design.md section 2h), an architecture states:
   feeds and the gated norm that closes it, and which one layer i holds;
   `layer_pairs(config, i)` is that layer's pairs (docs/design.md section 2k);
 - `uncast`: tensors kept float32 whatever the dtype, as stock's
-  `cast_predicate` keeps them (GLM's correction bias, section 2n).
+  `cast_predicate` keeps them (GLM's correction bias, section 2o).
 The block and sublayer names (`norms`, `attention`, `feed_forward`) come from
 `pairs`, so the shared decoder (models/decoder.py) and sharding read them here.
 """

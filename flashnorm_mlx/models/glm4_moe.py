@@ -1,6 +1,6 @@
 """FlashNorm GLM-4.5 and GLM-4.6 (`glm4_moe`), as mlx-lm's `glm4_moe` runs them.
 
-Llama's blocks (models/llama.py) with, per layer (docs/design.md section 2n):
+Llama's blocks (models/llama.py) with, per layer (docs/design.md section 2o):
 - attention: q|k|v in one matmul with its bias, then the epilogue: the bias
   added after s (2c); with `use_qk_norm`, Qwen3's QK-norm form (2d), the bias
   then entering as b / s before it so that s still cancels; mlx-lm's plain
@@ -74,7 +74,7 @@ def canonical(config: dict, weights: dict) -> dict:
 
 def bias_over_s(qkv, ms, bias):
     """qkv + bias / s, so that the QK-norm form's s * (qkv + bias / s) is
-    stock's s * qkv + b (2n): one launch, any length (float16: plain ops,
+    stock's s * qkv + b (2o): one launch, any length (float16: plain ops,
     1/s = p * sqrt(ms) with the prescale p of 2g)."""
     if qkv.dtype == mx.float16:
         return (qkv + bias / kernels.deferred_scale(ms, qkv.dtype)).astype(qkv.dtype)
@@ -103,7 +103,7 @@ class Attention(llama.Attention):
         return nn.RoPE(dims, traditional=False, base=args.rope_theta)
 
     def heads(self, xs, ms, offset):
-        """A bias before the QK-norm enters as bias / s (2n): the epilogue's
+        """A bias before the QK-norm enters as bias / s (2o): the epilogue's
         QK-norm of qkv + b / s with eps * ms is stock's rms_norm(s * qkv + b),
         and v' = s * (v + b / s) is stock's v."""
         qkv = self.qkv_proj(xs)
