@@ -203,8 +203,9 @@ def test_fold_twice_equals_fold_once_and_compat_loads_in_mlx_lm(source, tmp_path
 def test_the_reference_sees_what_glm_must_get_right(tmp_path, monkeypatch):
     """Each break, made on purpose, moves the logits far past the tolerance:
     the router's s applied after the sigmoid, the correction bias in the
-    experts' weights, the shared experts run without s, and the partial
-    rotary's pass-through dims rotated."""
+    experts' weights, the shared experts run without s, the partial
+    rotary's pass-through dims rotated, and the bias before the QK-norm added
+    as b where the QK-norm form needs b / s."""
     srcs = {n: _source(tmp_path, n) for n in NAMES}
     x = mx.array([PROMPT * 2])
     want = {n: build_model(s, "stock", dtype=mx.float32)[0](x) for n, s in srcs.items()}
@@ -238,6 +239,10 @@ def test_the_reference_sees_what_glm_must_get_right(tmp_path, monkeypatch):
         return nn.RoPE(h, traditional=False, base=args.rope_theta)
 
     A = glm4_moe.Attention
+
+    def plain_bias(qkv, ms, bias):
+        return qkv + bias
+
     errs = {
         "the router's s after the sigmoid": err(
             "glm4_moe_plain", lambda m: m.setattr(G, "route", router_after)
@@ -250,6 +255,9 @@ def test_the_reference_sees_what_glm_must_get_right(tmp_path, monkeypatch):
         ),
         "pass-through dims rotated": err(
             "glm4_moe", lambda m: m.setattr(A, "make_rope", full_rotary)
+        ),
+        "bias before the QK-norm without 1/s": err(
+            "glm4_moe", lambda m: m.setattr(glm4_moe, "bias_over_s", plain_bias)
         ),
     }
     print(errs)
