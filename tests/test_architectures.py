@@ -58,6 +58,7 @@ CONFIGS = (
     + [("qwen3_next", c, tiny.make_qwen3_next) for c in ("untied", "tied")]
     + [("lfm2", c, tiny.make_lfm2) for c in tiny.LFM2_CONFIGS]
     + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
+    + [("glm4_moe", c, tiny.make_glm4_moe) for c in tiny.GLM4_MOE_CONFIGS]
     + [("gemma4_text", c, tiny.make_gemma4) for c in tiny.GEMMA4_CONFIGS]
 )
 
@@ -140,6 +141,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         (tiny.make_qwen3_next, "untied", False),
         (tiny.make_lfm2, "lfm2", False),
         (tiny.make_lfm2_moe, "lfm2_moe", False),
+        (tiny.make_glm4_moe, "glm4_moe", False),
     ],
     ids=[
         "llama",
@@ -155,6 +157,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         "qwen3_next",
         "lfm2",
         "lfm2_moe",
+        "glm4_moe",
     ],
 )
 def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
@@ -181,5 +184,7 @@ def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
         len([p for p in arch.layer_pairs(config, i) if len(p.parts) > 1])
         for i in range(len(stock.layers))
     )
-    want = {tiny.make_qwen3_5_moe: 12, tiny.make_qwen3_next: 11}.get(make, want)
+    # Beside its pairs, an MoE layer stacks its experts' and shared experts' gate|up.
+    moe = {tiny.make_qwen3_5_moe: 12, tiny.make_qwen3_next: 11, tiny.make_glm4_moe: 8}
+    want = moe.get(make, want)
     assert len(stacked) == want, stacked

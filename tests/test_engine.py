@@ -37,6 +37,7 @@ CONFIGS = (
     + [("qwen3_next", c, tiny.make_qwen3_next) for c in ("untied", "tied")]
     + [("lfm2", c, tiny.make_lfm2) for c in tiny.LFM2_CONFIGS]
     + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
+    + [("glm4_moe", c, tiny.make_glm4_moe) for c in tiny.GLM4_MOE_CONFIGS]
     + [("gemma4_text", c, tiny.make_gemma4) for c in tiny.GEMMA4_CONFIGS]
 )
 EVERY_CONFIG = pytest.mark.parametrize(

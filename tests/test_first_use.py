@@ -58,7 +58,7 @@ FAMILY.update({"mixtral": "Mixtral", "gpt_oss": "gpt-oss"})
 FAMILY.update({"ministral3": "Ministral 3", "qwen3_5": "Qwen3.5"})
 FAMILY.update({"qwen3_5_moe": "Qwen3.5", "qwen3_next": "Qwen3-Next"})
 FAMILY.update({"lfm2": "LFM2", "lfm2_moe": "LFM2-MoE"})
-FAMILY.update({"gemma4_text": "Gemma 4"})
+FAMILY.update({"gemma4_text": "Gemma 4", "glm4_moe": "GLM-4.5"})
 
 
 def test_summary_and_docstring_name_every_family():

@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "qwen3_next": lambda p: tiny.make_qwen3_next(p, "untied", hf=True),
     "lfm2": lambda p: tiny.make_lfm2(p, "lfm2"),
     "lfm2_moe": lambda p: tiny.make_lfm2_moe(p, "lfm2_moe"),
+    "glm4_moe": lambda p: tiny.make_glm4_moe(p, "glm4_moe"),
 }
 
 # (quantized source?, build_model/convert flags)

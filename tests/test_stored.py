@@ -45,6 +45,7 @@ ARCHS = {
     "qwen3_next": (tiny.make_qwen3_next, "untied"),
     "lfm2-bias": (tiny.make_lfm2, "lfm2_bias"),
     "lfm2_moe": (tiny.make_lfm2_moe, "lfm2_moe"),
+    "glm4_moe": (tiny.make_glm4_moe, "glm4_moe"),
 }
 
 
@@ -169,6 +170,8 @@ def _fused_name(key, params):
         ("switch_mlp.up_proj", "switch_mlp.gate_up_proj"),
         ("shared_expert.gate_proj", "shared_expert.gate_up_proj"),
         ("shared_expert.up_proj", "shared_expert.gate_up_proj"),
+        ("shared_experts.gate_proj", "shared_experts.gate_up_proj"),  # GLM's
+        ("shared_experts.up_proj", "shared_experts.gate_up_proj"),
         ("mlp.shared_expert_gate", "mlp.gate"),
         # LFM2's names (models/lfm2.py `_OURS`): w1|w3 fused, w2 and out_proj renamed.
         ("feed_forward.w1", "feed_forward.gate_up_proj"),

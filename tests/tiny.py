@@ -491,13 +491,22 @@ def make_smollm3(
 
 def quantized(source, bits: int = 4, group_size: int = 32):
     """`source` (a loading.Source) stored pre-quantized: every 2-D weight whose
-    width the group size divides as (weight, scales, biases), the config with
-    its quantization block."""
+    width the group size divides as (weight, scales, biases), but a router
+    mlx-lm keeps float (GLM's), the config with its quantization block."""
+    from flashnorm_mlx import models
     from flashnorm_mlx.loading import Source
 
+    moe = (
+        models.architecture(source.config).moe
+        if models.is_covered(source.config)
+        else None
+    )
+    kept = f".{moe.router}.weight" if moe and moe.router_float else None
     w = {}
     for k, v in source.weights.items():
-        if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group_size == 0:
+        if kept and k.endswith(kept):
+            w[k] = v
+        elif k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group_size == 0:
             m = k[: -len(".weight")]
             w[k], w[f"{m}.scales"], w[f"{m}.biases"] = mx.quantize(
                 mx.array(v), group_size=group_size, bits=bits
@@ -1438,6 +1447,56 @@ GEMMA4_GGUF_CONFIGS = {
 }
 
 
+# --- GLM-4.5/4.6 (glm4_moe): biases, QK-norm, partial RoPE, grouped sigmoid experts ---
+
+GLM4_MOE = dict(
+    model_type="glm4_moe",
+    architectures=["Glm4MoeForCausalLM"],
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=64,  # two groups of 32: a 4-bit down splits over 2 ranks
+    max_position_embeddings=512,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    partial_rotary_factor=0.5,  # half of each head rotated, as GLM-4.5
+    attention_bias=True,
+    use_qk_norm=True,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    num_nextn_predict_layers=1,
+    rms_norm_eps=0.05,  # large: the QK-norm epsilon adjustment must matter
+    rope_theta=1e6,
+    rope_scaling=None,
+    tie_word_embeddings=False,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+)
+GLM4_MOE_CONFIGS = {
+    # QK-norm beside the q|k|v bias, experts in two groups (one kept per token),
+    # a dense first layer.
+    "glm4_moe": {},
+    # No QK-norm, one group, 6 experts, two dense layers, wider heads.
+    "glm4_moe_plain": dict(
+        use_qk_norm=False,
+        n_group=1,
+        n_routed_experts=6,
+        first_k_dense_replace=2,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        routed_scaling_factor=1.0,
+    ),
+}
+
+
 def gemma4_gguf_config(name: str) -> dict:
     cfg = {**GEMMA4_BASE, **GEMMA4_GGUF_CONFIGS[name]}
     cfg.setdefault("use_double_wide_mlp", False)
@@ -1486,3 +1545,72 @@ def gemma4_hf_weights(cfg: dict, seed: int = 0) -> dict:
 def make_gemma4_gguf_source(path: Path, name: str, seed: int = 0) -> Path:
     cfg = gemma4_gguf_config(name)
     return write_model(path, cfg, gemma4_hf_weights(cfg, seed), tokenizer=False)
+
+
+def glm4_moe_config(name: str = "glm4_moe", **over) -> dict:
+    return {**GLM4_MOE, **GLM4_MOE_CONFIGS[name], **over}
+
+
+def make_glm4_moe(
+    path: Path, name: str = "glm4_moe", seed: int = 0, tokenizer: bool = True, **over
+) -> Path:
+    """As GLM-4.5's Hugging Face files: per-expert gate/up/down (mlx-lm's
+    sanitize stacks them), `mlp.gate.e_score_correction_bias` of the sigmoid
+    scores' own size (so it changes picks), q|k|v biases of either sign and
+    size ~1, a multi-token-prediction layer at index num_hidden_layers (stock
+    drops it), every norm gain in [0.25, 4] (QK-norms' too), routers with
+    large weights (routing visibly depends on the token)."""
+    cfg = glm4_moe_config(name, **over)
+    rng = np.random.default_rng(seed + 7)
+    D, V, h = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
+    hq, hkv, E = (
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["n_routed_experts"],
+    )
+    F, Fd = cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    Fs = F * cfg["n_shared_experts"]
+    w = {
+        "model.embed_tokens.weight": rng.standard_normal((V, D)).astype(np.float32),
+        "model.norm.weight": _gain(rng, D),
+        "lm_head.weight": _lin(rng, V, D),
+    }
+
+    def glu(m, hidden):
+        for n, (o, i_) in (
+            ("gate", (hidden, D)),
+            ("up", (hidden, D)),
+            ("down", (D, hidden)),
+        ):
+            w[f"{m}.{n}_proj.weight"] = _lin(rng, o, i_)
+
+    n = cfg["num_hidden_layers"]
+    for i in range(n + cfg["num_nextn_predict_layers"]):
+        p = f"model.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = _gain(rng, D)
+        w[f"{p}.post_attention_layernorm.weight"] = _gain(rng, D)
+        a = f"{p}.self_attn"
+        for proj, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
+            w[f"{a}.{proj}_proj.weight"] = _lin(rng, out, D)
+            sign = rng.choice([-1.0, 1.0], size=out)
+            w[f"{a}.{proj}_proj.bias"] = (sign * rng.uniform(0.5, 2.0, out)).astype(
+                np.float32
+            )
+        w[f"{a}.o_proj.weight"] = _lin(rng, D, hq * h)
+        if cfg["use_qk_norm"]:
+            w[f"{a}.q_norm.weight"] = _gain(rng, h)
+            w[f"{a}.k_norm.weight"] = _gain(rng, h)
+        if i < cfg["first_k_dense_replace"]:
+            glu(f"{p}.mlp", Fd)
+            continue
+        w[f"{p}.mlp.gate.weight"] = 4 * _lin(rng, E, D)
+        bias = rng.uniform(-0.3, 0.3, E).astype(np.float32)
+        w[f"{p}.mlp.gate.e_score_correction_bias"] = bias
+        for e in range(E):
+            glu(f"{p}.mlp.experts.{e}", F)
+        glu(f"{p}.mlp.shared_experts", Fs)
+        if i == n:  # the MTP layer's own tensors
+            w[f"{p}.eh_proj.weight"] = _lin(rng, D, 2 * D)
+            for norm in ("enorm", "hnorm", "shared_head.norm"):
+                w[f"{p}.{norm}.weight"] = _gain(rng, D)
+    return write_model(path, cfg, w, tokenizer)

@@ -33,10 +33,8 @@ def _usage() -> str:
     )
     lines.append("gemma4_text,")
     lines.append("the hybrids qwen3_5, qwen3_5_moe, qwen3_next, lfm2 and lfm2_moe and")
-    lines.append(
-        "the mixtures of experts qwen3_moe, mixtral and gpt_oss; every other model"
-    )
-    lines.append("mlx-lm loads runs as stock (mlx-lm's own class).")
+    lines.append("the mixtures of experts qwen3_moe, mixtral, gpt_oss and glm4_moe;")
+    lines.append("every other model mlx-lm loads runs as stock (mlx-lm's own class).")
     lines.append("MODEL defaults to the embedded SmolLM2-135M-Instruct (4-bit GGUF).")
     lines.append("")
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]

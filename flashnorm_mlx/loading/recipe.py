@@ -64,6 +64,8 @@ class Recipe:
         self.as_stored = plan.as_stored
         self.out_dtype, self.qspec = plan.dtype, plan.qspec
         self._cast = not (output and self.as_stored)
+        covered = models.is_covered(config)
+        self._uncast = models.architecture(config).uncast if covered else ()
         self._stock = None  # what calibration runs
         if fold.is_folded(config):  # cast, quantized or dequantized, never folded
             self._refolded(plan, keep_norms or compat, compat if output else None)
@@ -117,7 +119,13 @@ class Recipe:
             k[: -len(".weight")] for k in self.order if _is_matrix(k, out[k])
         ]
         self.small = {
-            k: self._out(out[k]) for k in self.order if not _is_matrix(k, out[k])
+            k: (
+                out[k]
+                if self._uncast and k.endswith(self._uncast)
+                else self._out(out[k])
+            )
+            for k in self.order
+            if not _is_matrix(k, out[k])
         }
 
     def _out(self, v: mx.array) -> mx.array:

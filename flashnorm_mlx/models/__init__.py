@@ -18,6 +18,7 @@ from .arch import Architecture
 ARCHITECTURES = {
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4_text",
+    "glm4_moe": "glm4_moe",
     "gpt_oss": "gpt_oss",
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2_moe",

@@ -27,6 +27,8 @@ Beyond the Llama shape (docs/design.md section 2h), an architecture states:
 - `pairs_of`: layer i's pairs where layers of one family differ in what their
   norms feed (Gemma 4's K = V and KV-shared attention, its MoE layers);
   `more_post_norms`: post-norms a config adds (Gemma 4's per-layer inputs).
+- `uncast`: tensors kept float32 whatever the dtype, as stock's
+  `cast_predicate` keeps them (GLM's correction bias, section 2o).
 The block and sublayer names (`norms`, `attention`, `feed_forward`) come from
 `pairs`, so the shared decoder (models/decoder.py) and sharding read them here.
 """
@@ -127,6 +129,8 @@ class MoE:
     count_key: str = "num_experts"  # config key: number of experts
     # mlx-lm's quant_predicate for the router (qwen3_moe: 8 bits, groups of 64).
     router_quant: Optional[Tuple[int, int]] = None  # (bits, group_size)
+    # mlx-lm's router is no Linear (GLM's MoEGate), so its -q leaves it float.
+    router_float: bool = False
     # llama.cpp's names of the router and the stacked experts' fed and down
     # linears, in that order ((E, out, in) as ours); () where no GGUF has them.
     gguf: Tuple[str, ...] = ()
@@ -234,6 +238,9 @@ class Architecture:
     # Post-norms a config adds to `post_norms` ({norm: the linear before}, full
     # paths: Gemma 4's per-layer inputs), for nonorm's constants.
     more_post_norms: Optional[Callable[[dict], Dict[str, str]]] = None
+    # Name endings of tensors stock never casts to the run's dtype (its
+    # `cast_predicate`; GLM's correction bias: picks at float32's resolution).
+    uncast: Tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:

@@ -132,7 +132,8 @@ def hessians(
     for norm, linears in fold.norm_pairs(config, weights):
         gain = arch.folded_gain(config, norm, weights[f"{norm}.weight"])
         inv = 1.0 / gain.astype(mx.float32)
-        for linear in linears:
+        # A linear stock holds as no Linear (GLM's router) has none: kept float.
+        for linear in (lin for lin in linears if lin in out):
             out[linear] = out[linear] * inv[:, None] * inv[None, :]
     return out
 

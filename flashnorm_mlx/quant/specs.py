@@ -95,7 +95,9 @@ def uniform_qspec(
         if w % group_size == 0
     }
     router = _router_quant(config)
-    if router:
+    if router and router[0] is None:  # a router mlx-lm keeps float
+        qspec = {m: q for m, q in qspec.items() if not m.endswith(router[2])}
+    elif router:
         r_bits, r_group, names = router
         for m, w in widths.items():
             if m.endswith(names) and w % r_group == 0:
@@ -117,7 +119,8 @@ def uniform_qspec(
 
 def _router_quant(config: Optional[dict]):
     """(bits, group_size, (".router name", a shared expert's ".gate name")) of
-    a mixture-of-experts router, as mlx-lm's quant_predicate sets it, or None."""
+    a mixture-of-experts router, as mlx-lm's quant_predicate sets it (bits
+    None: it keeps the router float), or None."""
     if not config:
         return None
     from .. import models
@@ -126,10 +129,11 @@ def _router_quant(config: Optional[dict]):
         moe = models.architecture(config).moe
     except Exception:  # not a model this package builds: no router to set
         return None
-    if moe is None or moe.router_quant is None:
+    if moe is None or (moe.router_quant is None and not moe.router_float):
         return None
     gates = (moe.router,) + ((moe.shared_gate,) if moe.shared_gate else ())
-    return (*moe.router_quant, tuple(f".{g}" for g in gates))
+    bits = (None, None) if moe.router_float else moe.router_quant
+    return (*bits, tuple(f".{g}" for g in gates))
 
 
 def source_qspec(weights: Weights, config: dict) -> dict:

@@ -1,0 +1,346 @@
+"""GLM-4.5/4.6 (models/glm4_moe.py) against mlx-lm's own `glm4_moe` class on
+the same weights.
+
+Tiny random models (tests/tiny.py `make_glm4_moe`) as Hugging Face writes
+GLM-4.5: per-expert gate/up/down, a multi-token-prediction layer past the
+last, q|k|v biases of either sign and size ~1, every norm gain in [0.25, 4]
+(QK-norms' too), routers with large weights and a correction bias that
+changes picks:
+- `glm4_moe`: QK-norm beside the biases, 8 experts in 2 groups (1 kept per
+  token), one dense layer, a large epsilon;
+- `glm4_moe_plain`: no QK-norm, one group, 6 experts, two dense layers.
+Every token's experts are compared with stock's at every step.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+
+from flashnorm_mlx import fold, kernels, speed
+from flashnorm_mlx.checkpoint import convert
+from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.models import glm4_moe
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
+NAMES = list(tiny.GLM4_MOE_CONFIGS)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def folder(request, tmp_path_factory):
+    return tiny.make_glm4_moe(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def source(folder):
+    return read_source(str(folder))
+
+
+@pytest.fixture(scope="module")
+def stock_q4(folder, tmp_path_factory):
+    """mlx-lm's own `convert -q` (its router left float: MoEGate is no Linear)."""
+    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
+
+
+def _source(tmp_path, name):
+    return read_source(str(tiny.make_glm4_moe(tmp_path / name, name)))
+
+
+def rel(a, b) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def greedy(model, n=64):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+
+
+def test_layers_and_no_norm_gain_left(source):
+    """Dense and sparse layers where stock has them; folded, no input or
+    post-attention gain is left, only the QK-norms' (read by the epilogue)."""
+    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    ours = [type(l.mlp).__name__ == "GroupRouted" for l in model.layers]
+    theirs = [type(l.mlp).__name__ == "MoE" for l in stock.layers]
+    assert ours == theirs and any(ours) and not all(ours), (ours, theirs)
+    norms = [k for k, _ in tree_flatten(model.parameters()) if "norm" in k]
+    qk = source.config["use_qk_norm"]
+    assert {k.split(".")[-2] for k in norms} == ({"q_norm", "k_norm"} if qk else set())
+    assert "lm_head.weight" in dict(tree_flatten(model.parameters()))
+
+
+def test_verify_float32_on_the_compiled_engine(source):
+    """`verify`: a prompt and 32 cached steps within 1e-4 relative of mlx-lm's
+    class in float32 on the compiled engine (the eager one: every config's
+    test in tests/test_architectures.py; 4-bit as stored: greedy and picks)."""
+    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine="compiled")
+    print("compiled float32", r["max_rel_logit_diff"])
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_64_greedy_tokens_identical_to_stock_on_both_engines(
+    source, stock_q4, quantized
+):
+    src = stock_q4 if quantized else source
+    dtype = None if quantized else mx.float32
+    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    want = greedy(stock)
+    got = {}
+    for engine in ("eager", "compiled"):
+        flash, _ = build_model(src, "flashnorm", dtype=dtype, engine=engine)
+        if quantized:
+            proj = flash.layers[1].self_attn.qkv_proj
+            assert type(proj).__name__ == "QuantizedLinear", type(proj)
+        got[engine] = greedy(flash)
+    assert len(set(want)) >= 4, want  # a text that shows a wrong step
+    assert len(want) == 64 and got == {"eager": want, "compiled": want}, (want, got)
+
+
+def record_picks(model):
+    """tests/test_moe.py's Picks on every layer with experts: {layer: picks}."""
+    from test_moe import Picks
+
+    logs = {}
+    for i, layer in enumerate(model.layers):
+        if "switch_mlp" in layer.mlp:
+            logs[i] = []
+            layer.mlp.switch_mlp = Picks(layer.mlp.switch_mlp, logs[i])
+    return logs
+
+
+def _picks(src, mode, dtype, unbiased=False):
+    model, _ = build_model(src, mode, dtype=dtype, engine="eager")
+    if unbiased:  # the correction bias left out of the picks
+        for layer in model.layers:
+            if "switch_mlp" in layer.mlp:
+                bias = layer.mlp.gate.e_score_correction_bias
+                layer.mlp.gate.e_score_correction_bias = mx.zeros_like(bias)
+    logs = record_picks(model)
+    greedy(model, 32)
+    return logs
+
+
+def _differ(ls, lf) -> list:
+    return [
+        (i, step)
+        for i in ls
+        for step, (a, b) in enumerate(zip(ls[i], lf[i]))
+        if not mx.array_equal(a, b).item()
+    ]
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_every_tokens_experts_are_stocks_at_every_step(source, stock_q4, quantized):
+    """The experts each token picks (the correction bias and the groups
+    choosing, the sigmoid scores not) equal stock's, prompt and 32 greedy
+    steps; they vary with the token, and the bias changes some."""
+    src = stock_q4 if quantized else source
+    dtype = None if quantized else mx.float32
+    ls, lf = (_picks(src, mode, dtype) for mode in ("stock", "flashnorm"))
+    assert ls and set(ls) == set(lf), (ls, lf)
+    assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls  # prompt + steps
+    bad = _differ(ls, lf)
+    assert not bad, bad
+    k = source.config["num_experts_per_tok"]
+    first = next(iter(ls.values()))[0].reshape(-1, k).tolist()
+    assert len({tuple(p) for p in first}) >= 3, first  # routing reads the input
+    if not quantized:
+        moved = _differ(ls, _picks(src, "stock", dtype, unbiased=True))
+        assert moved, "the correction bias changes no pick"
+
+
+def test_without_shared_experts_it_runs_as_stock():
+    from flashnorm_mlx import models
+
+    assert models.is_covered(tiny.glm4_moe_config())
+    config = tiny.glm4_moe_config(n_shared_experts=None)
+    assert not models.is_covered(config) and "shared" in models.stock_note(config)
+
+
+def test_the_correction_bias_stays_float32_in_bfloat16_as_stocks(source):
+    """mlx-lm keeps `e_score_correction_bias` float32 whatever the dtype (its
+    cast_predicate; rounded to bfloat16 it would move picks): built in
+    bfloat16, ours and stock hold it float32, every weight else bfloat16."""
+    for mode in ("stock", "flashnorm"):
+        model, _ = build_model(source, mode, dtype=mx.bfloat16)
+        dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
+        bias = {k: d for k, d in dtypes.items() if "e_score" in k}
+        rest = {d for k, d in dtypes.items() if "e_score" not in k}
+        assert bias and set(bias.values()) == {mx.float32}, (mode, bias)
+        assert rest == {mx.bfloat16}, (mode, rest)
+
+
+def test_hugging_face_files_read_as_mlx_lm_reads_them(source):
+    """The tiny folders are Hugging Face's layout (per-expert files, an MTP
+    layer): ours and our stock against mlx-lm's own `load_model`."""
+    from mlx_lm.utils import load_model
+
+    theirs, _ = load_model(source.folder)
+    x = mx.array([PROMPT])
+    errs = {
+        mode: rel(build_model(source, mode, dtype=mx.float32)[0](x), theirs(x))
+        for mode in ("stock", "flashnorm")
+    }
+    print(errs)
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def test_fold_twice_equals_fold_once_and_compat_loads_in_mlx_lm(source, tmp_path):
+    once, c1 = fold.fold_norms(source.weights, source.config)
+    twice, c2 = fold.fold_norms(once, c1)
+    assert twice is once and c2 == c1
+    left = [k for k in once if k.endswith("layernorm.weight")]
+    assert not left, left
+    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
+    print(errs)
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def test_the_reference_sees_what_glm_must_get_right(tmp_path, monkeypatch):
+    """Each break, made on purpose, moves the logits far past the tolerance:
+    the router's s applied after the sigmoid, the correction bias in the
+    experts' weights, the shared experts run without s, the partial
+    rotary's pass-through dims rotated, and the bias before the QK-norm added
+    as b where the QK-norm form needs b / s."""
+    srcs = {n: _source(tmp_path, n) for n in NAMES}
+    x = mx.array([PROMPT * 2])
+    want = {n: build_model(s, "stock", dtype=mx.float32)[0](x) for n, s in srcs.items()}
+    G = glm4_moe.GroupRouted
+
+    def err(name, patch):
+        with monkeypatch.context() as m:
+            patch(m)
+            flash, _ = build_model(srcs[name], "flashnorm", dtype=mx.float32)
+            return rel(flash(x), want[name])
+
+    def router_after(self, xs, ms):  # sigmoid(z) * s in place of sigmoid(s z)
+        w = mx.sigmoid(self.gate(xs)) * kernels.deferred_scale(ms, xs.dtype)
+        pick = w + self.gate.e_score_correction_bias  # one group: no group step
+        inds = mx.argpartition(-pick, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        scores = mx.take_along_axis(w, inds, axis=-1)
+        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+        return inds, scores * self.routed_scaling_factor
+
+    real_route = G.route
+
+    def biased_weights(self, xs, ms):
+        inds, scores = real_route(self, xs, ms)
+        bias = self.gate.e_score_correction_bias[inds]
+        return inds, scores + bias * self.routed_scaling_factor
+
+    def shared_without_s(self, xs, ms):
+        return self.shared_experts(xs, mx.ones_like(ms))[0]
+
+    def full_rotary(self, args, h):
+        return nn.RoPE(h, traditional=False, base=args.rope_theta)
+
+    A = glm4_moe.Attention
+
+    def plain_bias(qkv, ms, bias):
+        return qkv + bias
+
+    errs = {
+        "the router's s after the sigmoid": err(
+            "glm4_moe_plain", lambda m: m.setattr(G, "route", router_after)
+        ),
+        "correction bias in the weights": err(
+            "glm4_moe", lambda m: m.setattr(G, "route", biased_weights)
+        ),
+        "shared experts without s": err(
+            "glm4_moe", lambda m: m.setattr(G, "shared", shared_without_s)
+        ),
+        "pass-through dims rotated": err(
+            "glm4_moe", lambda m: m.setattr(A, "make_rope", full_rotary)
+        ),
+        "bias before the QK-norm without 1/s": err(
+            "glm4_moe", lambda m: m.setattr(glm4_moe, "bias_over_s", plain_bias)
+        ),
+    }
+    print(errs)
+    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+
+
+def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
+    """-q, both methods, on the QK-norm config: projections and experts
+    quantized, the router left float as mlx-lm's -q leaves it; each --compat
+    checkpoint loads in mlx-lm, whose logits there equal ours. At 8 bits; no
+    ratio to stock's error is asserted (tiny random models: chaotic)."""
+    from mlx_lm.utils import load_model
+
+    source = _source(tmp_path, "glm4_moe")
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    x = mx.array([PROMPT])
+    key = "model.layers.1.self_attn.q_proj.weight"
+    folded_w, _ = fold.fold_norms(source.weights, source.config)
+    rtn_w = mx.quantize(folded_w[key], group_size=32, bits=8)[0]
+    errs = {}
+    for method in ("rtn", "gptq"):
+        out = tmp_path / f"q8-{method}"
+        convert(
+            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
+        )
+        folded = read_source(str(out))
+        assert "model.layers.1.mlp.gate.scales" not in folded.weights, method
+        assert "model.layers.1.mlp.switch_mlp.gate_proj.scales" in folded.weights
+        same = mx.array_equal(folded.weights[key], rtn_w).item()
+        assert same == (method == "rtn"), (method, same)
+        ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+        theirs, _ = load_model(out)
+        assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
+        errs[method] = rel(ours(x), ref(x))
+    stock8, _ = build_model(source, "stock", dtype=mx.float32, quantize=(8, 32))
+    errs["stock q8"] = rel(stock8(x), ref(x))
+    print(errs)
+    assert all(e < 1.0 for e in errs.values()), errs
+
+
+def test_bench_counts_fewer_launches(tmp_path):
+    r = speed.run_bench(
+        _source(tmp_path, "glm4_moe"), prompt_tokens=6, gen_tokens=3, trials=1
+    )
+    v = r["variants"]
+    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
+    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
+    print("launches per decode step:", gpu)
+    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+
+
+def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
+    """A 2-rank `mlx.launch` (tests/distributed_child.py) of FlashNorm on both
+    configs and stock on the QK-norm one (attention by GQA groups, GLUs,
+    experts and shared experts by hidden columns; float32 and FlashNorm's
+    4-bit): each as one process gives it, greedy tokens identical."""
+    import test_distributed
+
+    paths = {
+        n: str(tiny.make_glm4_moe(tmp_path / n, n, tokenizer=False)) for n in NAMES
+    }
+    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
+    main = {"model": paths["glm4_moe"], "mode": "flashnorm"}
+    cases.append({**main, "name": "stock", "mode": "stock"})
+    cases.append({**main, "name": "q4", "quantize": [4, 32]})
+    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
+    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
+    assert max(errs.values()) < tiny.f32_tol(1e-5), errs
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])
+def test_load_peak_is_stocks(tmp_path, quantized):
+    """Reading and building FlashNorm peaks within 3% of stock on the same
+    12-layer folder, float32 and mlx-lm's 4-bit as stored
+    (tests/test_load_memory.py's measure)."""
+    import test_load_memory
+    from mlx_lm.convert import convert as mlx_convert
+
+    over = dict(hidden_size=128, num_hidden_layers=12, vocab_size=2048)
+    path = tiny.make_glm4_moe(tmp_path / "f", "glm4_moe", tokenizer=quantized, **over)
+    if quantized:
+        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
+        path = tmp_path / "q"
+    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
+    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
