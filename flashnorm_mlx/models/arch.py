@@ -28,15 +28,25 @@ The block and sublayer names (`norms`, `attention`, `feed_forward`) come from
 `pairs`, so the shared decoder (models/decoder.py) and sharding read them here.
 """
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
 from ..errors import UnsupportedModel
 
 ACTIVATIONS = ("silu", "gelu_tanh")
-MIXER_KINDS = ("attention", "gated_attention", "gated_deltanet", "short_conv")
+MIXER_KINDS = (
+    "attention",
+    "gated_attention",
+    "gated_deltanet",
+    "short_conv",
+    # Nemotron-H: one sublayer a block, each fed by the block's one norm.
+    "mamba2",
+    "relu2_mlp",
+    "moe",
+)
 
 
 @dataclass(frozen=True)
@@ -75,13 +85,21 @@ class GatedNorm:
     """A norm inside a mixer, y = rms_norm(h) * g * act(z) per head, and the
     linear it feeds (Qwen3.5's RMSNormGated before out_proj): g folds into
     `out`'s input columns, tiled over the heads; the per-head 1/RMS stays
-    (docs/design.md section 2k). `width_key`: the config key of its width,
-    `heads_key` of its head count (the tiling)."""
+    (docs/design.md section 2k). `width_key`: the config key of its width
+    (a tuple: keys whose product it is), `heads_key` of its head count (the
+    tiling; None: the gain spans out's whole input, as Mamba's grouped norm)."""
 
     norm: str
     out: str
-    width_key: str
-    heads_key: str
+    width_key: Union[str, Tuple[str, ...]]
+    heads_key: Optional[str]
+
+    def width(self, config: dict) -> int:
+        keys = (self.width_key,) if isinstance(self.width_key, str) else self.width_key
+        return math.prod(config[k] for k in keys)
+
+    def tiles(self, config: dict) -> int:
+        return config[self.heads_key] if self.heads_key else 1
 
 
 @dataclass(frozen=True)
@@ -124,6 +142,8 @@ class MoE:
     count_key: str = "num_experts"  # config key: number of experts
     # mlx-lm's quant_predicate for the router (qwen3_moe: 8 bits, groups of 64).
     router_quant: Optional[Tuple[int, int]] = None  # (bits, group_size)
+    # mlx-lm's router is a bare weight, no linear (Nemotron-H's): never quantized.
+    router_float: bool = False
     # llama.cpp's names of the router and the stacked experts' fed and down
     # linears, in that order ((E, out, in) as ours); () where no GGUF has them.
     gguf: Tuple[str, ...] = ()
@@ -263,14 +283,14 @@ class Architecture:
     def norm_width(self, config: dict, norm: str) -> int:
         """A foldable norm's width: the residual's, a gated norm's own."""
         gated = self.gated_norms(config).get(norm)
-        return config[gated[1].width_key if gated else self.width_key]
+        return gated[1].width(config) if gated else config[self.width_key]
 
     def folded_gain(self, config: dict, norm: str, weight: mx.array) -> mx.array:
         """What `norm` multiplies its linears' input columns by: its `gain`,
         a gated norm's repeated once per head (its linear reads every head)."""
         gain = self.gain(weight)
         gated = self.gated_norms(config).get(norm)
-        return mx.tile(gain, (config[gated[1].heads_key],)) if gated else gain
+        return mx.tile(gain, (gated[1].tiles(config),)) if gated else gain
 
     @property
     def attention(self) -> str:

@@ -132,7 +132,8 @@ def hessians(
     for norm, linears in fold.norm_pairs(config, weights):
         gain = arch.folded_gain(config, norm, weights[f"{norm}.weight"])
         inv = 1.0 / gain.astype(mx.float32)
-        for linear in linears:
+        # A router that is no linear (Nemotron-H's) has none: never quantized.
+        for linear in (l for l in linears if l in out):
             out[linear] = out[linear] * inv[:, None] * inv[None, :]
     return out
 

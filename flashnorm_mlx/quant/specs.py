@@ -98,7 +98,9 @@ def uniform_qspec(
     if router:
         r_bits, r_group, names = router
         for m, w in widths.items():
-            if m.endswith(names) and w % r_group == 0:
+            if m.endswith(names) and r_bits is None:  # not a linear: kept
+                qspec.pop(m, None)
+            elif m.endswith(names) and w % r_group == 0:
                 qspec[m] = affine_spec(r_bits, r_group)
     if widths and not qspec:
         sizes = sorted(set(widths.values()))
@@ -117,7 +119,8 @@ def uniform_qspec(
 
 def _router_quant(config: Optional[dict]):
     """(bits, group_size, (".router name", a shared expert's ".gate name")) of
-    a mixture-of-experts router, as mlx-lm's quant_predicate sets it, or None."""
+    a mixture-of-experts router, as mlx-lm's quant_predicate sets it, or None;
+    bits None where mlx-lm's router is no linear layer (kept as it is)."""
     if not config:
         return None
     from .. import models
@@ -126,6 +129,8 @@ def _router_quant(config: Optional[dict]):
         moe = models.architecture(config).moe
     except Exception:  # not a model this package builds: no router to set
         return None
+    if moe is not None and moe.router_float:
+        return (None, None, (f".{moe.router}",))
     if moe is None or moe.router_quant is None:
         return None
     gates = (moe.router,) + ((moe.shared_gate,) if moe.shared_gate else ())
