@@ -38,6 +38,7 @@ PARTS = {
         "test_ministral3.py",
         "test_qwen3_5.py",
         "test_lfm2.py",
+        "test_nemotron_h.py",
         "test_gemma4.py",
         "test_openelm.py",
         "test_qwen.py",
@@ -138,6 +139,9 @@ SLOW = {
         "test_a_seed_samples_mlx_lms_reply",  # 11 s
         "test_cache_prompt_eos_token_stops_generate_as_mlx_lm",  # 5 s
         "test_cache_prompt_kv_flags_make_mlx_lms_cache",  # 7 s
+    ),
+    "test_nemotron_h.py": (  # 2026-12-06, -n 0, load 5-8
+        "test_verify_float32",  # 13-15 s: the first CPU compile of the mixers' kernels
     ),
     "test_openelm.py": ("test_low_precision_no_worse_than_stock",),  # 13 s
     "test_prompt_cache.py": (
