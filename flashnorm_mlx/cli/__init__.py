@@ -32,7 +32,8 @@ def _usage() -> str:
         "mistral, ministral3, qwen2, qwen3, phi3, smollm3), openelm, gemma3_text,"
     )
     lines.append("gemma4_text (dense),")
-    lines.append("the hybrids qwen3_5, qwen3_5_moe, qwen3_next, lfm2 and lfm2_moe and")
+    lines.append("the hybrids qwen3_5, qwen3_5_moe, qwen3_next, lfm2, lfm2_moe and")
+    lines.append("nemotron_h (Nemotron-H, Nemotron 3) and")
     lines.append(
         "the mixtures of experts qwen3_moe, mixtral and gpt_oss; every other model"
     )
