@@ -58,6 +58,7 @@ CONFIGS = (
     + [("qwen3_next", c, tiny.make_qwen3_next) for c in ("untied", "tied")]
     + [("lfm2", c, tiny.make_lfm2) for c in tiny.LFM2_CONFIGS]
     + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
+    + [("nemotron_h", c, tiny.make_nemotron_h) for c in tiny.NEMOTRON_H_CONFIGS]
     + [("gemma4_text", c, tiny.make_gemma4) for c in tiny.GEMMA4_CONFIGS]
 )
 
@@ -140,6 +141,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         (tiny.make_qwen3_next, "untied", False),
         (tiny.make_lfm2, "lfm2", False),
         (tiny.make_lfm2_moe, "lfm2_moe", False),
+        (tiny.make_nemotron_h, "nemotron_h", False),
     ],
     ids=[
         "llama",
@@ -155,6 +157,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         "qwen3_next",
         "lfm2",
         "lfm2_moe",
+        "nemotron_h",
     ],
 )
 def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
