@@ -213,6 +213,7 @@ LAUNCHES = {
     "test_ministral3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_qwen3_5.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_lfm2.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_nemotron_h.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
 }

@@ -114,8 +114,10 @@ def record_picks(model):
 def test_every_tokens_experts_are_stocks_at_every_step(tmp_path, latent):
     """The experts each token picks (s * logits through stock's sigmoid, group
     routing and correction bias) equal stock's, prompt and 32 greedy steps;
-    they vary. With a latent projection (`moe_latent_size`) the logits too."""
-    src = _source(tmp_path, "nemotron_h_moe", moe_latent_size=latent)
+    they vary. With a latent projection (`moe_latent_size`, and the biases of
+    mlp_bias) the logits too."""
+    over = dict(moe_latent_size=latent, mlp_bias=True) if latent else {}
+    src = _source(tmp_path, "nemotron_h_moe", **over)
     logs, logits = {}, {}
     for mode in ("stock", "flashnorm"):
         model, _ = build_model(src, mode, dtype=mx.float32, engine="eager")
@@ -282,12 +284,27 @@ def test_bench_counts_fewer_launches(tmp_path, name):
     assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
 
 
-def test_tensor_parallel_is_refused_in_one_line(source):
-    """The Mamba-2 mixer is not split yet: a 2-rank launch is one ShardError."""
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    with pytest.raises(ShardError) as e:
-        model.shard(None)
-    assert "\n" not in str(e.value) and "nemotron_h" in str(e.value), e.value
+@pytest.mark.slow
+def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
+    """A 2-rank `mlx.launch` (tests/distributed_child.py) of FlashNorm and stock
+    on both configs and a latent MoE with biases (Mamba-2 by whole groups,
+    attention by GQA groups, MLPs and experts by hidden columns; float32 and
+    FlashNorm's 4-bit): each as one process gives it, greedy tokens identical."""
+    import test_distributed
+
+    cases = []
+    latent = dict(moe_latent_size=32, mlp_bias=True)  # its biases once in the sum
+    for name, over in [(n, {}) for n in NAMES] + [("nemotron_h_moe", latent)]:
+        label = f"{name}-latent" if over else name
+        path = tiny.make_nemotron_h(tmp_path / label, name, tokenizer=False, **over)
+        for mode in ("flashnorm", "stock"):
+            cases.append({"name": f"{label}-{mode}", "model": str(path), "mode": mode})
+        if not over:
+            q4 = {"mode": "flashnorm", "quantize": [4, 32]}
+            cases.append({"name": f"{label}-q4", "model": str(path), **q4})
+    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
+    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
+    assert max(errs.values()) < tiny.f32_tol(1e-5), errs
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])

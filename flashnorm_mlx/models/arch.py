@@ -246,6 +246,9 @@ class Architecture:
     # pair), and the kind of layer i from the config.
     mixers: Tuple[Mixer, ...] = ()
     layer_kind: Optional[Callable[[dict, int], str]] = None
+    # A family's own split of mlx-lm's layers (stock, nonorm) over ranks,
+    # (layers, group, arch), where `sharding.shard_layers` does not know them.
+    shard_layers: Optional[Callable] = None
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:

@@ -31,7 +31,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.switch_layers import SwitchLinear, _gather_sort, _scatter_unsort
 
 from .. import kernels
-from ..errors import ShardError
+from ..parallel import mamba
 from .arch import Architecture, GatedNorm, Mixer, MoE, NormPair
 from .blocks import Block, run_blocks
 from .decoder import fuse_pairs
@@ -73,7 +73,7 @@ class LatentMoE(MoE):
     latent: str = "mixer.fc1_latent_proj"
 
     def linears(self, prefix: str, weights) -> list:
-        experts = f"{prefix}.{self.experts}.{self.fused}"
+        experts = f"{prefix}.{self.experts}.{self.fed[0]}"
         if f"{prefix}.{self.latent}.weight" in weights:
             swap = {experts: f"{prefix}.{self.latent}"}
         else:
@@ -112,9 +112,8 @@ ARCH = Architecture(
         norm="norm",
         router="mixer.gate",
         experts="mixer.switch_mlp",
-        fed=("fc1",),
+        fed=("fc1",),  # nothing to stack: relu² has no gate
         down="fc2",
-        fused="fc1",  # nothing to stack: relu² has no gate
         per_expert="mixer.experts.{e}",
         per_expert_names=("up_proj", "down_proj"),
         count_key="n_routed_experts",
@@ -122,6 +121,7 @@ ARCH = Architecture(
         router_float=True,  # stock's MoEGate is no linear: never quantized
     ),
     cannot=(("gguf", "llama.cpp's nemotron_h files are not read yet"),),
+    shard_layers=mamba.shard_layers,  # stock's and nonorm's layers too
 )
 
 
@@ -200,7 +200,6 @@ class Attention(nn.Module):
         h = args.head_dim or args.hidden_size // self.n_heads
         self.scale = h**-0.5
         rows = (self.n_heads + 2 * self.n_kv_heads) * h
-        self.splits = [self.n_heads * h, (self.n_heads + self.n_kv_heads) * h]
         self.qkv_proj = nn.Linear(args.hidden_size, rows, bias=False)
         if args.attention_bias:
             self.qkv_bias = mx.zeros((rows,))
@@ -209,10 +208,12 @@ class Attention(nn.Module):
     def __call__(self, xs, ms, mask=None, cache=None):
         B, L, _ = xs.shape
         qkv = kernels.scaled(self.qkv_proj(xs), ms, self.get("qkv_bias"))
-        heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
+        hq, hkv = self.n_heads, self.n_kv_heads  # a rank's own, where sharded
+        h = qkv.shape[-1] // (hq + 2 * hkv)
+        parts = mx.split(qkv, [hq * h, (hq + hkv) * h], axis=-1)
         q, k, v = [
-            t.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
-            for t, n in zip(mx.split(qkv, self.splits, axis=-1), heads)
+            t.reshape(B, L, n, h).transpose(0, 2, 1, 3)
+            for t, n in zip(parts, (hq, hkv, hkv))
         ]
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
@@ -274,6 +275,7 @@ class MoE(nn.Module):
             dims, args.moe_intermediate_size, args.n_routed_experts
         )
         self.gate = stock.MoEGate(args)  # its weight and correction bias
+        self.sharding_group: Optional[mx.distributed.Group] = None
         if args.n_shared_experts is not None:
             hidden = args.moe_shared_expert_intermediate_size
             self.shared_experts = ReLU2MLP(args, hidden)
@@ -307,6 +309,8 @@ class MoE(nn.Module):
             y = self.fc2_latent_proj(y)
         if "shared_experts" in self:
             y = y + self.shared_experts(xs, ms)
+        if self.sharding_group is not None:  # each rank's hidden columns summed
+            y = mx.distributed.all_sum(y, group=self.sharding_group)
         return y
 
 
@@ -407,10 +411,9 @@ class Model(nn.Module):
         return stock.Model.cast_predicate.fget(self)  # float32 bias and A_log
 
     def shard(self, group: Optional[mx.distributed.Group] = None):
-        raise ShardError(
-            "nemotron_h has no tensor-parallel split yet (its Mamba-2 mixer's "
-            "groups are not cut); run it in one process"
-        )
+        """Tensor parallelism (parallel/mamba.py): Mamba-2 by whole groups,
+        attention by GQA groups, MLPs and experts by hidden columns."""
+        mamba.shard_layers(self.layers, group or mx.distributed.init(), ARCH)
 
 
 _BIASES = ("in_proj", "up_proj", "fc1_latent_proj")  # biases added after s

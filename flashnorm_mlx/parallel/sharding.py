@@ -275,7 +275,8 @@ def shard_mlp(
         if "gate_up_bias" in mlp:
             mlp.gate_up_bias = _cut(mlp.gate_up_bias, rows)
     else:
-        for name in ("w1", "w3") if down == "w2" else ("gate_proj", "up_proj"):
+        names = ("w1", "w3") if down == "w2" else ("gate_proj", "up_proj")
+        for name in (n for n in names if n in mlp):  # a ReLU² MLP: up alone
             setattr(mlp, name, take_rows(mlp[name], [(a, b)]))
     cut = sum_columns if summed else take_columns
     setattr(mlp, down, cut(mlp[down], (a, b), group, label))
@@ -336,7 +337,8 @@ def shard_experts(moe_module: nn.Module, moe, group, where: str = "") -> None:
         down.bias = mx.zeros_like(down.bias)
     if moe.shared:  # a shared expert's hidden columns, summed with the experts'
         name = moe.shared[0].rpartition(".")[0].rpartition(".")[2]
-        shard_mlp(moe_module[name], group, f"{where} {name}".strip(), summed=False)
+        summed = not hasattr(moe_module, "sharding_group")  # else the block sums
+        shard_mlp(moe_module[name], group, f"{where} {name}".strip(), summed=summed)
     if hasattr(moe_module, "sharding_group"):  # ours, mlx-lm's Qwen3-MoE: it sums
         moe_module.sharding_group = group
     else:  # mlx-lm's Mixtral: each expert's output summed before the weighting
@@ -470,11 +472,9 @@ def shard_model(
     model: nn.Module, group, name: str = "the model", own: bool = False, arch=None
 ) -> None:
     """Split `model` over `group` in place: ours by its own `shard`, mlx-lm's
-    (stock, nonorm) by `shard_layers` (`arch`: the family's contract, its
-    experts included), as mlx-lm's own shard needs head counts that divide.
-    own: mlx-lm's class of a family FlashNorm does not cover, whose layers may
-    be of any shape: by the class's own `shard`, where it has one. ShardError
-    (one line) where it cannot be split."""
+    (stock, nonorm) by `shard_layers` (`arch`: the family's contract, experts
+    too), as mlx-lm's own needs head counts that divide; `own` (mlx-lm's class
+    of an uncovered family): by its own `shard`. ShardError (one line) else."""
     size = group.size()
     ours = type(model).__module__.startswith(_OUR_MODELS)
     try:
@@ -487,8 +487,9 @@ def shard_model(
             model.shard(group)
         elif ours and hasattr(model, "shard"):
             model.shard(group)
-        elif hasattr(model, "layers") and not ours:
-            shard_layers(model.layers, group, arch)
+        elif hasattr(model, "layers") and not ours:  # the family's split, if its own
+            split = getattr(arch, "shard_layers", None) or shard_layers
+            split(model.layers, group, arch)
         else:
             raise ShardError(
                 f"{name}: {type(model).__module__}.{type(model).__name__} has no "
