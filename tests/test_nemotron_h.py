@@ -307,6 +307,23 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     assert max(errs.values()) < tiny.f32_tol(1e-5), errs
 
 
+def test_more_ranks_than_mamba_groups_is_one_line(source):
+    """A rank needs a whole group of the Mamba-2 mixer: 4 ranks over its 2
+    groups is one ShardError line, ours and stock's."""
+
+    class FourRanks:  # mx.distributed's group as rank 0 of 4 sees it
+        def size(self):
+            return 4
+
+        def rank(self):
+            return 0
+
+    for mode in ("flashnorm", "stock"):
+        with pytest.raises(ShardError) as e:
+            build_model(source, mode, dtype=mx.float32, group=FourRanks())
+        assert "\n" not in str(e.value) and "2 groups" in str(e.value), e.value
+
+
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])
 def test_load_peak_is_stocks(tmp_path, quantized):
     """Reading and building FlashNorm peaks within 3% of stock on the same
