@@ -141,7 +141,7 @@ SLOW = {
         "test_cache_prompt_kv_flags_make_mlx_lms_cache",  # 7 s
     ),
     "test_nemotron_h.py": (  # 2026-12-06, -n 0, load 5-8
-        "test_verify_float32",  # 13-15 s: the first CPU compile of the mixers' kernels
+        "test_verify_float32",  # 8-15 s each: the mixers' first CPU kernel compiles
     ),
     "test_openelm.py": ("test_low_precision_no_worse_than_stock",),  # 13 s
     "test_prompt_cache.py": (
