@@ -154,6 +154,30 @@ def test_hugging_face_files_read_as_mlx_lm_reads_them(source):
     assert max(errs.values()) < tiny.f32_tol(), errs
 
 
+def test_a_block_type_list_without_a_layer_count_reads_as_mlx_lm_reads_it(tmp_path):
+    """transformers 5.13 writes `layers_block_type` (names, not characters) and
+    no num_hidden_layers; mlx-lm derives both. Ours and stock's logits there
+    are mlx-lm's own `load_model`'s."""
+    import json
+
+    from mlx_lm.utils import load_model
+
+    path = tiny.make_nemotron_h(tmp_path / "f", "nemotron_h", tokenizer=False)
+    config = json.loads((path / "config.json").read_text())
+    del config["num_hidden_layers"]
+    names = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+    pattern = config.pop("hybrid_override_pattern")
+    config["layers_block_type"] = [names[c] for c in pattern]
+    (path / "config.json").write_text(json.dumps(config))
+    source = read_source(str(path), need_tokenizer=False)
+    x = mx.array([PROMPT])
+    theirs = load_model(path)[0](x)
+    errs = {
+        m: rel(build_model(source, m)[0](x), theirs) for m in ("stock", "flashnorm")
+    }
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
 def test_the_reference_sees_what_nemotron_h_must_get_right(tmp_path, monkeypatch):
     """Each break, made on purpose, moves the logits far past the tolerance:
     s moved past the convolution (exact were s the same on every token), the

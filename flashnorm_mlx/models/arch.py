@@ -246,6 +246,9 @@ class Architecture:
     # pair), and the kind of layer i from the config.
     mixers: Tuple[Mixer, ...] = ()
     layer_kind: Optional[Callable[[dict, int], str]] = None
+    # The number of layers where a config may omit `layers_key` (Nemotron-H's,
+    # which transformers derives from its block list).
+    layer_count: Optional[Callable[[dict], int]] = None
     # A family's own split of mlx-lm's layers (stock, nonorm) over ranks,
     # (layers, group, arch), where `sharding.shard_layers` does not know them.
     shard_layers: Optional[Callable] = None
@@ -323,6 +326,8 @@ class Architecture:
         return config[self.width_key] ** 0.5 if self.embed_scale else 1.0
 
     def n_layers(self, config: dict) -> int:
+        if self.layer_count is not None:
+            return self.layer_count(config)
         return config[self.layers_key]
 
     def is_tied(self, config: dict) -> bool:

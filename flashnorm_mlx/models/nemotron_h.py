@@ -61,6 +61,10 @@ def pattern(config: dict) -> str:
     return "".join(chars)
 
 
+def n_layers(config: dict) -> int:
+    return len(pattern(config))  # num_hidden_layers may be absent (mlx-lm's note)
+
+
 def layer_kind(config: dict, i: int) -> str:
     return KINDS[pattern(config)[i]]
 
@@ -108,6 +112,7 @@ ARCH = Architecture(
         Mixer("moe", ROUTED),
     ),
     layer_kind=layer_kind,
+    layer_count=n_layers,
     moe=LatentMoE(
         norm="norm",
         router="mixer.gate",
