@@ -114,14 +114,15 @@ def record_picks(model):
 def test_every_tokens_experts_are_stocks_at_every_step(tmp_path, latent):
     """The experts each token picks (s * logits through stock's sigmoid, group
     routing and correction bias) equal stock's, prompt and 32 greedy steps;
-    they vary. With a latent projection (`moe_latent_size`, and the biases of
-    mlp_bias) the logits too."""
+    they vary; the logits of a prompt long enough for stock's expert-sorted
+    path too. With a latent projection (`moe_latent_size`, and the biases of
+    mlp_bias) as well."""
     over = dict(moe_latent_size=latent, mlp_bias=True) if latent else {}
     src = _source(tmp_path, "nemotron_h_moe", **over)
     logs, logits = {}, {}
     for mode in ("stock", "flashnorm"):
         model, _ = build_model(src, mode, dtype=mx.float32, engine="eager")
-        logits[mode] = model(mx.array([PROMPT]))
+        logits[mode] = model(mx.array([PROMPT * 3]))  # 72 rows: sorted by expert
         logs[mode] = record_picks(model)
         greedy(model, 32)
     ls, lf = logs["stock"], logs["flashnorm"]
