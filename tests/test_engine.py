@@ -92,7 +92,7 @@ def test_compiled_by_default_where_a_gpu_runs_the_model(tmp_path, monkeypatch, b
 
 # Families no compiled function serves yet: recurrent states (ArraysCache) are
 # outside the whole step, and their blocks have no cache-free parts (design 2k,
-# 2n).
+# 2o).
 RUN_EAGER = (
     tiny.make_qwen3_5,
     tiny.make_qwen3_5_moe,

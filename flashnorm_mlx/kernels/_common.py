@@ -272,7 +272,7 @@ def scaled(
     + bias (n,) and relu² where asked: one launch where rsqrt, the product,
     the bias and the activation are several (mx.compile fuses them, as
     mlx-lm's own compiled SwiGLU), for a matmul output s must reach before a
-    nonlinearity or a convolution (docs/design.md sections 2k, 2n). float16's
+    nonlinearity or a convolution (docs/design.md sections 2k, 2o). float16's
     prescale reads ms's bits (a view a shapeless trace cannot shape): plain ops."""
     if prescaled(y.dtype):
         y = (y * deferred_scale(ms, y.dtype)).astype(y.dtype)

@@ -24,7 +24,7 @@ Beyond the Llama shape (docs/design.md section 2h), an architecture states:
   attention, gated DeltaNet, short convolution), each with the pair its norm
   feeds and the gated norm that closes it, and which one layer i holds;
   `layer_pairs(config, i)` is that layer's pairs (docs/design.md section 2k);
-  a family of one-sublayer blocks (Nemotron-H, section 2n) has one pair, each
+  a family of one-sublayer blocks (Nemotron-H, section 2o) has one pair, each
   block kind a mixer fed by the block's norm;
 - `layer_count`: the layers where a config may leave the count out, and
   `shard_layers`: a family's own split of mlx-lm's layers over ranks.

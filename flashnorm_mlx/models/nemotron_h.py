@@ -5,7 +5,7 @@ mlx-lm's `nemotron_h`: each block is a norm and one mixer, by the config's
 Mamba-2 mixer (M), attention without RoPE (*), a ReLU² MLP (-) or sigmoid-
 routed experts (E). The block norm's gain folds into the mixer's input
 projection; s, the block input's deferred 1/RMS, goes where docs/design.md
-section 2n says:
+section 2o says:
 - Mamba-2: on all of in_proj's output (z gate, x|B|C, dt) before the
   convolution over tokens, the SiLUs and dt's softplus (s commutes with none);
   the grouped gated norm's gain folds into out_proj's columns, its per-group
@@ -171,13 +171,13 @@ class Mamba2(stock.NemotronHMamba2Mixer):
 
     def project(self, xs, ms):
         """(z gate, x|B|C, dt) of in_proj's output, each times s: before the
-        convolution over tokens, the SiLUs and dt's softplus (2n)."""
+        convolution over tokens, the SiLUs and dt's softplus (2o)."""
         y = kernels.scaled(self.in_proj(xs), ms, self.get("in_bias"))
         I, C = self.intermediate_size, self.conv_dim
         return mx.split(y, [I, I + C], axis=-1)
 
     def gated_norm(self, y, gate):
-        """swiglu(gate, y), then 1/RMS per group of I / n_groups (2n)."""
+        """swiglu(gate, y), then 1/RMS per group of I / n_groups (2o)."""
         h = mx.unflatten(swiglu(gate, y), -1, (self.n_groups, -1))
         return mx.fast.rms_norm(h, None, self.eps).flatten(-2)
 
@@ -292,7 +292,7 @@ class MoE(nn.Module):
 
     def __call__(self, xs, ms, mask=None, cache=None):
         g = self.gate
-        # s before the sigmoid; the correction bias only picks (2n).
+        # s before the sigmoid; the correction bias only picks (2o).
         inds, scores = stock.group_expert_select(
             kernels.scaled(xs @ g.weight.T, ms),
             g.e_score_correction_bias,

@@ -1,4 +1,4 @@
-"""Nemotron-H's layers over an mx.distributed group (docs/design.md 2n), ours
+"""Nemotron-H's layers over an mx.distributed group (docs/design.md 2o), ours
 and mlx-lm's (stock, nonorm) alike, which share these names; each layer by
 the one mixer it holds:
 - Mamba-2 by runs of whole groups (`shard_mamba2`): a rank keeps its heads'
