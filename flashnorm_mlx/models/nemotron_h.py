@@ -28,7 +28,6 @@ from mlx_lm.models import nemotron_h as stock
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
-from mlx_lm.models.switch_layers import SwitchLinear, _gather_sort, _scatter_unsort
 
 from .. import kernels
 from ..parallel import mamba
@@ -36,6 +35,7 @@ from .arch import Architecture, GatedNorm, Mixer, MoE, NormPair
 from .blocks import Block, run_blocks
 from .decoder import fuse_pairs
 from .gains import Gain
+from .moe import SwitchReLU2
 
 MAMBA = NormPair("norm", "mixer.in_proj", ("mixer.in_proj",))
 ATTENTION = NormPair(
@@ -242,32 +242,6 @@ class ReLU2MLP(nn.Module):
         return self.down_proj(u)
 
 
-class Experts(nn.Module):
-    """mlx-lm's SwitchMLP (fc1, relu², fc2 per picked expert); given ms, s on
-    fc1's rows before relu² (each row its token's)."""
-
-    def __init__(self, dims: int, hidden: int, num_experts: int):
-        super().__init__()
-        self.fc1 = SwitchLinear(dims, hidden, num_experts, bias=False)
-        self.fc2 = SwitchLinear(hidden, dims, num_experts, bias=False)
-
-    def __call__(self, x, ms, indices):
-        x = mx.expand_dims(x, (-2, -3))  # (B, L, 1, 1, D)
-        do_sort = indices.size >= 64  # as stock: rows in expert order
-        idx, inv_order = indices, None
-        rows = None if ms is None else mx.expand_dims(ms, (-2, -3))
-        if do_sort:
-            x, idx, inv_order = _gather_sort(x, indices)
-            if rows is not None:
-                rows = _gather_sort(rows, indices)[0]
-        u = self.fc1(x, idx, sorted_indices=do_sort)
-        u = nn.relu2(u) if rows is None else kernels.scaled(u, rows, relu2=True)
-        y = self.fc2(u, idx, sorted_indices=do_sort)
-        if do_sort:
-            y = _scatter_unsort(y, inv_order, indices.shape)
-        return y.squeeze(-2)
-
-
 class MoE(nn.Module):
     """stock's NemotronHMoE on (xs, ms): its own group_expert_select on
     s * logits; experts (on the latent row where it has one) and shared expert."""
@@ -276,7 +250,7 @@ class MoE(nn.Module):
         super().__init__()
         latent = args.moe_latent_size
         dims = latent if latent is not None else args.hidden_size
-        self.switch_mlp = Experts(
+        self.switch_mlp = SwitchReLU2(
             dims, args.moe_intermediate_size, args.n_routed_experts
         )
         self.gate = stock.MoEGate(args)  # its weight and correction bias
