@@ -39,6 +39,7 @@ PARTS = {
         "test_qwen3_5.py",
         "test_lfm2.py",
         "test_glm4_moe.py",
+        "test_nemotron_h.py",
         "test_gemma4.py",
         "test_openelm.py",
         "test_qwen.py",
@@ -144,6 +145,9 @@ SLOW = {
         "test_cache_prompt_eos_token_stops_generate_as_mlx_lm",  # 5 s
         "test_cache_prompt_kv_flags_make_mlx_lms_cache",  # 7 s
     ),
+    "test_nemotron_h.py": (  # 2026-12-06, -n 0, load 5-8
+        "test_verify_float32",  # 8-15 s each: the mixers' first CPU kernel compiles
+    ),
     "test_openelm.py": ("test_low_precision_no_worse_than_stock",),  # 13 s
     "test_prompt_cache.py": (
         "test_cached_prompt_gives_the_whole_prompt_s_text",  # 4 s
@@ -223,6 +227,7 @@ LAUNCHES = {
     "test_qwen3_5.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_lfm2.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_glm4_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_nemotron_h.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma4.py::test_two_rank_tensor_parallel_matches_one_process",
     "test_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",

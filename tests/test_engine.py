@@ -38,6 +38,7 @@ CONFIGS = (
     + [("lfm2", c, tiny.make_lfm2) for c in tiny.LFM2_CONFIGS]
     + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
     + [("glm4_moe", c, tiny.make_glm4_moe) for c in tiny.GLM4_MOE_CONFIGS]
+    + [("nemotron_h", c, tiny.make_nemotron_h) for c in tiny.NEMOTRON_H_CONFIGS]
     + [("gemma4_text", c, tiny.make_gemma4) for c in tiny.GEMMA4_CONFIGS]
 )
 EVERY_CONFIG = pytest.mark.parametrize(
@@ -91,8 +92,14 @@ def test_compiled_by_default_where_a_gpu_runs_the_model(tmp_path, monkeypatch, b
 
 
 # Families no compiled function serves yet: recurrent states (ArraysCache) are
-# outside the whole step, and their blocks have no cache-free parts (design 2k).
-RUN_EAGER = (tiny.make_qwen3_5, tiny.make_qwen3_5_moe, tiny.make_qwen3_next)
+# outside the whole step, and their blocks have no cache-free parts (design 2k,
+# 2p).
+RUN_EAGER = (
+    tiny.make_qwen3_5,
+    tiny.make_qwen3_5_moe,
+    tiny.make_qwen3_next,
+    tiny.make_nemotron_h,
+)
 
 
 @EVERY_CONFIG

@@ -46,6 +46,7 @@ ARCHS = {
     "lfm2-bias": (tiny.make_lfm2, "lfm2_bias"),
     "lfm2_moe": (tiny.make_lfm2_moe, "lfm2_moe"),
     "glm4_moe": (tiny.make_glm4_moe, "glm4_moe"),
+    "nemotron_h": (tiny.make_nemotron_h, "nemotron_h_moe"),
 }
 
 
@@ -180,6 +181,8 @@ def _fused_name(key, params):
         ("feed_forward.gate_proj", "feed_forward.gate_up_proj"),
         ("feed_forward.up_proj", "feed_forward.gate_up_proj"),
         ("self_attn.out_proj", "self_attn.o_proj"),
+        # Nemotron-H's attention: q|k|v fused under its `mixer`.
+        *((f"mixer.{p}_proj", "mixer.qkv_proj") for p in "qkv"),
     ):
         if part in key and key.replace(part, fused) in params:
             return key.replace(part, fused)

@@ -137,7 +137,8 @@ def test_configs_as_checkpoints_write_them_run_where_mlx_lm_loads_them(
 
 def test_nemotron_h_with_its_pattern_string_generates_mlx_lms_text(tmp_path, capsys):
     """Nemotron-H's `hybrid_override_pattern` is a string ("M-*-") in every
-    shipped checkpoint; it once stopped with 'expected list'."""
+    shipped checkpoint; it once stopped with 'expected list'. FlashNorm covers
+    it now (models/nemotron_h.py): the default mode, no stock note."""
     folder = tiny_stock.make(tmp_path / "nemotron_h", "nemotron_h")
     assert isinstance(tiny_stock.config("nemotron_h")["hybrid_override_pattern"], str)
     want, ids = _mlx_lm_greedy(folder)
@@ -146,7 +147,8 @@ def test_nemotron_h_with_its_pattern_string_generates_mlx_lms_text(tmp_path, cap
     assert main([*argv, "--ignore-chat-template"]) == 0
     out, err = capsys.readouterr()
     assert _generated(out) == want, (_generated(out), want)
-    assert len(_note_lines(err, "nemotron_h")) == 1, err
+    assert not _note_lines(err, "nemotron_h"), err
+    assert models.run_mode(tiny_stock.config("nemotron_h"), None) == "flashnorm"
 
 
 def test_the_mode_defaults_to_stock_and_flashnorm_asked_is_one_error(folders, capsys):

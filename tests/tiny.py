@@ -1497,6 +1497,68 @@ GLM4_MOE_CONFIGS = {
 }
 
 
+# --- Nemotron-H / Nemotron 3 (nemotron_h): Mamba-2, attention, ReLU², experts ------
+
+NEMOTRON_H = dict(
+    model_type="nemotron_h",
+    architectures=["NemotronHForCausalLM"],
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    layer_norm_epsilon=1e-5,
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    ssm_state_size=16,
+    conv_kernel=4,
+    n_groups=2,  # the gated norm's 1/RMS per group of 32
+    expand=2,
+    chunk_size=128,
+    mamba_hidden_act="silu",
+    mlp_hidden_act="relu2",
+    use_bias=False,
+    use_conv_bias=True,
+    # As checkpoints write them: a string pattern, [0.0, Infinity].
+    time_step_limit=[0.0, float("inf")],
+    time_step_min=0.001,
+    time_step_max=0.1,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=258,
+)
+NEMOTRON_H_CONFIGS = {
+    # Dense, every block kind, a bias wherever the config has one.
+    "nemotron_h": dict(
+        hybrid_override_pattern="M*-M-",
+        num_hidden_layers=5,
+        attention_bias=True,
+        mamba_proj_bias=True,
+        mlp_bias=True,
+    ),
+    # Nemotron 3: sigmoid-routed experts with a correction bias, group routing,
+    # a shared expert; no biases (as shipped).
+    "nemotron_h_moe": dict(
+        hybrid_override_pattern="ME*ME",
+        num_hidden_layers=5,
+        attention_bias=False,
+        mamba_proj_bias=False,
+        mlp_bias=False,
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        moe_shared_expert_intermediate_size=64,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+    ),
+}
+
+
 def gemma4_gguf_config(name: str) -> dict:
     cfg = {**GEMMA4_BASE, **GEMMA4_GGUF_CONFIGS[name]}
     cfg.setdefault("use_double_wide_mlp", False)
@@ -1614,3 +1676,77 @@ def make_glm4_moe(
             for norm in ("enorm", "hnorm", "shared_head.norm"):
                 w[f"{p}.{norm}.weight"] = _gain(rng, D)
     return write_model(path, cfg, w, tokenizer)
+
+
+def nemotron_h_config(name: str = "nemotron_h", **over) -> dict:
+    return {**NEMOTRON_H, **NEMOTRON_H_CONFIGS[name], **over}
+
+
+def nemotron_h_weights(cfg: dict, seed: int = 0) -> dict:
+    """Hugging Face's names and layout (Conv1d (C, 1, K), per-expert up/down),
+    every norm gain in [0.25, 4] (the grouped gated norms' too), biases where
+    the config has them, embeddings of RMS 4 (s far from 1), routers with
+    large weights and a correction bias that changes picks."""
+    rng = np.random.default_rng(seed)
+    D, V, F = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    H, P = cfg["mamba_num_heads"], cfg["mamba_head_dim"]
+    I, N, K = H * P, cfg["n_groups"] * cfg["ssm_state_size"], cfg["conv_kernel"]
+    hq, hkv, h = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    w = {
+        "backbone.embeddings.weight": 4 * rng.standard_normal((V, D)),
+        "backbone.norm_f.weight": _gain(rng, D),
+        "lm_head.weight": _lin(rng, V, D),
+    }
+
+    def bias(n):
+        return rng.uniform(-0.5, 0.5, n)
+
+    def linear(name, out, inp, has_bias):
+        w[f"{name}.weight"] = _lin(rng, out, inp)
+        if has_bias:
+            w[f"{name}.bias"] = bias(out)
+
+    for i, kind in enumerate(cfg["hybrid_override_pattern"]):
+        p = f"backbone.layers.{i}"
+        m = f"{p}.mixer"
+        w[f"{p}.norm.weight"] = _gain(rng, D)
+        if kind == "M":
+            proj_bias = cfg["mamba_proj_bias"]
+            linear(f"{m}.in_proj", 2 * I + 2 * N + H, D, proj_bias)
+            w[f"{m}.conv1d.weight"] = rng.standard_normal((I + 2 * N, 1, K)) / 2
+            if cfg["use_conv_bias"]:
+                w[f"{m}.conv1d.bias"] = bias(I + 2 * N)
+            w[f"{m}.dt_bias"] = rng.uniform(-3.0, 0.0, H)
+            w[f"{m}.A_log"] = np.log(rng.uniform(1.0, 8.0, H))
+            w[f"{m}.D"] = rng.uniform(0.5, 1.5, H)
+            w[f"{m}.norm.weight"] = _gain(rng, I)
+            linear(f"{m}.out_proj", D, I, proj_bias)
+        elif kind == "*":
+            for n, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
+                linear(f"{m}.{n}_proj", out, D, cfg["attention_bias"])
+            linear(f"{m}.o_proj", D, hq * h, cfg["attention_bias"])
+        elif kind == "-":
+            linear(f"{m}.up_proj", F, D, cfg["mlp_bias"])
+            linear(f"{m}.down_proj", D, F, cfg["mlp_bias"])
+        else:
+            E, Fe = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+            Dl = cfg.get("moe_latent_size") or D
+            w[f"{m}.gate.weight"] = 4 * _lin(rng, E, D)
+            w[f"{m}.gate.e_score_correction_bias"] = rng.uniform(-0.3, 0.3, E)
+            for e in range(E):
+                linear(f"{m}.experts.{e}.up_proj", Fe, Dl, False)
+                linear(f"{m}.experts.{e}.down_proj", Dl, Fe, False)
+            Fs = cfg["moe_shared_expert_intermediate_size"]
+            linear(f"{m}.shared_experts.up_proj", Fs, D, cfg["mlp_bias"])
+            linear(f"{m}.shared_experts.down_proj", D, Fs, cfg["mlp_bias"])
+            if cfg.get("moe_latent_size"):
+                linear(f"{m}.fc1_latent_proj", Dl, D, cfg["mlp_bias"])
+                linear(f"{m}.fc2_latent_proj", D, Dl, cfg["mlp_bias"])
+    return {k: np.asarray(v, np.float32) for k, v in w.items()}
+
+
+def make_nemotron_h(
+    path: Path, name: str = "nemotron_h", seed: int = 0, tokenizer: bool = True, **over
+) -> Path:
+    cfg = nemotron_h_config(name, **over)
+    return write_model(path, cfg, nemotron_h_weights(cfg, seed), tokenizer)

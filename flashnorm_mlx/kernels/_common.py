@@ -265,17 +265,39 @@ def deferred_scale(ms: mx.array, dtype: mx.Dtype) -> mx.array:
     return s / pow2_prescale(ms) if prescaled(dtype) else s
 
 
-def scaled(y: mx.array, ms: mx.array) -> mx.array:
-    """y * deferred_scale(ms) in y's dtype, y (..., n) and ms (..., 1): one
-    launch where rsqrt and the product are two (mx.compile fuses them, as
+def scaled(
+    y: mx.array, ms: mx.array, bias: Optional[mx.array] = None, relu2: bool = False
+) -> mx.array:
+    """y * deferred_scale(ms) in y's dtype, y (..., n) and ms (..., 1), then
+    + bias (n,) and relu² where asked: one launch where rsqrt, the product,
+    the bias and the activation are several (mx.compile fuses them, as
     mlx-lm's own compiled SwiGLU), for a matmul output s must reach before a
-    nonlinearity or a convolution (docs/design.md section 2k). float16's
+    nonlinearity or a convolution (docs/design.md sections 2k, 2p). float16's
     prescale reads ms's bits (a view a shapeless trace cannot shape): plain ops."""
     if prescaled(y.dtype):
-        return (y * deferred_scale(ms, y.dtype)).astype(y.dtype)
-    return _scaled(y, ms)
+        y = (y * deferred_scale(ms, y.dtype)).astype(y.dtype)
+        y = y if bias is None else y + bias
+        return mx.square(mx.maximum(y, 0)) if relu2 else y
+    if bias is None:
+        return _scaled_relu2(y, ms) if relu2 else _scaled(y, ms)
+    return _scaled_bias_relu2(y, ms, bias) if relu2 else _scaled_bias(y, ms, bias)
 
 
 @functools.partial(mx.compile, shapeless=True)
 def _scaled(y, ms):
     return (y * mx.rsqrt(ms)).astype(y.dtype)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _scaled_bias(y, ms, bias):
+    return (y * mx.rsqrt(ms)).astype(y.dtype) + bias
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _scaled_relu2(y, ms):  # relu² as mlx's nn.relu2: max(y, 0)²
+    return mx.square(mx.maximum((y * mx.rsqrt(ms)).astype(y.dtype), 0))
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _scaled_bias_relu2(y, ms, bias):
+    return mx.square(mx.maximum((y * mx.rsqrt(ms)).astype(y.dtype) + bias, 0))

@@ -153,12 +153,29 @@ def read_source(
     return src
 
 
+# transformers (and mlx-lm's convert) write a non-finite float as {"__float__":
+# "Infinity"} (Nemotron-H's time_step_limit); mlx-lm's load_config undoes it.
+_FLOAT_TAGS = {
+    "Infinity": float("inf"),
+    "-Infinity": float("-inf"),
+    "NaN": float("nan"),
+}
+
+
+def _tagged_float(obj: dict):
+    if set(obj) == {"__float__"} and obj["__float__"] in _FLOAT_TAGS:
+        return _FLOAT_TAGS[obj["__float__"]]
+    return obj
+
+
 def _read_folder(path: Path, name: str) -> Source:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise LoadError(f"{path}: no config.json (not a Hugging Face model folder)")
     try:
-        config = json.loads(config_file.read_bytes().decode("utf-8"))
+        config = json.loads(
+            config_file.read_bytes().decode("utf-8"), object_hook=_tagged_float
+        )
     except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise LoadError(f"{config_file}: invalid JSON ({e})") from None
     except OSError as e:

@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "ministral3": "ministral3",
     "mistral": "llama",  # mlx-lm runs Mistral as Llama, sliding window included
     "mixtral": "mixtral",
+    "nemotron_h": "nemotron_h",
     "openelm": "openelm",
     "phi3": "phi3",
     "qwen2": "qwen2",

@@ -24,24 +24,38 @@ Beyond the Llama shape (docs/design.md section 2h), an architecture states:
   attention, gated DeltaNet, short convolution), each with the pair its norm
   feeds and the gated norm that closes it, and which one layer i holds;
   `layer_pairs(config, i)` is that layer's pairs (docs/design.md section 2k);
+  a family of one-sublayer blocks (Nemotron-H, section 2p) has one pair, each
+  block kind a mixer fed by the block's norm;
 - `pairs_of`: layer i's pairs where layers of one family differ in what their
   norms feed (Gemma 4's K = V and KV-shared attention, its MoE layers);
   `more_post_norms`: post-norms a config adds (Gemma 4's per-layer inputs).
 - `uncast`: tensors kept float32 whatever the dtype, as stock's
-  `cast_predicate` keeps them (GLM's correction bias, section 2o).
+  `cast_predicate` keeps them (GLM's correction bias, section 2o);
+- `layer_count`: the layers where a config may leave the count out, and
+  `shard_layers`: a family's own split of mlx-lm's layers over ranks.
 The block and sublayer names (`norms`, `attention`, `feed_forward`) come from
 `pairs`, so the shared decoder (models/decoder.py) and sharding read them here.
 """
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
 from ..errors import UnsupportedModel
 
 ACTIVATIONS = ("silu", "gelu_tanh")
-MIXER_KINDS = ("attention", "gated_attention", "gated_deltanet", "short_conv")
+MIXER_KINDS = (
+    "attention",
+    "gated_attention",
+    "gated_deltanet",
+    "short_conv",
+    # Nemotron-H: one sublayer a block, each fed by the block's one norm.
+    "mamba2",
+    "relu2_mlp",
+    "moe",
+)
 
 
 @dataclass(frozen=True)
@@ -80,13 +94,21 @@ class GatedNorm:
     """A norm inside a mixer, y = rms_norm(h) * g * act(z) per head, and the
     linear it feeds (Qwen3.5's RMSNormGated before out_proj): g folds into
     `out`'s input columns, tiled over the heads; the per-head 1/RMS stays
-    (docs/design.md section 2k). `width_key`: the config key of its width,
-    `heads_key` of its head count (the tiling)."""
+    (docs/design.md section 2k). `width_key`: the config key of its width
+    (a tuple: keys whose product it is), `heads_key` of its head count (the
+    tiling; None: the gain spans out's whole input, as Mamba's grouped norm)."""
 
     norm: str
     out: str
-    width_key: str
-    heads_key: str
+    width_key: Union[str, Tuple[str, ...]]
+    heads_key: Optional[str]
+
+    def width(self, config: dict) -> int:
+        keys = (self.width_key,) if isinstance(self.width_key, str) else self.width_key
+        return math.prod(config[k] for k in keys)
+
+    def tiles(self, config: dict) -> int:
+        return config[self.heads_key] if self.heads_key else 1
 
 
 @dataclass(frozen=True)
@@ -129,7 +151,8 @@ class MoE:
     count_key: str = "num_experts"  # config key: number of experts
     # mlx-lm's quant_predicate for the router (qwen3_moe: 8 bits, groups of 64).
     router_quant: Optional[Tuple[int, int]] = None  # (bits, group_size)
-    # mlx-lm's router is no Linear (GLM's MoEGate), so its -q leaves it float.
+    # mlx-lm's router is no Linear (GLM's MoEGate, Nemotron-H's bare weight):
+    # its -q leaves it float.
     router_float: bool = False
     # llama.cpp's names of the router and the stacked experts' fed and down
     # linears, in that order ((E, out, in) as ours); () where no GGUF has them.
@@ -241,6 +264,12 @@ class Architecture:
     # Name endings of tensors stock never casts to the run's dtype (its
     # `cast_predicate`; GLM's correction bias: picks at float32's resolution).
     uncast: Tuple[str, ...] = ()
+    # The number of layers where a config may omit `layers_key` (Nemotron-H's,
+    # which transformers derives from its block list).
+    layer_count: Optional[Callable[[dict], int]] = None
+    # A family's own split of mlx-lm's layers (stock, nonorm) over ranks,
+    # (layers, group, arch), where `sharding.shard_layers` does not know them.
+    shard_layers: Optional[Callable] = None
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -280,14 +309,14 @@ class Architecture:
     def norm_width(self, config: dict, norm: str) -> int:
         """A foldable norm's width: the residual's, a gated norm's own."""
         gated = self.gated_norms(config).get(norm)
-        return config[gated[1].width_key if gated else self.width_key]
+        return gated[1].width(config) if gated else config[self.width_key]
 
     def folded_gain(self, config: dict, norm: str, weight: mx.array) -> mx.array:
         """What `norm` multiplies its linears' input columns by: its `gain`,
         a gated norm's repeated once per head (its linear reads every head)."""
         gain = self.gain(weight)
         gated = self.gated_norms(config).get(norm)
-        return mx.tile(gain, (config[gated[1].heads_key],)) if gated else gain
+        return mx.tile(gain, (gated[1].tiles(config),)) if gated else gain
 
     @property
     def attention(self) -> str:
@@ -317,6 +346,8 @@ class Architecture:
         return config[self.width_key] ** 0.5 if self.embed_scale else 1.0
 
     def n_layers(self, config: dict) -> int:
+        if self.layer_count is not None:
+            return self.layer_count(config)
         return config[self.layers_key]
 
     def is_tied(self, config: dict) -> bool:

@@ -17,7 +17,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchLinear
+from mlx_lm.models.switch_layers import SwitchLinear, _gather_sort, _scatter_unsort
 
 from .. import kernels
 from .decoder import MLP
@@ -62,6 +62,34 @@ class SwitchGLU(nn.Module):
             gu.reshape(1, n, gu.shape[-1]), ms_rows.reshape(1, n, 1), self.activation
         )
         return act.reshape(*gu.shape[:-1], gu.shape[-1] // 2)
+
+
+class SwitchReLU2(nn.Module):
+    """mlx-lm's SwitchMLP with relu² (Nemotron 3's experts: fc1, relu², fc2,
+    no gate to carry a second s): given ms, s on each (token, expert) row of
+    fc1's output before relu², in its launch (docs/design.md section 2p);
+    without, stock's (experts reading a latent row that took s already)."""
+
+    def __init__(self, dims: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.fc1 = SwitchLinear(dims, hidden, num_experts, bias=False)
+        self.fc2 = SwitchLinear(hidden, dims, num_experts, bias=False)
+
+    def __call__(self, x, ms, indices):
+        x = mx.expand_dims(x, (-2, -3))  # (B, L, 1, 1, D)
+        do_sort = indices.size >= 64  # as mlx-lm: rows in expert order
+        idx, inv_order = indices, None
+        rows = None if ms is None else mx.expand_dims(ms, (-2, -3))
+        if do_sort:
+            x, idx, inv_order = _gather_sort(x, indices)
+            if rows is not None:  # each row's token's ms, sorted alike
+                rows = _gather_sort(rows, indices)[0]
+        u = self.fc1(x, idx, sorted_indices=do_sort)
+        u = nn.relu2(u) if rows is None else kernels.scaled(u, rows, relu2=True)
+        y = self.fc2(u, idx, sorted_indices=do_sort)
+        if do_sort:
+            y = _scatter_unsort(y, inv_order, indices.shape)
+        return y.squeeze(-2)
 
 
 class SparseMoE(nn.Module):

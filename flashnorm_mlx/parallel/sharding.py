@@ -7,8 +7,8 @@ each rank takes a run of key/value heads and the query heads that attend to
 them, unevenly where the counts do not divide, and where there are fewer
 key/value heads than ranks a key/value head is held by every rank whose query
 heads need it. q|k|v and gate|up keep their rows for those heads and hidden
-columns (`take_rows`); o_proj and down_proj their input columns, the outputs
-all-summed (`sum_columns`); a quantized layer is cut on group boundaries only.
+columns; o_proj and down_proj their input columns, the outputs all-summed
+(cuts.py).
 The same functions split ours, mlx-lm's (stock) and nonorm's models, whose
 layers share these names. FlashNorm needs nothing more: every rank holds the
 whole residual row, so the per-token mean square is exact locally, and the
@@ -16,166 +16,25 @@ folded gains live on input columns, which a row split keeps whole.
 """
 
 import copy
-from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.nn.layers.distributed import (
-    QuantizedShardedToAllLinear,
-    ShardedToAllLinear,
-)
 
 from ..errors import ShardError
-from ..limits import module_q_mode
-
-
-def runs(total: int, parts: int, unit: int = 1) -> List[Tuple[int, int]]:
-    """`total` split into `parts` contiguous [a, b) runs of whole `unit`s, as
-    even as can be (the first runs one unit longer); a run may be empty."""
-    n, extra = divmod(total // unit, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + (n + (i < extra)) * unit)
-    return list(zip(bounds, bounds[1:]))
-
-
-@dataclass(frozen=True)
-class HeadSplit:
-    """One rank's share of an attention layer: query heads [q0, q1) and the
-    key/value heads [k0, k1) they attend to, whole GQA groups only."""
-
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-
-    @property
-    def n_heads(self) -> int:
-        return self.q1 - self.q0
-
-    @property
-    def n_kv_heads(self) -> int:
-        return self.k1 - self.k0
-
-
-def split_heads(
-    n_heads: int, n_kv_heads: int, size: int, where: str = ""
-) -> List[HeadSplit]:
-    """Every rank's HeadSplit (index = rank). At least as many key/value heads as
-    ranks: contiguous runs of them, each with its query heads (SmolLM2's 9:3 over
-    2 ranks: 6:2 and 3:1). Fewer: each key/value head goes to a run of ranks that
-    split its query heads and all hold it (5:1 over 2: 3:1 and 2:1). Attention
-    needs whole groups per rank (local query heads a multiple of local kv heads,
-    in order), which both keep. ShardError with fewer query heads than ranks."""
-    at = f" ({where})" if where else ""
-    if n_kv_heads < 1 or n_heads % n_kv_heads:
-        raise ShardError(
-            f"cannot shard{at}: {n_heads} query heads do not form whole groups "
-            f"over {n_kv_heads} key/value heads"
-        )
-    if n_heads < size:
-        raise ShardError(
-            f"cannot shard over {size} ranks{at}: {n_heads} query heads, and each "
-            f"rank needs at least one; launch at most {n_heads} ranks"
-        )
-    g = n_heads // n_kv_heads
-    if n_kv_heads >= size:
-        return [HeadSplit(a * g, b * g, a, b) for a, b in runs(n_kv_heads, size)]
-    splits = []
-    for kv, (r0, r1) in enumerate(runs(size, n_kv_heads)):  # ranks per kv head
-        for a, b in runs(g, r1 - r0):
-            splits.append(HeadSplit(kv * g + a, kv * g + b, kv, kv + 1))
-    return splits
-
-
-def _cut(a: mx.array, ranges: Sequence[Tuple[int, int]], axis: int = 0) -> mx.array:
-    """The rows (axis 0) or columns (axis -1) in `ranges`, copied: a view would
-    keep the whole source tensor alive."""
-    parts = [a[s:e] if axis == 0 else a[..., s:e] for s, e in ranges]
-    return mx.contiguous(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis))
-
-
-def take_rows(linear: nn.Module, ranges: Sequence[Tuple[int, int]]) -> nn.Module:
-    """`linear` (float or quantized) holding only its output rows in `ranges`:
-    the all-to-sharded half, which needs no communication to run. Quantization
-    groups run along a row, so any row range is exact."""
-    part = copy.copy(linear)
-    for key in ("weight", "scales", "biases", "bias"):
-        if key in linear and linear[key] is not None:
-            part[key] = _cut(linear[key], ranges)
-    return part
-
-
-class _SumLinear(ShardedToAllLinear):
-    """Input columns of a linear layer; its output all-summed over the group,
-    then the bias (once). mlx's class, built from the cut arrays, as its own
-    constructor wants an even split."""
-
-    def __init__(self, weight, bias, group):
-        nn.Module.__init__(self)
-        self.group = group
-        self.weight = weight
-        if bias is not None:
-            self.bias = bias
-
-
-class _QuantizedSumLinear(QuantizedShardedToAllLinear):
-    """_SumLinear for a quantized layer (columns cut on group boundaries)."""
-
-    def __init__(self, arrays: dict, bias, layer: nn.QuantizedLinear, group):
-        nn.Module.__init__(self)
-        self.group = group
-        self.group_size, self.bits = layer.group_size, layer.bits
-        self.mode = module_q_mode(layer)  # mlx's attribute: its __call__ reads it
-        self.weight, self.scales = arrays["weight"], arrays["scales"]
-        self.biases = arrays.get("biases")
-        if bias is not None:
-            self.bias = bias
-        self.freeze()
-
-
-def column_unit(linear: nn.Module) -> int:
-    """The finest column split of `linear`: a quantized layer's group size."""
-    return linear.group_size if isinstance(linear, nn.QuantizedLinear) else 1
-
-
-def input_width(linear: nn.Module) -> int:
-    cols = linear.weight.shape[1]
-    if isinstance(linear, nn.QuantizedLinear):
-        cols = cols * 32 // linear.bits
-    return cols
-
-
-def _column_arrays(linear: nn.Module, cols: Tuple[int, int], group, name: str):
-    """`linear`'s arrays for its input columns [a, b) (a quantized layer's cut
-    on its group boundaries only, else ShardError), its bias apart."""
-    a, b = cols
-    if not isinstance(linear, nn.QuantizedLinear):
-        return {"weight": _cut(linear.weight, [cols], -1)}
-    gs, bits = linear.group_size, linear.bits
-    if a % gs or b % gs or (a * bits) % 32:
-        raise ShardError(
-            f"cannot shard {name} over {group.size()} ranks: a rank's input columns "
-            f"{a}-{b} do not start and end on its quantization groups of {gs} "
-            "(quantize with a --q-group-size that divides the head dimension, "
-            "or run in float)"
-        )
-    packed = (a * bits // 32, b * bits // 32)
-    arrays = {"weight": _cut(linear.weight, [packed], -1)}
-    for key in ("scales", "biases"):
-        if key in linear and linear[key] is not None:
-            arrays[key] = _cut(linear[key], [(a // gs, b // gs)], -1)
-    return arrays
-
-
-def sum_columns(linear: nn.Module, cols: Tuple[int, int], group, name: str):
-    """The sharded-to-all half: `linear`'s input columns [a, b), output all-summed."""
-    arrays = _column_arrays(linear, cols, group, name)
-    bias = linear["bias"] if "bias" in linear else None
-    if not isinstance(linear, nn.QuantizedLinear):
-        return _SumLinear(arrays["weight"], bias, group)
-    return _QuantizedSumLinear(arrays, bias, linear, group)
+from .cuts import (
+    HeadSplit,
+    column_unit,
+    copy_expert_rows,
+    copy_rows,
+    input_width,
+    runs,
+    split_ffn,
+    split_heads,
+    sum_columns,
+    take_columns,
+    take_rows,
+)
 
 
 def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
@@ -208,7 +67,7 @@ def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
         rows += [(a + v_at, b + v_at) for a, b in kv] if kv_sets > 1 else []
         attn.qkv_proj = take_rows(attn.qkv_proj, rows)
         if "qkv_bias" in attn:
-            attn.qkv_bias = _cut(attn.qkv_bias, rows)
+            attn.qkv_bias = copy_rows(attn.qkv_bias, rows)
     else:  # mlx-lm's gated attention: q_proj rows per head [q | gate], 2h
         qh = attn.q_proj.weight.shape[0] // hq
         attn.q_proj = take_rows(attn.q_proj, [(mine.q0 * qh, mine.q1 * qh)])
@@ -220,38 +79,10 @@ def shard_attention(attn: nn.Module, group, where: str = "") -> HeadSplit:
     label = f"{where} {out}".strip()
     setattr(attn, out, sum_columns(attn[out], q[0], group, label))
     if "sinks" in attn:  # one per query head (gpt-oss)
-        attn.sinks = _cut(attn.sinks, [(mine.q0, mine.q1)])
+        attn.sinks = copy_rows(attn.sinks, [(mine.q0, mine.q1)])
     setattr(attn, counts[0], mine.n_heads)
     setattr(attn, counts[1], mine.n_kv_heads)
     return mine
-
-
-def split_ffn(hidden: int, unit: int, size: int, name: str) -> List[Tuple[int, int]]:
-    """Every rank's hidden columns [a, b): as even as whole `unit`s allow."""
-    units = hidden // unit
-    if units < size:
-        if unit > 1:
-            what = f"{units} quantization group(s) of {unit}"
-            fix = f"launch at most {units} ranks, or quantize with a smaller group"
-        else:
-            what, fix = f"{hidden} hidden columns", f"launch at most {hidden} ranks"
-        raise ShardError(
-            f"cannot shard {name} over {size} ranks: its input is {what}, and "
-            f"each rank needs at least one; {fix}"
-        )
-    return runs(hidden, size, unit)
-
-
-def take_columns(linear: nn.Module, cols: Tuple[int, int], group, name: str):
-    """`linear` holding only its input columns [a, b), not summed: for a
-    block that all-sums its whole output once (a shared expert's down beside
-    the routed experts'). A bias stays on rank 0 alone, added once by the sum."""
-    part = copy.copy(linear)
-    for key, array in _column_arrays(linear, cols, group, name).items():
-        part[key] = array
-    if "bias" in linear and group.rank():
-        part.bias = mx.zeros_like(linear.bias)
-    return part
 
 
 def shard_mlp(
@@ -277,19 +108,14 @@ def shard_mlp(
         rows = [(a, b), (hidden + a, hidden + b)]
         setattr(mlp, fused, take_rows(mlp[fused], rows))
         if "gate_up_bias" in mlp:
-            mlp.gate_up_bias = _cut(mlp.gate_up_bias, rows)
+            mlp.gate_up_bias = copy_rows(mlp.gate_up_bias, rows)
     else:
-        for name in ("w1", "w3") if down == "w2" else ("gate_proj", "up_proj"):
+        names = ("w1", "w3") if down == "w2" else ("gate_proj", "up_proj")
+        for name in (n for n in names if n in mlp):  # a ReLU² MLP: up alone
             setattr(mlp, name, take_rows(mlp[name], [(a, b)]))
     cut = sum_columns if summed else take_columns
     setattr(mlp, down, cut(mlp[down], (a, b), group, label))
     return a, b
-
-
-def _cut_rows(a: mx.array, ranges) -> mx.array:
-    """Rows (axis -2) of stacked experts' arrays (experts, rows, cols), copied."""
-    parts = [a[:, s:e] for s, e in ranges]
-    return mx.contiguous(parts[0] if len(parts) == 1 else mx.concatenate(parts, 1))
 
 
 def shard_experts(moe_module: nn.Module, moe, group, where: str = "") -> None:
@@ -315,9 +141,9 @@ def shard_experts(moe_module: nn.Module, moe, group, where: str = "") -> None:
         for key in keys:
             if key in lin and lin[key] is not None:
                 lin[key] = (
-                    _cut(lin[key], rows, -1)
+                    copy_rows(lin[key], rows, -1)
                     if key == "bias"
-                    else _cut_rows(lin[key], rows)
+                    else copy_expert_rows(lin[key], rows)
                 )
     if "scales" in down:
         gs, bits = down.group_size, down.bits
@@ -326,21 +152,22 @@ def shard_experts(moe_module: nn.Module, moe, group, where: str = "") -> None:
                 f"cannot shard {label} over {group.size()} ranks: columns {a}-{b} "
                 f"do not fall on its quantization groups of {gs}"
             )
-        down.weight = _cut(down.weight, [(a * bits // 32, b * bits // 32)], -1)
+        down.weight = copy_rows(down.weight, [(a * bits // 32, b * bits // 32)], -1)
         for key in ("scales", "biases"):
             if key in down and down[key] is not None:
-                down[key] = _cut(down[key], [(a // gs, b // gs)], -1)
+                down[key] = copy_rows(down[key], [(a // gs, b // gs)], -1)
     else:
-        down.weight = _cut(down.weight, [(a, b)], -1)
+        down.weight = copy_rows(down.weight, [(a, b)], -1)
     if "gate_up_bias" in experts:  # ours, added after the deferred scale
-        experts.gate_up_bias = _cut(
+        experts.gate_up_bias = copy_rows(
             experts.gate_up_bias, [(a, b), (cols + a, cols + b)], -1
         )
     if "bias" in down and group.rank():  # added once, after the all-sum
         down.bias = mx.zeros_like(down.bias)
     if moe.shared:  # a shared expert's hidden columns, summed with the experts'
         name = moe.shared[0].rpartition(".")[0].rpartition(".")[2]
-        shard_mlp(moe_module[name], group, f"{where} {name}".strip(), summed=False)
+        summed = not hasattr(moe_module, "sharding_group")  # else the block sums
+        shard_mlp(moe_module[name], group, f"{where} {name}".strip(), summed=summed)
     if hasattr(moe_module, "sharding_group"):  # ours, mlx-lm's Qwen3-MoE: it sums
         moe_module.sharding_group = group
     else:  # mlx-lm's Mixtral: each expert's output summed before the weighting
@@ -396,8 +223,8 @@ def shard_deltanet(net: nn.Module, group, where: str = "") -> None:
         net.in_proj_z = take_rows(net.in_proj_z, [vals])
         net.in_proj_b = take_rows(net.in_proj_b, [heads])
         net.in_proj_a = take_rows(net.in_proj_a, [heads])
-    net.conv1d.weight = _cut(net.conv1d.weight, conv)
-    net.dt_bias, net.A_log = (_cut(a, [heads]) for a in (net.dt_bias, net.A_log))
+    net.conv1d.weight = copy_rows(net.conv1d.weight, conv)
+    net.dt_bias, net.A_log = (copy_rows(a, [heads]) for a in (net.dt_bias, net.A_log))
     net.out_proj = sum_columns(net.out_proj, vals, group, f"{where} out_proj".strip())
     net.num_k_heads, net.num_v_heads = k1 - k0, (k1 - k0) * r
     net.key_dim, net.value_dim = (k1 - k0) * dk, (k1 - k0) * r * dv
@@ -419,7 +246,7 @@ def shard_short_conv(conv: nn.Module, group, where: str = "") -> None:
     rows = [(a, b), (D + a, D + b), (2 * D + a, 2 * D + b)]
     conv.in_proj = take_rows(conv.in_proj, rows)
     if "in_bias" in conv:
-        conv.in_bias = _cut(conv.in_bias, rows)
+        conv.in_bias = copy_rows(conv.in_bias, rows)
     conv.conv = take_rows(conv.conv, [(a, b)])
     conv.conv.groups = b - a
     conv.out_proj = sum_columns(conv.out_proj, (a, b), group, label)
@@ -474,11 +301,9 @@ def shard_model(
     model: nn.Module, group, name: str = "the model", own: bool = False, arch=None
 ) -> None:
     """Split `model` over `group` in place: ours by its own `shard`, mlx-lm's
-    (stock, nonorm) by `shard_layers` (`arch`: the family's contract, its
-    experts included), as mlx-lm's own shard needs head counts that divide.
-    own: mlx-lm's class of a family FlashNorm does not cover, whose layers may
-    be of any shape: by the class's own `shard`, where it has one. ShardError
-    (one line) where it cannot be split."""
+    (stock, nonorm) by `shard_layers` (`arch`: the family's contract, experts
+    too), as mlx-lm's own needs head counts that divide; `own` (mlx-lm's class
+    of an uncovered family): by its own `shard`. ShardError (one line) else."""
     size = group.size()
     ours = type(model).__module__.startswith(_OUR_MODELS)
     try:
@@ -491,8 +316,9 @@ def shard_model(
             model.shard(group)
         elif ours and hasattr(model, "shard"):
             model.shard(group)
-        elif hasattr(model, "layers") and not ours:
-            shard_layers(model.layers, group, arch)
+        elif hasattr(model, "layers") and not ours:  # the family's split, if its own
+            split = getattr(arch, "shard_layers", None) or shard_layers
+            split(model.layers, group, arch)
         else:
             raise ShardError(
                 f"{name}: {type(model).__module__}.{type(model).__name__} has no "

@@ -100,7 +100,9 @@ def uniform_qspec(
     elif router:
         r_bits, r_group, names = router
         for m, w in widths.items():
-            if m.endswith(names) and w % r_group == 0:
+            if m.endswith(names) and r_bits is None:  # not a linear: kept
+                qspec.pop(m, None)
+            elif m.endswith(names) and w % r_group == 0:
                 qspec[m] = affine_spec(r_bits, r_group)
     if widths and not qspec:
         sizes = sorted(set(widths.values()))

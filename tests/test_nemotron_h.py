@@ -1,0 +1,369 @@
+"""Nemotron-H and Nemotron 3 (models/nemotron_h.py) against mlx-lm's own
+`nemotron_h` class on the same weights: Mamba-2, attention without RoPE,
+ReLU² MLPs and sigmoid-routed experts, one norm a block.
+
+Tiny random models (tests/tiny.py `make_nemotron_h`) as checkpoints write
+them (the pattern a string, time_step_limit [0.0, Infinity], Conv1d
+(C, 1, K), per-expert up/down), every norm gain in [0.25, 4] (the grouped
+gated norms' too), embeddings of RMS 4 so that s is far from 1:
+- `nemotron_h`: M * - M -, every bias the config has (in_proj, conv, out_proj,
+  q|k|v, o_proj, up, down);
+- `nemotron_h_moe`: M E * M E, group routing with a correction bias that
+  changes picks, a shared expert, no biases (as shipped).
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+
+from flashnorm_mlx import fold, speed
+from flashnorm_mlx.checkpoint import convert
+from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.errors import ShardError
+from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.models import nemotron_h
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
+NAMES = list(tiny.NEMOTRON_H_CONFIGS)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def folder(request, tmp_path_factory):
+    return tiny.make_nemotron_h(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def source(folder):
+    return read_source(str(folder))
+
+
+@pytest.fixture(scope="module")
+def stock_q4(folder, tmp_path_factory):
+    """mlx-lm's own `convert -q` of the folder, read back as stored."""
+    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
+
+
+def _source(tmp_path, name, **over):
+    return read_source(str(tiny.make_nemotron_h(tmp_path / name, name, **over)))
+
+
+def rel(a, b) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def greedy(model, n=64):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+
+
+def test_blocks_as_stocks_and_no_norm_gain_left(source):
+    """Block kinds as stock's pattern; folded, no norm gain is a parameter:
+    the block norms in the mixers' input projections, the gated norms in
+    out_proj, the final norm in lm_head."""
+    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    assert [l.kind for l in model.layers] == [l.block_type for l in stock.layers]
+    norms = [k for k, _ in tree_flatten(model.parameters()) if "norm" in k]
+    assert not norms, norms
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_verify_float32(source, engine):
+    """`verify`: a prompt and 32 cached steps within 1e-4 relative of mlx-lm's
+    class in float32 (the compiled engine on the dense config alone: its
+    every block kind, at a fraction of the compile cost)."""
+    if engine == "compiled" and source.config["hybrid_override_pattern"] != "M*-M-":
+        pytest.skip("one config on the compiled engine (its trace is the cost)")
+    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
+    print(source.config["hybrid_override_pattern"], engine, r["max_rel_logit_diff"])
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_64_greedy_tokens_identical_to_stock(source, stock_q4, quantized):
+    """64 greedy tokens as stock's, float32 and mlx-lm's 4-bit checkpoint as
+    stored (its gains kept where the kernels apply them)."""
+    src = stock_q4 if quantized else source
+    dtype = None if quantized else mx.float32
+    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    flash, _ = build_model(src, "flashnorm", dtype=dtype, engine="eager")
+    if quantized:
+        proj = flash.layers[0].mixer.in_proj
+        assert type(proj).__name__ == "QuantizedLinear", type(proj)
+    want, got = greedy(stock), greedy(flash)
+    assert len(set(want)) >= 4, want  # a text that shows a wrong step
+    assert got == want, (want, got)
+
+
+def record_picks(model):
+    """tests/test_moe.py's Picks on every MoE block: {layer: picks}."""
+    from test_moe import Picks
+
+    logs = {}
+    for i, layer in enumerate(model.layers):
+        if "switch_mlp" in layer.mixer:
+            logs[i] = []
+            layer.mixer.switch_mlp = Picks(layer.mixer.switch_mlp, logs[i])
+    return logs
+
+
+@pytest.mark.parametrize("latent", [None, 32], ids=["direct", "latent"])
+def test_every_tokens_experts_are_stocks_at_every_step(tmp_path, latent):
+    """The experts each token picks (s * logits through stock's sigmoid, group
+    routing and correction bias) equal stock's, prompt and 32 greedy steps;
+    they vary; the logits of a prompt long enough for stock's expert-sorted
+    path too. With a latent projection (`moe_latent_size`, and the biases of
+    mlp_bias) as well."""
+    over = dict(moe_latent_size=latent, mlp_bias=True) if latent else {}
+    src = _source(tmp_path, "nemotron_h_moe", **over)
+    logs, logits = {}, {}
+    for mode in ("stock", "flashnorm"):
+        model, _ = build_model(src, mode, dtype=mx.float32, engine="eager")
+        logits[mode] = model(mx.array([PROMPT * 3]))  # 72 rows: sorted by expert
+        logs[mode] = record_picks(model)
+        greedy(model, 32)
+    ls, lf = logs["stock"], logs["flashnorm"]
+    assert ls and set(ls) == set(lf), (ls, lf)
+    assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls
+    bad = [
+        (i, step)
+        for i in ls
+        for step, (a, b) in enumerate(zip(ls[i], lf[i]))
+        if not mx.array_equal(a, b).item()
+    ]
+    assert not bad, bad
+    first = next(iter(ls.values()))[0].reshape(-1, 2).tolist()
+    assert len({tuple(p) for p in first}) >= 3, first  # routing reads the input
+    err = rel(logits["flashnorm"], logits["stock"])
+    print("latent", latent, "logits", err)
+    assert err < tiny.f32_tol(), err
+
+
+def test_hugging_face_files_read_as_mlx_lm_reads_them(source):
+    """Ours and our stock against mlx-lm's own `load_model` of the folder."""
+    from mlx_lm.utils import load_model
+
+    theirs, _ = load_model(source.folder)
+    x = mx.array([PROMPT])
+    errs = {
+        mode: rel(build_model(source, mode, dtype=mx.float32)[0](x), theirs(x))
+        for mode in ("stock", "flashnorm")
+    }
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def test_a_block_type_list_without_a_layer_count_reads_as_mlx_lm_reads_it(tmp_path):
+    """transformers 5.13 writes `layers_block_type` (names, not characters) and
+    no num_hidden_layers; mlx-lm derives both. Ours and stock's logits there
+    are mlx-lm's own `load_model`'s."""
+    import json
+
+    from mlx_lm.utils import load_model
+
+    path = tiny.make_nemotron_h(tmp_path / "f", "nemotron_h", tokenizer=False)
+    config = json.loads((path / "config.json").read_text())
+    del config["num_hidden_layers"]
+    names = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+    pattern = config.pop("hybrid_override_pattern")
+    config["layers_block_type"] = [names[c] for c in pattern]
+    (path / "config.json").write_text(json.dumps(config))
+    source = read_source(str(path), need_tokenizer=False)
+    x = mx.array([PROMPT])
+    theirs = load_model(path)[0](x)
+    errs = {
+        m: rel(build_model(source, m)[0](x), theirs) for m in ("stock", "flashnorm")
+    }
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def test_the_reference_sees_what_nemotron_h_must_get_right(tmp_path, monkeypatch):
+    """Each break, made on purpose, moves the logits far past the tolerance:
+    s moved past the convolution (exact were s the same on every token), the
+    grouped gated norm's 1/RMS taken over the whole vector, the gated norm's
+    gain left out of out_proj, dt without s. On the config without in_proj
+    biases, so that undoing s is a division."""
+    src = _source(tmp_path, "nemotron_h_moe")
+    x = mx.array([PROMPT * 2])
+    want = build_model(src, "stock", dtype=mx.float32)[0](x)
+    M = nemotron_h.Mamba2
+    real_project = M.project
+    box = {}
+
+    def err(*patches, built=lambda model: None):
+        with monkeypatch.context() as m:
+            for name, fn in patches:
+                m.setattr(M, name, fn)
+            flash, _ = build_model(src, "flashnorm", dtype=mx.float32)
+            built(flash)
+            return rel(flash(x), want)
+
+    def unscaled(part):  # project with `part` (1: x|B|C, 2: dt) lacking s
+        def project(self, xs, ms):
+            parts = list(real_project(self, xs, ms))
+            box["s"] = mx.rsqrt(ms)
+            parts[part] = parts[part] / box["s"]
+            return parts
+
+        return project
+
+    class LateConv(nn.Module):  # s * (conv(x) - b) + b: exact were s one scalar
+        def __init__(self, conv):
+            super().__init__()
+            self.conv = conv
+
+        def __call__(self, x):
+            b = self.conv.bias
+            return (self.conv(x) - b) * box["s"] + b
+
+    def late_conv(model):
+        for layer in model.layers:
+            if layer.kind == "M":
+                layer.mixer.conv1d = LateConv(layer.mixer.conv1d)
+
+    def whole_vector(self, y, gate):
+        return mx.fast.rms_norm(nemotron_h.swiglu(gate, y), None, self.eps)
+
+    folded = fold.fold_gain
+
+    def unfolded_out_proj(weights, gain, linear):
+        skip = linear.endswith("mixer.out_proj")
+        return weights if skip else folded(weights, gain, linear)
+
+    with monkeypatch.context() as m:
+        m.setattr(fold, "fold_gain", unfolded_out_proj)
+        gain_left = err()
+    errs = {
+        "s past the convolution": err(("project", unscaled(1)), built=late_conv),
+        "gated norm's 1/RMS over the whole vector": err(("gated_norm", whole_vector)),
+        "gated norm's gain not in out_proj": gain_left,
+        "dt without s": err(("project", unscaled(2))),
+    }
+    print(errs)
+    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+
+
+def test_fold_twice_equals_fold_once_and_folds_the_gated_norms(source):
+    once, c1 = fold.fold_norms(source.weights, source.config)
+    twice, c2 = fold.fold_norms(once, c1)
+    assert twice is once and c2 == c1
+    left = [k for k in once if "norm" in k]
+    assert not left, left
+    gated = nemotron_h.ARCH.gated_norms(source.config)
+    assert len(gated) == source.config["hybrid_override_pattern"].count("M"), gated
+
+
+def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
+    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path, name):
+    """-q, both methods: in_proj quantized (RTN: mx.quantize of the folded
+    weight; GPTQ: not); each --compat checkpoint loads in mlx-lm, whose logits
+    there equal ours. At 8 bits; tiny random models' quantization noise is
+    chaotic, so no ratio to stock's error is asserted (printed)."""
+    from mlx_lm.utils import load_model
+
+    source = _source(tmp_path, name)
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    x = mx.array([PROMPT])
+    key = "backbone.layers.0.mixer.in_proj.weight"
+    folded_w, _ = fold.fold_norms(source.weights, source.config)
+    rtn_w = mx.quantize(folded_w[key], group_size=32, bits=8)[0]
+    errs = {}
+    for method in ("rtn", "gptq"):
+        out = tmp_path / f"q8-{method}"
+        convert(
+            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
+        )
+        folded = read_source(str(out))
+        ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+        quantized = [
+            n for n, m in ours.named_modules() if type(m).__name__ == "QuantizedLinear"
+        ]
+        assert any(n.endswith("mixer.in_proj") for n in quantized), quantized
+        same = mx.array_equal(folded.weights[key], rtn_w).item()
+        assert same == (method == "rtn"), (method, same)
+        theirs, _ = load_model(out)
+        assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
+        errs[method] = rel(ours(x), ref(x))
+    stock8, _ = build_model(source, "stock", dtype=mx.float32, quantize=(8, 32))
+    errs["stock q8"] = rel(stock8(x), ref(x))
+    print(name, errs)
+    assert all(e < 1.0 for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bench_counts_fewer_launches(tmp_path, name):
+    r = speed.run_bench(
+        _source(tmp_path, name), prompt_tokens=6, gen_tokens=3, trials=1
+    )
+    v = r["variants"]
+    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
+    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
+    print(name, "launches per decode step:", gpu)
+    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+
+
+@pytest.mark.slow
+def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
+    """A 2-rank `mlx.launch` (tests/distributed_child.py) of FlashNorm and stock
+    on both configs and a latent MoE with biases (Mamba-2 by whole groups,
+    attention by GQA groups, MLPs and experts by hidden columns; float32 and
+    FlashNorm's 4-bit): each as one process gives it, greedy tokens identical."""
+    import test_distributed
+
+    cases = []
+    latent = dict(moe_latent_size=32, mlp_bias=True)  # its biases once in the sum
+    for name, over in [(n, {}) for n in NAMES] + [("nemotron_h_moe", latent)]:
+        label = f"{name}-latent" if over else name
+        path = tiny.make_nemotron_h(tmp_path / label, name, tokenizer=False, **over)
+        for mode in ("flashnorm", "stock"):
+            cases.append({"name": f"{label}-{mode}", "model": str(path), "mode": mode})
+        if not over:
+            q4 = {"mode": "flashnorm", "quantize": [4, 32]}
+            cases.append({"name": f"{label}-q4", "model": str(path), **q4})
+    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
+    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
+    assert max(errs.values()) < tiny.f32_tol(1e-5), errs
+
+
+def test_more_ranks_than_mamba_groups_is_one_line(source):
+    """A rank needs a whole group of the Mamba-2 mixer: 4 ranks over its 2
+    groups is one ShardError line, ours and stock's."""
+
+    class FourRanks:  # mx.distributed's group as rank 0 of 4 sees it
+        def size(self):
+            return 4
+
+        def rank(self):
+            return 0
+
+    for mode in ("flashnorm", "stock"):
+        with pytest.raises(ShardError) as e:
+            build_model(source, mode, dtype=mx.float32, group=FourRanks())
+        assert "\n" not in str(e.value) and "2 groups" in str(e.value), e.value
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])
+def test_load_peak_is_stocks(tmp_path, quantized):
+    """Reading and building FlashNorm peaks within 3% of stock on the same
+    16-layer MoE folder, float32 and mlx-lm's 4-bit as stored
+    (tests/test_load_memory.py's measure)."""
+    import test_load_memory
+    from mlx_lm.convert import convert as mlx_convert
+
+    over = dict(hybrid_override_pattern="ME*-" * 4, num_hidden_layers=16)
+    path = tiny.make_nemotron_h(
+        tmp_path / "f", "nemotron_h_moe", tokenizer=quantized, **over
+    )
+    if quantized:
+        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
+        path = tmp_path / "q"
+    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
+    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
