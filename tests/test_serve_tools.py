@@ -13,7 +13,8 @@ import tiny
 from serve_process import Server
 
 from flashnorm_mlx.serve.schema import RequestError
-from flashnorm_mlx.serve.tools import ToolCalls, read_tools, tools_ignored
+from flashnorm_mlx.serve.split import ReplySplit
+from flashnorm_mlx.serve.tools import read_tools, tools_ignored
 
 # The reply, one added token each: words, then a json_tools call split over
 # three tokens, so that a stream sees the call arrive in pieces.
@@ -223,9 +224,9 @@ def test_calls_split_anywhere_in_the_text_are_found(tokenizer):
     and call each time (a marker may arrive split over pieces)."""
     text = "".join(SCRIPT) + " done"
     for cut in range(len(text) + 1):
-        tc = ToolCalls(tokenizer, TOOLS, streaming=True)
-        a, calls_a = tc.feed(text[:cut])
-        b, calls_b = tc.feed(text[cut:], final=True)
+        tc = ReplySplit(tokenizer, TOOLS, streaming=True, thought=False)
+        _, a, calls_a = tc.feed(text[:cut])
+        _, b, calls_b = tc.feed(text[cut:], final=True)
         assert a + b == SCRIPT[0] + " done", (cut, a, b)
         (call,) = calls_a + calls_b
         check_call(call)
@@ -234,8 +235,8 @@ def test_calls_split_anywhere_in_the_text_are_found(tokenizer):
 
 
 def test_an_unclosed_call_at_the_end_is_still_parsed(tokenizer):
-    tc = ToolCalls(tokenizer, TOOLS, streaming=False)
-    content, calls = tc.feed("".join(SCRIPT[:4]), final=True)
+    tc = ReplySplit(tokenizer, TOOLS, streaming=False, thought=False)
+    _, content, calls = tc.feed("".join(SCRIPT[:4]), final=True)
     assert content == SCRIPT[0] and len(calls) == 1, (content, calls)
     check_call(calls[0])
 

@@ -28,6 +28,23 @@ ERROR_TYPES = {
     503: "overloaded_error",
 }
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+# chat_reply's events that are content blocks: (block type, its text's key,
+# its delta type); a thought is a thinking block with an empty signature.
+BLOCKS = {
+    "thought": ("thinking", "thinking", "thinking_delta"),
+    "text": ("text", "text", "text_delta"),
+}
+
+
+def _block(kind: str) -> dict:
+    return (
+        {"type": kind, "thinking": "", "signature": ""}
+        if kind == "thinking"
+        else {
+            "type": kind,
+            "text": "",
+        }
+    )
 
 
 def error_body(e: RequestError) -> dict:
@@ -76,6 +93,8 @@ def _messages(body: dict) -> list:
                         "function": {"name": b.get("name"), "arguments": args},
                     }
                 )
+            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+                pass  # earlier thoughts: templates drop them (Qwen3's, DeepSeek's)
             elif kind == "tool_result" and m["role"] == "user":
                 content = b.get("content", "")
                 result = content if isinstance(content, str) else _text(content, where)
@@ -88,8 +107,9 @@ def _messages(body: dict) -> list:
                 )
             else:
                 raise RequestError(
-                    f"{where}: a {kind!r} block is not supported here "
-                    "(text, tool_use from the assistant, tool_result from the user)",
+                    f"{where}: a {kind!r} block is not supported here (text, "
+                    "thinking and tool_use from the assistant, tool_result from "
+                    "the user)",
                     where,
                 )
         if text or calls or not out or out[-1]["role"] != "tool":
@@ -111,6 +131,9 @@ def to_chat(body: dict) -> dict:
             chat[name] = body[name]
     if body.get("temperature") is not None:
         need(body, "temperature", lambda v: is_number(v) and 0 <= v <= 1, "from 0 to 1")
+    kwargs = _template_kwargs(body)
+    if kwargs:
+        chat["chat_template_kwargs"] = kwargs
     stops = body.get("stop_sequences")
     if stops:
         chat["stop"] = stops
@@ -144,6 +167,26 @@ def to_chat(body: dict) -> dict:
             "tool_choice",
         )
     return chat
+
+
+def _template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs` (an SDK's extra_body, checked by the chat route)
+    with Anthropic's `thinking` said as the template's enable_thinking."""
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = dict(kwargs) if isinstance(kwargs, dict) else kwargs
+    thinking = body.get("thinking")
+    if thinking is None:
+        return kwargs
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise RequestError(
+            '\'thinking\' must be {"type": "enabled", "budget_tokens": N}, '
+            '{"type": "adaptive"} or {"type": "disabled"}',
+            "thinking",
+        )
+    if isinstance(kwargs, dict) or kwargs is None:
+        kwargs = {"enable_thinking": kind != "disabled", **(kwargs or {})}
+    return kwargs
 
 
 def _usage(result: dict) -> dict:
@@ -199,10 +242,11 @@ def _answer(h, reply, stream: bool) -> None:
     }
     if not stream:
         for what, value in reply:
-            if what == "text":
-                if not message["content"] or message["content"][-1]["type"] != "text":
-                    message["content"].append({"type": "text", "text": ""})
-                message["content"][-1]["text"] += value
+            if what in BLOCKS:
+                kind, key, _ = BLOCKS[what]
+                if not message["content"] or message["content"][-1]["type"] != kind:
+                    message["content"].append(_block(kind))
+                message["content"][-1][key] += value
             elif what == "call":
                 message["content"].append(_tool_use(value))
             else:
@@ -216,39 +260,52 @@ def _answer(h, reply, stream: bool) -> None:
 def _stream(h, reply, message: dict, request) -> None:
     first = next(reply)  # errors before the first piece are still a JSON error
     h.start_events()
-    usage = {"input_tokens": len(request.prompt), "output_tokens": 0}
+    # What message_delta's usage says too: the prompt less what was cached.
+    usage = {
+        "input_tokens": len(request.prompt) - request.cached,
+        "output_tokens": 0,
+        "cache_read_input_tokens": request.cached,
+    }
     send_event(
         h,
         "message_start",
         {"type": "message_start", "message": {**message, "usage": usage}},
     )
-    index, open_text = -1, False
+    index, open_kind = -1, None
 
     def close():
-        nonlocal open_text
-        if open_text:
+        nonlocal open_kind
+        if open_kind == "thinking":  # Anthropic signs a thought before its stop
+            delta = {"type": "signature_delta", "signature": ""}
+            send_event(
+                h,
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": delta},
+            )
+        if open_kind:
             send_event(
                 h, "content_block_stop", {"type": "content_block_stop", "index": index}
             )
-            open_text = False
+            open_kind = None
 
     try:
         for what, value in chain(first, reply):
-            if what == "text":
-                if not open_text:
+            if what in BLOCKS:
+                kind, key, delta_type = BLOCKS[what]
+                if open_kind != kind:
+                    close()
                     index += 1
-                    open_text = True
-                    block = {"type": "text", "text": ""}
+                    open_kind = kind
                     send_event(
                         h,
                         "content_block_start",
                         {
                             "type": "content_block_start",
                             "index": index,
-                            "content_block": block,
+                            "content_block": _block(kind),
                         },
                     )
-                delta = {"type": "text_delta", "text": value}
+                delta = {"type": delta_type, key: value}
                 send_event(
                     h,
                     "content_block_delta",

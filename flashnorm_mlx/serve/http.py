@@ -23,7 +23,7 @@ from .logprobs import choice_logprobs
 from .routes import extra_routes, public_paths
 from .schema import Request, RequestError
 from .service import Service
-from .tools import tool_calls_for
+from .split import reply_split
 
 MAX_BODY_BYTES = 16 << 20
 
@@ -41,9 +41,11 @@ def _total_usage(usages: List[dict]) -> dict:
         return usages[0]
     keys = ("prompt_tokens", "completion_tokens", "total_tokens")
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    thought = sum(u["completion_tokens_details"]["reasoning_tokens"] for u in usages)
     return {
         **{k: sum(u[k] for u in usages) for k in keys},
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": thought},
     }
 
 
@@ -306,8 +308,11 @@ class Handler(BaseHTTPRequestHandler):
         """An OpenAI chat ("chat") or text ("text") completion, streamed or not."""
         body = self.read_json()
         with self.service.submitted(kind, body, self.key_scope) as requests:
-            # tools.py: a chat reply's tool calls cut out of its text (None: none).
-            self._tools = tool_calls_for(self.service, kind, body, requests[0].stream)
+            # split.py: a chat reply's thought and tool calls cut out of its
+            # text, one ReplySplit per choice (None: nothing to cut).
+            self._splits = [
+                reply_split(self.service, r, body, r.stream) for r in requests
+            ]
             try:
                 if requests[0].stream:
                     self._stream(requests[0])
@@ -352,15 +357,7 @@ class Handler(BaseHTTPRequestHandler):
                 "logprobs": choice_logprobs(request, r["logprobs"]),
             }
             if request.kind == "chat":
-                text, calls = r["text"], None
-                if self._tools:
-                    text, calls = self._tools.feed(text, final=True)
-                    choice["finish_reason"] = self._tools.finish_reason(
-                        r["finish_reason"]
-                    )
-                choice["message"] = {"role": "assistant", "content": text}
-                if calls:
-                    choice["message"]["tool_calls"] = calls
+                choice["message"] = self._message(i, r, choice)
             else:
                 choice["text"] = r["text"]
             choices.append(choice)
@@ -377,6 +374,21 @@ class Handler(BaseHTTPRequestHandler):
                 },
             },
         )
+
+    def _message(self, i: int, result: dict, choice: dict) -> dict:
+        """Choice i's chat message: its thought (as mlx_lm.server's
+        `reasoning` and vLLM's `reasoning_content`), content and tool calls."""
+        split = self._splits[i]
+        if split is None:
+            return {"role": "assistant", "content": result["text"]}
+        got = split.feed(result["text"], final=True)
+        choice["finish_reason"] = split.finish_reason(result["finish_reason"])
+        message = {"role": "assistant", "content": got.content}
+        if got.reasoning:
+            message.update(reasoning=got.reasoning, reasoning_content=got.reasoning)
+        if got.calls:
+            message["tool_calls"] = got.calls
+        return message
 
     def _head(self, request: Request, chunk: bool) -> dict:
         if request.kind == "chat":
@@ -401,11 +413,14 @@ class Handler(BaseHTTPRequestHandler):
         role=False,
         logprobs=None,
         calls=None,
+        thought="",
     ) -> dict:
         if request.kind == "chat":
             delta = {"role": "assistant"} if role else {}
-            if text is not None:
+            if text is not None and (text or not thought):
                 delta["content"] = text
+            if thought:
+                delta.update(reasoning=thought, reasoning_content=thought)
             if calls:
                 delta["tool_calls"] = calls
             choice = {"index": 0, "delta": delta}
@@ -432,20 +447,25 @@ class Handler(BaseHTTPRequestHandler):
                 lp = choice_logprobs(
                     request, entries if request.top_logprobs is not None else None
                 )
-                calls = None
-                if self._tools:
-                    piece, calls = self._tools.feed(piece)
-                self._event(self._chunk(request, piece, logprobs=lp, calls=calls))
+                split, thought, calls = self._splits[0], "", None
+                if split:
+                    thought, piece, calls = split.feed(piece)
+                chunk = self._chunk(
+                    request, piece, logprobs=lp, calls=calls, thought=thought
+                )
+                self._event(chunk)
             elif what == "error":
                 self._event(value.body())
                 break
             else:  # done
-                finish = value["finish_reason"]
-                if self._tools:  # what the reply's end completes
-                    rest, calls = self._tools.feed("", final=True)
-                    if rest or calls:
-                        self._event(self._chunk(request, rest, calls=calls))
-                    finish = self._tools.finish_reason(finish)
+                finish, split = value["finish_reason"], self._splits[0]
+                if split:  # what the reply's end completes
+                    thought, rest, calls = split.feed("", final=True)
+                    if thought or rest or calls:
+                        self._event(
+                            self._chunk(request, rest, calls=calls, thought=thought)
+                        )
+                    finish = split.finish_reason(finish)
                 last = self._chunk(request, None, finish=finish)
                 last.update(timings=value["timings"])
                 self._event(last)

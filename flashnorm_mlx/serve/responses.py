@@ -79,9 +79,12 @@ def _messages(body: dict) -> list:
                     ),
                 }
             )
+        elif kind == "reasoning":
+            pass  # an earlier thought: templates drop them (Qwen3's, DeepSeek's)
         else:
             raise RequestError(
-                f"{where} must be a message, function_call or function_call_output",
+                f"{where} must be a message, reasoning, function_call or "
+                "function_call_output",
                 "input",
             )
     return out
@@ -136,6 +139,13 @@ def to_chat(body: dict) -> dict:
         ]
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = body["tool_choice"]
+    effort = body.get("reasoning")
+    if effort is not None:
+        need(body, "reasoning", lambda v: isinstance(v, dict), "an object")
+        if effort.get("effort") is not None:
+            chat["reasoning_effort"] = effort["effort"]  # to the template
+    if body.get("chat_template_kwargs") is not None:
+        chat["chat_template_kwargs"] = body["chat_template_kwargs"]
     return chat
 
 
@@ -170,7 +180,9 @@ def _usage(result: dict) -> dict:
             "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]
         },
         "output_tokens": u["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"]
+        },
         "total_tokens": u["total_tokens"],
     }
 
@@ -183,6 +195,20 @@ def _message(mid: str, text: str, status: str = "completed") -> dict:
         "status": status,
         "role": "assistant",
         "content": [part] if status == "completed" else [],
+    }
+
+
+def _reasoning(rid: str, text: str, status: str = "completed") -> dict:
+    """A thought as Responses' reasoning item (its text whole, no summary)."""
+    content = (
+        [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    )
+    return {
+        "type": "reasoning",
+        "id": rid,
+        "status": status,
+        "summary": [],
+        "content": content,
     }
 
 
@@ -208,9 +234,11 @@ def responses(h) -> None:
         if body.get("stream") is True:
             _stream(h, body, reply, rid, request.model)
             return
-        text, output, result = "", [], None
+        text, thought, output, result = "", "", [], None
         for what, value in reply:
-            if what == "text":
+            if what == "thought":
+                thought += value
+            elif what == "text":
                 text += value
             elif what == "call":
                 output.append(_call(value))
@@ -218,6 +246,8 @@ def responses(h) -> None:
                 result = value
         if text or not output:
             output.insert(0, _message(mid, text))
+        if thought:  # before the message, as OpenAI's reasoning models answer
+            output.insert(0, _reasoning(new_id("rs_"), thought))
         h.send_json(200, _finished(body, rid, request.model, output, result))
     finally:
         reply.close()
@@ -249,7 +279,27 @@ def _stream(h, body, reply, rid, model) -> None:
     started = _response(body, rid, model, "in_progress", [])
     event("response.created", response=started)
     event("response.in_progress", response=started)
-    output, msg = [], {}  # msg: the open message's place and text
+    output, msg, rs = [], {}, {}  # the open message's, thought's place and text
+
+    def open_reasoning():
+        rs.update(item_id=new_id("rs_"), output_index=len(output), content_index=0)
+        output.append(_reasoning(rs["item_id"], "", "in_progress"))
+        event(
+            "response.output_item.added", output_index=len(output) - 1, item=output[-1]
+        )
+
+    def close_reasoning():
+        if not rs:
+            return
+        at, text = _at(rs), rs.get("text", "")
+        event("response.reasoning_text.done", **at, text=text)
+        output[at["output_index"]] = _reasoning(at["item_id"], text)
+        event(
+            "response.output_item.done",
+            output_index=at["output_index"],
+            item=output[at["output_index"]],
+        )
+        rs.clear()
 
     def open_message():
         msg.update(item_id=new_id("msg_"), output_index=len(output), content_index=0)
@@ -275,7 +325,13 @@ def _stream(h, body, reply, rid, model) -> None:
 
     try:
         for what, value in chain(first, reply):
-            if what == "text":
+            if what == "thought":
+                if not rs:
+                    open_reasoning()
+                rs["text"] = rs.get("text", "") + value
+                event("response.reasoning_text.delta", **_at(rs), delta=value)
+            elif what == "text":
+                close_reasoning()
                 if not msg:
                     open_message()
                 msg["text"] = msg.get("text", "") + value
@@ -283,6 +339,7 @@ def _stream(h, body, reply, rid, model) -> None:
                     "response.output_text.delta", **_at(msg), delta=value, logprobs=[]
                 )
             elif what == "call":
+                close_reasoning()
                 close_message()
                 item, i = _call(value), len(output)
                 opened = {**item, "arguments": "", "status": "in_progress"}
@@ -301,7 +358,10 @@ def _stream(h, body, reply, rid, model) -> None:
                 event("response.output_item.done", output_index=i, item=item)
                 output.append(item)
             else:
-                if not output:
+                close_reasoning()
+                if not output or (
+                    len(output) == 1 and output[0]["type"] == "reasoning"
+                ):
                     open_message()
                 close_message()
                 done = _finished(body, rid, model, output, value)

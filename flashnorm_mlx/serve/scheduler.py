@@ -35,6 +35,7 @@ from .log import log
 from .logprobs import TokenLogprob, score_prompt, top_logprobs
 from .pacing import PrefillPace
 from .schema import Request, RequestError, Settings
+from .split import reasoning_tokens
 from .text import Detokenizer, StopText
 
 MODEL_KEY = "model"  # one model per server: one key in the prompt cache
@@ -295,6 +296,7 @@ class Worker:
             if cache is None or rest is None:
                 cache, rest = None, list(request.prompt)
             run.cached = len(request.prompt) - len(rest)
+            request.cached = run.cached  # before its first event (anthropic.py)
             fed = request.prompt[: run.cached]
         (run.uid,) = self.gen.insert(
             [list(rest)],
@@ -440,6 +442,11 @@ class Worker:
                 "completion_tokens": n,
                 "total_tokens": len(request.prompt) + n,
                 "prompt_tokens_details": {"cached_tokens": run.cached},
+                "completion_tokens_details": {
+                    "reasoning_tokens": reasoning_tokens(
+                        self.decoder, run.ids, request.thought
+                    )
+                },
             },
             # Per response, as this client saw it (other requests' work included).
             "timings": {

@@ -289,6 +289,8 @@ class Request:
     cache_scope: tuple = ()  # (API key scope, cache_salt): who shares cached prefixes
     constraint: Optional[Callable] = None  # structured.GrammarProcessor, its own
     warning: Optional[str] = None  # said in the answer's "warning" field
+    thought: bool = False  # the reply begins inside a thought (split.py)
+    cached: int = 0  # prompt tokens read from the prompt cache (set at its start)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
     submitted: float = field(default_factory=time.perf_counter)

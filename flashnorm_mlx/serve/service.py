@@ -12,6 +12,7 @@ from .bounds import bytes_per_token, check_fits
 from .prompts import read_messages, read_prompts, read_template_kwargs
 from .scheduler import Worker
 from .schema import Request, RequestError, Settings, read_requests
+from .split import starts_in_thought
 from .structured import constrain
 from .tools import read_tools, tools_ignored, with_tool_history
 
@@ -126,6 +127,7 @@ class Service:
         ignored = tools_ignored(body, self.tokenizer) if kind == "chat" else None
         for r in requests:
             r.warning = ignored
+            r.thought = kind == "chat" and starts_in_thought(self.tokenizer, r.prompt)
         return requests
 
     def fits(self, texts: List[str], param: str, each: int = 0) -> None:

@@ -1,8 +1,7 @@
 """Tool calling for serve's chat route (docs/design.md section 5e), with mlx-lm's
 own pieces: the tokenizer's tool parser (mlx_lm.tool_parsers, chosen by
-mlx-lm from the chat template), its TextStateMachine to cut tool-call text
-out of the reply as it streams, and mlx_lm.server's ToolCallFormatter for
-OpenAI's `tool_calls` shape.
+mlx-lm from the chat template); the reply's calls are cut out of its text by
+split.ReplySplit.
 
 A request's `tools` are rendered by the chat template; a model whose template
 does not use them answers without them, as mlx_lm.server does, with a warning
@@ -10,7 +9,7 @@ logged and in the answer's "warning" field.
 """
 
 import json
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from .log import log
 from .schema import RequestError
@@ -119,59 +118,3 @@ def _call_for_template(call, i: int) -> dict:
                 code="invalid_value",
             ) from None
     return {**call, "function": {**fn, "arguments": args}}
-
-
-class ToolCalls:
-    """One reply's text split into content and OpenAI `tool_calls`, piece by
-    piece: text between the parser's start and end markers is held back and
-    parsed when its end marker (or the reply's end) arrives."""
-
-    def __init__(self, tokenizer, tools: List[dict], streaming: bool):
-        from mlx_lm.generate import TextStateMachine
-        from mlx_lm.server import ToolCallFormatter
-
-        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-        self.sm = TextStateMachine(
-            {"normal": [(start, "tool")], "tool": [(end, "normal")]}
-        )
-        self.split, self.flush = TextStateMachine.split, TextStateMachine.flush
-        self.state = self.sm.make_state("normal")
-        self.format = ToolCallFormatter(tokenizer.tool_parser, tools, streaming)
-        self.where, self.held = "normal", ""
-        self.called = False  # any call parsed: finish_reason "tool_calls"
-
-    def feed(self, text: str, final: bool = False) -> Tuple[str, List[dict]]:
-        """(content, tool calls) that `text` completes; `final` at the reply's
-        end, which flushes what is held (an unclosed call is parsed as is)."""
-        self.state, segments = self.split(self.state, text)
-        if final:
-            self.state, rest, where = self.flush(self.state)
-            segments.append((where, rest))
-        content, done = "", []
-        for where, piece in segments:
-            if where == "tool":
-                self.held += piece
-            else:
-                if self.where == "tool":
-                    done.append(self.held)
-                    self.held = ""
-                content += piece
-            self.where = where
-        if final and self.where == "tool" and self.held.strip():
-            done.append(self.held)
-            self.held = ""
-        calls = self.format(done)
-        self.called = self.called or bool(calls)
-        return content, calls
-
-    def finish_reason(self, reason: str) -> str:
-        return "tool_calls" if reason == "stop" and self.called else reason
-
-
-def tool_calls_for(service, kind: str, body: dict, streaming: bool):
-    """A ToolCalls for a chat request with tools (checked already by
-    Service.parse), else None."""
-    if kind != "chat":
-        return None
-    tools = read_tools(body, service.tokenizer)
-    return ToolCalls(service.tokenizer, tools, streaming) if tools else None
