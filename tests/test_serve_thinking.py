@@ -261,3 +261,43 @@ def test_reasoning_effort_reaches_the_template(server):
         "POST", "/v1/chat/completions", {**base, "reasoning_effort": 3}
     )
     assert status == 400 and r["error"]["param"] == "reasoning_effort", r
+
+
+def test_chat_session_gives_the_thought_apart(model_dir):
+    """`flashnorm-mlx chat`'s session: the thought to on_thought (the UI shows
+    it dimmed), the answer alone to on_text, as serve splits them."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from flashnorm_mlx.cli.chat import PlainUI, run_chat
+    from flashnorm_mlx.conversation import ChatSession
+    from flashnorm_mlx.loading import build_model, read_source
+
+    source = read_source(str(model_dir[0]))
+    model, _ = build_model(source, "flashnorm")
+    f = forced(model_dir[1])
+    processors = make_logits_processors(
+        {int(k): v for k, v in f["logit_bias"].items()},
+        f["repetition_penalty"],
+        f["repetition_context_size"],
+    )
+    session = ChatSession(model, source.tokenizer, max_tokens=12)
+    session.logits_processors = processors
+
+    lines, text, thought, stats = ["Hello?"], [], [], []
+
+    class UI(PlainUI):
+        def read(self):
+            return lines.pop() if lines else None
+
+        def text(self, segment):
+            text.append(segment)
+
+        def thought(self, segment):
+            thought.append(segment)
+
+        def end_reply(self, s):
+            stats.append(s)
+
+    assert run_chat(session, UI(), 12) == 0
+    assert ("".join(thought), "".join(text)) == (THOUGHT, ANSWER), (thought, text)
+    assert stats[0].generation_tokens == len(SCRIPT) + 1, stats
