@@ -192,7 +192,66 @@ def test_a_conversation_with_earlier_tool_calls_renders(server):
     status, r = server.request(
         "POST", "/v1/chat/completions", {**body, "messages": [ASK[0], bad]}
     )
-    assert status == 400 and r["error"]["param"] == "messages", r
+    assert status == 400 and r["error"]["param"] == "messages[1].tool_calls[0]", r
+
+
+CALLED = [
+    ASK[0],
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+
+
+def test_tool_history_is_kept_without_tools(server, tokenizer):
+    """An agent drops `tools` (or says "none") to force a final answer: the
+    earlier call still renders, as the template renders it with the call."""
+    called = [dict(m) for m in CALLED]
+    call = called[1]["tool_calls"][0]
+    called[1]["tool_calls"] = [
+        {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    ]
+    want = tokenizer.apply_chat_template(called, add_generation_prompt=True)
+    status, r = server.request("POST", "/tokenize", {"messages": CALLED})
+    assert status == 200 and r["tokens"] == list(want), (r, len(want))
+    for extra in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        body = {"messages": CALLED, "max_tokens": 1, **extra}
+        status, r = server.request("POST", "/v1/chat/completions", body)
+        assert status == 200, r
+        assert r["usage"]["prompt_tokens"] == len(want), (extra, r["usage"], len(want))
+
+
+def test_malformed_arguments_in_the_history_are_400_on_every_route(server):
+    bad = [dict(m) for m in CALLED]
+    bad[1] = {**bad[1], "tool_calls": [{**CALLED[1]["tool_calls"][0]}]}
+    bad[1]["tool_calls"][0]["function"] = {"name": "get_weather", "arguments": "{"}
+    status, r = server.request(
+        "POST", "/v1/chat/completions", {"messages": bad, "max_tokens": 1}
+    )
+    where = "messages[1].tool_calls[0].function.arguments"
+    assert status == 400 and r["error"]["param"] == where, r
+    use = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": "Paris"}
+    turns = [ASK[0], {"role": "assistant", "content": [use]}]
+    status, r = server.request(
+        "POST", "/v1/messages", {"messages": turns, "max_tokens": 1}
+    )
+    assert status == 400 and r["type"] == "error", r  # Anthropic's shape
+    assert "messages[1]" in r["error"]["message"], r
+    items = [
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"},
+    ]
+    status, r = server.request("POST", "/v1/responses", {"input": items})
+    assert status == 400 and r["error"]["param"] == "input[1].arguments", r
 
 
 @pytest.mark.parametrize(

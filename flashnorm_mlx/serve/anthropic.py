@@ -85,6 +85,10 @@ def _messages(body: dict) -> list:
             if kind == "text":
                 text += str(b.get("text", ""))
             elif kind == "tool_use" and m["role"] == "assistant":
+                if not isinstance(b.get("input", {}), dict):
+                    raise RequestError(
+                        f"{where}: a tool_use block's input must be an object", where
+                    )
                 args = json.dumps(b.get("input") or {})
                 calls.append(
                     {

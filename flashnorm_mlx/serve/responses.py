@@ -56,6 +56,7 @@ def _messages(body: dict) -> list:
                 {"role": item["role"], "content": _content(item.get("content"), where)}
             )
         elif kind == "function_call":
+            _check_arguments(item.get("arguments"), where)
             call = {
                 "id": item.get("call_id"),
                 "type": "function",
@@ -88,6 +89,21 @@ def _messages(body: dict) -> list:
                 "input",
             )
     return out
+
+
+def _check_arguments(arguments, where: str) -> None:
+    """A function_call item's arguments: a JSON object in a string (a 400
+    naming the item otherwise, as the chat route names its message)."""
+    try:
+        ok = isinstance(json.loads(arguments or "{}"), dict)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise RequestError(
+            f"{where}.arguments must be a JSON object in a string, not "
+            f"{json.dumps(arguments)[:60]}",
+            f"{where}.arguments",
+        )
 
 
 def _format(body: dict):

@@ -85,8 +85,10 @@ def tokenize(h) -> None:
     with s.tokenizer_lock:
         if "messages" in body:
             from .prompts import read_messages
+            from .tools import with_tool_history
 
-            messages = read_messages(body)
+            # As the chat route renders them: earlier tool calls kept.
+            messages = with_tool_history(read_messages(body), body)
             gen = _flag(body, "add_generation_prompt", True)
             try:
                 ids = s.tokenizer.apply_chat_template(

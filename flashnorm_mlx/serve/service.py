@@ -155,8 +155,9 @@ class Service:
             # mlx_lm.server's per-request template arguments, over --chat-template-args.
             extra = read_template_kwargs(body)
             extra.update({"tools": tools} if tools else {}, add_generation_prompt=True)
-            if tools:
-                messages = with_tool_history(messages, body)
+            # Earlier calls stay whatever tools and tool_choice say: agents
+            # drop tools to force a final answer (docs/serve.md, "Tools").
+            messages = with_tool_history(messages, body)
             self.fits([m["content"] for m in messages], "messages")
             with self.tokenizer_lock:
                 try:

@@ -85,13 +85,20 @@ def with_tool_history(messages: List[dict], body: dict) -> List[dict]:
     """read_messages' {role, content} messages with the earlier turns' tool
     parts put back for the template: an assistant's `tool_calls` (arguments
     as objects, as mlx_lm.server hands them over) and a tool's `tool_call_id`
-    and `name`."""
+    and `name`. A 400 naming the message where a call is malformed."""
     out = []
-    for m, raw in zip(messages, body["messages"]):
+    for j, (m, raw) in enumerate(zip(messages, body["messages"])):
         m = dict(m)
         calls = raw.get("tool_calls")
-        if raw.get("role") == "assistant" and isinstance(calls, list):
-            m["tool_calls"] = [_call_for_template(c, i) for i, c in enumerate(calls)]
+        if raw.get("role") == "assistant" and calls is not None:
+            where = f"messages[{j}].tool_calls"
+            if not isinstance(calls, list):
+                raise RequestError(
+                    f"{where} must be a list", param=where, code="invalid_type"
+                )
+            m["tool_calls"] = [
+                _call_for_template(c, f"{where}[{i}]") for i, c in enumerate(calls)
+            ]
         for key in ("tool_call_id", "name"):
             if raw.get("role") == "tool" and isinstance(raw.get(key), str):
                 m[key] = raw[key]
@@ -99,22 +106,27 @@ def with_tool_history(messages: List[dict], body: dict) -> List[dict]:
     return out
 
 
-def _call_for_template(call, i: int) -> dict:
+def _call_for_template(call, where: str) -> dict:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise RequestError(
-            "an assistant message's tool_calls must each have a function name",
-            param="messages",
+            f"{where} must have a function name",
+            param=where,
             code="invalid_value",
         )
     args = fn.get("arguments")
+    if args is None or (isinstance(args, str) and not args.strip()):
+        args = "{}"  # a call with no arguments
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = json.loads(args)
         except ValueError:
-            raise RequestError(
-                f"tool_calls[{i}].function.arguments is not JSON",
-                param="messages",
-                code="invalid_value",
-            ) from None
+            pass  # still a string: refused below
+    if not isinstance(args, dict):
+        raise RequestError(
+            f"{where}.function.arguments is not a JSON object: "
+            f"{json.dumps(fn.get('arguments'))[:60]}",
+            param=f"{where}.function.arguments",
+            code="invalid_value",
+        )
     return {**call, "function": {**fn, "arguments": args}}
