@@ -73,6 +73,29 @@ def server(model_dir):
     s.kill()
 
 
+def test_count_tokens_is_what_messages_bills(server):
+    """anthropic's messages.count_tokens: the input tokens messages.create
+    reports (first in the module: nothing cached yet, so all of them)."""
+    client = anthropic.Anthropic(
+        base_url=server.url, api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT
+    )
+    ask = dict(model="m", system="Count me.", messages=ASK)
+    counted = client.messages.count_tokens(**ask).input_tokens
+    made = client.messages.create(**ask, max_tokens=1).usage
+    assert made.cache_read_input_tokens == 0, made
+    assert counted == made.input_tokens > 10, (counted, made)
+    # Every Anthropic path answers errors in Anthropic's shape.
+    for method, path, body in (
+        ("POST", "/v1/messages/count_tokens", {"messages": "hi"}),
+        ("POST", "/v1/messages/nope", {}),
+        ("GET", "/v1/messages/count_tokens", None),
+        ("DELETE", "/v1/messages", None),
+    ):
+        status, r = server.request(method, path, body)
+        assert status >= 400 and r["type"] == "error", (path, status, r)
+        assert set(r["error"]) == {"type", "message"}, (path, r)
+
+
 class MlxLmServer(Server):
     """`python -m mlx_lm.server` on the same checkpoint: the reference. It
     takes no port 0, so a free one is picked; ready at its 'Starting httpd'."""

@@ -47,6 +47,12 @@ def _block(kind: str) -> dict:
     )
 
 
+def owns(path: str) -> bool:
+    """Whether `path` is Anthropic's (/v1/messages and below, unknown ones
+    too): its errors then come in Anthropic's shape."""
+    return path == PATH or path.startswith(PATH + "/")
+
+
 def error_body(e: RequestError) -> dict:
     """Anthropic's error shape for a RequestError."""
     kind = ERROR_TYPES.get(e.status, "api_error")
@@ -122,14 +128,14 @@ def _messages(body: dict) -> list:
     return out
 
 
-def to_chat(body: dict) -> dict:
-    """The chat completion body a Messages body asks for."""
-    chat = {
-        "messages": _messages(body),
-        "max_tokens": need(
+def to_chat(body: dict, counting: bool = False) -> dict:
+    """The chat completion body a Messages body asks for (counting: a
+    count_tokens body, which has no max_tokens)."""
+    chat = {"messages": _messages(body)}
+    if not counting:
+        chat["max_tokens"] = need(
             body, "max_tokens", lambda v: is_int(v) and v >= 1, "an integer >= 1"
-        ),
-    }
+        )
     for name in ("model", "temperature", "top_p", *SAMPLER_EXTRAS):
         if body.get(name) is not None:
             chat[name] = body[name]
@@ -219,6 +225,14 @@ def _tool_use(call: dict) -> dict:
         "name": call["function"]["name"],
         "input": call_arguments(call),
     }
+
+
+def count_tokens(h) -> None:
+    """POST /v1/messages/count_tokens: the prompt's tokens as Messages would
+    bill them, the whole prompt (a create's input_tokens plus its
+    cache_read_input_tokens)."""
+    chat = to_chat(h.read_json(), counting=True)
+    h.send_json(200, {"input_tokens": len(h.service.chat_prompt(chat))})
 
 
 def messages(h) -> None:

@@ -95,6 +95,7 @@ class Handler(BaseHTTPRequestHandler):
             status=code,
             code="method_not_allowed" if code == 501 else "bad_request",
         )
+        path = getattr(self, "path", "").split("?", 1)[0].rstrip("/")
         if self.command == "HEAD":  # HTTP allows no body: the headers only
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -103,7 +104,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             return
-        self.send_json(code, err.body())
+        self.send_json(
+            code, anthropic.error_body(err) if anthropic.owns(path) else err.body()
+        )
 
     def _cors_headers(self) -> None:
         """mlx_lm.server's CORS headers, for an Origin in --allowed-origins
@@ -162,8 +165,8 @@ class Handler(BaseHTTPRequestHandler):
                     code="method_not_allowed",
                 )
             handle()
-        except RequestError as e:  # Anthropic's route answers in its own shape
-            body = anthropic.error_body(e) if path == anthropic.PATH else e.body()
+        except RequestError as e:  # Anthropic's routes answer in its own shape
+            body = anthropic.error_body(e) if anthropic.owns(path) else e.body()
             try:
                 self.send_json(e.status, body)
             except OSError as gone:  # the client left before its answer

@@ -39,6 +39,7 @@ def extra_routes(h) -> Dict[str, Tuple[str, Callable[[], None]]]:
         # mlx_lm.server's path without /v1; Anthropic's and OpenAI's agent APIs.
         "/chat/completions": ("POST", lambda: h.complete("chat")),
         "/v1/messages": ("POST", lambda: anthropic.messages(h)),
+        "/v1/messages/count_tokens": ("POST", lambda: anthropic.count_tokens(h)),
         "/v1/responses": ("POST", lambda: responses.responses(h)),
         "": ("GET", lambda: page_file(h, "index.html")),  # "/", its "/" stripped
     }

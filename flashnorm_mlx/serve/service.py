@@ -130,6 +130,11 @@ class Service:
             r.thought = kind == "chat" and starts_in_thought(self.tokenizer, r.prompt)
         return requests
 
+    def chat_prompt(self, body: dict) -> List[int]:
+        """The token ids a chat body's messages render to (its tools and
+        template arguments too), as parse() would run them."""
+        return self._prompts("chat", body)[0][0]
+
     def fits(self, texts: List[str], param: str, each: int = 0) -> None:
         """400 before tokenizing for texts that cannot fit the context
         (bounds.py); each=1: every text is a prompt of its own."""
