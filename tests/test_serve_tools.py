@@ -257,7 +257,12 @@ def test_malformed_arguments_in_the_history_are_400_on_every_route(server):
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "always"}, "tool_choice"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required", "tools": []}, "tool_choice"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tools": "get_weather"}, "tools"),
     ],
@@ -489,3 +494,119 @@ def test_responses_function_call_items(server, model_dir):
         },
     )
     assert status == 200 and r2["status"] in ("completed", "incomplete"), r2
+
+
+def _call_fits(call, name="get_weather") -> bool:
+    import jsonschema
+
+    try:
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, STRICT_PARAMS)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return call.function.name == name
+
+
+def test_required_tool_choice_gives_one_valid_call_every_seed(server):
+    """tool_choice "required" with one function, the random model sampling at
+    temperature 1 (no logit bias), 10 seeds at once through the openai SDK:
+    each reply is exactly one call, its arguments valid for the schema."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tool = {
+        **TOOLS[0],
+        "function": {**TOOLS[0]["function"], "parameters": STRICT_PARAMS},
+    }
+    client = server.client()
+
+    def ask(seed):
+        return client.chat.completions.create(
+            model="m",
+            messages=ASK,
+            tools=[tool],
+            tool_choice="required",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=80,
+        ).choices[0]
+
+    with ThreadPoolExecutor(10) as pool:
+        choices = list(pool.map(ask, range(10)))
+    for seed, c in enumerate(choices):
+        print(seed, c.message.content, c.message.tool_calls)
+    assert [len(c.message.tool_calls or []) for c in choices] == [1] * 10, choices
+    assert all(_call_fits(c.message.tool_calls[0]) for c in choices), choices
+    assert all(c.finish_reason == "tool_calls" for c in choices), choices
+    # Said explicitly, parallel calls are let through: still calls only, each valid.
+    r = client.chat.completions.create(
+        model="m",
+        messages=ASK,
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=True,
+        temperature=1.0,
+        seed=5,  # two calls at this seed
+        max_tokens=120,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) == 2 and all(map(_call_fits, calls)), r
+    assert r.choices[0].message.content == "", r
+
+
+def test_a_named_tool_is_the_one_called_and_parallel_false_gives_one(server):
+    other = {"type": "function", "function": {"name": "t"}}  # the context is 512
+    tool = {
+        **TOOLS[0],
+        "function": {**TOOLS[0]["function"], "parameters": STRICT_PARAMS},
+    }
+    client = server.client()
+    for seed in range(2):
+        r = client.chat.completions.create(
+            model="m",
+            messages=ASK,
+            tools=[other, tool],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=80,
+        )
+        calls = r.choices[0].message.tool_calls
+        assert calls and len(calls) == 1 and _call_fits(calls[0]), r
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(tokenizer):
+    """Without a grammar (auto, not strict), the reply is cut to one call."""
+    text = "".join(SCRIPT) + "".join(SCRIPT[1:])
+    for most, n in ((None, 2), (1, 1)):
+        split = ReplySplit(tokenizer, TOOLS, streaming=False, thought=False, most=most)
+        _, content, calls = split.feed(text, final=True)
+        assert content == SCRIPT[0] and len(calls) == n, (most, calls)
+
+
+def test_forced_tools_on_the_anthropic_and_responses_routes(server):
+    import anthropic
+
+    tool = {"name": "get_weather", "input_schema": STRICT_PARAMS}
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    m = client.messages.create(
+        model="m",
+        max_tokens=80,
+        messages=ASK,
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 1.0, "seed": 3},
+    )
+    assert [b.type for b in m.content] == ["tool_use"], m.content
+    assert m.content[0].name == "get_weather" and m.stop_reason == "tool_use", m
+    r = server.client().responses.create(
+        model="m",
+        input="Weather in Paris?",
+        max_output_tokens=80,
+        tools=[{"type": "function", **tool, "parameters": STRICT_PARAMS}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=1.0,
+        extra_body={"seed": 3},
+    )
+    assert [o.type for o in r.output] == ["function_call"], r.output
+    assert r.output[0].name == "get_weather", r.output

@@ -167,16 +167,31 @@ def to_chat(body: dict, counting: bool = False) -> dict:
             }
             for t in tools
         ]
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") in ("auto", "none"):
-        chat["tool_choice"] = choice["type"]
-    elif choice is not None:
+    chat.update(_tool_choice(body.get("tool_choice")))
+    return chat
+
+
+def _tool_choice(choice) -> dict:
+    """Anthropic's tool_choice as chat completion fields: "any" is
+    "required", "tool" a named function (both enforced: structured.py);
+    disable_parallel_tool_use is parallel_tool_calls false."""
+    if choice is None:
+        return {}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "none", "any", "tool") or (
+        kind == "tool" and not isinstance(choice.get("name"), str)
+    ):
         raise RequestError(
-            '\'tool_choice\' must be {"type": "auto"} or {"type": "none"}: '
-            "a required or named tool is not enforced",
+            '\'tool_choice\' must be {"type": "auto"}, "any", "none" or '
+            '{"type": "tool", "name": ...}',
             "tool_choice",
         )
-    return chat
+    out = {"tool_choice": {"any": "required"}.get(kind, kind)}
+    if kind == "tool":
+        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    if choice.get("disable_parallel_tool_use") is True:
+        out["parallel_tool_calls"] = False
+    return out
 
 
 def _template_kwargs(body: dict) -> dict:

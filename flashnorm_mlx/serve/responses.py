@@ -153,8 +153,14 @@ def to_chat(body: dict) -> dict:
             }
             for t in tools
         ]
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = body["tool_choice"]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        # Responses names the function flat; chat completions nest it.
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     effort = body.get("reasoning")
     if effort is not None:
         need(body, "reasoning", lambda v: isinstance(v, dict), "an object")
@@ -177,7 +183,7 @@ def _response(body: dict, rid: str, model: str, status: str, output: list, usage
         "max_output_tokens": body.get("max_output_tokens"),
         "model": model,
         "output": output,
-        "parallel_tool_calls": True,
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "tool_choice": body.get("tool_choice") or "auto",

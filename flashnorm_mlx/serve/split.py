@@ -64,7 +64,12 @@ class ReplySplit:
     parsed when its end marker (or the reply's end) arrives."""
 
     def __init__(
-        self, tokenizer, tools: Optional[List[dict]], streaming: bool, thought: bool
+        self,
+        tokenizer,
+        tools: Optional[List[dict]],
+        streaming: bool,
+        thought: bool,
+        most: Optional[int] = None,
     ):
         from mlx_lm.generate import TextStateMachine
         from mlx_lm.server import ToolCallFormatter
@@ -77,6 +82,8 @@ class ReplySplit:
         self.format = ToolCallFormatter(parser, tools, streaming) if tools else None
         self.held = ""
         self.called = False  # any call parsed: finish_reason "tool_calls"
+        self.most = most  # calls kept (parallel_tool_calls false: 1); None: all
+        self.calls = 0
 
     def feed(self, text: str, final: bool = False) -> Pieces:
         """What `text` completes; `final` at the reply's end, which flushes
@@ -102,6 +109,9 @@ class ReplySplit:
             done.append(self.held)
             self.held = ""
         calls = self.format(done) if self.format and done else []
+        if self.most is not None:  # the first `most` calls; the rest dropped
+            calls = calls[: max(0, self.most - self.calls)]
+        self.calls += len(calls)
         self.called = self.called or bool(calls)
         return Pieces(thought, content, calls)
 
@@ -120,4 +130,5 @@ def reply_split(service, request, body: dict, streaming: bool):
     tokenizer = service.tokenizer
     if not tools and not getattr(tokenizer, "has_thinking", False):
         return None
-    return ReplySplit(tokenizer, tools, streaming, request.thought)
+    most = 1 if body.get("parallel_tool_calls") is False else None
+    return ReplySplit(tokenizer, tools, streaming, request.thought, most)

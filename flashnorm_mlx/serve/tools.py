@@ -29,12 +29,24 @@ def read_tools(body: dict, tokenizer) -> Optional[List[dict]]:
     cannot use them."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
+    if choice not in (None, "auto", "none", "required") and _named(choice) is None:
         raise RequestError(
-            '\'tool_choice\' must be "auto" or "none": the model decides '
-            "(a required or named tool is not enforced)",
+            '\'tool_choice\' must be "auto", "none", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
             param="tool_choice",
-            code="unsupported_parameter",
+            code="invalid_value",
+        )
+    if choice not in (None, "auto", "none") and not tools:
+        raise RequestError(
+            f"'tool_choice' {json.dumps(choice)[:60]} needs 'tools'",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise RequestError(
+            "'parallel_tool_calls' must be true or false",
+            param="parallel_tool_calls",
+            code="invalid_type",
         )
     if tools is None or tools == [] or choice == "none":
         return None
@@ -62,6 +74,36 @@ def read_tools(body: dict, tokenizer) -> Optional[List[dict]]:
             code="tools_not_supported",
         )
     return tools
+
+
+def _named(choice) -> Optional[str]:
+    """The function a tool_choice object names ({"type": "function",
+    "function": {"name"}}), else None."""
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        return None
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def forced_tools(body: dict, tools: Optional[List[dict]]) -> Optional[List[dict]]:
+    """The tools a reply must call one of: all of them for tool_choice
+    "required", the one named for a named choice (a 400 where no tool has
+    that name); None where the model decides."""
+    choice = body.get("tool_choice")
+    if not tools or choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        return tools
+    name = _named(choice)
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise RequestError(
+            f"'tool_choice' names {name!r}, which is not in 'tools'",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    return named
 
 
 def tools_ignored(body: dict, tokenizer) -> Optional[str]:
