@@ -610,3 +610,34 @@ def test_forced_tools_on_the_anthropic_and_responses_routes(server):
     )
     assert [o.type for o in r.output] == ["function_call"], r.output
     assert r.output[0].name == "get_weather", r.output
+
+
+# --- n choices, decoded as one batch (#57 part 5) ---------------------------------
+
+
+def test_n_choices_greedy_equal_seeded_reproducible(server):
+    client = server.client()
+    ask = dict(model="m", messages=ASK, max_tokens=6)
+    one = client.chat.completions.create(**ask, temperature=0)
+    greedy = client.chat.completions.create(**ask, temperature=0, n=3)
+    texts = [c.message.content for c in greedy.choices]
+    assert [c.index for c in greedy.choices] == [0, 1, 2], greedy
+    assert texts == [one.choices[0].message.content] * 3, (texts, one)
+    # Usage as OpenAI counts n: the prompt once, every choice's tokens.
+    assert greedy.usage.prompt_tokens == one.usage.prompt_tokens, greedy.usage
+    assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert greedy.model_extra["timings"]["batch_max"] == 3, greedy  # one batch
+    seeded = [
+        client.chat.completions.create(**ask, temperature=1.0, seed=7, n=3)
+        for _ in range(2)
+    ]
+    a, b = ([c.message.content for c in r.choices] for r in seeded)
+    assert a == b and len(set(a)) == 3, (a, b)  # each choice its own stream
+    # The first choice is the seed's own (n=1 gives it too).
+    alone = client.chat.completions.create(**ask, temperature=1.0, seed=7)
+    assert alone.choices[0].message.content == a[0], (alone, a)
+    status, r = server.request(
+        "POST", "/v1/completions", {"prompt": ["ab", "cd"], "n": 2, "max_tokens": 2}
+    )
+    assert status == 200 and len(r["choices"]) == 4, r
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3], r

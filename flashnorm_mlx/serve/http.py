@@ -35,15 +35,20 @@ class _ClientGone(Exception):
     pass
 
 
-def _total_usage(usages: List[dict]) -> dict:
-    """One usage for several prompts: every count summed."""
+def _total_usage(usages: List[dict], n: int = 1) -> dict:
+    """One usage for several prompts, n choices each: each prompt counted
+    once (as OpenAI counts n), every choice's completion summed."""
     if len(usages) == 1:
         return usages[0]
-    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
-    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    prompts = usages[::n]
+    made = sum(u["completion_tokens"] for u in usages)
+    read = sum(u["prompt_tokens"] for u in prompts)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in prompts)
     thought = sum(u["completion_tokens_details"]["reasoning_tokens"] for u in usages)
     return {
-        **{k: sum(u[k] for u in usages) for k in keys},
+        "prompt_tokens": read,
+        "completion_tokens": made,
+        "total_tokens": read + made,
         "prompt_tokens_details": {"cached_tokens": cached},
         "completion_tokens_details": {"reasoning_tokens": thought},
     }
@@ -369,7 +374,9 @@ class Handler(BaseHTTPRequestHandler):
             {
                 **self._head(requests[0], chunk=False),
                 "choices": choices,
-                "usage": _total_usage([r["usage"] for r in results]),
+                "usage": _total_usage(
+                    [r["usage"] for r in results], requests[0].choices
+                ),
                 # Several prompts: the last one's, with the largest batch of any.
                 "timings": {
                     **results[-1]["timings"],
