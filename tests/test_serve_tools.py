@@ -641,3 +641,40 @@ def test_n_choices_greedy_equal_seeded_reproducible(server):
     )
     assert status == 200 and len(r["choices"]) == 4, r
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3], r
+
+
+# --- --chat-template with tools (#57 part 6) ---------------------------------------
+
+
+def test_a_template_given_on_the_command_line_brings_its_tool_parser(
+    model_dir, tmp_path
+):
+    """The model's own template (ChatML) has no tools; --chat-template gives
+    Qwen's: its tool calls are parsed (the parser mlx-lm infers from it)."""
+    import shutil
+
+    from mlx_lm.utils import load_tokenizer
+
+    from flashnorm_mlx.chat_template import set_template
+
+    plain = shutil.copytree(model_dir[0], tmp_path / "plain")
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config["chat_template"] = (  # tiny.py's ChatML
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(plain)
+    assert not tok.has_tool_calling
+    set_template(tok, TEMPLATE)
+    assert tok.has_tool_calling and tok.tool_call_start == "<tool_call>", tok
+    s = Server(str(plain), "--chat-template", TEMPLATE)
+    try:
+        body = {"messages": ASK, "tools": TOOLS, **forced(model_dir[1])}
+        status, r = s.request("POST", "/v1/chat/completions", body)
+    finally:
+        s.kill()
+    assert status == 200, r
+    (call,) = r["choices"][0]["message"]["tool_calls"]
+    check_call(call)
