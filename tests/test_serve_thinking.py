@@ -324,3 +324,63 @@ def test_chat_session_gives_the_thought_apart(model_dir):
     assert run_chat(session, UI(), 12) == 0
     assert ("".join(thought), "".join(text)) == (THOUGHT, ANSWER), (thought, text)
     assert stats[0].generation_tokens == len(SCRIPT) + 1, stats
+
+
+# --- the small gaps (#57 part 7) ------------------------------------------------
+
+WEATHER = {"name": "get_weather", "parameters": {"type": "object"}}
+
+
+def test_tools_ignored_is_said_on_all_three_apis(server):
+    """This template has no tools: answered without them, and each API's
+    answer says so (chat completions did; Messages and Responses too)."""
+    tool = {"type": "function", "function": WEATHER}
+    asks = {
+        "/v1/chat/completions": {"messages": ASK, "tools": [tool]},
+        "/v1/messages": {
+            "messages": ASK,
+            "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
+        },
+        "/v1/responses": {
+            "input": "Hello?",
+            "tools": [{"type": "function", **WEATHER}],
+        },
+    }
+    for path, body in asks.items():
+        status, r = server.request("POST", path, {**body, "max_tokens": 1})
+        assert status == 200 and "ignored" in r.get("warning", ""), (path, r)
+
+
+def _events(server, path, body) -> list:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", path, body=json.dumps(body))
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    lines = [line.decode().strip() for line in resp]
+    conn.close()
+    return [json.loads(x[6:]) for x in lines if x.startswith("data: ")]
+
+
+def test_anthropic_usage_is_the_same_in_every_event(server):
+    """message_start and message_delta count input and cached tokens alike
+    (the second ask reads its prompt from the cache)."""
+    body = {"messages": ASK, "system": "Usage.", "max_tokens": 2, "stream": True}
+    for _ in range(2):
+        events = _events(server, "/v1/messages", body)
+        start = events[0]["message"]["usage"]
+        end = next(e for e in events if e["type"] == "message_delta")["usage"]
+        for key in ("input_tokens", "cache_read_input_tokens"):
+            assert start[key] == end[key], (key, start, end)
+    assert end["cache_read_input_tokens"] > 0, end
+
+
+def test_completions_logprobs_carry_both_shapes(server):
+    body = {"prompt": "Hello", "max_tokens": 3, "logprobs": 2, "temperature": 0}
+    status, r = server.request("POST", "/v1/completions", body)
+    assert status == 200, r
+    lp = r["choices"][0]["logprobs"]
+    assert [c["token"] for c in lp["content"]] == lp["tokens"], lp
+    assert [c["logprob"] for c in lp["content"]] == lp["token_logprobs"], lp
+    assert all(len(c["top_logprobs"]) == 2 for c in lp["content"]), lp

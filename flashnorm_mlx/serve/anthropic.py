@@ -272,6 +272,8 @@ def _answer(h, reply, stream: bool) -> None:
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
+        # Tools the template ignored: said as chat completions say it.
+        **({"warning": request.warning} if request.warning else {}),
     }
     if not stream:
         for what, value in reply:

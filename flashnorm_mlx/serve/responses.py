@@ -171,8 +171,13 @@ def to_chat(body: dict) -> dict:
     return chat
 
 
-def _response(body: dict, rid: str, model: str, status: str, output: list, usage=None):
+def _response(
+    body: dict, rid: str, model: str, status: str, output: list, warning=None
+):
+    """A Response object; `warning`: tools the template ignored, said as
+    chat completions say it."""
     return {
+        **({"warning": warning} if warning else {}),
         "id": rid,
         "object": "response",
         "created_at": int(time.time()),
@@ -190,7 +195,7 @@ def _response(body: dict, rid: str, model: str, status: str, output: list, usage
         "tools": body.get("tools") or [],
         "text": body.get("text") or {"format": {"type": "text"}},
         "metadata": body.get("metadata") or {},
-        "usage": usage,
+        "usage": None,
     }
 
 
@@ -254,7 +259,7 @@ def responses(h) -> None:
         _, request = next(reply)
         rid, mid = new_id("resp_"), new_id("msg_")
         if body.get("stream") is True:
-            _stream(h, body, reply, rid, request.model)
+            _stream(h, body, reply, rid, request)
             return
         text, thought, output, result = "", "", [], None
         for what, value in reply:
@@ -270,14 +275,15 @@ def responses(h) -> None:
             output.insert(0, _message(mid, text))
         if thought:  # before the message, as OpenAI's reasoning models answer
             output.insert(0, _reasoning(new_id("rs_"), thought))
-        h.send_json(200, _finished(body, rid, request.model, output, result))
+        h.send_json(200, _finished(body, rid, request, output, result))
     finally:
         reply.close()
 
 
-def _finished(body, rid, model, output, result) -> dict:
+def _finished(body, rid, request, output, result) -> dict:
     length = result["finish_reason"] == "length"
-    r = _response(body, rid, model, "incomplete" if length else "completed", output)
+    status = "incomplete" if length else "completed"
+    r = _response(body, rid, request.model, status, output, request.warning)
     r["usage"] = _usage(result)
     if length:
         r["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -288,7 +294,7 @@ def _part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
-def _stream(h, body, reply, rid, model) -> None:
+def _stream(h, body, reply, rid, request) -> None:
     """Responses' events: a message item open while text arrives, closed
     before a function_call item (each whole), then response.completed."""
     first = next(reply)  # errors before the first piece are still a JSON error
@@ -298,7 +304,7 @@ def _stream(h, body, reply, rid, model) -> None:
     def event(kind, **data):
         send_event(h, kind, {"type": kind, "sequence_number": next(seq), **data})
 
-    started = _response(body, rid, model, "in_progress", [])
+    started = _response(body, rid, request.model, "in_progress", [], request.warning)
     event("response.created", response=started)
     event("response.in_progress", response=started)
     output, msg, rs = [], {}, {}  # the open message's, thought's place and text
@@ -386,7 +392,7 @@ def _stream(h, body, reply, rid, model) -> None:
                 ):
                     open_message()
                 close_message()
-                done = _finished(body, rid, model, output, value)
+                done = _finished(body, rid, request, output, value)
                 incomplete = done["status"] == "incomplete"
                 event(
                     "response.incomplete" if incomplete else "response.completed",
