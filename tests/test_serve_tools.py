@@ -242,10 +242,11 @@ def test_malformed_arguments_in_the_history_are_400_on_every_route(server):
     use = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": "Paris"}
     turns = [ASK[0], {"role": "assistant", "content": [use]}]
     status, r = server.request(
-        "POST", "/v1/messages", {"messages": turns, "max_tokens": 1}
+        "POST", "/v1/messages", {"system": "S", "messages": turns, "max_tokens": 1}
     )
     assert status == 400 and r["type"] == "error", r  # Anthropic's shape
-    assert "messages[1]" in r["error"]["message"], r
+    # The turn as the client numbered it (the system prompt is no turn).
+    assert "messages[1]: a tool_use" in r["error"]["message"], r
     items = [
         {"role": "user", "content": "Weather?"},
         {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"},
