@@ -231,6 +231,12 @@ class GrammarProcessor:
             if self.took[-1] and not self.matcher.consume_token(t):
                 self.failed = self.failed or self.matcher.get_error() or f"{t} refused"
 
+    def settled(self) -> bool:
+        """Whether the reply may end here: the grammar accepts what it has
+        (or stopped, or failed: nothing more to close)."""
+        m = self.matcher
+        return m.is_accepting() or m.is_stopped() or m.is_error()
+
     def allowed(self, n_logits: int):
         """(n_logits,) bool mx.array of the tokens the grammar allows next; an
         errored matcher allows end of sequence only."""

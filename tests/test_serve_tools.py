@@ -679,3 +679,40 @@ def test_a_template_given_on_the_command_line_brings_its_tool_parser(
     assert status == 200, r
     (call,) = r["choices"][0]["message"]["tool_calls"]
     check_call(call)
+
+
+# --- a strict reply cut by max_tokens still closes (#57 part 7) ---------------------
+
+ABC = {
+    "type": "object",
+    "required": ["a", "b", "c"],
+    "additionalProperties": False,
+    "properties": {k: {"type": "string"} for k in "abc"},
+}
+
+
+def test_a_schema_reply_cut_by_max_tokens_still_writes_its_required_keys(server):
+    """16 tokens hold one key of the random model's strings (0 of 10 parsed
+    before): the reply runs past max_tokens to write the keys it owes and
+    close, and says it was cut (finish_reason length)."""
+    import jsonschema
+    from concurrent.futures import ThreadPoolExecutor
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "abc", "schema": ABC}}
+
+    def ask(seed):
+        body = {"messages": ASK, "max_tokens": 16, "temperature": 1.0, "seed": seed}
+        status, r = server.request(
+            "POST", "/v1/chat/completions", {**body, "response_format": fmt}
+        )
+        assert status == 200, r
+        return r
+
+    with ThreadPoolExecutor(10) as pool:
+        replies = list(pool.map(ask, range(10)))
+    for r in replies:
+        text, made = r["choices"][0]["message"]["content"], r["usage"]
+        print(repr(text), made["completion_tokens"], r["choices"][0]["finish_reason"])
+        jsonschema.validate(json.loads(text), ABC)
+        assert 16 < made["completion_tokens"] <= 16 + 48, made
+        assert r["choices"][0]["finish_reason"] == "length", r

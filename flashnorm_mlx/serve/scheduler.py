@@ -300,7 +300,7 @@ class Worker:
             fed = request.prompt[: run.cached]
         (run.uid,) = self.gen.insert(
             [list(rest)],
-            max_tokens=[request.max_tokens],
+            max_tokens=[request.max_tokens + request.overrun],
             caches=[cache] if cache is not None else None,
             all_tokens=[list(fed)],
             samplers=[
@@ -360,8 +360,11 @@ class Worker:
                 if eos:  # no text of its own; what was held back comes out
                     text = run.detokenizer.flush()
                 piece, stopped = run.stops.add(text)
-                if r.finish_reason or stopped:
+                cut = not (r.finish_reason or stopped) and self._spent(run)
+                if r.finish_reason or stopped or cut:
                     run.finish_reason = "stop" if stopped else r.finish_reason
+                    if cut or len(run.ids) > run.request.max_tokens:
+                        run.finish_reason = "length"  # closed past the budget
                     piece += run.stops.flush()
                     if r.finish_reason:  # the BatchGenerator let it go already
                         done.append((run, r.prompt_cache, r.all_tokens))
@@ -380,6 +383,15 @@ class Worker:
         for run, cache, tokens in done:
             self._keep(cache, tokens, run.request)
             self._finish(run)
+
+    @staticmethod
+    def _spent(run: _Run) -> bool:
+        """Whether run's budget is spent: max_tokens made, and a grammar
+        (if any) content to end there; else it runs on into its overrun."""
+        request = run.request
+        if len(run.ids) < request.max_tokens:
+            return False
+        return request.constraint is None or request.constraint.settled()
 
     def _leave(self, uids: List[int]) -> None:
         """Requests whose clients left: out of the batch at once, caches kept."""

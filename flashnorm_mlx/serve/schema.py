@@ -296,6 +296,7 @@ class Request:
     processors: Optional[dict] = None  # make_logits_processors' arguments
     cache_scope: tuple = ()  # (API key scope, cache_salt): who shares cached prefixes
     constraint: Optional[Callable] = None  # structured.GrammarProcessor, its own
+    overrun: int = 0  # tokens past max_tokens a constrained reply may take to close
     warning: Optional[str] = None  # said in the answer's "warning" field
     thought: bool = False  # the reply begins inside a thought (split.py)
     choices: int = 1  # n: choices of this prompt (usage counts its prompt once)

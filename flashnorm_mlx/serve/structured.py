@@ -11,6 +11,8 @@ from ..grammar import GrammarError, json_grammar, tool_call_grammar
 from .schema import Request, RequestError
 from .tools import forced_tools
 
+OVERRUN = 48  # at most, past max_tokens, to close JSON the budget cut short
+
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> RequestError:
     return RequestError(message, param=param, code=code)
@@ -103,6 +105,11 @@ def constrain(service, body: dict, tools, requests: List[Request]) -> None:
     if grammar is None:
         return
     for r in requests:
+        # Keys the schema requires may be unwritten at max_tokens: the reply
+        # may run OVERRUN more to write them and close (docs/serve.md).
+        left = service.settings.max_context
+        left = OVERRUN if left is None else left - len(r.prompt) - r.max_tokens
+        r.overrun = max(0, min(OVERRUN, left))
         try:
             r.constraint = service.grammars.processor(grammar, r.max_tokens)
         except GrammarError as e:
