@@ -362,9 +362,10 @@ class Worker:
                 piece, stopped = run.stops.add(text)
                 cut = not (r.finish_reason or stopped) and self._spent(run)
                 if r.finish_reason or stopped or cut:
+                    # cut: the budget spent (with its overrun, where closing
+                    # took one: the grammar masks end of sequence till then).
                     run.finish_reason = "stop" if stopped else r.finish_reason
-                    if cut or len(run.ids) > run.request.max_tokens:
-                        run.finish_reason = "length"  # closed past the budget
+                    run.finish_reason = run.finish_reason or "length"
                     piece += run.stops.flush()
                     if r.finish_reason:  # the BatchGenerator let it go already
                         done.append((run, r.prompt_cache, r.all_tokens))
