@@ -637,6 +637,18 @@ def test_n_choices_greedy_equal_seeded_reproducible(server):
     # The first choice is the seed's own (n=1 gives it too).
     alone = client.chat.completions.create(**ask, temperature=1.0, seed=7)
     assert alone.choices[0].message.content == a[0], (alone, a)
+    # Streamed: each choice's chunks by index, usage once at the end.
+    stream = client.chat.completions.create(
+        **ask, temperature=0, n=3, stream=True, stream_options={"include_usage": True}
+    )
+    got, usage = ["", "", ""], None
+    for chunk in stream:
+        for c in chunk.choices:
+            got[c.index] += c.delta.content or ""
+        usage = chunk.usage or usage
+    assert got == texts, (got, texts)
+    assert usage.prompt_tokens == one.usage.prompt_tokens, usage
+    assert usage.completion_tokens == greedy.usage.completion_tokens, usage
     status, r = server.request(
         "POST", "/v1/completions", {"prompt": ["ab", "cd"], "n": 2, "max_tokens": 2}
     )

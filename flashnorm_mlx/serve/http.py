@@ -321,9 +321,10 @@ class Handler(BaseHTTPRequestHandler):
             self._splits = [
                 reply_split(self.service, r, body, r.stream) for r in requests
             ]
+            self._requests = requests
             try:
                 if requests[0].stream:
-                    self._stream(requests[0])
+                    self._stream(requests)
                 else:
                     self._answer(requests)
             except (_ClientGone, OSError):  # a Stop in the page, a client that left
@@ -424,6 +425,7 @@ class Handler(BaseHTTPRequestHandler):
         logprobs=None,
         calls=None,
         thought="",
+        index: int = 0,
     ) -> dict:
         if request.kind == "chat":
             delta = {"role": "assistant"} if role else {}
@@ -433,9 +435,9 @@ class Handler(BaseHTTPRequestHandler):
                 delta.update(reasoning=thought, reasoning_content=thought)
             if calls:
                 delta["tool_calls"] = calls
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": index, "text": text or ""}
         choice.update(finish_reason=finish, logprobs=logprobs)
         return {**self._head(request, chunk=True), "choices": [choice]}
 
@@ -444,53 +446,65 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"data: {data}\n\n".encode())
         self.wfile.flush()
 
-    def _stream(self, request: Request):
+    def _stream(self, requests: List[Request]):
+        """Server-sent chunks: each choice's in turn (n > 1: the choices
+        decode together; a client keys them by index), then usage once."""
         # Errors found before the first event still get a plain JSON error.
-        what, value = self.next_event(request)
-        if what == "error":
-            raise value
+        event = self.next_event(requests[0])
+        if event[0] == "error":
+            raise event[1]
         self.start_events()  # the stream's end is the connection's end
-        self._event(self._chunk(request, "", role=True))
-        while True:
-            if what == "text":
-                piece, entries = value
-                lp = choice_logprobs(
-                    request, entries if request.top_logprobs is not None else None
+        results = []
+        for i in range(len(requests)):
+            result = self._stream_choice(i, requests[0], event)
+            if result is None:  # an error, sent
+                break
+            results.append(result)
+            event = self.next_event(requests[i + 1]) if i + 1 < len(requests) else None
+        if len(results) == len(requests) and requests[0].include_usage:
+            # OpenAI's shape: usage once, last, every choice counted.
+            usage = _total_usage([r["usage"] for r in results], len(requests))
+            last = {"choices": [], "usage": usage, "timings": results[-1]["timings"]}
+            self._event({**self._head(requests[0], True), **last})
+        self._event("[DONE]")
+
+    def _stream_choice(self, i: int, head: Request, event) -> Optional[dict]:
+        """Choice i's chunks from its first event on; its result (None: it
+        failed, and the error was sent). `head`: the request whose id and
+        model every chunk of the stream carries."""
+        what, value = event
+        request, split = head, self._splits[i]
+        self._event(self._chunk(request, "", role=True, index=i))
+        while what == "text":
+            piece, entries = value
+            lp = choice_logprobs(
+                request, entries if request.top_logprobs is not None else None
+            )
+            thought, calls = "", None
+            if split:
+                thought, piece, calls = split.feed(piece)
+            self._event(
+                self._chunk(
+                    request, piece, logprobs=lp, calls=calls, thought=thought, index=i
                 )
-                split, thought, calls = self._splits[0], "", None
-                if split:
-                    thought, piece, calls = split.feed(piece)
+            )
+            what, value = self.next_event(self._requests[i])
+        if what == "error":
+            self._event(value.body())
+            return None
+        finish = value["finish_reason"]
+        if split:  # what the reply's end completes
+            thought, rest, calls = split.feed("", final=True)
+            if thought or rest or calls:
                 chunk = self._chunk(
-                    request, piece, logprobs=lp, calls=calls, thought=thought
+                    request, rest, calls=calls, thought=thought, index=i
                 )
                 self._event(chunk)
-            elif what == "error":
-                self._event(value.body())
-                break
-            else:  # done
-                finish, split = value["finish_reason"], self._splits[0]
-                if split:  # what the reply's end completes
-                    thought, rest, calls = split.feed("", final=True)
-                    if thought or rest or calls:
-                        self._event(
-                            self._chunk(request, rest, calls=calls, thought=thought)
-                        )
-                    finish = split.finish_reason(finish)
-                last = self._chunk(request, None, finish=finish)
-                last.update(timings=value["timings"])
-                self._event(last)
-                if request.include_usage:  # OpenAI's shape: usage once, last
-                    self._event(
-                        {
-                            **self._head(request, True),
-                            "choices": [],
-                            "usage": value["usage"],
-                            "timings": value["timings"],
-                        }
-                    )
-                break
-            what, value = self.next_event(request)
-        self._event("[DONE]")
+            finish = split.finish_reason(finish)
+        last = self._chunk(request, None, finish=finish, index=i)
+        last.update(timings=value["timings"])
+        self._event(last)
+        return value
 
 
 class ApiServer(CappedServer, ThreadingHTTPServer):

@@ -361,12 +361,6 @@ def read_requests(
             "a stream takes one prompt", param="prompt", code="invalid_value"
         )
     n = got["n"]
-    if got["stream"] and n > 1:
-        raise RequestError(
-            "a stream takes one choice ('n': 1); leave 'stream' out for several",
-            param="n",
-            code="invalid_value",
-        )
     bias = (processors or {}).get("logit_bias", {})
     if bias and not all(0 <= t < vocab_size for t in bias):
         raise RequestError(
