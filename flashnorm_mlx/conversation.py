@@ -367,10 +367,10 @@ class _Thoughts:
     @classmethod
     def around(cls, tokenizer, prompt, on_text, on_thought):
         """on_text itself where there is no thought to cut out."""
-        from .serve.split import ReplySplit, starts_in_thought
-
         if on_thought is None or not getattr(tokenizer, "has_thinking", False):
             return on_text
+        from .serve.split import ReplySplit, starts_in_thought
+
         thought = starts_in_thought(tokenizer, prompt)
         return cls(ReplySplit(tokenizer, None, False, thought), on_text, on_thought)
 

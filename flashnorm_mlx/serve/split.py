@@ -6,6 +6,8 @@ mlx_lm.server's ToolCallFormatter), the rest as content."""
 
 from typing import List, NamedTuple, Optional
 
+from .tools import read_tools
+
 
 class Pieces(NamedTuple):
     """What one piece of reply text completes."""
@@ -122,8 +124,6 @@ class ReplySplit:
 def reply_split(service, request, body: dict, streaming: bool):
     """A ReplySplit for a chat request whose reply may hold a thought or tool
     calls (its tools checked already by Service.parse), else None."""
-    from .tools import read_tools
-
     if request.kind != "chat":
         return None
     tools = read_tools(body, service.tokenizer)
