@@ -707,8 +707,9 @@ def test_a_schema_reply_cut_by_max_tokens_still_writes_its_required_keys(server)
     """16 tokens hold one key of the random model's strings (0 of 10 parsed
     before): the reply runs past max_tokens to write the keys it owes and
     close, and says it was cut (finish_reason length)."""
-    import jsonschema
     from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
 
     fmt = {"type": "json_schema", "json_schema": {"name": "abc", "schema": ABC}}
 
