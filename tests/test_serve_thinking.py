@@ -384,3 +384,22 @@ def test_completions_logprobs_carry_both_shapes(server):
     assert [c["token"] for c in lp["content"]] == lp["tokens"], lp
     assert [c["logprob"] for c in lp["content"]] == lp["token_logprobs"], lp
     assert all(len(c["top_logprobs"]) == 2 for c in lp["content"]), lp
+
+
+def test_the_terminal_shows_a_thought_dim_and_the_answer_on_its_own_line():
+    import io
+
+    from rich.console import Console
+
+    from flashnorm_mlx.cli.chat import RichUI
+
+    ui = RichUI()
+    out = io.StringIO()
+    ui.console = Console(file=out, force_terminal=True, color_system="standard")
+    ui.thought(THOUGHT)
+    ui.text("Hi")
+    ui.end_reply(None)
+    shown = out.getvalue()
+    print(repr(shown))
+    assert "\x1b[2;3m" + THOUGHT in shown, shown  # dim, italic
+    assert shown.index(THOUGHT) < shown.index("\nHi"), shown
