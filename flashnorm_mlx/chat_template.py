@@ -33,6 +33,7 @@ def set_template(
     if chat_template:
         tokenizer.chat_template = chat_template
         tokenizer.has_chat_template = True
+        _tool_parser_from_template(tokenizer)
     if use_default and not getattr(tokenizer, "has_chat_template", False):
         default = getattr(tokenizer, "default_chat_template", None)
         tokenizer.chat_template = default or DEFAULT_CHAT_TEMPLATE
@@ -53,6 +54,19 @@ def set_template(
                 f"--extra-eos-token {token!r} is not a token of this tokenizer"
             ) from None
     return tokenizer
+
+
+def _tool_parser_from_template(tokenizer) -> None:
+    """The tool-call format a replaced template names, as mlx-lm's load
+    infers it from the model's own (docs/serve.md "Tools"); where it names
+    none, the model's stays."""
+    from .mlx_lm_compat import infer_tool_parser, set_tool_parser
+
+    if not hasattr(tokenizer, "has_tool_calling"):  # not mlx-lm's wrapper
+        return
+    name = infer_tool_parser(tokenizer)
+    if name is not None:
+        set_tool_parser(tokenizer, name)
 
 
 def prompt_ids(

@@ -221,9 +221,11 @@ class ChatSession:
         on_text: Optional[Callable[[str], None]] = None,
         max_tokens: Optional[int] = None,
         on_prefill: Optional[Callable[[int, int], None]] = None,
+        on_thought: Optional[Callable[[str], None]] = None,
     ) -> TurnStats:
         """Add a user message, stream the reply through on_text, return its stats.
-        on_prefill(done, total) comes before each prefill chunk."""
+        on_prefill(done, total) comes before each prefill chunk; on_thought,
+        where given, gets a thinking model's thought apart from the answer."""
         max_tokens = max_tokens or self.max_tokens
         messages = self.messages + [{"role": "user", "content": text}]
         ids, messages, dropped = self._fit(messages, max_tokens)
@@ -242,11 +244,14 @@ class ChatSession:
         # All but the last token here, in chunks; mlx-lm's stream_generate
         # feeds the last one and samples from its logits.
         progress, prefill_s, reply_ids, last = [0], 0.0, [], None
+        write = _Thoughts.around(self.tokenizer, ids, on_text, on_thought)
         try:
             prefill_s = self._prefill(new_ids[:-1], on_prefill, progress)
-            last, interrupted = self._stream(new_ids, max_tokens, on_text, reply_ids)
+            last, interrupted = self._stream(new_ids, max_tokens, write, reply_ids)
         except KeyboardInterrupt:  # in the prefill: the turn is dropped below
             interrupted = True
+        if isinstance(write, _Thoughts):
+            write.end()
         fed = self.cache_ids + new_ids + reply_ids if reply_ids else self.cache_ids
         self._sync_cache(fed)
         eos = set(self.tokenizer.eos_token_ids)
@@ -350,6 +355,34 @@ class ChatSession:
         finally:
             responses.close()
         return last, interrupted
+
+
+class _Thoughts:
+    """A reply's text cut as serve cuts it (serve/split.py, docs/serve.md
+    "Thinking models"): thought to on_thought, the rest to on_text."""
+
+    def __init__(self, split, on_text, on_thought):
+        self.split, self.on_text, self.on_thought = split, on_text, on_thought
+
+    @classmethod
+    def around(cls, tokenizer, prompt, on_text, on_thought):
+        """on_text itself where there is no thought to cut out."""
+        if on_thought is None or not getattr(tokenizer, "has_thinking", False):
+            return on_text
+        from .serve.split import ReplySplit, starts_in_thought
+
+        thought = starts_in_thought(tokenizer, prompt)
+        return cls(ReplySplit(tokenizer, None, False, thought), on_text, on_thought)
+
+    def __call__(self, text: str, final: bool = False) -> None:
+        thought, content, _ = self.split.feed(text, final)
+        if thought:
+            self.on_thought(thought)
+        if content and self.on_text:
+            self.on_text(content)
+
+    def end(self) -> None:
+        self("", final=True)
 
 
 def _after(prefix, processor):

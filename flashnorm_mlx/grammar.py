@@ -47,12 +47,21 @@ def json_grammar(schema: Optional[dict]) -> str:
         raise GrammarError(str(e)) from None
 
 
-def tool_call_grammar(tools: List[dict], start: str, end: str, special=None) -> str:
+def tool_call_grammar(
+    tools: List[dict],
+    start: str,
+    end: str,
+    special=None,
+    required: bool = False,
+    once: bool = False,
+) -> str:
     """A reply of plain text (never holding `start`), or text then tool calls
     between `start` and `end` whose JSON is {"name", "arguments"} with the
     arguments fitting that tool's `parameters` (mlx-lm's json_tools format).
     special(marker): llguidance's "<[id]>" where the marker is one special
-    token (never text to the matcher), else None."""
+    token (never text to the matcher), else None. required: calls only, from
+    the first token (tool_choice "required" or a named tool); once: one call
+    at most (parallel_tool_calls false)."""
     calls = []
     for t in tools:
         fn = t["function"]
@@ -77,8 +86,11 @@ def tool_call_grammar(tools: List[dict], start: str, end: str, special=None) -> 
         text = f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{s}(.|\\n)*/\n"
         before = f"before[lazy]: /(.|\\n)*{s}/\n"
     e = e_tok or json.dumps(end)
+    if required:  # no text: the reply opens on the marker
+        text, before = "", f"before: {s_tok or json.dumps(start)}\n"
+    calls = f'(before "\\n"? call "\\n"? {e})' + ("" if once else "+")
     return _lark(
-        f'start: TEXT | (before "\\n"? call "\\n"? {e})+\n'
+        f"start: {calls if required else 'TEXT | ' + calls}\n"
         + text
         + before
         + f"call: %json {json.dumps(call)}\n"
@@ -218,6 +230,12 @@ class GrammarProcessor:
             self.took.append(not self.matcher.is_stopped())
             if self.took[-1] and not self.matcher.consume_token(t):
                 self.failed = self.failed or self.matcher.get_error() or f"{t} refused"
+
+    def settled(self) -> bool:
+        """Whether the reply may end here: the grammar accepts what it has
+        (or stopped, or failed: nothing more to close)."""
+        m = self.matcher
+        return m.is_accepting() or m.is_stopped() or m.is_error()
 
     def allowed(self, n_logits: int):
         """(n_logits,) bool mx.array of the tokens the grammar allows next; an

@@ -9,6 +9,9 @@ model or the server (docs/design.md section 5). What they are for:
 - `rope_freqs`: the `_freqs` and `_scale` of mlx-lm's scaled RoPE modules (Llama 3,
   SuScaled, YaRN, Proportional), which the fused epilogue reproduces;
 - `inner_tokenizer`: `TokenizerWrapper._tokenizer`, the Hugging Face tokenizer;
+- `infer_tool_parser` and `set_tool_parser`: `mlx_lm.tokenizer_utils._infer_tool_parser`
+  and `TokenizerWrapper`'s `_tool_*` fields, so a template given with serve's
+  --chat-template brings its own tool-call format (mlx-lm infers it at load only);
 - `kv_buffers` and `set_kv_buffers`: a `KVCache`'s `keys`, `values` and `offset`,
   which the compiled decode step reads and replaces whole (engine.py);
 - `llama4_attn_scale`: `mlx_lm.models.ministral3._get_llama_4_attn_scale`, the
@@ -82,6 +85,39 @@ def inner_tokenizer(tokenizer):
     """The Hugging Face tokenizer inside mlx-lm's `TokenizerWrapper` (itself if
     it is not wrapped)."""
     return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def infer_tool_parser(tokenizer) -> Optional[str]:
+    """The mlx_lm.tool_parsers module a tokenizer's chat template (or
+    vocabulary) names, as mlx-lm's load infers it; None: none."""
+    try:
+        from mlx_lm.tokenizer_utils import _infer_tool_parser
+    except ImportError as e:
+        raise _changed("mlx_lm.tokenizer_utils._infer_tool_parser", e) from None
+    return _infer_tool_parser(tokenizer)
+
+
+def set_tool_parser(tokenizer, name: str) -> None:
+    """Give mlx-lm's TokenizerWrapper the tool parser `name`
+    (mlx_lm.tool_parsers.<name>), its fields set as its __init__ sets them."""
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    inner = inner_tokenizer(tokenizer)
+    start, end = module.tool_call_start, module.tool_call_end
+    fields = {
+        "_tool_parser": module.parse_tool_call,
+        "_tool_call_start": start,
+        "_tool_call_end": end,
+        "_tool_call_start_tokens": tuple(inner.encode(start, add_special_tokens=False)),
+        "_tool_call_end_tokens": tuple(inner.encode(end, add_special_tokens=False)),
+    }
+    for field, value in fields.items():
+        if not hasattr(tokenizer, field):
+            raise _changed(f"TokenizerWrapper.{field}", AttributeError(field))
+        setattr(tokenizer, field, value)
+    if tokenizer.tool_parser is not module.parse_tool_call:
+        raise _changed("TokenizerWrapper.tool_parser", AttributeError("tool_parser"))
 
 
 def kv_buffers(cache):

@@ -172,12 +172,20 @@ SLOW = {
     "test_serve_decoding.py": (
         "test_a_draft_serves_the_greedy_text_one_request_at_a_time",  # 12 s
     ),
+    "test_serve_thinking.py": (  # 2026-12-06, -n 0, shared 2 cores
+        # mlx_lm.server started for it: 6 s under load, 1.7 s on a quiet CPU
+        "test_thought_splits_as_mlx_lm_server_plain_and_streamed",
+    ),
     "test_serve_flags.py": (
         "test_info_logs_each_request_and_keeps_its_cache",  # 5 s
         "test_warning_keeps_only_what_is_wrong",  # 6 s
     ),
     "test_serve_guard.py": (
         "test_api_keys_and_cache_salts_share_no_cached_prefixes",  # 14 s
+    ),
+    "test_serve_tools.py": (
+        # a second server: 4.4 s under load, 1.2 s on a quiet CPU
+        "test_a_template_given_on_the_command_line_brings_its_tool_parser",
     ),
     "test_serve_page.py": (
         "test_page_streams_the_greedy_reply_and_keeps_it",  # 15 s

@@ -124,6 +124,31 @@ def test_tokenizer_wrapper_holds_the_hf_tokenizer(tmp_path):
     )
 
 
+def test_a_tool_parser_is_inferred_and_set_as_mlx_lm_loads_one(tmp_path):
+    """The parser mlx-lm's load infers from a template with Qwen's calls, set
+    on a wrapper loaded without one: the same fields as one loaded with it."""
+    import json
+
+    from mlx_lm.utils import load_tokenizer
+
+    tiny.write_tokenizer(tmp_path)
+    wrapper = load_tokenizer(tmp_path)
+    assert compat.infer_tool_parser(wrapper) is None
+    qwen = "{% for t in tool_calls %}<tool_call>{{ tool_call.name }}{% endfor %}"
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": qwen})
+    )
+    loaded = load_tokenizer(tmp_path)
+    wrapper.chat_template = qwen
+    name = compat.infer_tool_parser(wrapper)
+    assert name == "json_tools", changed(f"_infer_tool_parser ({name})")
+    compat.set_tool_parser(wrapper, name)
+    for field in ("tool_parser", "tool_call_start", "tool_call_end"):
+        assert getattr(wrapper, field) == getattr(loaded, field), changed(field)
+    assert wrapper.tool_call_start_tokens == loaded.tool_call_start_tokens
+
+
 def test_kvcache_buffers_and_offset():
     """Fields read and replaced by the compiled step: the buffers grown by hand
     and the offset moved on must be what mlx-lm's next update writes after and

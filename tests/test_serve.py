@@ -290,7 +290,7 @@ BAD = {  # name: (path, body, status, param)
     "stop a number": (CHAT, {"messages": HI, "stop": 5}, 400, "stop"),
     "five stop strings": (CHAT, {"messages": HI, "stop": list("abcde")}, 400, "stop"),
     "stream a string": (CHAT, {"messages": HI, "stream": "yes"}, 400, "stream"),
-    "two choices": (CHAT, {"messages": HI, "n": 2}, 400, "n"),
+    "nine choices": (CHAT, {"messages": HI, "n": 9}, 400, "n"),
     "no messages": (CHAT, {"max_tokens": 3}, 400, "messages"),
     "messages a string": (CHAT, {"messages": "hi"}, 400, "messages"),
     "unknown role": (CHAT, {"messages": [{"role": "bot", "content": "x"}]}, 400, None),

@@ -469,3 +469,29 @@ def test_phone_header_one_line_no_overflow_and_favicon(browser, server, tmp_path
     assert any(u == icon and s == 200 for s, u in seen), seen
     assert all(s < 400 for s, _ in seen), seen
     ctx.close()
+
+
+def test_a_thought_shows_folded_apart_from_the_answer(browser, server):
+    """A thinking model's stream (delta.reasoning, then content, as serve
+    sends it, test_serve_thinking): the thought folded above the answer, as
+    text, and the answer alone as the reply."""
+    ctx, page, _, _ = open_page(browser, server)
+    thought = {
+        "choices": [{"index": 0, "delta": {"reasoning": "Let me <b>think</b>."}}]
+    }
+    body = sse("The answer.", pieces=2).replace(
+        "data: ", f"data: {json.dumps(thought)}\n\ndata: ", 1
+    )
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=200, content_type="text/event-stream", body=body
+        ),
+    )
+    ask(page, "think?")
+    msg = page.locator(".msg.assistant").last
+    box = msg.locator("details.thought")
+    assert box.count() == 1 and not box.evaluate("e => e.open"), msg.inner_html()
+    assert box.locator("div").inner_text() == "Let me <b>think</b>.", msg.inner_html()
+    assert msg.locator("p").last.inner_text() == "The answer.", msg.inner_html()
+    ctx.close()

@@ -13,7 +13,8 @@ import tiny
 from serve_process import Server
 
 from flashnorm_mlx.serve.schema import RequestError
-from flashnorm_mlx.serve.tools import ToolCalls, read_tools, tools_ignored
+from flashnorm_mlx.serve.split import ReplySplit
+from flashnorm_mlx.serve.tools import read_tools, tools_ignored
 
 # The reply, one added token each: words, then a json_tools call split over
 # three tokens, so that a stream sees the call arrive in pieces.
@@ -191,13 +192,78 @@ def test_a_conversation_with_earlier_tool_calls_renders(server):
     status, r = server.request(
         "POST", "/v1/chat/completions", {**body, "messages": [ASK[0], bad]}
     )
-    assert status == 400 and r["error"]["param"] == "messages", r
+    assert status == 400 and r["error"]["param"] == "messages[1].tool_calls[0]", r
+
+
+CALLED = [
+    ASK[0],
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+
+
+def test_tool_history_is_kept_without_tools(server, tokenizer):
+    """An agent drops `tools` (or says "none") to force a final answer: the
+    earlier call still renders, as the template renders it with the call."""
+    called = [dict(m) for m in CALLED]
+    call = called[1]["tool_calls"][0]
+    called[1]["tool_calls"] = [
+        {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    ]
+    want = tokenizer.apply_chat_template(called, add_generation_prompt=True)
+    status, r = server.request("POST", "/tokenize", {"messages": CALLED})
+    assert status == 200 and r["tokens"] == list(want), (r, len(want))
+    for extra in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        body = {"messages": CALLED, "max_tokens": 1, **extra}
+        status, r = server.request("POST", "/v1/chat/completions", body)
+        assert status == 200, r
+        assert r["usage"]["prompt_tokens"] == len(want), (extra, r["usage"], len(want))
+
+
+def test_malformed_arguments_in_the_history_are_400_on_every_route(server):
+    bad = [dict(m) for m in CALLED]
+    bad[1] = {**bad[1], "tool_calls": [{**CALLED[1]["tool_calls"][0]}]}
+    bad[1]["tool_calls"][0]["function"] = {"name": "get_weather", "arguments": "{"}
+    status, r = server.request(
+        "POST", "/v1/chat/completions", {"messages": bad, "max_tokens": 1}
+    )
+    where = "messages[1].tool_calls[0].function.arguments"
+    assert status == 400 and r["error"]["param"] == where, r
+    use = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": "Paris"}
+    turns = [ASK[0], {"role": "assistant", "content": [use]}]
+    status, r = server.request(
+        "POST", "/v1/messages", {"system": "S", "messages": turns, "max_tokens": 1}
+    )
+    assert status == 400 and r["type"] == "error", r  # Anthropic's shape
+    # The turn as the client numbered it (the system prompt is no turn).
+    assert "messages[1]: a tool_use" in r["error"]["message"], r
+    items = [
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"},
+    ]
+    status, r = server.request("POST", "/v1/responses", {"input": items})
+    assert status == 400 and r["error"]["param"] == "input[1].arguments", r
 
 
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "always"}, "tool_choice"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required", "tools": []}, "tool_choice"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tools": "get_weather"}, "tools"),
     ],
@@ -223,9 +289,9 @@ def test_calls_split_anywhere_in_the_text_are_found(tokenizer):
     and call each time (a marker may arrive split over pieces)."""
     text = "".join(SCRIPT) + " done"
     for cut in range(len(text) + 1):
-        tc = ToolCalls(tokenizer, TOOLS, streaming=True)
-        a, calls_a = tc.feed(text[:cut])
-        b, calls_b = tc.feed(text[cut:], final=True)
+        tc = ReplySplit(tokenizer, TOOLS, streaming=True, thought=False)
+        _, a, calls_a = tc.feed(text[:cut])
+        _, b, calls_b = tc.feed(text[cut:], final=True)
         assert a + b == SCRIPT[0] + " done", (cut, a, b)
         (call,) = calls_a + calls_b
         check_call(call)
@@ -234,8 +300,8 @@ def test_calls_split_anywhere_in_the_text_are_found(tokenizer):
 
 
 def test_an_unclosed_call_at_the_end_is_still_parsed(tokenizer):
-    tc = ToolCalls(tokenizer, TOOLS, streaming=False)
-    content, calls = tc.feed("".join(SCRIPT[:4]), final=True)
+    tc = ReplySplit(tokenizer, TOOLS, streaming=False, thought=False)
+    _, content, calls = tc.feed("".join(SCRIPT[:4]), final=True)
     assert content == SCRIPT[0] and len(calls) == 1, (content, calls)
     check_call(calls[0])
 
@@ -429,3 +495,237 @@ def test_responses_function_call_items(server, model_dir):
         },
     )
     assert status == 200 and r2["status"] in ("completed", "incomplete"), r2
+
+
+def _call_fits(call, name="get_weather") -> bool:
+    import jsonschema
+
+    try:
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, STRICT_PARAMS)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return call.function.name == name
+
+
+def test_required_tool_choice_gives_one_valid_call_every_seed(server):
+    """tool_choice "required" with one function, the random model sampling at
+    temperature 1 (no logit bias), 10 seeds at once through the openai SDK:
+    each reply is exactly one call, its arguments valid for the schema."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tool = {
+        **TOOLS[0],
+        "function": {**TOOLS[0]["function"], "parameters": STRICT_PARAMS},
+    }
+    client = server.client()
+
+    def ask(seed):
+        return client.chat.completions.create(
+            model="m",
+            messages=ASK,
+            tools=[tool],
+            tool_choice="required",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=80,
+        ).choices[0]
+
+    with ThreadPoolExecutor(10) as pool:
+        choices = list(pool.map(ask, range(10)))
+    for seed, c in enumerate(choices):
+        print(seed, c.message.content, c.message.tool_calls)
+    assert [len(c.message.tool_calls or []) for c in choices] == [1] * 10, choices
+    assert all(_call_fits(c.message.tool_calls[0]) for c in choices), choices
+    assert all(c.finish_reason == "tool_calls" for c in choices), choices
+    # Said explicitly, parallel calls are let through: still calls only, each valid.
+    r = client.chat.completions.create(
+        model="m",
+        messages=ASK,
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=True,
+        temperature=1.0,
+        seed=5,  # two calls at this seed
+        max_tokens=120,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) == 2 and all(map(_call_fits, calls)), r
+    assert r.choices[0].message.content == "", r
+
+
+def test_a_named_tool_is_the_one_called_and_parallel_false_gives_one(server):
+    other = {"type": "function", "function": {"name": "t"}}  # the context is 512
+    tool = {
+        **TOOLS[0],
+        "function": {**TOOLS[0]["function"], "parameters": STRICT_PARAMS},
+    }
+    client = server.client()
+    for seed in range(2):
+        r = client.chat.completions.create(
+            model="m",
+            messages=ASK,
+            tools=[other, tool],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=80,
+        )
+        calls = r.choices[0].message.tool_calls
+        assert calls and len(calls) == 1 and _call_fits(calls[0]), r
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(tokenizer):
+    """Without a grammar (auto, not strict), the reply is cut to one call."""
+    text = "".join(SCRIPT) + "".join(SCRIPT[1:])
+    for most, n in ((None, 2), (1, 1)):
+        split = ReplySplit(tokenizer, TOOLS, streaming=False, thought=False, most=most)
+        _, content, calls = split.feed(text, final=True)
+        assert content == SCRIPT[0] and len(calls) == n, (most, calls)
+
+
+def test_forced_tools_on_the_anthropic_and_responses_routes(server):
+    import anthropic
+
+    tool = {"name": "get_weather", "input_schema": STRICT_PARAMS}
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    m = client.messages.create(
+        model="m",
+        max_tokens=80,
+        messages=ASK,
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 1.0, "seed": 3},
+    )
+    assert [b.type for b in m.content] == ["tool_use"], m.content
+    assert m.content[0].name == "get_weather" and m.stop_reason == "tool_use", m
+    r = server.client().responses.create(
+        model="m",
+        input="Weather in Paris?",
+        max_output_tokens=80,
+        tools=[{"type": "function", **tool, "parameters": STRICT_PARAMS}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=1.0,
+        extra_body={"seed": 3},
+    )
+    assert [o.type for o in r.output] == ["function_call"], r.output
+    assert r.output[0].name == "get_weather", r.output
+
+
+# --- n choices, decoded as one batch (#57 part 5) ---------------------------------
+
+
+def test_n_choices_greedy_equal_seeded_reproducible(server):
+    client = server.client()
+    ask = dict(model="m", messages=ASK, max_tokens=6)
+    one = client.chat.completions.create(**ask, temperature=0)
+    greedy = client.chat.completions.create(**ask, temperature=0, n=3)
+    texts = [c.message.content for c in greedy.choices]
+    assert [c.index for c in greedy.choices] == [0, 1, 2], greedy
+    assert texts == [one.choices[0].message.content] * 3, (texts, one)
+    # Usage as OpenAI counts n: the prompt once, every choice's tokens.
+    assert greedy.usage.prompt_tokens == one.usage.prompt_tokens, greedy.usage
+    assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert greedy.model_extra["timings"]["batch_max"] == 3, greedy  # one batch
+    seeded = [
+        client.chat.completions.create(**ask, temperature=1.0, seed=7, n=3)
+        for _ in range(2)
+    ]
+    a, b = ([c.message.content for c in r.choices] for r in seeded)
+    assert a == b and len(set(a)) == 3, (a, b)  # each choice its own stream
+    # The first choice is the seed's own (n=1 gives it too).
+    alone = client.chat.completions.create(**ask, temperature=1.0, seed=7)
+    assert alone.choices[0].message.content == a[0], (alone, a)
+    # Streamed: each choice's chunks by index, usage once at the end.
+    stream = client.chat.completions.create(
+        **ask, temperature=0, n=3, stream=True, stream_options={"include_usage": True}
+    )
+    got, usage = ["", "", ""], None
+    for chunk in stream:
+        for c in chunk.choices:
+            got[c.index] += c.delta.content or ""
+        usage = chunk.usage or usage
+    assert got == texts, (got, texts)
+    assert usage.prompt_tokens == one.usage.prompt_tokens, usage
+    assert usage.completion_tokens == greedy.usage.completion_tokens, usage
+    status, r = server.request(
+        "POST", "/v1/completions", {"prompt": ["ab", "cd"], "n": 2, "max_tokens": 2}
+    )
+    assert status == 200 and len(r["choices"]) == 4, r
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3], r
+
+
+# --- --chat-template with tools (#57 part 6) ---------------------------------------
+
+
+def test_a_template_given_on_the_command_line_brings_its_tool_parser(
+    model_dir, tmp_path
+):
+    """The model's own template (ChatML) has no tools; --chat-template gives
+    Qwen's: its tool calls are parsed (the parser mlx-lm infers from it)."""
+    import shutil
+
+    from mlx_lm.utils import load_tokenizer
+
+    from flashnorm_mlx.chat_template import set_template
+
+    plain = shutil.copytree(model_dir[0], tmp_path / "plain")
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config["chat_template"] = (  # tiny.py's ChatML
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(plain)
+    assert not tok.has_tool_calling
+    set_template(tok, TEMPLATE)
+    assert tok.has_tool_calling and tok.tool_call_start == "<tool_call>", tok
+    s = Server(str(plain), "--chat-template", TEMPLATE)
+    try:
+        body = {"messages": ASK, "tools": TOOLS, **forced(model_dir[1])}
+        status, r = s.request("POST", "/v1/chat/completions", body)
+    finally:
+        s.kill()
+    assert status == 200, r
+    (call,) = r["choices"][0]["message"]["tool_calls"]
+    check_call(call)
+
+
+# --- a strict reply cut by max_tokens still closes (#57 part 7) ---------------------
+
+ABC = {
+    "type": "object",
+    "required": ["a", "b", "c"],
+    "additionalProperties": False,
+    "properties": {k: {"type": "string"} for k in "abc"},
+}
+
+
+def test_a_schema_reply_cut_by_max_tokens_still_writes_its_required_keys(server):
+    """16 tokens hold one key of the random model's strings (0 of 10 parsed
+    before): the reply runs past max_tokens to write the keys it owes and
+    close, and says it was cut (finish_reason length)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "abc", "schema": ABC}}
+
+    def ask(seed):
+        body = {"messages": ASK, "max_tokens": 16, "temperature": 1.0, "seed": seed}
+        status, r = server.request(
+            "POST", "/v1/chat/completions", {**body, "response_format": fmt}
+        )
+        assert status == 200, r
+        return r
+
+    with ThreadPoolExecutor(10) as pool:
+        replies = list(pool.map(ask, range(10)))
+    for r in replies:
+        text, made = r["choices"][0]["message"]["content"], r["usage"]
+        print(repr(text), made["completion_tokens"], r["choices"][0]["finish_reason"])
+        jsonschema.validate(json.loads(text), ABC)
+        assert 16 < made["completion_tokens"] <= 16 + 48, made
+        assert r["choices"][0]["finish_reason"] == "length", r

@@ -82,6 +82,11 @@ class PlainUI:
         sys.stdout.write(segment)
         sys.stdout.flush()
 
+    def thought(self, segment: str):
+        # Not the reply: on stderr, so piped stdout holds the answers alone.
+        sys.stderr.write(segment)
+        sys.stderr.flush()
+
     def end_reply(self, stats):
         print()
         if stats is not None:
@@ -106,6 +111,7 @@ class RichUI(PlainUI):
         super().__init__()
         self.console = Console(highlight=False)
         self.transient = False  # a prefill line on screen, to clear
+        self.thinking = False  # a thought is on screen, its answer not yet
 
     def header(self, rows):
         from rich.markup import escape
@@ -128,11 +134,23 @@ class RichUI(PlainUI):
     def text(self, segment: str):
         # Raw writes: reply text is neither markup nor to be re-wrapped.
         self.clear_transient()
+        if self.thinking:  # the answer starts on a line of its own
+            self.console.file.write("\n")
+            self.thinking = False
         self.console.file.write(segment)
         self.console.file.flush()
 
+    def thought(self, segment: str):
+        """A thinking model's thought: dim and italic, apart from the answer."""
+        self.clear_transient()
+        self.thinking = True
+        self.console.print(
+            segment, style="dim italic", markup=False, end="", soft_wrap=True
+        )
+
     def end_reply(self, stats):
         self.clear_transient()
+        self.thinking = False
         self.console.print()
         if stats is not None:
             self.console.print(stats.line(), style="dim", markup=False, soft_wrap=True)
@@ -365,6 +383,7 @@ def run_chat(session, ui, max_tokens: int, compare=None) -> int:
                     line,
                     on_text=distributed.kicking(ui.text),
                     on_prefill=distributed.kicking(prefilling),
+                    on_thought=distributed.kicking(ui.thought),
                 )
         except ContextOverflow as e:
             ui.notice(str(e))

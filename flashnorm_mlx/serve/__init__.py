@@ -2,10 +2,11 @@
 
 Routes: POST /v1/chat/completions and /v1/completions (one JSON body, or
 server-sent events ending `data: [DONE]` with "stream": true), Anthropic's
-POST /v1/messages, OpenAI's POST /v1/responses, GET /v1/models,
-GET /health; vLLM's GET /tokenizer_info, POST /tokenize and /detokenize; the
-chat page at GET / and what its header shows at GET /props. Every error is a
-4xx/5xx with OpenAI's body {"error": {"message", "type", "param", "code"}}.
+POST /v1/messages and /v1/messages/count_tokens, OpenAI's POST /v1/responses,
+GET /v1/models, GET /health; vLLM's GET /tokenizer_info, POST /tokenize and
+/detokenize; the chat page at GET / and what its header shows at GET /props.
+Every error is a 4xx/5xx with OpenAI's body {"error": {"message", "type",
+"param", "code"}}, or Anthropic's under /v1/messages.
 With an API key, every route but /health and the page's files needs
 `Authorization: Bearer KEY`.
 
@@ -15,7 +16,9 @@ thread); `auth`, the API key; `routes`, vLLM's tokenizer endpoints and the
 browser chat page (GET /, files in `web/`); `tools`, tool calls with
 mlx-lm's parsers; `structured`, response_format and strict tools as grammar
 processors; `anthropic` and `responses`, the two agent APIs, through
-`replies`, a chat reply as events; `service`, what those threads share; `prompts`, messages
+`replies`, a chat reply as events; `split`, a reply's thought, content and
+tool calls cut apart as mlx_lm.server cuts them; `service`, what those
+threads share; `prompts`, messages
 and prompts as token ids; `schema`, what a request may hold and the one
 `Request` record each prompt becomes; `scheduler`, the generation thread,
 which decodes every request in flight together with mlx-lm's

@@ -28,6 +28,29 @@ ERROR_TYPES = {
     503: "overloaded_error",
 }
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+# chat_reply's events that are content blocks: (block type, its text's key,
+# its delta type); a thought is a thinking block with an empty signature.
+BLOCKS = {
+    "thought": ("thinking", "thinking", "thinking_delta"),
+    "text": ("text", "text", "text_delta"),
+}
+
+
+def _block(kind: str) -> dict:
+    return (
+        {"type": kind, "thinking": "", "signature": ""}
+        if kind == "thinking"
+        else {
+            "type": kind,
+            "text": "",
+        }
+    )
+
+
+def owns(path: str) -> bool:
+    """Whether `path` is Anthropic's (/v1/messages and below, unknown ones
+    too): its errors then come in Anthropic's shape."""
+    return path == PATH or path.startswith(PATH + "/")
 
 
 def error_body(e: RequestError) -> dict:
@@ -68,6 +91,10 @@ def _messages(body: dict) -> list:
             if kind == "text":
                 text += str(b.get("text", ""))
             elif kind == "tool_use" and m["role"] == "assistant":
+                if not isinstance(b.get("input", {}), dict):
+                    raise RequestError(
+                        f"{where}: a tool_use block's input must be an object", where
+                    )
                 args = json.dumps(b.get("input") or {})
                 calls.append(
                     {
@@ -76,6 +103,8 @@ def _messages(body: dict) -> list:
                         "function": {"name": b.get("name"), "arguments": args},
                     }
                 )
+            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+                pass  # earlier thoughts: templates drop them (Qwen3's, DeepSeek's)
             elif kind == "tool_result" and m["role"] == "user":
                 content = b.get("content", "")
                 result = content if isinstance(content, str) else _text(content, where)
@@ -88,8 +117,9 @@ def _messages(body: dict) -> list:
                 )
             else:
                 raise RequestError(
-                    f"{where}: a {kind!r} block is not supported here "
-                    "(text, tool_use from the assistant, tool_result from the user)",
+                    f"{where}: a {kind!r} block is not supported here (text, "
+                    "thinking and tool_use from the assistant, tool_result from "
+                    "the user)",
                     where,
                 )
         if text or calls or not out or out[-1]["role"] != "tool":
@@ -98,19 +128,22 @@ def _messages(body: dict) -> list:
     return out
 
 
-def to_chat(body: dict) -> dict:
-    """The chat completion body a Messages body asks for."""
-    chat = {
-        "messages": _messages(body),
-        "max_tokens": need(
+def to_chat(body: dict, counting: bool = False) -> dict:
+    """The chat completion body a Messages body asks for (counting: a
+    count_tokens body, which has no max_tokens)."""
+    chat = {"messages": _messages(body)}
+    if not counting:
+        chat["max_tokens"] = need(
             body, "max_tokens", lambda v: is_int(v) and v >= 1, "an integer >= 1"
-        ),
-    }
+        )
     for name in ("model", "temperature", "top_p", *SAMPLER_EXTRAS):
         if body.get(name) is not None:
             chat[name] = body[name]
     if body.get("temperature") is not None:
         need(body, "temperature", lambda v: is_number(v) and 0 <= v <= 1, "from 0 to 1")
+    kwargs = _template_kwargs(body)
+    if kwargs:
+        chat["chat_template_kwargs"] = kwargs
     stops = body.get("stop_sequences")
     if stops:
         chat["stop"] = stops
@@ -134,16 +167,51 @@ def to_chat(body: dict) -> dict:
             }
             for t in tools
         ]
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") in ("auto", "none"):
-        chat["tool_choice"] = choice["type"]
-    elif choice is not None:
+    chat.update(_tool_choice(body.get("tool_choice")))
+    return chat
+
+
+def _tool_choice(choice) -> dict:
+    """Anthropic's tool_choice as chat completion fields: "any" is
+    "required", "tool" a named function (both enforced: structured.py);
+    disable_parallel_tool_use is parallel_tool_calls false."""
+    if choice is None:
+        return {}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "none", "any", "tool") or (
+        kind == "tool" and not isinstance(choice.get("name"), str)
+    ):
         raise RequestError(
-            '\'tool_choice\' must be {"type": "auto"} or {"type": "none"}: '
-            "a required or named tool is not enforced",
+            '\'tool_choice\' must be {"type": "auto"}, "any", "none" or '
+            '{"type": "tool", "name": ...}',
             "tool_choice",
         )
-    return chat
+    out = {"tool_choice": {"any": "required"}.get(kind, kind)}
+    if kind == "tool":
+        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    if choice.get("disable_parallel_tool_use") is True:
+        out["parallel_tool_calls"] = False
+    return out
+
+
+def _template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs` (an SDK's extra_body, checked by the chat route)
+    with Anthropic's `thinking` said as the template's enable_thinking."""
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = dict(kwargs) if isinstance(kwargs, dict) else kwargs
+    thinking = body.get("thinking")
+    if thinking is None:
+        return kwargs
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise RequestError(
+            '\'thinking\' must be {"type": "enabled", "budget_tokens": N}, '
+            '{"type": "adaptive"} or {"type": "disabled"}',
+            "thinking",
+        )
+    if isinstance(kwargs, dict) or kwargs is None:
+        kwargs = {"enable_thinking": kind != "disabled", **(kwargs or {})}
+    return kwargs
 
 
 def _usage(result: dict) -> dict:
@@ -174,6 +242,14 @@ def _tool_use(call: dict) -> dict:
     }
 
 
+def count_tokens(h) -> None:
+    """POST /v1/messages/count_tokens: the prompt's tokens as Messages would
+    bill them, the whole prompt (a create's input_tokens plus its
+    cache_read_input_tokens)."""
+    chat = to_chat(h.read_json(), counting=True)
+    h.send_json(200, {"input_tokens": len(h.service.chat_prompt(chat))})
+
+
 def messages(h) -> None:
     """POST /v1/messages."""
     body = h.read_json()
@@ -196,13 +272,16 @@ def _answer(h, reply, stream: bool) -> None:
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
+        # Tools the template ignored: said as chat completions say it.
+        **({"warning": request.warning} if request.warning else {}),
     }
     if not stream:
         for what, value in reply:
-            if what == "text":
-                if not message["content"] or message["content"][-1]["type"] != "text":
-                    message["content"].append({"type": "text", "text": ""})
-                message["content"][-1]["text"] += value
+            if what in BLOCKS:
+                kind, key, _ = BLOCKS[what]
+                if not message["content"] or message["content"][-1]["type"] != kind:
+                    message["content"].append(_block(kind))
+                message["content"][-1][key] += value
             elif what == "call":
                 message["content"].append(_tool_use(value))
             else:
@@ -216,39 +295,52 @@ def _answer(h, reply, stream: bool) -> None:
 def _stream(h, reply, message: dict, request) -> None:
     first = next(reply)  # errors before the first piece are still a JSON error
     h.start_events()
-    usage = {"input_tokens": len(request.prompt), "output_tokens": 0}
+    # What message_delta's usage says too: the prompt less what was cached.
+    usage = {
+        "input_tokens": len(request.prompt) - request.cached,
+        "output_tokens": 0,
+        "cache_read_input_tokens": request.cached,
+    }
     send_event(
         h,
         "message_start",
         {"type": "message_start", "message": {**message, "usage": usage}},
     )
-    index, open_text = -1, False
+    index, open_kind = -1, None
 
     def close():
-        nonlocal open_text
-        if open_text:
+        nonlocal open_kind
+        if open_kind == "thinking":  # Anthropic signs a thought before its stop
+            delta = {"type": "signature_delta", "signature": ""}
+            send_event(
+                h,
+                "content_block_delta",
+                {"type": "content_block_delta", "index": index, "delta": delta},
+            )
+        if open_kind:
             send_event(
                 h, "content_block_stop", {"type": "content_block_stop", "index": index}
             )
-            open_text = False
+            open_kind = None
 
     try:
         for what, value in chain(first, reply):
-            if what == "text":
-                if not open_text:
+            if what in BLOCKS:
+                kind, key, delta_type = BLOCKS[what]
+                if open_kind != kind:
+                    close()
                     index += 1
-                    open_text = True
-                    block = {"type": "text", "text": ""}
+                    open_kind = kind
                     send_event(
                         h,
                         "content_block_start",
                         {
                             "type": "content_block_start",
                             "index": index,
-                            "content_block": block,
+                            "content_block": _block(kind),
                         },
                     )
-                delta = {"type": "text_delta", "text": value}
+                delta = {"type": delta_type, key: value}
                 send_event(
                     h,
                     "content_block_delta",

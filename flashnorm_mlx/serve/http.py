@@ -23,7 +23,7 @@ from .logprobs import choice_logprobs
 from .routes import extra_routes, public_paths
 from .schema import Request, RequestError
 from .service import Service
-from .tools import tool_calls_for
+from .split import reply_split
 
 MAX_BODY_BYTES = 16 << 20
 
@@ -35,15 +35,22 @@ class _ClientGone(Exception):
     pass
 
 
-def _total_usage(usages: List[dict]) -> dict:
-    """One usage for several prompts: every count summed."""
+def _total_usage(usages: List[dict], n: int = 1) -> dict:
+    """One usage for several prompts, n choices each: each prompt counted
+    once (as OpenAI counts n), every choice's completion summed."""
     if len(usages) == 1:
         return usages[0]
-    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
-    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    prompts = usages[::n]
+    made = sum(u["completion_tokens"] for u in usages)
+    read = sum(u["prompt_tokens"] for u in prompts)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in prompts)
+    thought = sum(u["completion_tokens_details"]["reasoning_tokens"] for u in usages)
     return {
-        **{k: sum(u[k] for u in usages) for k in keys},
+        "prompt_tokens": read,
+        "completion_tokens": made,
+        "total_tokens": read + made,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": thought},
     }
 
 
@@ -93,6 +100,7 @@ class Handler(BaseHTTPRequestHandler):
             status=code,
             code="method_not_allowed" if code == 501 else "bad_request",
         )
+        path = getattr(self, "path", "").split("?", 1)[0].rstrip("/")
         if self.command == "HEAD":  # HTTP allows no body: the headers only
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -101,7 +109,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.end_headers()
             return
-        self.send_json(code, err.body())
+        self.send_json(
+            code, anthropic.error_body(err) if anthropic.owns(path) else err.body()
+        )
 
     def _cors_headers(self) -> None:
         """mlx_lm.server's CORS headers, for an Origin in --allowed-origins
@@ -160,8 +170,8 @@ class Handler(BaseHTTPRequestHandler):
                     code="method_not_allowed",
                 )
             handle()
-        except RequestError as e:  # Anthropic's route answers in its own shape
-            body = anthropic.error_body(e) if path == anthropic.PATH else e.body()
+        except RequestError as e:  # Anthropic's routes answer in its own shape
+            body = anthropic.error_body(e) if anthropic.owns(path) else e.body()
             try:
                 self.send_json(e.status, body)
             except OSError as gone:  # the client left before its answer
@@ -306,11 +316,15 @@ class Handler(BaseHTTPRequestHandler):
         """An OpenAI chat ("chat") or text ("text") completion, streamed or not."""
         body = self.read_json()
         with self.service.submitted(kind, body, self.key_scope) as requests:
-            # tools.py: a chat reply's tool calls cut out of its text (None: none).
-            self._tools = tool_calls_for(self.service, kind, body, requests[0].stream)
+            # split.py: a chat reply's thought and tool calls cut out of its
+            # text, one ReplySplit per choice (None: nothing to cut).
+            self._splits = [
+                reply_split(self.service, r, body, r.stream) for r in requests
+            ]
+            self._requests = requests
             try:
                 if requests[0].stream:
-                    self._stream(requests[0])
+                    self._stream(requests)
                 else:
                     self._answer(requests)
             except (_ClientGone, OSError):  # a Stop in the page, a client that left
@@ -352,15 +366,7 @@ class Handler(BaseHTTPRequestHandler):
                 "logprobs": choice_logprobs(request, r["logprobs"]),
             }
             if request.kind == "chat":
-                text, calls = r["text"], None
-                if self._tools:
-                    text, calls = self._tools.feed(text, final=True)
-                    choice["finish_reason"] = self._tools.finish_reason(
-                        r["finish_reason"]
-                    )
-                choice["message"] = {"role": "assistant", "content": text}
-                if calls:
-                    choice["message"]["tool_calls"] = calls
+                choice["message"] = self._message(i, r, choice)
             else:
                 choice["text"] = r["text"]
             choices.append(choice)
@@ -369,7 +375,9 @@ class Handler(BaseHTTPRequestHandler):
             {
                 **self._head(requests[0], chunk=False),
                 "choices": choices,
-                "usage": _total_usage([r["usage"] for r in results]),
+                "usage": _total_usage(
+                    [r["usage"] for r in results], requests[0].choices
+                ),
                 # Several prompts: the last one's, with the largest batch of any.
                 "timings": {
                     **results[-1]["timings"],
@@ -377,6 +385,21 @@ class Handler(BaseHTTPRequestHandler):
                 },
             },
         )
+
+    def _message(self, i: int, result: dict, choice: dict) -> dict:
+        """Choice i's chat message: its thought (as mlx_lm.server's
+        `reasoning` and vLLM's `reasoning_content`), content and tool calls."""
+        split = self._splits[i]
+        if split is None:
+            return {"role": "assistant", "content": result["text"]}
+        got = split.feed(result["text"], final=True)
+        choice["finish_reason"] = split.finish_reason(result["finish_reason"])
+        message = {"role": "assistant", "content": got.content}
+        if got.reasoning:
+            message.update(reasoning=got.reasoning, reasoning_content=got.reasoning)
+        if got.calls:
+            message["tool_calls"] = got.calls
+        return message
 
     def _head(self, request: Request, chunk: bool) -> dict:
         if request.kind == "chat":
@@ -401,16 +424,20 @@ class Handler(BaseHTTPRequestHandler):
         role=False,
         logprobs=None,
         calls=None,
+        thought="",
+        index: int = 0,
     ) -> dict:
         if request.kind == "chat":
             delta = {"role": "assistant"} if role else {}
-            if text is not None:
+            if text is not None and (text or not thought):
                 delta["content"] = text
+            if thought:
+                delta.update(reasoning=thought, reasoning_content=thought)
             if calls:
                 delta["tool_calls"] = calls
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": index, "text": text or ""}
         choice.update(finish_reason=finish, logprobs=logprobs)
         return {**self._head(request, chunk=True), "choices": [choice]}
 
@@ -419,48 +446,65 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"data: {data}\n\n".encode())
         self.wfile.flush()
 
-    def _stream(self, request: Request):
+    def _stream(self, requests: List[Request]):
+        """Server-sent chunks: each choice's in turn (n > 1: the choices
+        decode together; a client keys them by index), then usage once."""
         # Errors found before the first event still get a plain JSON error.
-        what, value = self.next_event(request)
-        if what == "error":
-            raise value
+        event = self.next_event(requests[0])
+        if event[0] == "error":
+            raise event[1]
         self.start_events()  # the stream's end is the connection's end
-        self._event(self._chunk(request, "", role=True))
-        while True:
-            if what == "text":
-                piece, entries = value
-                lp = choice_logprobs(
-                    request, entries if request.top_logprobs is not None else None
-                )
-                calls = None
-                if self._tools:
-                    piece, calls = self._tools.feed(piece)
-                self._event(self._chunk(request, piece, logprobs=lp, calls=calls))
-            elif what == "error":
-                self._event(value.body())
+        results = []
+        for i in range(len(requests)):
+            result = self._stream_choice(i, requests[0], event)
+            if result is None:  # an error, sent
                 break
-            else:  # done
-                finish = value["finish_reason"]
-                if self._tools:  # what the reply's end completes
-                    rest, calls = self._tools.feed("", final=True)
-                    if rest or calls:
-                        self._event(self._chunk(request, rest, calls=calls))
-                    finish = self._tools.finish_reason(finish)
-                last = self._chunk(request, None, finish=finish)
-                last.update(timings=value["timings"])
-                self._event(last)
-                if request.include_usage:  # OpenAI's shape: usage once, last
-                    self._event(
-                        {
-                            **self._head(request, True),
-                            "choices": [],
-                            "usage": value["usage"],
-                            "timings": value["timings"],
-                        }
-                    )
-                break
-            what, value = self.next_event(request)
+            results.append(result)
+            event = self.next_event(requests[i + 1]) if i + 1 < len(requests) else None
+        if len(results) == len(requests) and requests[0].include_usage:
+            # OpenAI's shape: usage once, last, every choice counted.
+            usage = _total_usage([r["usage"] for r in results], len(requests))
+            last = {"choices": [], "usage": usage, "timings": results[-1]["timings"]}
+            self._event({**self._head(requests[0], True), **last})
         self._event("[DONE]")
+
+    def _stream_choice(self, i: int, head: Request, event) -> Optional[dict]:
+        """Choice i's chunks from its first event on; its result (None: it
+        failed, and the error was sent). `head`: the request whose id and
+        model every chunk of the stream carries."""
+        what, value = event
+        request, split = head, self._splits[i]
+        self._event(self._chunk(request, "", role=True, index=i))
+        while what == "text":
+            piece, entries = value
+            lp = choice_logprobs(
+                request, entries if request.top_logprobs is not None else None
+            )
+            thought, calls = "", None
+            if split:
+                thought, piece, calls = split.feed(piece)
+            self._event(
+                self._chunk(
+                    request, piece, logprobs=lp, calls=calls, thought=thought, index=i
+                )
+            )
+            what, value = self.next_event(self._requests[i])
+        if what == "error":
+            self._event(value.body())
+            return None
+        finish = value["finish_reason"]
+        if split:  # what the reply's end completes
+            thought, rest, calls = split.feed("", final=True)
+            if thought or rest or calls:
+                chunk = self._chunk(
+                    request, rest, calls=calls, thought=thought, index=i
+                )
+                self._event(chunk)
+            finish = split.finish_reason(finish)
+        last = self._chunk(request, None, finish=finish, index=i)
+        last.update(timings=value["timings"])
+        self._event(last)
+        return value
 
 
 class ApiServer(CappedServer, ThreadingHTTPServer):

@@ -1,7 +1,7 @@
 """Logprobs: scored on the generation thread (one evaluation per step for
 every request that asks) and shaped as OpenAI's: chat's `content` entries and
 completions' parallel lists (`tokens`, `token_logprobs`, `top_logprobs`,
-`text_offset`)."""
+`text_offset`), with chat's `content` beside them as mlx_lm.server sends."""
 
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -49,6 +49,8 @@ def text_logprobs(entries: List[TokenLogprob]) -> dict:
             for e in entries
         ],
         "text_offset": [e.offset for e in entries],
+        # mlx_lm.server's shape too (its clients read `content`, as chat's).
+        "content": chat_logprobs(entries)["content"],
     }
 
 

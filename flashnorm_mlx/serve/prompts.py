@@ -55,17 +55,26 @@ def read_messages(body: dict) -> List[dict]:
 
 def read_template_kwargs(body: dict) -> dict:
     """A chat request's `chat_template_kwargs` (mlx_lm.server's field: e.g.
-    {"enable_thinking": false}), a copy; {} where absent or null."""
+    {"enable_thinking": false}), a copy, with OpenAI's `reasoning_effort`
+    under its own name (gpt-oss's template reads it); {} where absent."""
     kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict):
+    effort = body.get("reasoning_effort")
+    if kwargs is not None and not isinstance(kwargs, dict):
         raise RequestError(
             "'chat_template_kwargs' must be an object of template arguments",
             param="chat_template_kwargs",
             code="invalid_type",
         )
-    return dict(kwargs)
+    if effort is not None and not isinstance(effort, str):
+        raise RequestError(
+            "'reasoning_effort' must be a string (low, medium, high)",
+            param="reasoning_effort",
+            code="invalid_type",
+        )
+    kwargs = dict(kwargs or {})
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+    return kwargs
 
 
 MAX_PROMPTS = 64  # prompts in one completions request (one choice each)

@@ -1,14 +1,14 @@
 """What the Anthropic and Responses routes share: a request body turned into
-a chat completion's, run through the same worker and tool parser, its reply
-as a stream of ("text", str), ("call", OpenAI tool call) and ("done", result)
-events; and server-sent events with named types."""
+a chat completion's, run through the same worker and reply split, its reply
+as a stream of ("thought", str), ("text", str), ("call", OpenAI tool call)
+and ("done", result) events; and server-sent events with named types."""
 
 import json
 import uuid
 from typing import Iterator, Tuple
 
 from .schema import RequestError
-from .tools import tool_calls_for
+from .split import reply_split
 
 # Chat completions' sampler fields these APIs lack, taken as they are (an SDK's
 # extra_body) and checked by the chat route.
@@ -30,30 +30,32 @@ def new_id(prefix: str) -> str:
 
 def chat_reply(h, chat: dict) -> Iterator[Tuple[str, object]]:
     """First ("request", Request), then the reply of the chat body `chat`
-    piece by piece; a tool call comes whole, after the text before it. The
-    worker streams either way: the caller collects what it does not stream."""
+    piece by piece: its thought, then its text; a tool call comes whole,
+    after the text before it. The worker streams either way: the caller
+    collects what it does not stream."""
     service = h.service
     with service.submitted("chat", {**chat, "stream": True}) as requests:
         (request,) = requests
-        tools = tool_calls_for(service, "chat", chat, streaming=False)
+        split = reply_split(service, request, chat, streaming=False)
         yield "request", request
         while True:
             what, value = h.next_event(request)
             if what == "error":
                 raise value
             final = what == "done"
-            piece = "" if final else value[0]
-            calls = []
-            if tools:
-                piece, calls = tools.feed(piece, final=final)
+            piece, thought, calls = "" if final else value[0], "", []
+            if split:
+                thought, piece, calls = split.feed(piece, final=final)
+            if thought:
+                yield "thought", thought
             if piece:
                 yield "text", piece
             for call in calls:
                 yield "call", call
             if final:
                 reason = value["finish_reason"]
-                if tools:
-                    reason = tools.finish_reason(reason)
+                if split:
+                    reason = split.finish_reason(reason)
                 yield "done", {**value, "finish_reason": reason}
                 return
 

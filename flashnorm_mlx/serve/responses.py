@@ -56,6 +56,7 @@ def _messages(body: dict) -> list:
                 {"role": item["role"], "content": _content(item.get("content"), where)}
             )
         elif kind == "function_call":
+            _check_arguments(item.get("arguments"), where)
             call = {
                 "id": item.get("call_id"),
                 "type": "function",
@@ -79,12 +80,30 @@ def _messages(body: dict) -> list:
                     ),
                 }
             )
+        elif kind == "reasoning":
+            pass  # an earlier thought: templates drop them (Qwen3's, DeepSeek's)
         else:
             raise RequestError(
-                f"{where} must be a message, function_call or function_call_output",
+                f"{where} must be a message, reasoning, function_call or "
+                "function_call_output",
                 "input",
             )
     return out
+
+
+def _check_arguments(arguments, where: str) -> None:
+    """A function_call item's arguments: a JSON object in a string (a 400
+    naming the item otherwise, as the chat route names its message)."""
+    try:
+        ok = isinstance(json.loads(arguments or "{}"), dict)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise RequestError(
+            f"{where}.arguments must be a JSON object in a string, not "
+            f"{json.dumps(arguments)[:60]}",
+            f"{where}.arguments",
+        )
 
 
 def _format(body: dict):
@@ -134,13 +153,31 @@ def to_chat(body: dict) -> dict:
             }
             for t in tools
         ]
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = body["tool_choice"]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        # Responses names the function flat; chat completions nest it.
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    effort = body.get("reasoning")
+    if effort is not None:
+        need(body, "reasoning", lambda v: isinstance(v, dict), "an object")
+        if effort.get("effort") is not None:
+            chat["reasoning_effort"] = effort["effort"]  # to the template
+    if body.get("chat_template_kwargs") is not None:
+        chat["chat_template_kwargs"] = body["chat_template_kwargs"]
     return chat
 
 
-def _response(body: dict, rid: str, model: str, status: str, output: list, usage=None):
+def _response(
+    body: dict, rid: str, model: str, status: str, output: list, warning=None
+):
+    """A Response object; `warning`: tools the template ignored, said as
+    chat completions say it."""
     return {
+        **({"warning": warning} if warning else {}),
         "id": rid,
         "object": "response",
         "created_at": int(time.time()),
@@ -151,14 +188,14 @@ def _response(body: dict, rid: str, model: str, status: str, output: list, usage
         "max_output_tokens": body.get("max_output_tokens"),
         "model": model,
         "output": output,
-        "parallel_tool_calls": True,
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": body.get("tools") or [],
         "text": body.get("text") or {"format": {"type": "text"}},
         "metadata": body.get("metadata") or {},
-        "usage": usage,
+        "usage": None,
     }
 
 
@@ -170,7 +207,9 @@ def _usage(result: dict) -> dict:
             "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]
         },
         "output_tokens": u["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"]
+        },
         "total_tokens": u["total_tokens"],
     }
 
@@ -183,6 +222,20 @@ def _message(mid: str, text: str, status: str = "completed") -> dict:
         "status": status,
         "role": "assistant",
         "content": [part] if status == "completed" else [],
+    }
+
+
+def _reasoning(rid: str, text: str, status: str = "completed") -> dict:
+    """A thought as Responses' reasoning item (its text whole, no summary)."""
+    content = (
+        [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    )
+    return {
+        "type": "reasoning",
+        "id": rid,
+        "status": status,
+        "summary": [],
+        "content": content,
     }
 
 
@@ -206,11 +259,13 @@ def responses(h) -> None:
         _, request = next(reply)
         rid, mid = new_id("resp_"), new_id("msg_")
         if body.get("stream") is True:
-            _stream(h, body, reply, rid, request.model)
+            _stream(h, body, reply, rid, request)
             return
-        text, output, result = "", [], None
+        text, thought, output, result = "", "", [], None
         for what, value in reply:
-            if what == "text":
+            if what == "thought":
+                thought += value
+            elif what == "text":
                 text += value
             elif what == "call":
                 output.append(_call(value))
@@ -218,14 +273,17 @@ def responses(h) -> None:
                 result = value
         if text or not output:
             output.insert(0, _message(mid, text))
-        h.send_json(200, _finished(body, rid, request.model, output, result))
+        if thought:  # before the message, as OpenAI's reasoning models answer
+            output.insert(0, _reasoning(new_id("rs_"), thought))
+        h.send_json(200, _finished(body, rid, request, output, result))
     finally:
         reply.close()
 
 
-def _finished(body, rid, model, output, result) -> dict:
+def _finished(body, rid, request, output, result) -> dict:
     length = result["finish_reason"] == "length"
-    r = _response(body, rid, model, "incomplete" if length else "completed", output)
+    status = "incomplete" if length else "completed"
+    r = _response(body, rid, request.model, status, output, request.warning)
     r["usage"] = _usage(result)
     if length:
         r["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -236,7 +294,7 @@ def _part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
-def _stream(h, body, reply, rid, model) -> None:
+def _stream(h, body, reply, rid, request) -> None:
     """Responses' events: a message item open while text arrives, closed
     before a function_call item (each whole), then response.completed."""
     first = next(reply)  # errors before the first piece are still a JSON error
@@ -246,10 +304,30 @@ def _stream(h, body, reply, rid, model) -> None:
     def event(kind, **data):
         send_event(h, kind, {"type": kind, "sequence_number": next(seq), **data})
 
-    started = _response(body, rid, model, "in_progress", [])
+    started = _response(body, rid, request.model, "in_progress", [], request.warning)
     event("response.created", response=started)
     event("response.in_progress", response=started)
-    output, msg = [], {}  # msg: the open message's place and text
+    output, msg, rs = [], {}, {}  # the open message's, thought's place and text
+
+    def open_reasoning():
+        rs.update(item_id=new_id("rs_"), output_index=len(output), content_index=0)
+        output.append(_reasoning(rs["item_id"], "", "in_progress"))
+        event(
+            "response.output_item.added", output_index=len(output) - 1, item=output[-1]
+        )
+
+    def close_reasoning():
+        if not rs:
+            return
+        at, text = _at(rs), rs.get("text", "")
+        event("response.reasoning_text.done", **at, text=text)
+        output[at["output_index"]] = _reasoning(at["item_id"], text)
+        event(
+            "response.output_item.done",
+            output_index=at["output_index"],
+            item=output[at["output_index"]],
+        )
+        rs.clear()
 
     def open_message():
         msg.update(item_id=new_id("msg_"), output_index=len(output), content_index=0)
@@ -275,7 +353,13 @@ def _stream(h, body, reply, rid, model) -> None:
 
     try:
         for what, value in chain(first, reply):
-            if what == "text":
+            if what == "thought":
+                if not rs:
+                    open_reasoning()
+                rs["text"] = rs.get("text", "") + value
+                event("response.reasoning_text.delta", **_at(rs), delta=value)
+            elif what == "text":
+                close_reasoning()
                 if not msg:
                     open_message()
                 msg["text"] = msg.get("text", "") + value
@@ -283,6 +367,7 @@ def _stream(h, body, reply, rid, model) -> None:
                     "response.output_text.delta", **_at(msg), delta=value, logprobs=[]
                 )
             elif what == "call":
+                close_reasoning()
                 close_message()
                 item, i = _call(value), len(output)
                 opened = {**item, "arguments": "", "status": "in_progress"}
@@ -301,10 +386,13 @@ def _stream(h, body, reply, rid, model) -> None:
                 event("response.output_item.done", output_index=i, item=item)
                 output.append(item)
             else:
-                if not output:
+                close_reasoning()
+                if not output or (
+                    len(output) == 1 and output[0]["type"] == "reasoning"
+                ):
                     open_message()
                 close_message()
-                done = _finished(body, rid, model, output, value)
+                done = _finished(body, rid, request, output, value)
                 incomplete = done["status"] == "incomplete"
                 event(
                     "response.incomplete" if incomplete else "response.completed",

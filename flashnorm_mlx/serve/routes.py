@@ -39,6 +39,7 @@ def extra_routes(h) -> Dict[str, Tuple[str, Callable[[], None]]]:
         # mlx_lm.server's path without /v1; Anthropic's and OpenAI's agent APIs.
         "/chat/completions": ("POST", lambda: h.complete("chat")),
         "/v1/messages": ("POST", lambda: anthropic.messages(h)),
+        "/v1/messages/count_tokens": ("POST", lambda: anthropic.count_tokens(h)),
         "/v1/responses": ("POST", lambda: responses.responses(h)),
         "": ("GET", lambda: page_file(h, "index.html")),  # "/", its "/" stripped
     }
@@ -85,8 +86,10 @@ def tokenize(h) -> None:
     with s.tokenizer_lock:
         if "messages" in body:
             from .prompts import read_messages
+            from .tools import with_tool_history
 
-            messages = read_messages(body)
+            # As the chat route renders them: earlier tool calls kept.
+            messages = with_tool_history(read_messages(body), body)
             gen = _flag(body, "add_generation_prompt", True)
             try:
                 ids = s.tokenizer.apply_chat_template(

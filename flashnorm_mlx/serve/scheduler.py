@@ -35,6 +35,7 @@ from .log import log
 from .logprobs import TokenLogprob, score_prompt, top_logprobs
 from .pacing import PrefillPace
 from .schema import Request, RequestError, Settings
+from .split import reasoning_tokens
 from .text import Detokenizer, StopText
 
 MODEL_KEY = "model"  # one model per server: one key in the prompt cache
@@ -295,10 +296,11 @@ class Worker:
             if cache is None or rest is None:
                 cache, rest = None, list(request.prompt)
             run.cached = len(request.prompt) - len(rest)
+            request.cached = run.cached  # before its first event (anthropic.py)
             fed = request.prompt[: run.cached]
         (run.uid,) = self.gen.insert(
             [list(rest)],
-            max_tokens=[request.max_tokens],
+            max_tokens=[request.max_tokens + request.overrun],
             caches=[cache] if cache is not None else None,
             all_tokens=[list(fed)],
             samplers=[
@@ -358,8 +360,12 @@ class Worker:
                 if eos:  # no text of its own; what was held back comes out
                     text = run.detokenizer.flush()
                 piece, stopped = run.stops.add(text)
-                if r.finish_reason or stopped:
+                cut = not (r.finish_reason or stopped) and self._spent(run)
+                if r.finish_reason or stopped or cut:
+                    # cut: the budget spent (with its overrun, where closing
+                    # took one: the grammar masks end of sequence till then).
                     run.finish_reason = "stop" if stopped else r.finish_reason
+                    run.finish_reason = run.finish_reason or "length"
                     piece += run.stops.flush()
                     if r.finish_reason:  # the BatchGenerator let it go already
                         done.append((run, r.prompt_cache, r.all_tokens))
@@ -378,6 +384,15 @@ class Worker:
         for run, cache, tokens in done:
             self._keep(cache, tokens, run.request)
             self._finish(run)
+
+    @staticmethod
+    def _spent(run: _Run) -> bool:
+        """Whether run's budget is spent: max_tokens made, and a grammar
+        (if any) content to end there; else it runs on into its overrun."""
+        request = run.request
+        if len(run.ids) < request.max_tokens:
+            return False
+        return request.constraint is None or request.constraint.settled()
 
     def _leave(self, uids: List[int]) -> None:
         """Requests whose clients left: out of the batch at once, caches kept."""
@@ -440,6 +455,11 @@ class Worker:
                 "completion_tokens": n,
                 "total_tokens": len(request.prompt) + n,
                 "prompt_tokens_details": {"cached_tokens": run.cached},
+                "completion_tokens_details": {
+                    "reasoning_tokens": reasoning_tokens(
+                        self.decoder, run.ids, request.thought
+                    )
+                },
             },
             # Per response, as this client saw it (other requests' work included).
             "timings": {

@@ -9,6 +9,7 @@ and the HTTP handler read as it is.
 """
 
 import json
+import random
 import threading
 import time
 import uuid
@@ -20,6 +21,7 @@ from ..limits import SEED_NEED, TEMP_NEED, is_int, is_number, seed_ok
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = {"chat": 20, "text": 5}  # as OpenAI
+MAX_N = 8  # choices per prompt, decoded in one batch (docs/serve.md)
 
 
 @dataclass
@@ -165,7 +167,13 @@ FIELDS = (
         for p in ("repetition", "presence", "frequency")
     ),
     Field("seed", is_int, SEED_NEED, seed_ok),
-    Field("n", is_int, "1 (one choice per request)", lambda v: v == 1, default=1),
+    Field(
+        "n",
+        is_int,
+        f"an integer from 1 to {MAX_N}",
+        lambda v: 1 <= v <= MAX_N,
+        default=1,
+    ),
     Field(
         "stop",
         _is_stop,
@@ -288,7 +296,11 @@ class Request:
     processors: Optional[dict] = None  # make_logits_processors' arguments
     cache_scope: tuple = ()  # (API key scope, cache_salt): who shares cached prefixes
     constraint: Optional[Callable] = None  # structured.GrammarProcessor, its own
+    overrun: int = 0  # tokens past max_tokens a constrained reply may take to close
     warning: Optional[str] = None  # said in the answer's "warning" field
+    thought: bool = False  # the reply begins inside a thought (split.py)
+    choices: int = 1  # n: choices of this prompt (usage counts its prompt once)
+    cached: int = 0  # prompt tokens read from the prompt cache (set at its start)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
     submitted: float = field(default_factory=time.perf_counter)
@@ -348,6 +360,7 @@ def read_requests(
         raise RequestError(
             "a stream takes one prompt", param="prompt", code="invalid_value"
         )
+    n = got["n"]
     bias = (processors or {}).get("logit_bias", {})
     if bias and not all(0 <= t < vocab_size for t in bias):
         raise RequestError(
@@ -361,7 +374,7 @@ def read_requests(
             kind=kind,
             prompt=prompt,
             max_tokens=_max_tokens(got["max_tokens"], prompt, param, settings),
-            seed=seed,
+            seed=choice_seed(seed, i),
             model=model,
             temp=float(got["temperature"]),
             top_p=float(got["top_p"]),
@@ -375,9 +388,17 @@ def read_requests(
             echo=bool(got.get("echo")),
             processors=processors,
             cache_scope=(key_scope, got["cache_salt"]),
+            choices=n,
         )
         for prompt in prompts
+        for i in range(n)  # a prompt's n choices, next to each other
     ]
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """Choice i's own seed stream: the body's seed for the first (n=1 as
+    before), one drawn from (seed, i) for the others, the same every time."""
+    return seed if i == 0 else random.Random(f"{seed}:{i}").getrandbits(63)
 
 
 def _max_tokens(asked: Optional[int], prompt: List[int], param, settings) -> int:

@@ -12,6 +12,7 @@ from .bounds import bytes_per_token, check_fits
 from .prompts import read_messages, read_prompts, read_template_kwargs
 from .scheduler import Worker
 from .schema import Request, RequestError, Settings, read_requests
+from .split import starts_in_thought
 from .structured import constrain
 from .tools import read_tools, tools_ignored, with_tool_history
 
@@ -126,7 +127,13 @@ class Service:
         ignored = tools_ignored(body, self.tokenizer) if kind == "chat" else None
         for r in requests:
             r.warning = ignored
+            r.thought = kind == "chat" and starts_in_thought(self.tokenizer, r.prompt)
         return requests
+
+    def chat_prompt(self, body: dict) -> List[int]:
+        """The token ids a chat body's messages render to (its tools and
+        template arguments too), as parse() would run them."""
+        return self._prompts("chat", body)[0][0]
 
     def fits(self, texts: List[str], param: str, each: int = 0) -> None:
         """400 before tokenizing for texts that cannot fit the context
@@ -153,8 +160,9 @@ class Service:
             # mlx_lm.server's per-request template arguments, over --chat-template-args.
             extra = read_template_kwargs(body)
             extra.update({"tools": tools} if tools else {}, add_generation_prompt=True)
-            if tools:
-                messages = with_tool_history(messages, body)
+            # Earlier calls stay whatever tools and tool_choice say: agents
+            # drop tools to force a final answer (docs/serve.md, "Tools").
+            messages = with_tool_history(messages, body)
             self.fits([m["content"] for m in messages], "messages")
             with self.tokenizer_lock:
                 try:

@@ -9,6 +9,9 @@ from typing import List, Optional
 
 from ..grammar import GrammarError, json_grammar, tool_call_grammar
 from .schema import Request, RequestError
+from .tools import forced_tools
+
+OVERRUN = 48  # at most, past max_tokens, to close JSON the budget cut short
 
 
 def _bad(message: str, param: str, code: str = "invalid_value") -> RequestError:
@@ -57,21 +60,23 @@ def strict_tools(body: dict, tools: Optional[List[dict]]) -> List[dict]:
     ]
 
 
-def tools_grammar(tokenizer, tools: List[dict], special) -> str:
-    """The grammar that holds a reply's tool calls to the strict tools'
-    parameters; a 400 where the model's tool-call format is not JSON."""
+def tools_grammar(tokenizer, tools: List[dict], special, **how) -> str:
+    """The grammar that holds a reply's tool calls to the tools' parameters
+    (how: tool_call_grammar's required and once); a 400 where the model's
+    tool-call format is not JSON."""
     parser = getattr(tokenizer, "tool_parser", None)
     module = getattr(parser, "__module__", "") or ""
     if not module.endswith("json_tools"):
         raise _bad(
-            "'strict' tools need a model whose tool calls are JSON between "
-            f"markers (mlx-lm's json_tools); this model's parser is {module or None}",
+            "'strict' tools, tool_choice \"required\" or a named tool need a "
+            "model whose tool calls are JSON between markers (mlx-lm's "
+            f"json_tools); this model's parser is {module or None}",
             "tools",
             "unsupported_parameter",
         )
     try:
         return tool_call_grammar(
-            tools, tokenizer.tool_call_start, tokenizer.tool_call_end, special
+            tools, tokenizer.tool_call_start, tokenizer.tool_call_end, special, **how
         )
     except GrammarError as e:
         raise _bad(f"'tools' parameters cannot be used: {e}", "tools", "invalid_schema")
@@ -79,18 +84,32 @@ def tools_grammar(tokenizer, tools: List[dict], special) -> str:
 
 def constrain(service, body: dict, tools, requests: List[Request]) -> None:
     """Give each request its own grammar processor, where the body asks for
-    one (response_format, or strict tools)."""
+    one (response_format; strict tools; tool_choice "required" or named,
+    docs/serve.md "Tools")."""
     grammar = format_grammar(body.get("response_format"))
     param = "response_format"
-    strict = strict_tools(body, tools)
+    forced = forced_tools(body, tools)
+    strict = forced or strict_tools(body, tools)
     if strict:
         if grammar is not None:
-            raise _bad("'response_format' and strict tools cannot be combined", param)
-        grammar = tools_grammar(service.tokenizer, strict, service.grammars.special)
+            raise _bad("'response_format' and tool calls cannot be combined", param)
+        # A forced call is one unless the body says parallel_tool_calls true
+        # (docs/serve.md "Tools"); else one where it says false.
+        parallel = body.get("parallel_tool_calls")
+        once = parallel is False or (bool(forced) and parallel is not True)
+        how = dict(required=bool(forced), once=once)
+        grammar = tools_grammar(
+            service.tokenizer, strict, service.grammars.special, **how
+        )
         param = "tools"
     if grammar is None:
         return
     for r in requests:
+        # Keys the schema requires may be unwritten at max_tokens: the reply
+        # may run OVERRUN more to write them and close (docs/serve.md).
+        left = service.settings.max_context
+        left = OVERRUN if left is None else left - len(r.prompt) - r.max_tokens
+        r.overrun = max(0, min(OVERRUN, left))
         try:
             r.constraint = service.grammars.processor(grammar, r.max_tokens)
         except GrammarError as e:

@@ -1,8 +1,7 @@
 """Tool calling for serve's chat route (docs/design.md section 5e), with mlx-lm's
 own pieces: the tokenizer's tool parser (mlx_lm.tool_parsers, chosen by
-mlx-lm from the chat template), its TextStateMachine to cut tool-call text
-out of the reply as it streams, and mlx_lm.server's ToolCallFormatter for
-OpenAI's `tool_calls` shape.
+mlx-lm from the chat template); the reply's calls are cut out of its text by
+split.ReplySplit.
 
 A request's `tools` are rendered by the chat template; a model whose template
 does not use them answers without them, as mlx_lm.server does, with a warning
@@ -10,7 +9,7 @@ logged and in the answer's "warning" field.
 """
 
 import json
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from .log import log
 from .schema import RequestError
@@ -30,12 +29,24 @@ def read_tools(body: dict, tokenizer) -> Optional[List[dict]]:
     cannot use them."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
+    if choice not in (None, "auto", "none", "required") and _named(choice) is None:
         raise RequestError(
-            '\'tool_choice\' must be "auto" or "none": the model decides '
-            "(a required or named tool is not enforced)",
+            '\'tool_choice\' must be "auto", "none", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
             param="tool_choice",
-            code="unsupported_parameter",
+            code="invalid_value",
+        )
+    if choice not in (None, "auto", "none") and not tools:
+        raise RequestError(
+            f"'tool_choice' {json.dumps(choice)[:60]} needs 'tools'",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise RequestError(
+            "'parallel_tool_calls' must be true or false",
+            param="parallel_tool_calls",
+            code="invalid_type",
         )
     if tools is None or tools == [] or choice == "none":
         return None
@@ -65,6 +76,36 @@ def read_tools(body: dict, tokenizer) -> Optional[List[dict]]:
     return tools
 
 
+def _named(choice) -> Optional[str]:
+    """The function a tool_choice object names ({"type": "function",
+    "function": {"name"}}), else None."""
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        return None
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def forced_tools(body: dict, tools: Optional[List[dict]]) -> Optional[List[dict]]:
+    """The tools a reply must call one of: all of them for tool_choice
+    "required", the one named for a named choice (a 400 where no tool has
+    that name); None where the model decides."""
+    choice = body.get("tool_choice")
+    if not tools or choice in (None, "auto", "none"):
+        return None
+    if choice == "required":
+        return tools
+    name = _named(choice)
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise RequestError(
+            f"'tool_choice' names {name!r}, which is not in 'tools'",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    return named
+
+
 def tools_ignored(body: dict, tokenizer) -> Optional[str]:
     """The warning for `tools` sent to a model whose chat template has none:
     answered without them, as mlx_lm.server does (agents send tools on every
@@ -86,13 +127,20 @@ def with_tool_history(messages: List[dict], body: dict) -> List[dict]:
     """read_messages' {role, content} messages with the earlier turns' tool
     parts put back for the template: an assistant's `tool_calls` (arguments
     as objects, as mlx_lm.server hands them over) and a tool's `tool_call_id`
-    and `name`."""
+    and `name`. A 400 naming the message where a call is malformed."""
     out = []
-    for m, raw in zip(messages, body["messages"]):
+    for j, (m, raw) in enumerate(zip(messages, body["messages"])):
         m = dict(m)
         calls = raw.get("tool_calls")
-        if raw.get("role") == "assistant" and isinstance(calls, list):
-            m["tool_calls"] = [_call_for_template(c, i) for i, c in enumerate(calls)]
+        if raw.get("role") == "assistant" and calls is not None:
+            where = f"messages[{j}].tool_calls"
+            if not isinstance(calls, list):
+                raise RequestError(
+                    f"{where} must be a list", param=where, code="invalid_type"
+                )
+            m["tool_calls"] = [
+                _call_for_template(c, f"{where}[{i}]") for i, c in enumerate(calls)
+            ]
         for key in ("tool_call_id", "name"):
             if raw.get("role") == "tool" and isinstance(raw.get(key), str):
                 m[key] = raw[key]
@@ -100,78 +148,27 @@ def with_tool_history(messages: List[dict], body: dict) -> List[dict]:
     return out
 
 
-def _call_for_template(call, i: int) -> dict:
+def _call_for_template(call, where: str) -> dict:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise RequestError(
-            "an assistant message's tool_calls must each have a function name",
-            param="messages",
+            f"{where} must have a function name",
+            param=where,
             code="invalid_value",
         )
     args = fn.get("arguments")
+    if args is None or (isinstance(args, str) and not args.strip()):
+        args = "{}"  # a call with no arguments
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = json.loads(args)
         except ValueError:
-            raise RequestError(
-                f"tool_calls[{i}].function.arguments is not JSON",
-                param="messages",
-                code="invalid_value",
-            ) from None
-    return {**call, "function": {**fn, "arguments": args}}
-
-
-class ToolCalls:
-    """One reply's text split into content and OpenAI `tool_calls`, piece by
-    piece: text between the parser's start and end markers is held back and
-    parsed when its end marker (or the reply's end) arrives."""
-
-    def __init__(self, tokenizer, tools: List[dict], streaming: bool):
-        from mlx_lm.generate import TextStateMachine
-        from mlx_lm.server import ToolCallFormatter
-
-        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-        self.sm = TextStateMachine(
-            {"normal": [(start, "tool")], "tool": [(end, "normal")]}
+            pass  # still a string: refused below
+    if not isinstance(args, dict):
+        raise RequestError(
+            f"{where}.function.arguments is not a JSON object: "
+            f"{json.dumps(fn.get('arguments'))[:60]}",
+            param=f"{where}.function.arguments",
+            code="invalid_value",
         )
-        self.split, self.flush = TextStateMachine.split, TextStateMachine.flush
-        self.state = self.sm.make_state("normal")
-        self.format = ToolCallFormatter(tokenizer.tool_parser, tools, streaming)
-        self.where, self.held = "normal", ""
-        self.called = False  # any call parsed: finish_reason "tool_calls"
-
-    def feed(self, text: str, final: bool = False) -> Tuple[str, List[dict]]:
-        """(content, tool calls) that `text` completes; `final` at the reply's
-        end, which flushes what is held (an unclosed call is parsed as is)."""
-        self.state, segments = self.split(self.state, text)
-        if final:
-            self.state, rest, where = self.flush(self.state)
-            segments.append((where, rest))
-        content, done = "", []
-        for where, piece in segments:
-            if where == "tool":
-                self.held += piece
-            else:
-                if self.where == "tool":
-                    done.append(self.held)
-                    self.held = ""
-                content += piece
-            self.where = where
-        if final and self.where == "tool" and self.held.strip():
-            done.append(self.held)
-            self.held = ""
-        calls = self.format(done)
-        self.called = self.called or bool(calls)
-        return content, calls
-
-    def finish_reason(self, reason: str) -> str:
-        return "tool_calls" if reason == "stop" and self.called else reason
-
-
-def tool_calls_for(service, kind: str, body: dict, streaming: bool):
-    """A ToolCalls for a chat request with tools (checked already by
-    Service.parse), else None."""
-    if kind != "chat":
-        return None
-    tools = read_tools(body, service.tokenizer)
-    return ToolCalls(service.tokenizer, tools, streaming) if tools else None
+    return {**call, "function": {**fn, "arguments": args}}

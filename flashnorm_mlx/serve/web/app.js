@@ -175,8 +175,27 @@ function addMessage(m, index, c) {
 }
 
 function fill(div, m) {
-  if (m.role === "assistant") Markdown.render(div, m.content, copyText);
-  else div.textContent = m.content;
+  if (m.role !== "assistant") {
+    div.textContent = m.content;
+    return;
+  }
+  const shown = div.querySelector("details.thought");
+  Markdown.render(div, m.content, copyText);
+  if (m.thought) div.prepend(thoughtView(m.thought, shown && shown.open));
+}
+
+// A thinking model's thought (docs/serve.md "Thinking models"): folded and
+// dimmed above the answer, as text (never markup); kept open once opened.
+function thoughtView(text, open) {
+  const box = document.createElement("details");
+  box.className = "thought";
+  box.open = Boolean(open);
+  const summary = document.createElement("summary");
+  summary.textContent = "Thought";
+  const body = document.createElement("div");
+  body.textContent = text;
+  box.append(summary, body);
+  return box;
 }
 
 async function copyText(text) {
@@ -234,7 +253,7 @@ async function generate(c) {
     stream_options: { include_usage: true }, // usage comes in the last chunk
     ...requestFields(),
   };
-  const reply = { role: "assistant", content: "", stats: "" };
+  const reply = { role: "assistant", content: "", thought: "", stats: "" };
   const view = addMessage(reply, -1, c);
   view.stats.textContent = "reading the prompt…";
   view.stats.classList.add("live");
@@ -252,9 +271,10 @@ async function generate(c) {
       if (chunk.usage) usage = chunk.usage;
       if (chunk.timings) timings = chunk.timings;
       const delta = chunk.choices && chunk.choices[0] ? chunk.choices[0].delta : null;
-      if (delta && delta.content) {
+      if (delta && (delta.content || delta.reasoning)) {
         const now = performance.now();
-        reply.content += delta.content;
+        reply.content += delta.content || "";
+        reply.thought += delta.reasoning || "";
         pieces += 1;
         if (pieces === 1) first = now;
         fill(view.div, reply);
@@ -279,7 +299,7 @@ async function generate(c) {
     busy(false);
   }
   view.stats.classList.remove("live");
-  const got = Boolean(reply.content || reply.stats);
+  const got = Boolean(reply.content || reply.thought || reply.stats);
   if (got) {
     c.messages.push(reply);
     c.updated = Date.now();
