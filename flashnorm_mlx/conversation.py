@@ -27,6 +27,7 @@ import mlx.core as mx
 from .decode_options import DraftTally, KVOptions, make_cache
 from .errors import ChatError, ContextOverflow  # noqa: F401 (raised here)
 from .parallel import distributed
+from .thinking import ReplySplit, starts_in_thought
 
 PREFILL_CHUNK_S = 0.5  # seconds a prefill chunk aims at: Ctrl-C waits for one
 PREFILL_FIRST_CHUNK = 4  # tokens, before any chunk was timed (~0.3 s on a 2-core CPU)
@@ -358,7 +359,7 @@ class ChatSession:
 
 
 class _Thoughts:
-    """A reply's text cut as serve cuts it (serve/split.py, docs/serve.md
+    """A reply's text cut as serve cuts it (thinking.py, docs/serve.md
     "Thinking models"): thought to on_thought, the rest to on_text."""
 
     def __init__(self, split, on_text, on_thought):
@@ -369,8 +370,6 @@ class _Thoughts:
         """on_text itself where there is no thought to cut out."""
         if on_thought is None or not getattr(tokenizer, "has_thinking", False):
             return on_text
-        from .serve.split import ReplySplit, starts_in_thought
-
         thought = starts_in_thought(tokenizer, prompt)
         return cls(ReplySplit(tokenizer, None, False, thought), on_text, on_thought)
 

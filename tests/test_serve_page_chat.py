@@ -492,6 +492,11 @@ def test_a_thought_shows_folded_apart_from_the_answer(browser, server):
     msg = page.locator(".msg.assistant").last
     box = msg.locator("details.thought")
     assert box.count() == 1 and not box.evaluate("e => e.open"), msg.inner_html()
+    # Folded: its text is in the page (escaped, not markup) but not rendered.
+    thought = box.locator("div").text_content()
+    assert thought == "Let me <b>think</b>.", msg.inner_html()
+    assert box.locator("div b").count() == 0, msg.inner_html()
+    box.locator("summary").click()  # unfolded, it shows
     assert box.locator("div").inner_text() == "Let me <b>think</b>.", msg.inner_html()
     assert msg.locator("p").last.inner_text() == "The answer.", msg.inner_html()
     ctx.close()

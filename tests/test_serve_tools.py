@@ -13,8 +13,8 @@ import tiny
 from serve_process import Server
 
 from flashnorm_mlx.serve.schema import RequestError
-from flashnorm_mlx.serve.split import ReplySplit
 from flashnorm_mlx.serve.tools import read_tools, tools_ignored
+from flashnorm_mlx.thinking import ReplySplit
 
 # The reply, one added token each: words, then a json_tools call split over
 # three tokens, so that a stream sees the call arrive in pieces.

@@ -12,12 +12,12 @@ With an API key, every route but /health and the page's files needs
 
 Modules: `http`, the HTTP layer (the standard library's
 ThreadingHTTPServer reads, checks and tokenizes each request on its own
-thread); `auth`, the API key; `routes`, vLLM's tokenizer endpoints and the
+thread), sending `completions`' OpenAI objects; `auth`, the API key; `routes`, vLLM's tokenizer endpoints and the
 browser chat page (GET /, files in `web/`); `tools`, tool calls with
 mlx-lm's parsers; `structured`, response_format and strict tools as grammar
 processors; `anthropic` and `responses`, the two agent APIs, through
-`replies`, a chat reply as events; `split`, a reply's thought, content and
-tool calls cut apart as mlx_lm.server cuts them; `service`, what those
+`replies`, a chat reply as events; `split`, a request's reply cut into thought,
+content and tool calls (the package's `thinking`, as mlx_lm.server cuts them); `service`, what those
 threads share; `prompts`, messages
 and prompts as token ids; `schema`, what a request may hold and the one
 `Request` record each prompt becomes; `scheduler`, the generation thread,

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from queue import Empty
 from typing import List, Optional
 
-from . import anthropic
+from . import anthropic, completions
 from .auth import key_scope
 from .connections import CappedServer, client_gone
 from .guard import has_body, is_json, origin_allowed, refusal
@@ -33,25 +33,6 @@ MAX_BODY_BYTES = 16 << 20
 
 class _ClientGone(Exception):
     pass
-
-
-def _total_usage(usages: List[dict], n: int = 1) -> dict:
-    """One usage for several prompts, n choices each: each prompt counted
-    once (as OpenAI counts n), every choice's completion summed."""
-    if len(usages) == 1:
-        return usages[0]
-    prompts = usages[::n]
-    made = sum(u["completion_tokens"] for u in usages)
-    read = sum(u["prompt_tokens"] for u in prompts)
-    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in prompts)
-    thought = sum(u["completion_tokens_details"]["reasoning_tokens"] for u in usages)
-    return {
-        "prompt_tokens": read,
-        "completion_tokens": made,
-        "total_tokens": read + made,
-        "prompt_tokens_details": {"cached_tokens": cached},
-        "completion_tokens_details": {"reasoning_tokens": thought},
-    }
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -366,16 +347,16 @@ class Handler(BaseHTTPRequestHandler):
                 "logprobs": choice_logprobs(request, r["logprobs"]),
             }
             if request.kind == "chat":
-                choice["message"] = self._message(i, r, choice)
+                choice["message"] = completions.message(self._splits[i], r, choice)
             else:
                 choice["text"] = r["text"]
             choices.append(choice)
         self.send_json(
             200,
             {
-                **self._head(requests[0], chunk=False),
+                **completions.head(requests[0], self.service.mode, chunk=False),
                 "choices": choices,
-                "usage": _total_usage(
+                "usage": completions.total_usage(
                     [r["usage"] for r in results], requests[0].choices
                 ),
                 # Several prompts: the last one's, with the largest batch of any.
@@ -385,61 +366,6 @@ class Handler(BaseHTTPRequestHandler):
                 },
             },
         )
-
-    def _message(self, i: int, result: dict, choice: dict) -> dict:
-        """Choice i's chat message: its thought (as mlx_lm.server's
-        `reasoning` and vLLM's `reasoning_content`), content and tool calls."""
-        split = self._splits[i]
-        if split is None:
-            return {"role": "assistant", "content": result["text"]}
-        got = split.feed(result["text"], final=True)
-        choice["finish_reason"] = split.finish_reason(result["finish_reason"])
-        message = {"role": "assistant", "content": got.content}
-        if got.reasoning:
-            message.update(reasoning=got.reasoning, reasoning_content=got.reasoning)
-        if got.calls:
-            message["tool_calls"] = got.calls
-        return message
-
-    def _head(self, request: Request, chunk: bool) -> dict:
-        if request.kind == "chat":
-            obj = "chat.completion.chunk" if chunk else "chat.completion"
-            prefix = "chatcmpl-"
-        else:
-            obj, prefix = "text_completion", "cmpl-"
-        return {
-            "id": prefix + request.id,
-            "object": obj,
-            "created": request.created,
-            "model": request.model,
-            "system_fingerprint": f"flashnorm-mlx-{self.service.mode}",
-            **({"warning": request.warning} if request.warning else {}),
-        }
-
-    def _chunk(
-        self,
-        request,
-        text: Optional[str],
-        finish=None,
-        role=False,
-        logprobs=None,
-        calls=None,
-        thought="",
-        index: int = 0,
-    ) -> dict:
-        if request.kind == "chat":
-            delta = {"role": "assistant"} if role else {}
-            if text is not None and (text or not thought):
-                delta["content"] = text
-            if thought:
-                delta.update(reasoning=thought, reasoning_content=thought)
-            if calls:
-                delta["tool_calls"] = calls
-            choice = {"index": index, "delta": delta}
-        else:
-            choice = {"index": index, "text": text or ""}
-        choice.update(finish_reason=finish, logprobs=logprobs)
-        return {**self._head(request, chunk=True), "choices": [choice]}
 
     def _event(self, obj) -> None:
         data = obj if isinstance(obj, str) else json.dumps(obj)
@@ -463,9 +389,13 @@ class Handler(BaseHTTPRequestHandler):
             event = self.next_event(requests[i + 1]) if i + 1 < len(requests) else None
         if len(results) == len(requests) and requests[0].include_usage:
             # OpenAI's shape: usage once, last, every choice counted.
-            usage = _total_usage([r["usage"] for r in results], len(requests))
+            usage = completions.total_usage(
+                [r["usage"] for r in results], len(requests)
+            )
             last = {"choices": [], "usage": usage, "timings": results[-1]["timings"]}
-            self._event({**self._head(requests[0], True), **last})
+            self._event(
+                {**completions.head(requests[0], self.service.mode, True), **last}
+            )
         self._event("[DONE]")
 
     def _stream_choice(self, i: int, head: Request, event) -> Optional[dict]:
@@ -474,7 +404,9 @@ class Handler(BaseHTTPRequestHandler):
         model every chunk of the stream carries."""
         what, value = event
         request, split = head, self._splits[i]
-        self._event(self._chunk(request, "", role=True, index=i))
+        self._event(
+            completions.chunk(request, self.service.mode, "", role=True, index=i)
+        )
         while what == "text":
             piece, entries = value
             lp = choice_logprobs(
@@ -484,8 +416,14 @@ class Handler(BaseHTTPRequestHandler):
             if split:
                 thought, piece, calls = split.feed(piece)
             self._event(
-                self._chunk(
-                    request, piece, logprobs=lp, calls=calls, thought=thought, index=i
+                completions.chunk(
+                    request,
+                    self.service.mode,
+                    piece,
+                    logprobs=lp,
+                    calls=calls,
+                    thought=thought,
+                    index=i,
                 )
             )
             what, value = self.next_event(self._requests[i])
@@ -496,12 +434,19 @@ class Handler(BaseHTTPRequestHandler):
         if split:  # what the reply's end completes
             thought, rest, calls = split.feed("", final=True)
             if thought or rest or calls:
-                chunk = self._chunk(
-                    request, rest, calls=calls, thought=thought, index=i
+                chunk = completions.chunk(
+                    request,
+                    self.service.mode,
+                    rest,
+                    calls=calls,
+                    thought=thought,
+                    index=i,
                 )
                 self._event(chunk)
             finish = split.finish_reason(finish)
-        last = self._chunk(request, None, finish=finish, index=i)
+        last = completions.chunk(
+            request, self.service.mode, None, finish=finish, index=i
+        )
         last.update(timings=value["timings"])
         self._event(last)
         return value

@@ -31,11 +31,11 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
+from ..thinking import reasoning_tokens
 from .log import log
 from .logprobs import TokenLogprob, score_prompt, top_logprobs
 from .pacing import PrefillPace
 from .schema import Request, RequestError, Settings
-from .split import reasoning_tokens
 from .text import Detokenizer, StopText
 
 MODEL_KEY = "model"  # one model per server: one key in the prompt cache

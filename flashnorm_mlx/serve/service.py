@@ -7,12 +7,12 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional
 
+from ..thinking import starts_in_thought
 from .auth import current_scope
 from .bounds import bytes_per_token, check_fits
 from .prompts import read_messages, read_prompts, read_template_kwargs
 from .scheduler import Worker
 from .schema import Request, RequestError, Settings, read_requests
-from .split import starts_in_thought
 from .structured import constrain
 from .tools import read_tools, tools_ignored, with_tool_history
 
