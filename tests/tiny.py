@@ -1750,3 +1750,48 @@ def make_nemotron_h(
 ) -> Path:
     cfg = nemotron_h_config(name, **over)
     return write_model(path, cfg, nemotron_h_weights(cfg, seed), tokenizer)
+
+
+# --- Llama 4's dense text model (llama4_text, MobileLLM-R1's): NoPE layers, QK-norm ---
+
+# mlx-lm's llama4_text: `no_rope_layers` (0: no RoPE), a weightless QK-norm on
+# every layer (eps rms_norm_eps, large so its adjustment shows), the GLU
+# `intermediate_size_mlp` wide; untied with QK-norm, and tied without.
+LLAMA4_TEXT_CONFIGS = {
+    "llama4_text": dict(
+        num_hidden_layers=4,
+        no_rope_layers=[1, 1, 1, 0],
+        use_qk_norm=True,
+        rms_norm_eps=0.05,
+    ),
+    "llama4_text_tied": dict(
+        num_hidden_layers=3,
+        no_rope_layers=[0, 1, 1],
+        use_qk_norm=False,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def llama4_text_config(name: str = "llama4_text", **over) -> dict:
+    base = {**LLAMA_BASE, "model_type": "llama4_text", "head_dim": 16}
+    base.update(intermediate_size=96, intermediate_size_mlp=80, rope_theta=5e5)
+    return {**base, **LLAMA4_TEXT_CONFIGS[name], **over}
+
+
+def make_llama4_text(
+    path: Path, name: str = "llama4_text", seed: int = 0, tokenizer: bool = True, **over
+) -> Path:
+    """Llama's tiny weights under stock's names: the GLU (intermediate_size_mlp
+    wide) under `feed_forward`, the untied head `output`."""
+    cfg = llama4_text_config(name, **over)
+    w = llama_weights({**cfg, "intermediate_size": cfg["intermediate_size_mlp"]}, seed)
+    # No rotary buffer: stock's class has no sanitize to drop one.
+    w = {
+        k.replace(".mlp.", ".feed_forward."): v
+        for k, v in w.items()
+        if "rotary_emb" not in k
+    }
+    if "lm_head.weight" in w:
+        w["output.weight"] = w.pop("lm_head.weight")
+    return write_model(path, cfg, w, tokenizer)

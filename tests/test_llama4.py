@@ -1,0 +1,196 @@
+"""Llama 4's dense text model (models/llama4_text.py) against mlx-lm's own
+`llama4_text` class on the same weights.
+
+Tiny random models (tests/tiny.py `make_llama4_text`), every norm gain in
+[0.25, 4]:
+- `llama4_text`: a weightless QK-norm on every layer with a large epsilon
+  (its eps * ms adjustment shows), the fourth layer without RoPE, untied
+  (`output`);
+- `llama4_text_tied`: no QK-norm, the first layer without RoPE, tied.
+The `llama4` wrapper (experts, chunked attention) runs as stock
+(docs/design.md section 2r).
+"""
+
+import mlx.core as mx
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+
+from flashnorm_mlx import fold, kernels, speed
+from flashnorm_mlx.checkpoint import convert
+from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.models import llama4_text
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
+NAMES = list(tiny.LLAMA4_TEXT_CONFIGS)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def folder(request, tmp_path_factory):
+    return tiny.make_llama4_text(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def source(folder):
+    return read_source(str(folder))
+
+
+def _source(tmp_path, name):
+    return read_source(str(tiny.make_llama4_text(tmp_path / name, name)))
+
+
+def rel(a, b) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def greedy(model, n=64):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+
+
+def test_nope_layers_and_no_norm_gain_left(source):
+    """RoPE where stock's `no_rope_layers` says; folded, no block norm gain is
+    left (the final one only where the head is tied), the head `output`."""
+    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    got = [int(l.self_attn._angles.inv_freq.any().item()) for l in model.layers]
+    assert got == source.config["no_rope_layers"], got
+    names = {k for k, _ in tree_flatten(model.parameters())}
+    left = {k for k in names if "norm" in k}
+    tied = source.config["tie_word_embeddings"]
+    assert left == ({"model.norm.weight"} if tied else set()), left
+    assert ("output.weight" in names) == (not tied), names
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_verify_float32(source, engine):
+    """`verify`: a prompt and 32 cached steps within 1e-4 relative of mlx-lm's
+    class in float32 (compiled: the QK-norm config only)."""
+    if engine == "compiled" and not source.config["use_qk_norm"]:
+        pytest.skip("the compiled engine on one config")
+    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
+    print(engine, r["max_rel_logit_diff"])
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_64_greedy_tokens_identical_to_stock(source, tmp_path, quantized):
+    """Float32, and mlx-lm's own `convert -q` run as stored (4-bit; untied
+    only: stock's tied head multiplies by the embedding's packed weight)."""
+    if quantized and source.config["tie_word_embeddings"]:
+        pytest.skip("mlx-lm's llama4_text cannot run its own 4-bit tied head")
+    src = tiny.mlx_q4(source.folder, tmp_path / "q4") if quantized else source
+    dtype = None if quantized else mx.float32
+    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    flash, _ = build_model(src, "flashnorm", dtype=dtype, engine="eager")
+    if quantized:
+        proj = flash.layers[1].self_attn.qkv_proj
+        assert type(proj).__name__ == "QuantizedLinear", type(proj)
+    want, got = greedy(stock), greedy(flash)
+    assert len(set(want)) >= 4, want  # a text that shows a wrong step
+    assert len(want) == 64 and got == want, (want, got)
+
+
+def test_the_reference_sees_what_llama4_text_must_get_right(tmp_path, monkeypatch):
+    """Each break, made on purpose, moves the logits far past the tolerance:
+    RoPE on the NoPE layers, stock's interleaved RoPE read half-split without
+    q's and k's rows reordered, and the QK-norm's epsilon left eps where the
+    deferred s needs eps * ms (2d)."""
+    src = _source(tmp_path, "llama4_text")
+    x = mx.array([PROMPT * 2])
+    want = build_model(src, "stock", dtype=mx.float32)[0](x)
+    A = llama4_text.Attention
+
+    def err(patch):
+        with monkeypatch.context() as m:
+            patch(m)
+            flash, _ = build_model(src, "flashnorm", dtype=mx.float32)
+            return rel(flash(x), want)
+
+    real_init, real_epilogue = A.__init__, kernels.qkv_epilogue
+
+    def rope_everywhere(self, args, use_rope):
+        real_init(self, args, True)
+
+    def eps_kept(qkv, ms, offset, e):  # QK-norm's eps * 1 in place of eps * ms
+        q, k, _ = real_epilogue(qkv, mx.ones_like(ms), offset, e)
+        return q, k, real_epilogue(qkv, ms, offset, e)[2]
+
+    errs = {
+        "RoPE on a NoPE layer": err(
+            lambda m: m.setattr(A, "__init__", rope_everywhere)
+        ),
+        "interleaved RoPE, rows not reordered": err(
+            lambda m: m.setattr(llama4_text, "half_split", lambda w, heads: w)
+        ),
+        "QK-norm eps not adjusted": err(
+            lambda m: m.setattr(kernels, "qkv_epilogue", eps_kept)
+        ),
+    }
+    print(errs)
+    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+
+
+def test_fold_twice_and_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
+    """Fold is idempotent; `convert --compat` (float, and -q at 8 bits by RTN
+    and GPTQ) loads in mlx-lm, whose logits there equal ours."""
+    from mlx_lm.utils import load_model
+
+    source = _source(tmp_path, "llama4_text")
+    once, c1 = fold.fold_norms(source.weights, source.config)
+    twice, c2 = fold.fold_norms(once, c1)
+    assert twice is once and c2 == c1
+    assert not [k for k in once if k.endswith("layernorm.weight")]
+    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
+    x = mx.array([PROMPT])
+    for method in ("rtn", "gptq"):
+        out = tmp_path / f"q8-{method}"
+        convert(
+            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
+        )
+        ours, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
+        theirs, _ = load_model(out)
+        assert "scales" in str(tree_flatten(theirs.parameters())), method
+        errs[method] = rel(ours(x), theirs(x))
+    print(errs)
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def test_bench_counts_fewer_launches(tmp_path):
+    r = speed.run_bench(
+        _source(tmp_path, "llama4_text"), prompt_tokens=6, gen_tokens=3, trials=1
+    )
+    v = r["variants"]
+    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
+    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
+    print("launches per decode step:", gpu)
+    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+
+
+def test_two_rank_tensor_parallel_matches_one_process(tmp_path):
+    """A 2-rank `mlx.launch` (tests/distributed_child.py) of both configs and
+    FlashNorm's 4-bit: each as one process gives it, greedy tokens identical."""
+    import test_distributed
+
+    paths = {
+        n: str(tiny.make_llama4_text(tmp_path / n, n, tokenizer=False)) for n in NAMES
+    }
+    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
+    cases.append({**cases[0], "name": "q4", "quantize": [4, 32]})
+    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
+    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
+    assert max(errs.values()) < tiny.f32_tol(1e-5), errs
+
+
+def test_load_peak_is_stocks(tmp_path):
+    """Reading and building FlashNorm peaks within 3% of stock on the same
+    12-layer folder (tests/test_load_memory.py's measure)."""
+    import test_load_memory
+
+    over = dict(hidden_size=128, num_hidden_layers=12, vocab_size=2048)
+    over["no_rope_layers"] = [1, 1, 1, 0] * 3
+    path = tiny.make_llama4_text(tmp_path / "f", tokenizer=False, **over)
+    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
+    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
