@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "gemma3": lambda p: tiny.make_gemma3(p, "gemma3_untied"),
     "phi3": lambda p: tiny.make_phi3(p, "phi3_longrope"),
     "smollm3": lambda p: tiny.make_smollm3(p, "smollm3"),
+    "llama4_text": lambda p: tiny.make_llama4_text(p, "llama4_text"),
     "ministral3": lambda p: tiny.make_ministral3(p, "ministral3_mscale_sliding"),
     "mistral3": lambda p: tiny.make_mistral3(p, "mistral3_vision"),
     "qwen3_5": lambda p: tiny.make_qwen3_5(p, "qwen3_5"),

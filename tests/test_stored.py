@@ -38,6 +38,7 @@ ARCHS = {
     "gemma3-tied": (tiny.make_gemma3, "gemma3_tied"),
     "phi3-longrope": (tiny.make_phi3, "phi3_longrope"),
     "smollm3": (tiny.make_smollm3, "smollm3"),
+    "llama4_text": (tiny.make_llama4_text, "llama4_text"),
     "ministral3": (tiny.make_ministral3, "ministral3"),
     "mistral3-vision": (tiny.make_mistral3, "mistral3_vision"),
     "qwen3_5": (tiny.make_qwen3_5, "qwen3_5"),

@@ -31,7 +31,7 @@ def _usage() -> str:
     lines.append(
         "mistral, ministral3, qwen2, qwen3, phi3, smollm3), openelm, gemma3_text,"
     )
-    lines.append("gemma4_text,")
+    lines.append("gemma4_text, llama4_text (Llama 4's dense text model),")
     lines.append("the hybrids qwen3_5, qwen3_5_moe, qwen3_next, lfm2, lfm2_moe and")
     lines.append("nemotron_h (Nemotron-H, Nemotron 3) and")
     lines.append("the mixtures of experts qwen3_moe, mixtral, gpt_oss and glm4_moe;")
