@@ -31,6 +31,7 @@ from mlx_lm.models.cache import ChunkedKVCache, KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
+from ..mlx_lm_compat import llama4_attn_scale
 from ..parallel import sharding
 from . import llama, llama4_text
 from .arch import MoE
@@ -137,10 +138,10 @@ class Attention(llama.Attention):
         q, k, v = super().heads(xs, ms, offset)
         if not self.temperature:
             return q, k, v
-        # Stock's scale of q after RoPE: linear in q, so on q' (with s) as is.
-        pos = mx.arange(1, q.shape[2] + 1) + offset
-        t = mx.log(mx.floor(pos / self.floor_scale) + 1.0) * self.attn_scale + 1.0
-        return (q * t[:, None]).astype(q.dtype), k, v
+        # Stock's scale of q after RoPE, positions from offset + 1 (Ministral
+        # 3's formula, a batch's offsets too): linear in q, so on q' as is.
+        t = llama4_attn_scale(q.shape[2], offset + 1, self.attn_scale, self.floor_scale)
+        return (q * t).astype(q.dtype), k, v
 
 
 class Routed(nn.Module):
