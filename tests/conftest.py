@@ -210,8 +210,10 @@ SLOW = {
     ),
     # File alone, --durations=0, shared box under load (2026-12-06).
     "test_llama4.py": (
-        "test_verify_float32",  # 26-42 s wall compiled (MLX's compiles), 4 s eager
-        "test_two_rank_tensor_parallel_matches_one_process",  # 11 s
+        "test_verify_float32",  # compiled 11-42 s (MLX's compiles), eager 1-4 s
+        "test_two_rank_tensor_parallel_matches_one_process",  # 2-11 s
+        "test_moe_verify_float32",  # compiled 7-9 s
+        "test_moe_two_rank_tensor_parallel_matches_one_process",  # 3-6 s
     ),
     "test_stored.py": (
         "test_float32_matches_stock_on_the_same_quantized_files",  # 37 s
@@ -245,6 +247,7 @@ LAUNCHES = {
     "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma4.py::test_two_rank_tensor_parallel_matches_one_process",
     "test_llama4.py::test_two_rank_tensor_parallel_matches_one_process",
+    "test_llama4.py::test_moe_two_rank_tensor_parallel_matches_one_process",
     "test_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
 }
 # Seconds per file in a whole-suite run (pytest-xdist sends the heaviest first).

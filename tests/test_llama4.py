@@ -419,3 +419,22 @@ def test_moe_load_peak_is_stocks(tmp_path, quantized):
     peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
     print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+
+
+def test_what_no_llama4_checkpoint_has_runs_as_stock():
+    """Attention biases, a tied head, two experts a token: the wrapper is read
+    as it is (mlx-lm's own class), with a note of why."""
+    from flashnorm_mlx import models
+    from flashnorm_mlx.loading import wrappers
+
+    config = wrappers.text_config(tiny.llama4_config(), "config.json")
+    assert config["model_type"] == "llama4" and models.is_covered(config)
+    for over in (
+        dict(attention_bias=True),
+        dict(tie_word_embeddings=True),
+        dict(num_experts_per_tok=2),
+    ):
+        wrapper = tiny.llama4_config(**over)
+        assert wrappers.text_config(wrapper, "config.json") is None, over
+        flat = {**wrapper["text_config"], "model_type": "llama4"}
+        assert "llama4" in models.uncovered_why(flat), over
