@@ -11,8 +11,8 @@ dense Llama 4 text model (MobileLLM-R1's), Llama's blocks with
   the same permutation on q and k, so every score q . k is stock's (2r);
 - the GLU `intermediate_size_mlp` wide under `feed_forward`, the untied head
   `output`, as stock names them.
-The multimodal `llama4` wrapper (routed experts, chunked attention) runs as
-stock: section 2r says what its fold needs.
+The multimodal `llama4` wrapper (routed experts, chunked attention) is
+models/llama4.py, on this file's attention pieces.
 """
 
 import dataclasses
