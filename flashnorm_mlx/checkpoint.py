@@ -20,7 +20,7 @@ import mlx.core as mx
 from . import fold, interrupt, models, quant
 from .errors import LoadError
 from .fold import Weights
-from .loading import gguf_kquant
+from .loading import gguf_kquant, wrappers
 from .loading.adapters import adapted_quantization, apply_adapter
 from .loading.recipe import CHUNK_ELEMENTS, fold_checkpoint
 from .loading.source import Source, read_source, resolve
@@ -296,6 +296,7 @@ def _write_config(dst: Path, config: dict) -> None:
 
     # A GGUF's record of its float-read K-quants is the source's, not the output's.
     config = {k: v for k, v in config.items() if k != gguf_kquant.CONFIG_KEY}
+    config = wrappers.as_written(config)  # Llama 4's: the wrapper's form
     save_config(copy.deepcopy(config), dst / "config.json")
 
 

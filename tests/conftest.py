@@ -39,6 +39,7 @@ PARTS = {
         "test_qwen3_5.py",
         "test_lfm2.py",
         "test_glm4_moe.py",
+        "test_llama4.py",
         "test_nemotron_h.py",
         "test_gemma4.py",
         "test_openelm.py",
@@ -207,6 +208,13 @@ SLOW = {
         "test_two_rank_tensor_parallel_matches_one_process_and_stock",  # 8-10 s
         "test_convert_q_rtn_and_gptq_load_in_mlx_lm",  # 2-5 s
     ),
+    # File alone, --durations=0, shared box under load (2026-12-06).
+    "test_llama4.py": (
+        "test_verify_float32",  # compiled 11-42 s (MLX's compiles), eager 1-4 s
+        "test_two_rank_tensor_parallel_matches_one_process",  # 2-11 s
+        "test_moe_verify_float32",  # compiled 7-9 s
+        "test_moe_two_rank_tensor_parallel_matches_one_process",  # 3-6 s
+    ),
     "test_stored.py": (
         "test_float32_matches_stock_on_the_same_quantized_files",  # 37 s
         "test_low_precision_close_to_float32_stock",  # 10 s
@@ -238,6 +246,8 @@ LAUNCHES = {
     "test_nemotron_h.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma4.py::test_two_rank_tensor_parallel_matches_one_process",
+    "test_llama4.py::test_two_rank_tensor_parallel_matches_one_process",
+    "test_llama4.py::test_moe_two_rank_tensor_parallel_matches_one_process",
     "test_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
 }
 # Seconds per file in a whole-suite run (pytest-xdist sends the heaviest first).

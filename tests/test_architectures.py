@@ -51,6 +51,8 @@ CONFIGS = (
     + [("gemma3", c, tiny.make_gemma3) for c in tiny.GEMMA3_CONFIGS]
     + [("phi3", c, tiny.make_phi3) for c in tiny.PHI3_CONFIGS]
     + [("smollm3", c, tiny.make_smollm3) for c in tiny.SMOLLM3_CONFIGS]
+    + [("llama4_text", c, tiny.make_llama4_text) for c in tiny.LLAMA4_TEXT_CONFIGS]
+    + [("llama4", c, tiny.make_llama4) for c in tiny.LLAMA4_CONFIGS]
     + [("ministral3", c, tiny.make_ministral3) for c in tiny.MINISTRAL3_CONFIGS]
     + [("mistral3", c, tiny.make_mistral3) for c in tiny.MISTRAL3_WRAPPERS]
     + [("qwen3_5", c, tiny.make_qwen3_5) for c in tiny.QWEN3_5_CONFIGS]
@@ -137,6 +139,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         (tiny.make_llama, "gqa_untied", True),
         (tiny.make_phi3, "phi3", False),
         (tiny.make_smollm3, "smollm3", False),
+        (tiny.make_llama4_text, "llama4_text", False),
         (tiny.make_ministral3, "ministral3_mscale_sliding", False),
         (tiny.make_qwen3_5_moe, "qwen3_5", False),
         (tiny.make_qwen3_next, "untied", False),
@@ -154,6 +157,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         "llama-4bit",
         "phi3",
         "smollm3",
+        "llama4_text",
         "ministral3",
         "qwen3_5_moe",
         "qwen3_next",

@@ -30,6 +30,8 @@ CONFIGS = (
     + [("gemma3", c, tiny.make_gemma3) for c in tiny.GEMMA3_CONFIGS]
     + [("phi3", c, tiny.make_phi3) for c in tiny.PHI3_CONFIGS]
     + [("smollm3", c, tiny.make_smollm3) for c in tiny.SMOLLM3_CONFIGS]
+    + [("llama4_text", c, tiny.make_llama4_text) for c in tiny.LLAMA4_TEXT_CONFIGS]
+    + [("llama4", c, tiny.make_llama4) for c in tiny.LLAMA4_CONFIGS]
     + [("ministral3", c, tiny.make_ministral3) for c in tiny.MINISTRAL3_CONFIGS]
     + [("mistral3", c, tiny.make_mistral3) for c in tiny.MISTRAL3_WRAPPERS]
     + [("qwen3_5", c, tiny.make_qwen3_5) for c in tiny.QWEN3_5_CONFIGS]

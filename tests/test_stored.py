@@ -38,6 +38,8 @@ ARCHS = {
     "gemma3-tied": (tiny.make_gemma3, "gemma3_tied"),
     "phi3-longrope": (tiny.make_phi3, "phi3_longrope"),
     "smollm3": (tiny.make_smollm3, "smollm3"),
+    "llama4_text": (tiny.make_llama4_text, "llama4_text"),
+    "llama4": (tiny.make_llama4, "llama4"),
     "ministral3": (tiny.make_ministral3, "ministral3"),
     "mistral3-vision": (tiny.make_mistral3, "mistral3_vision"),
     "qwen3_5": (tiny.make_qwen3_5, "qwen3_5"),
@@ -169,6 +171,8 @@ def _fused_name(key, params):
         ("linear_attn.in_proj_ba", "linear_attn.in_proj"),
         ("switch_mlp.gate_proj", "switch_mlp.gate_up_proj"),
         ("switch_mlp.up_proj", "switch_mlp.gate_up_proj"),
+        ("experts.gate_proj", "experts.gate_up_proj"),  # Llama 4's
+        ("experts.up_proj", "experts.gate_up_proj"),
         ("shared_expert.gate_proj", "shared_expert.gate_up_proj"),
         ("shared_expert.up_proj", "shared_expert.gate_up_proj"),
         ("shared_experts.gate_proj", "shared_experts.gate_up_proj"),  # GLM's

@@ -1750,3 +1750,159 @@ def make_nemotron_h(
 ) -> Path:
     cfg = nemotron_h_config(name, **over)
     return write_model(path, cfg, nemotron_h_weights(cfg, seed), tokenizer)
+
+
+# --- Llama 4's dense text model (llama4_text, MobileLLM-R1's): NoPE layers, QK-norm ---
+
+# mlx-lm's llama4_text: `no_rope_layers` (0: no RoPE), a weightless QK-norm on
+# every layer (eps rms_norm_eps, large so its adjustment shows), the GLU
+# `intermediate_size_mlp` wide; untied with QK-norm, and tied without.
+LLAMA4_TEXT_CONFIGS = {
+    "llama4_text": dict(
+        num_hidden_layers=4,
+        no_rope_layers=[1, 1, 1, 0],
+        use_qk_norm=True,
+        rms_norm_eps=0.05,
+    ),
+    "llama4_text_tied": dict(
+        num_hidden_layers=3,
+        no_rope_layers=[0, 1, 1],
+        use_qk_norm=False,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def llama4_text_config(name: str = "llama4_text", **over) -> dict:
+    base = {**LLAMA_BASE, "model_type": "llama4_text", "head_dim": 16}
+    base.update(intermediate_size=96, intermediate_size_mlp=80, rope_theta=5e5)
+    return {**base, **LLAMA4_TEXT_CONFIGS[name], **over}
+
+
+def make_llama4_text(
+    path: Path, name: str = "llama4_text", seed: int = 0, tokenizer: bool = True, **over
+) -> Path:
+    """Llama's tiny weights under stock's names: the GLU (intermediate_size_mlp
+    wide) under `feed_forward`, the untied head `output`."""
+    cfg = llama4_text_config(name, **over)
+    w = llama_weights({**cfg, "intermediate_size": cfg["intermediate_size_mlp"]}, seed)
+    # No rotary buffer: stock's class has no sanitize to drop one.
+    w = {
+        k.replace(".mlp.", ".feed_forward."): v
+        for k, v in w.items()
+        if "rotary_emb" not in k
+    }
+    if "lm_head.weight" in w:
+        w["output.weight"] = w.pop("lm_head.weight")
+    return write_model(path, cfg, w, tokenizer)
+
+
+# --- Llama 4 (the llama4 wrapper): top-1 sigmoid experts, chunked attention ---
+
+LLAMA4_TEXT = dict(
+    model_type="llama4_text",
+    attention_bias=False,
+    attention_chunk_size=8,  # the 12-token prompt crosses a chunk
+    head_dim=16,
+    hidden_size=64,
+    interleave_moe_layer_step=1,
+    intermediate_size=64,  # two groups of 32: a 4-bit down splits over 2 ranks
+    intermediate_size_mlp=96,
+    max_position_embeddings=512,
+    num_attention_heads=4,
+    num_experts_per_tok=1,
+    num_hidden_layers=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    rms_norm_eps=1e-5,
+    rope_scaling=None,
+    rope_theta=5e5,
+    use_qk_norm=True,
+    vocab_size=VOCAB,
+    attn_temperature_tuning=True,
+    floor_scale=4,  # small: the NoPE layer's query temperature moves here
+    attn_scale=0.1,
+    no_rope_layers=[1, 1, 1, 0],
+    tie_word_embeddings=False,
+)
+# Every layer MoE with QK-norm; MoE every other layer (dense between), no
+# QK-norm, llama3 RoPE scaling.
+LLAMA4_CONFIGS = {
+    "llama4": {},
+    "llama4_interleaved": dict(
+        interleave_moe_layer_step=2,
+        use_qk_norm=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
+
+
+def llama4_config(name: str = "llama4", **over) -> dict:
+    text = {**LLAMA4_TEXT, **LLAMA4_CONFIGS[name], **over}
+    return dict(
+        model_type="llama4",
+        architectures=["Llama4ForConditionalGeneration"],
+        text_config=text,
+        vision_config=dict(model_type="llama4_vision_model", hidden_size=8),
+    )
+
+
+def make_llama4(
+    path: Path, name: str = "llama4", seed: int = 0, tokenizer: bool = True, **over
+) -> Path:
+    """As Llama 4's Hugging Face files: the text model under `language_model.`,
+    experts stored as gate_up_proj (E, D, 2F) and down_proj (E, F, D) (stock's
+    sanitize splits and transposes them), a vision tower beside it (dropped),
+    every norm gain in [0.25, 4], routers with large weights."""
+    cfg = llama4_config(name, **over)
+    t = cfg["text_config"]
+    rng = np.random.default_rng(seed + 11)
+    D, V, h = t["hidden_size"], t["vocab_size"], t["head_dim"]
+    hq, hkv = t["num_attention_heads"], t["num_key_value_heads"]
+    E, F, Fd = (
+        t["num_local_experts"],
+        t["intermediate_size"],
+        t["intermediate_size_mlp"],
+    )
+    m = "language_model.model"
+    w = {
+        f"{m}.embed_tokens.weight": rng.standard_normal((V, D)).astype(np.float32),
+        f"{m}.norm.weight": _gain(rng, D),
+        "language_model.lm_head.weight": _lin(rng, V, D),
+        "vision_model.patch_embedding.linear.weight": _lin(rng, 8, 8),
+        "multi_modal_projector.linear_1.weight": _lin(rng, D, 8),
+    }
+
+    def glu(p, hidden):
+        for n, (o, i_) in (
+            ("gate", (hidden, D)),
+            ("up", (hidden, D)),
+            ("down", (D, hidden)),
+        ):
+            w[f"{p}.{n}_proj.weight"] = _lin(rng, o, i_)
+
+    step = t["interleave_moe_layer_step"]
+    for i in range(t["num_hidden_layers"]):
+        p = f"{m}.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = _gain(rng, D)
+        w[f"{p}.post_attention_layernorm.weight"] = _gain(rng, D)
+        for proj, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
+            w[f"{p}.self_attn.{proj}_proj.weight"] = _lin(rng, out, D)
+        w[f"{p}.self_attn.o_proj.weight"] = _lin(rng, D, hq * h)
+        f = f"{p}.feed_forward"
+        if i % step != step - 1:
+            glu(f, Fd)
+            continue
+        w[f"{f}.router.weight"] = 4 * _lin(rng, E, D)
+        gate_up = rng.standard_normal((E, D, 2 * F)) / np.sqrt(D)
+        w[f"{f}.experts.gate_up_proj"] = gate_up.astype(np.float32)
+        down = rng.standard_normal((E, F, D)) / np.sqrt(F)
+        w[f"{f}.experts.down_proj"] = down.astype(np.float32)
+        glu(f"{f}.shared_expert", F)
+    return write_model(path, cfg, w, tokenizer)

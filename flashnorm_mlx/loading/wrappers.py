@@ -40,6 +40,9 @@ class Wrapper:
     # text_config keys the wrapper class sets from its own config, whatever
     # text_config says (key, the wrapper's default): Gemma 4's vocab_size.
     forced: Tuple[Tuple[str, object], ...] = ()
+    # A flat config keeps text_config too, for the wrapper class stock builds
+    # (mlx-lm's llama4 reads nothing else; its text model_type is another class).
+    keep_text: bool = False
 
 
 # wrapper model_type -> how FlashNorm reads its text model. A new line here
@@ -63,6 +66,13 @@ WRAPPERS: Dict[str, Wrapper] = {
         prefixes=(),  # read flat: the family's `canonical` names and drops
         drop=(),
         flat="qwen3_5_moe",
+    ),
+    "llama4": Wrapper(
+        texts=("llama4_text",),
+        prefixes=(),  # read flat: the family's `canonical` drops the vision tower
+        drop=(),
+        flat="llama4",
+        keep_text=True,
     ),
     "gemma4": Wrapper(
         texts=("gemma4_text",),
@@ -101,6 +111,8 @@ def text_config(config: dict, where: str) -> Optional[dict]:
     if not isinstance(text_type, str):
         raise LoadError(f"{where}: text_config has no model_type string")
     family = {**text, "model_type": wrapper.flat} if wrapper.flat else text
+    if wrapper.keep_text:
+        family["text_config"] = text
     if text_type not in wrapper.texts or not models.is_covered(family):
         try:  # the wrapper runs as stock, if mlx-lm knows its text model
             models.check_runnable(text)
@@ -126,6 +138,18 @@ def is_flat(config: dict) -> bool:
     """A wrapper whose family reads its text config flat (`Wrapper.flat`)."""
     wrapper = WRAPPERS.get(config.get("model_type"))
     return wrapper is not None and wrapper.flat is not None
+
+
+def as_written(config: dict) -> dict:
+    """A flat config that keeps its text_config (`Wrapper.keep_text`) as a
+    checkpoint's config.json holds it: the wrapper's form, the text model's
+    keys in text_config alone (Hugging Face's Llama4Config refuses them at
+    the top, and the tokenizer is read through it). Any other: as it is."""
+    wrapper = WRAPPERS.get(config.get("model_type"))
+    text = config.get("text_config")
+    if wrapper is None or not wrapper.keep_text or not isinstance(text, dict):
+        return config
+    return {k: v for k, v in config.items() if k == "model_type" or k not in text}
 
 
 def text_name(name: str, wrapper: Wrapper) -> str:

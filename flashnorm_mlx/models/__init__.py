@@ -23,6 +23,8 @@ ARCHITECTURES = {
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2_moe",
     "llama": "llama",
+    "llama4": "llama4",  # the wrapper, read flat (loading/wrappers.py)
+    "llama4_text": "llama4_text",
     "ministral3": "ministral3",
     "mistral": "llama",  # mlx-lm runs Mistral as Llama, sliding window included
     "mixtral": "mixtral",

@@ -1,0 +1,440 @@
+"""Llama 4's dense text model (models/llama4_text.py) against mlx-lm's own
+`llama4_text` class on the same weights.
+
+Tiny random models (tests/tiny.py `make_llama4_text`), every norm gain in
+[0.25, 4]:
+- `llama4_text`: a weightless QK-norm on every layer with a large epsilon
+  (its eps * ms adjustment shows), the fourth layer without RoPE, untied
+  (`output`);
+- `llama4_text_tied`: no QK-norm, the first layer without RoPE, tied.
+The `llama4` wrapper (experts, chunked attention) runs as stock
+(docs/design.md section 2r).
+"""
+
+import dataclasses
+
+import mlx.core as mx
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+
+from flashnorm_mlx import fold, kernels, speed
+from flashnorm_mlx.checkpoint import convert
+from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.models import llama4_text
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
+NAMES = list(tiny.LLAMA4_TEXT_CONFIGS)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def folder(request, tmp_path_factory):
+    return tiny.make_llama4_text(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def source(folder):
+    return read_source(str(folder))
+
+
+def _source(tmp_path, name):
+    return read_source(str(tiny.make_llama4_text(tmp_path / name, name)))
+
+
+def rel(a, b) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def greedy(model, n=64):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+
+
+def test_nope_layers_and_no_norm_gain_left(source):
+    """RoPE where stock's `no_rope_layers` says; folded, no block norm gain is
+    left (the final one only where the head is tied), the head `output`."""
+    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    got = [int(l.self_attn._angles.inv_freq.any().item()) for l in model.layers]
+    assert got == source.config["no_rope_layers"], got
+    names = {k for k, _ in tree_flatten(model.parameters())}
+    left = {k for k in names if "norm" in k}
+    tied = source.config["tie_word_embeddings"]
+    assert left == ({"model.norm.weight"} if tied else set()), left
+    assert ("output.weight" in names) == (not tied), names
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_verify_float32(source, engine):
+    """`verify`: a prompt and 32 cached steps within 1e-4 relative of mlx-lm's
+    class in float32 (compiled: the QK-norm config only)."""
+    if engine == "compiled" and not source.config["use_qk_norm"]:
+        pytest.skip("the compiled engine on one config")
+    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
+    print(engine, r["max_rel_logit_diff"])
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_64_greedy_tokens_identical_to_stock(source, tmp_path, quantized):
+    """Float32, and mlx-lm's own `convert -q` run as stored (4-bit; untied
+    only: stock's tied head multiplies by the embedding's packed weight)."""
+    if quantized and source.config["tie_word_embeddings"]:
+        pytest.skip("mlx-lm's llama4_text cannot run its own 4-bit tied head")
+    src = tiny.mlx_q4(source.folder, tmp_path / "q4") if quantized else source
+    dtype = None if quantized else mx.float32
+    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    flash, _ = build_model(src, "flashnorm", dtype=dtype, engine="eager")
+    if quantized:
+        proj = flash.layers[1].self_attn.qkv_proj
+        assert type(proj).__name__ == "QuantizedLinear", type(proj)
+    want, got = greedy(stock), greedy(flash)
+    assert len(set(want)) >= 4, want  # a text that shows a wrong step
+    assert len(want) == 64 and got == want, (want, got)
+
+
+def test_the_reference_sees_what_llama4_text_must_get_right(tmp_path, monkeypatch):
+    """Each break, made on purpose, moves the logits far past the tolerance:
+    RoPE on the NoPE layers, stock's interleaved RoPE read half-split without
+    q's and k's rows reordered, and the QK-norm's epsilon left eps where the
+    deferred s needs eps * ms (2d)."""
+    src = _source(tmp_path, "llama4_text")
+    x = mx.array([PROMPT * 2])
+    want = build_model(src, "stock", dtype=mx.float32)[0](x)
+    A = llama4_text.Attention
+
+    def err(patch):
+        with monkeypatch.context() as m:
+            patch(m)
+            flash, _ = build_model(src, "flashnorm", dtype=mx.float32)
+            return rel(flash(x), want)
+
+    real_init, real_epilogue = A.__init__, kernels.qkv_epilogue
+
+    def rope_everywhere(self, args, use_rope):
+        real_init(self, args, True)
+
+    def eps_kept(qkv, ms, offset, e):  # QK-norm's eps * 1 in place of eps * ms
+        q, k, _ = real_epilogue(qkv, mx.ones_like(ms), offset, e)
+        return q, k, real_epilogue(qkv, ms, offset, e)[2]
+
+    errs = {
+        "RoPE on a NoPE layer": err(
+            lambda m: m.setattr(A, "__init__", rope_everywhere)
+        ),
+        "interleaved RoPE, rows not reordered": err(
+            lambda m: m.setattr(llama4_text, "half_split", lambda w, heads: w)
+        ),
+        "QK-norm eps not adjusted": err(
+            lambda m: m.setattr(kernels, "qkv_epilogue", eps_kept)
+        ),
+    }
+    print(errs)
+    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+
+
+def test_fold_twice_and_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
+    """Fold is idempotent; `convert --compat` (float, and -q at 8 bits by RTN
+    and GPTQ) loads in mlx-lm, whose logits there equal ours."""
+    from mlx_lm.utils import load_model
+
+    source = _source(tmp_path, "llama4_text")
+    once, c1 = fold.fold_norms(source.weights, source.config)
+    twice, c2 = fold.fold_norms(once, c1)
+    assert twice is once and c2 == c1
+    assert not [k for k in once if k.endswith("layernorm.weight")]
+    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
+    x = mx.array([PROMPT])
+    for method in ("rtn", "gptq"):
+        out = tmp_path / f"q8-{method}"
+        convert(
+            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
+        )
+        ours, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
+        theirs, _ = load_model(out)
+        assert "scales" in str(tree_flatten(theirs.parameters())), method
+        errs[method] = rel(ours(x), theirs(x))
+    print(errs)
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def test_bench_counts_fewer_launches(tmp_path):
+    r = speed.run_bench(
+        _source(tmp_path, "llama4_text"), prompt_tokens=6, gen_tokens=3, trials=1
+    )
+    v = r["variants"]
+    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
+    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
+    print("launches per decode step:", gpu)
+    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+
+
+def test_two_rank_tensor_parallel_matches_one_process(tmp_path):
+    """A 2-rank `mlx.launch` (tests/distributed_child.py) of both configs and
+    FlashNorm's 4-bit: each as one process gives it, greedy tokens identical."""
+    import test_distributed
+
+    paths = {
+        n: str(tiny.make_llama4_text(tmp_path / n, n, tokenizer=False)) for n in NAMES
+    }
+    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
+    cases.append({**cases[0], "name": "q4", "quantize": [4, 32]})
+    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
+    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
+    assert max(errs.values()) < tiny.f32_tol(1e-5), errs
+
+
+def test_load_peak_is_stocks(tmp_path):
+    """Reading and building FlashNorm peaks within 3% of stock on the same
+    12-layer folder (tests/test_load_memory.py's measure)."""
+    import test_load_memory
+
+    over = dict(hidden_size=128, num_hidden_layers=12, vocab_size=2048)
+    over["no_rope_layers"] = [1, 1, 1, 0] * 3
+    path = tiny.make_llama4_text(tmp_path / "f", tokenizer=False, **over)
+    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
+    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+
+
+# --- the llama4 wrapper: top-1 sigmoid experts, chunked attention --------------------
+# (tests/tiny.py `make_llama4`: every layer MoE with QK-norm; MoE every other
+# layer, dense between, llama3 RoPE; chunks of 8, so the prompt crosses one;
+# the fourth layer without RoPE, its query temperature moving every 4 tokens.)
+
+MOE_NAMES = list(tiny.LLAMA4_CONFIGS)
+
+
+@pytest.fixture(scope="module", params=MOE_NAMES)
+def moe_source(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return read_source(str(tiny.make_llama4(path, request.param)))
+
+
+def _moe_source(tmp_path, name):
+    return read_source(str(tiny.make_llama4(tmp_path / name, name)))
+
+
+def test_moe_layers_and_no_norm_gain_left(moe_source):
+    model, _ = build_model(moe_source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(moe_source, "stock", dtype=mx.float32)
+    ours = [type(l.feed_forward).__name__ == "Routed" for l in model.layers]
+    theirs = [type(l.feed_forward).__name__ == "MoE" for l in stock.layers]
+    assert ours == theirs and any(ours), (ours, theirs)
+    names = {k for k, _ in tree_flatten(model.parameters())}
+    assert not {k for k in names if "norm" in k}, names
+    assert "language_model.lm_head.weight" in names
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_moe_verify_float32(moe_source, engine):
+    """A prompt crossing a chunk and 32 cached steps within 1e-4 relative of
+    mlx-lm's llama4 class in float32 (compiled: the every-layer-MoE config)."""
+    if engine == "compiled" and moe_source.config["interleave_moe_layer_step"] > 1:
+        pytest.skip("the compiled engine on one config")
+    r = compare(moe_source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
+    print(engine, r["max_rel_logit_diff"])
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+
+
+def record_picks(model):
+    """tests/test_moe.py's Picks on every layer with experts: {layer: picks}."""
+    from test_moe import Picks
+
+    logs = {}
+    for i, layer in enumerate(model.layers):
+        ff = layer.feed_forward
+        if "experts" in ff:
+            logs[i] = []
+            ff.experts = Picks(ff.experts, logs[i])
+    return logs
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_moe_64_greedy_tokens_and_every_pick_are_stocks(
+    moe_source, tmp_path, quantized
+):
+    """Float32 and mlx-lm's own `convert -q` as stored: 64 greedy tokens, and
+    each token's expert at every step (prompt and 32 steps), as stock's."""
+    src = tiny.mlx_q4(moe_source.folder, tmp_path / "q4") if quantized else moe_source
+    dtype = None if quantized else mx.float32
+    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    flash, _ = build_model(src, "flashnorm", dtype=dtype, engine="eager")
+    if quantized:
+        proj = flash.layers[1].self_attn.qkv_proj
+        assert type(proj).__name__ == "QuantizedLinear", type(proj)
+    want, got = greedy(stock), greedy(flash)
+    assert len(set(want)) >= 4, want
+    assert len(want) == 64 and got == want, (want, got)
+    ls, lf = record_picks(stock), record_picks(flash)
+    greedy(stock, 32), greedy(flash, 32)
+    assert ls and set(ls) == set(lf), (ls, lf)
+    assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls
+    bad = [
+        (i, step)
+        for i in ls
+        for step, (a, b) in enumerate(zip(ls[i], lf[i]))
+        if not mx.array_equal(a, b).item()
+    ]
+    assert not bad, bad
+    first = next(iter(ls.values()))[0].reshape(-1).tolist()
+    assert len(set(first)) >= 3, first  # routing reads the input
+
+
+def test_the_reference_sees_what_llama4_must_get_right(tmp_path, monkeypatch):
+    """Each break, made on purpose, moves the logits far past the tolerance:
+    the router's s after the sigmoid, the score on the expert's output in
+    place of its input, RoPE on the NoPE layer, the QK-norm's eps not eps * ms."""
+    from flashnorm_mlx.models import llama4
+
+    # Embeddings of RMS ~1e-3 and a tiny rms_norm_eps: the first layer's
+    # QK-norm then sees rows whose mean square is near stock's eps of 1e-6.
+    path = tiny.make_llama4(tmp_path / "m", "llama4", rms_norm_eps=1e-9)
+    src = read_source(str(path))
+    emb = "language_model.model.embed_tokens.weight"
+    src = dataclasses.replace(
+        src, folder=None, weights={**src.weights, emb: src.weights[emb] * 1e-3}
+    )
+    x = mx.array([PROMPT * 2])
+    want = build_model(src, "stock", dtype=mx.float32)[0](x)
+    R = llama4.Routed
+
+    def err(patch):
+        with monkeypatch.context() as m:
+            patch(m)
+            flash, _ = build_model(src, "flashnorm", dtype=mx.float32)
+            return rel(flash(x), want)
+
+    def routed(score_of, on_output):
+        def call(self, xs, ms):
+            z = self.router(xs)
+            inds = mx.argpartition(-z, kth=0, axis=-1)[..., :1]
+            score = score_of(mx.take_along_axis(z, inds, axis=-1), ms)
+            if on_output:
+                y = self.experts(xs, ms, inds).squeeze(-2) * score
+            else:
+                y = self.experts(xs * score, ms, inds).squeeze(-2)
+            return y + self.shared_expert(xs, ms)[0], ms
+
+        return call
+
+    right = lambda z, ms: mx.sigmoid(kernels.scaled(z, ms))  # noqa: E731
+    after = lambda z, ms: mx.sigmoid(z) * kernels.deferred_scale(  # noqa: E731
+        ms, z.dtype
+    )
+    real_epilogue = kernels.qkv_epilogue
+
+    def eps_kept(qkv, ms, offset, e):  # QK-norm's eps * 1 in place of eps * ms
+        if e.q_gain is None:  # the NoPE layer: s on q and k, no QK-norm
+            return real_epilogue(qkv, ms, offset, e)
+        q, k, _ = real_epilogue(qkv, mx.ones_like(ms), offset, e)
+        return q, k, real_epilogue(qkv, ms, offset, e)[2]
+
+    errs = {
+        "the reference itself": err(
+            lambda m: m.setattr(R, "__call__", routed(right, False))
+        ),
+        "the router's s after the sigmoid": err(
+            lambda m: m.setattr(R, "__call__", routed(after, False))
+        ),
+        "the score on the expert's output": err(
+            lambda m: m.setattr(R, "__call__", routed(right, True))
+        ),
+        "RoPE on a NoPE layer": err(
+            lambda m: m.setattr(llama4, "uses_rope", lambda i: True)
+        ),
+        "QK-norm eps not adjusted": err(
+            lambda m: m.setattr(kernels, "qkv_epilogue", eps_kept)
+        ),
+    }
+    print(errs)
+    assert errs.pop("the reference itself") < tiny.f32_tol(), errs
+    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+
+
+def test_moe_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
+    """--compat (float) and -q at 8 bits by RTN and GPTQ: each checkpoint
+    loads in mlx-lm (its llama4 wrapper class), whose logits equal ours."""
+    from mlx_lm.utils import load_model
+
+    source = _moe_source(tmp_path, "llama4_interleaved")
+    once, c1 = fold.fold_norms(source.weights, source.config)
+    assert fold.fold_norms(once, c1)[0] is once
+    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
+    x = mx.array([PROMPT])
+    for method in ("rtn", "gptq"):
+        out = tmp_path / f"q8-{method}"
+        convert(
+            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
+        )
+        ours, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
+        theirs, _ = load_model(out)
+        assert type(theirs).__module__ == "mlx_lm.models.llama4", type(theirs)
+        assert "experts.gate_proj.scales" in str(tree_flatten(theirs.parameters()))
+        errs[method] = rel(ours(x), theirs(x))
+    print(errs)
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def test_moe_bench_counts_fewer_launches(tmp_path):
+    r = speed.run_bench(
+        _moe_source(tmp_path, "llama4"), prompt_tokens=6, gen_tokens=3, trials=1
+    )
+    v = r["variants"]
+    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
+    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
+    print("launches per decode step:", gpu)
+    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+
+
+def test_moe_two_rank_tensor_parallel_matches_one_process(tmp_path):
+    """A 2-rank launch of both configs, stock and FlashNorm's 4-bit on the
+    every-layer-MoE one: each as one process gives it."""
+    import test_distributed
+
+    paths = {
+        n: str(tiny.make_llama4(tmp_path / n, n, tokenizer=False)) for n in MOE_NAMES
+    }
+    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
+    main = {"model": paths["llama4"], "mode": "flashnorm"}
+    cases.append({**main, "name": "stock", "mode": "stock"})
+    cases.append({**main, "name": "q4", "quantize": [4, 32]})
+    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
+    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
+    assert max(errs.values()) < tiny.f32_tol(1e-5), errs
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])
+def test_moe_load_peak_is_stocks(tmp_path, quantized):
+    import test_load_memory
+    from mlx_lm.convert import convert as mlx_convert
+
+    over = dict(hidden_size=128, num_hidden_layers=12, vocab_size=2048)
+    over["no_rope_layers"] = [1, 1, 1, 0] * 3
+    path = tiny.make_llama4(tmp_path / "f", "llama4", tokenizer=quantized, **over)
+    if quantized:
+        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
+        path = tmp_path / "q"
+    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
+    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+
+
+def test_what_no_llama4_checkpoint_has_runs_as_stock():
+    """Attention biases, a tied head, two experts a token: the wrapper is read
+    as it is (mlx-lm's own class), with a note of why."""
+    from flashnorm_mlx import models
+    from flashnorm_mlx.loading import wrappers
+
+    config = wrappers.text_config(tiny.llama4_config(), "config.json")
+    assert config["model_type"] == "llama4" and models.is_covered(config)
+    for over in (
+        dict(attention_bias=True),
+        dict(tie_word_embeddings=True),
+        dict(num_experts_per_tok=2),
+    ):
+        wrapper = tiny.llama4_config(**over)
+        assert wrappers.text_config(wrapper, "config.json") is None, over
+        flat = {**wrapper["text_config"], "model_type": "llama4"}
+        assert "llama4" in models.uncovered_why(flat), over
