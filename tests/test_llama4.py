@@ -8,7 +8,7 @@ Tiny random models (tests/tiny.py `make_llama4_text`), every norm gain in
   (`output`);
 - `llama4_text_tied`: no QK-norm, the first layer without RoPE, tied.
 The `llama4` wrapper (experts, chunked attention) runs as stock
-(docs/design.md section 2r).
+(docs/design.md section 2q).
 """
 
 import dataclasses

@@ -1,5 +1,5 @@
 """FlashNorm Llama 4 (`llama4`: Scout, Maverick), the text model of mlx-lm's
-`llama4` wrapper class, under its names (docs/design.md section 2r).
+`llama4` wrapper class, under its names (docs/design.md section 2q).
 
 The config is read flat (loading/wrappers.py), text_config kept for stock.
 Per layer, with s the block input's deferred 1/RMS:
@@ -7,7 +7,7 @@ Per layer, with s the block input's deferred 1/RMS:
   2e), global attention and stock's position-dependent query temperature (one
   multiply on q', as Ministral 3's); the others RoPE by `rope_scaling` on
   q's and k's rows reordered at load (stock's interleaved pairs made
-  half-split, 2r), chunked attention (stock's chunk mask, ChunkedKVCache),
+  half-split, 2q), chunked attention (stock's chunk mask, ChunkedKVCache),
   and a weightless QK-norm after RoPE: a rotation keeps each head's norm, so
   it is the QK-norm before it, s cancels and eps 1e-6 becomes 1e-6 * ms (2d);
 - feed-forward: experts where `interleave_moe_layer_step` says, else the GLU
@@ -118,7 +118,7 @@ class Attention(llama.Attention):
             self._qk_gains = QKNormGains(self.scale, QK_EPS)
 
     def make_rope(self, args: TextArgs, h: int) -> nn.Module:
-        # Half-split on the reordered rows (2r); stock's scaling otherwise.
+        # Half-split on the reordered rows (2q); stock's scaling otherwise.
         return initialize_rope(
             h,
             args.rope_theta,
@@ -161,7 +161,7 @@ class Routed(nn.Module):
         inds = mx.stop_gradient(mx.argpartition(-z, kth=0, axis=-1)[..., :1])
         picked = kernels.scaled(mx.take_along_axis(z, inds, axis=-1), ms)
         score = mx.sigmoid(picked.astype(mx.float32)).astype(xs.dtype)
-        # The expert reads score * xs: s * score before its SiLU, s owed (2r).
+        # The expert reads score * xs: s * score before its SiLU, s owed (2q).
         y = self.experts(xs * score, ms, inds).squeeze(-2)
         y = y + self.shared_expert(xs, ms)[0]
         if self.sharding_group is not None:  # each rank's hidden columns summed

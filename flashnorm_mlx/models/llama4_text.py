@@ -1,6 +1,6 @@
 """FlashNorm `llama4_text`, as mlx-lm's own `llama4_text` class runs it: the
 dense Llama 4 text model (MobileLLM-R1's), Llama's blocks with
-(docs/design.md section 2r):
+(docs/design.md section 2q):
 - no RoPE on the layers `no_rope_layers` marks 0: zero angles, so the fused
   epilogue applies only s and 1/sqrt(h), as SmolLM3's NoPE layers (2e);
 - with `use_qk_norm`, a weightless QK-norm before RoPE on every layer, eps
@@ -8,7 +8,7 @@ dense Llama 4 text model (MobileLLM-R1's), Llama's blocks with
   the gains ones;
 - mlx-lm's interleaved (traditional) RoPE as the fused epilogue's half-split
   one: each head's q and k rows are reordered at load (even dims, then odd),
-  the same permutation on q and k, so every score q . k is stock's (2r);
+  the same permutation on q and k, so every score q . k is stock's (2q);
 - the GLU `intermediate_size_mlp` wide under `feed_forward`, the untied head
   `output`, as stock names them.
 The multimodal `llama4` wrapper (routed experts, chunked attention) is
@@ -76,7 +76,7 @@ class Attention(llama.Attention):
 def half_split(w: mx.array, heads: int) -> mx.array:
     """Rows of q_proj or k_proj (weight, or a quantized one's scales and
     biases: rows are independent) reordered in each head: dims 0, 2, 4, ...
-    then 1, 3, 5, ..., so interleaved RoPE becomes half-split RoPE (2r)."""
+    then 1, 3, 5, ..., so interleaved RoPE becomes half-split RoPE (2q)."""
     h = w.shape[0] // heads
     order = mx.concatenate([mx.arange(0, h, 2), mx.arange(1, h, 2)])
     return w.reshape(heads, h, *w.shape[1:])[:, order].reshape(w.shape)
