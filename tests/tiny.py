@@ -1806,6 +1806,10 @@ GRANITE4_CONFIGS = {
         shared_intermediate_size=96,
         position_embedding_type="nope",
         tie_word_embeddings=True,
+        # Multipliers the other side of 1 (a tied head with a loud embedding
+        # repeats one token): embedding rows of RMS 1/4, so s is near 4.
+        embedding_multiplier=0.25,
+        residual_multiplier=2.5,
         mamba_proj_bias=True,
     ),
 }

@@ -352,12 +352,14 @@ def multipliers(config: dict, weights: dict) -> dict:
 _RENAMES = {
     ".shared_mlp.input_linear.": ".block_sparse_moe.shared_mlp.gate_up_proj.",
     ".shared_mlp.output_linear.": ".block_sparse_moe.shared_mlp.down_proj.",
-    ".mamba.in_proj.bias": ".mamba.in_bias",
-    ".mamba.out_proj.bias": ".mamba.out_bias",
 }
+_BIASES = ("mamba.in_proj", "mamba.out_proj")  # added after s: under our names
 
 
 def _ours(key: str) -> str:
+    for lin in _BIASES:
+        if key.endswith(f".{lin}.bias"):
+            return key.removesuffix("_proj.bias") + "_bias"
     for theirs, ours in _RENAMES.items():
         if theirs in key:
             return key.replace(theirs, ours, 1)
