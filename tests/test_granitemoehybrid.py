@@ -274,3 +274,23 @@ def test_load_peak_is_stocks(tmp_path, quantized):
     peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
     print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+
+
+@pytest.mark.slow
+def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
+    """A 2-rank `mlx.launch` (tests/distributed_child.py) of FlashNorm and stock
+    on both configs (attention by GQA groups, GLUs and experts by hidden
+    columns, every Mamba-2 mixer whole on each rank; float32 and FlashNorm's
+    4-bit): each as one process gives it, greedy tokens identical."""
+    import test_distributed
+
+    cases = []
+    for name in NAMES:
+        path = tiny.make_granite4(tmp_path / name, name, tokenizer=False)
+        for mode in ("flashnorm", "stock"):
+            cases.append({"name": f"{name}-{mode}", "model": str(path), "mode": mode})
+        q4 = {"mode": "flashnorm", "quantize": [4, 32]}
+        cases.append({"name": f"{name}-q4", "model": str(path), **q4})
+    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
+    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
+    assert max(errs.values()) < tiny.f32_tol(1e-5), errs

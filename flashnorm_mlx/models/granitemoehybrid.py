@@ -31,6 +31,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
+from ..parallel import sharding
 from . import llama
 from .arch import Architecture, GatedNorm, Mixer, MoE, NormPair
 from .decoder import MLP, Decoder, DecoderBlock, fuse_pairs
@@ -51,6 +52,22 @@ KINDS = {"mamba": "mamba2", "attention": "attention"}
 
 def layer_kind(config: dict, i: int) -> str:
     return KINDS[config["layer_types"][i]]
+
+
+def shard_layers(layers, group, arch=None) -> None:
+    """Ours and mlx-lm's layers over `group` (docs/design.md 2s): attention by
+    GQA groups, a dense GLU by hidden columns; ours' experts and shared GLU by
+    hidden columns, one all-sum for both. Every Mamba-2 mixer stays whole on
+    every rank: its gated norm's one 1/RMS reads the whole vector. Stock's
+    experts stay whole too (its shared GLU is the layer's, beside the block)."""
+    for i, layer in enumerate(layers):
+        where = f"layer {i}"
+        if "self_attn" in layer:
+            sharding.shard_attention(layer.self_attn, group, where)
+        if "mlp" in layer:
+            sharding.shard_mlp(layer.mlp, group, where)
+        elif "shared_mlp" in layer.block_sparse_moe:  # ours
+            sharding.shard_experts(layer.block_sparse_moe, ARCH.moe, group, where)
 
 
 ARCH = Architecture(
@@ -82,6 +99,7 @@ ARCH = Architecture(
         router_quant=(8, 64),  # stock's quant_predicate
         shared=("shared_mlp.input_linear",),  # gate|up rows already
     ),
+    shard_layers=shard_layers,  # stock's layers too
     cannot=(
         ("gguf", "llama.cpp's granitehybrid files are not read yet"),
         ("nonorm", "its µP multipliers are not carried by the nonorm build yet"),
@@ -302,6 +320,9 @@ class Model(Decoder):
 
     def feed_forward(self, args, i: int) -> nn.Module:
         return GraniteMoE(args) if args.use_moe else MLP(args)
+
+    def shard(self, group: Optional[mx.distributed.Group] = None):
+        shard_layers(self.layers, group or mx.distributed.init())
 
     def make_cache(self):
         return [ArraysCache(size=2) if l.RECURRENT else KVCache() for l in self.layers]
