@@ -33,7 +33,9 @@ def _usage() -> str:
     )
     lines.append("gemma4_text,")
     lines.append("the hybrids qwen3_5, qwen3_5_moe, qwen3_next, lfm2, lfm2_moe and")
-    lines.append("nemotron_h (Nemotron-H, Nemotron 3) and")
+    lines.append(
+        "nemotron_h (Nemotron-H, Nemotron 3), granitemoehybrid (Granite 4) and"
+    )
     lines.append("the mixtures of experts qwen3_moe, mixtral, gpt_oss and glm4_moe;")
     lines.append("every other model mlx-lm loads runs as stock (mlx-lm's own class).")
     lines.append("MODEL defaults to the embedded SmolLM2-135M-Instruct (4-bit GGUF).")

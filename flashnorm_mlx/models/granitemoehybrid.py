@@ -116,6 +116,18 @@ _CLOSING = (
 )
 
 
+def uncovered(config: dict) -> Optional[str]:
+    """A checkpoint quantized in a mode other than affine (mxfp4's scales are
+    powers of two) cannot take the µP multipliers in its scales exactly: it
+    runs as stock, with a note (docs/design.md 2s)."""
+    q = config.get("quantization") or {}
+    modes = [q.get("mode", "affine")]
+    modes += [v.get("mode", modes[0]) for v in q.values() if isinstance(v, dict)]
+    if any(m != "affine" for m in modes):
+        return f"granitemoehybrid quantized as {modes[0]}"
+    return None
+
+
 def canonical(config: dict, weights: dict) -> dict:
     """`weights` as mlx-lm's `sanitize` leaves them (lazily): Conv1d (C, 1, K)
     moved to (C, K, 1); the experts' input_linear split into gate and up,
