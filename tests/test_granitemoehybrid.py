@@ -294,3 +294,24 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
     print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
     assert max(errs.values()) < tiny.f32_tol(1e-5), errs
+
+
+def test_mamba_layers_alone_and_low_precision(tmp_path):
+    """Every layer Mamba-2 (no attention mask to make, as stock) gives stock's
+    float32 logits; in float16 and bfloat16 ours is no further from float32
+    stock than stock is (the gated norm's deferred 1/RMS, prescaled)."""
+    over = dict(layer_types=["mamba"] * 3, num_hidden_layers=3)
+    src = _source(tmp_path, "granitemoehybrid", **over)
+    x = mx.array([PROMPT])
+    want = build_model(src, "stock", dtype=mx.float32)[0](x)
+    assert rel(build_model(src, "flashnorm", dtype=mx.float32)[0](x), want) < 1e-4
+    dense = _source(tmp_path, "granitemoehybrid_dense")  # gather_mm: float32 on CPU
+    x = mx.array([PROMPT * 4])
+    ref = build_model(dense, "stock", dtype=mx.float32)[0](x)
+    for dtype in (mx.float16, mx.bfloat16):
+        errs = {
+            m: rel(build_model(dense, m, dtype=dtype)[0](x), ref)
+            for m in ("stock", "flashnorm")
+        }
+        print(dtype, errs)
+        assert errs["flashnorm"] <= 1.5 * errs["stock"], (dtype, errs)

@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import granitemoehybrid as stock
 from mlx_lm.models.activations import swiglu
+from mlx_lm.models.base import create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -34,7 +35,7 @@ from .. import kernels
 from ..parallel import sharding
 from . import llama
 from .arch import Architecture, GatedNorm, Mixer, MoE, NormPair
-from .decoder import MLP, Decoder, DecoderBlock, fuse_pairs
+from .decoder import MLP, Decoder, DecoderBlock, DecoderModel, fuse_pairs
 from .gains import Gain
 from .moe import SoftmaxOfTopK, fuse_experts
 
@@ -313,8 +314,17 @@ class MambaBlock(GraniteBlock):
         return self.close(x, a, out_gain, final, ms_a)
 
 
+class Inner(DecoderModel):
+    def masks(self, h, cache) -> list:
+        """As stock: no attention mask where no layer attends (all Mamba-2)."""
+        if all(l.RECURRENT for l in self.layers):
+            return [create_ssm_mask(h, cache[0])] * len(self.layers)
+        return super().masks(h, cache)
+
+
 class Model(Decoder):
     Block = AttentionBlock
+    Inner = Inner
 
     def block(self, args, i: int) -> type:
         if args.layer_types[i] == "mamba":
