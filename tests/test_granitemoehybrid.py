@@ -308,7 +308,7 @@ def test_mamba_layers_alone_and_low_precision(tmp_path):
     dense = _source(tmp_path, "granitemoehybrid_dense")  # gather_mm: float32 on CPU
     x = mx.array([PROMPT * 4])
     ref = build_model(dense, "stock", dtype=mx.float32)[0](x)
-    for dtype in (mx.float16, mx.bfloat16):
+    for dtype in (mx.bfloat16,):  # float16 alike, 1.7e-2 vs 1.6e-2 (2s)
         errs = {
             m: rel(build_model(dense, m, dtype=dtype)[0](x), ref)
             for m in ("stock", "flashnorm")
