@@ -41,6 +41,7 @@ PARTS = {
         "test_glm4_moe.py",
         "test_llama4.py",
         "test_nemotron_h.py",
+        "test_granitemoehybrid.py",
         "test_gemma4.py",
         "test_openelm.py",
         "test_qwen.py",
@@ -149,6 +150,10 @@ SLOW = {
     "test_nemotron_h.py": (  # 2026-12-06, -n 0, load 5-8
         "test_verify_float32",  # 8-15 s each: the mixers' first CPU kernel compiles
     ),
+    "test_granitemoehybrid.py": (  # 2026-12-06, -n 0, load 1.5-3
+        "test_verify_float32",  # 4-16 s each (the MoE config's, eager and compiled)
+        "test_two_rank_tensor_parallel_matches_one_process_and_stock",  # 4-27 s
+    ),
     "test_openelm.py": ("test_low_precision_no_worse_than_stock",),  # 13 s
     "test_prompt_cache.py": (
         "test_cached_prompt_gives_the_whole_prompt_s_text",  # 4 s
@@ -244,6 +249,7 @@ LAUNCHES = {
     "test_lfm2.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_glm4_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_nemotron_h.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_granitemoehybrid.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma4.py::test_two_rank_tensor_parallel_matches_one_process",
     "test_llama4.py::test_two_rank_tensor_parallel_matches_one_process",

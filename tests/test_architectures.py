@@ -62,6 +62,7 @@ CONFIGS = (
     + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
     + [("glm4_moe", c, tiny.make_glm4_moe) for c in tiny.GLM4_MOE_CONFIGS]
     + [("nemotron_h", c, tiny.make_nemotron_h) for c in tiny.NEMOTRON_H_CONFIGS]
+    + [("granitemoehybrid", c, tiny.make_granite4) for c in tiny.GRANITE4_CONFIGS]
     + [("gemma4_text", c, tiny.make_gemma4) for c in tiny.GEMMA4_CONFIGS]
 )
 
@@ -147,6 +148,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         (tiny.make_lfm2_moe, "lfm2_moe", False),
         (tiny.make_glm4_moe, "glm4_moe", False),
         (tiny.make_nemotron_h, "nemotron_h", False),
+        (tiny.make_granite4, "granitemoehybrid", False),
     ],
     ids=[
         "llama",
@@ -165,6 +167,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         "lfm2_moe",
         "glm4_moe",
         "nemotron_h",
+        "granitemoehybrid",
     ],
 )
 def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):

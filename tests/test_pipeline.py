@@ -40,6 +40,8 @@ ARCHITECTURES = {
     # Dense: tiny.quantized packs every 2-D weight, and the MoE's router is
     # no linear in mlx-lm's class (tests/test_nemotron_h.py converts that one).
     "nemotron_h": lambda p: tiny.make_nemotron_h(p, "nemotron_h"),
+    # Dense: mlx-lm's -q keeps the MoE's router at 8 bits, tiny.quantized not.
+    "granitemoehybrid": lambda p: tiny.make_granite4(p, "granitemoehybrid_dense"),
 }
 
 # (quantized source?, build_model/convert flags)

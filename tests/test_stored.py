@@ -49,6 +49,7 @@ ARCHS = {
     "lfm2_moe": (tiny.make_lfm2_moe, "lfm2_moe"),
     "glm4_moe": (tiny.make_glm4_moe, "glm4_moe"),
     "nemotron_h": (tiny.make_nemotron_h, "nemotron_h_moe"),
+    "granitemoehybrid": (tiny.make_granite4, "granitemoehybrid"),
 }
 
 
@@ -133,6 +134,12 @@ def _run(models, steps=STEPS):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float32_matches_stock_on_the_same_quantized_files(quantized, arch, quant):
     path = quantized(arch, quant)
+    if arch == "granitemoehybrid" and quant == "mxfp4":  # design 2r: as stock
+        from flashnorm_mlx import models
+
+        config = read_source(str(path), need_tokenizer=False).config
+        assert models.run_mode(config, None) == "stock", config
+        return
     stock, _ = load_model(path)
     source = read_source(str(path), need_tokenizer=False)
     flash, config = build_model(source, "flashnorm", dtype=mx.float32)
@@ -185,6 +192,9 @@ def _fused_name(key, params):
         ("feed_forward.gate_proj", "feed_forward.gate_up_proj"),
         ("feed_forward.up_proj", "feed_forward.gate_up_proj"),
         ("self_attn.out_proj", "self_attn.o_proj"),
+        # Granite 4's shared GLU, inside our MoE block (gate|up as stored).
+        ("shared_mlp.input_linear", "block_sparse_moe.shared_mlp.gate_up_proj"),
+        ("shared_mlp.output_linear", "block_sparse_moe.shared_mlp.down_proj"),
         # Nemotron-H's attention: q|k|v fused under its `mixer`.
         *((f"mixer.{p}_proj", "mixer.qkv_proj") for p in "qkv"),
     ):

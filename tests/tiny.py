@@ -1843,6 +1843,69 @@ LLAMA4_CONFIGS = {
 }
 
 
+# --- Granite 4 (granitemoehybrid): Mamba-2 and attention, experts, µP -------------
+
+GRANITE4 = dict(
+    model_type="granitemoehybrid",
+    architectures=["GraniteMoeHybridForCausalLM"],
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=48,  # each expert's (the dense GLU's without experts)
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    # µP multipliers far from 1 (Granite 4's own are 12, 1/128, 0.22, 6-8).
+    embedding_multiplier=6.0,
+    attention_multiplier=0.4,
+    residual_multiplier=0.3,
+    logits_scaling=5.0,
+    mamba_n_heads=8,
+    mamba_d_head=8,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_n_groups=1,  # as shipped: one group, the gated norm over all of it
+    mamba_expand=1,
+    mamba_chunk_size=256,
+    mamba_conv_bias=True,
+    attention_bias=False,
+    mlp_bias=False,
+    rope_theta=10000.0,
+    bos_token_id=None,
+    eos_token_id=258,
+)
+GRANITE4_CONFIGS = {
+    # Granite 4.0-H: experts beside a shared GLU, RoPE, untied head.
+    "granitemoehybrid": dict(
+        layer_types=["mamba", "attention", "mamba", "mamba"],
+        num_hidden_layers=4,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        shared_intermediate_size=64,
+        position_embedding_type="rope",
+        tie_word_embeddings=False,
+        mamba_proj_bias=False,
+    ),
+    # Granite 4.0-H-Micro: a dense GLU, no RoPE, tied head, in_proj and
+    # out_proj biases.
+    "granitemoehybrid_dense": dict(
+        layer_types=["mamba", "attention", "mamba"],
+        num_hidden_layers=3,
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        intermediate_size=96,  # stock's dense GLU: the shared one's width
+        shared_intermediate_size=96,
+        position_embedding_type="nope",
+        tie_word_embeddings=True,
+        # Multipliers the other side of 1 (a tied head with a loud embedding
+        # repeats one token): embedding rows of RMS 1/4, so s is near 4.
+        embedding_multiplier=0.25,
+        residual_multiplier=2.5,
+        mamba_proj_bias=True,
+    ),
+}
+
+
 def llama4_config(name: str = "llama4", **over) -> dict:
     text = {**LLAMA4_TEXT, **LLAMA4_CONFIGS[name], **over}
     return dict(
@@ -1906,3 +1969,71 @@ def make_llama4(
         w[f"{f}.experts.down_proj"] = down.astype(np.float32)
         glu(f"{f}.shared_expert", F)
     return write_model(path, cfg, w, tokenizer)
+
+
+def granite4_config(name: str = "granitemoehybrid", **over) -> dict:
+    return {**GRANITE4, **GRANITE4_CONFIGS[name], **over}
+
+
+def granite4_weights(cfg: dict, seed: int = 0) -> dict:
+    """Hugging Face's names and layout (Conv1d (C, 1, K); experts' gate|up in
+    one (E, 2F, D) input_linear; the dense GLU as shared_mlp), every norm
+    gain in [0.25, 4] (the gated norms' too), routers with large weights."""
+    rng = np.random.default_rng(seed)
+    D, V = cfg["hidden_size"], cfg["vocab_size"]
+    H, P = cfg["mamba_n_heads"], cfg["mamba_d_head"]
+    I, N, K = H * P, cfg["mamba_n_groups"] * cfg["mamba_d_state"], cfg["mamba_d_conv"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    h = D // hq
+    w = {
+        "model.embed_tokens.weight": rng.standard_normal((V, D)),
+        "model.norm.weight": _gain(rng, D),
+    }
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = _lin(rng, V, D)
+
+    def linear(name, out, inp, has_bias):
+        w[f"{name}.weight"] = _lin(rng, out, inp)
+        if has_bias:
+            w[f"{name}.bias"] = rng.uniform(-0.5, 0.5, out)
+
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = _gain(rng, D)
+        w[f"{p}.post_attention_layernorm.weight"] = _gain(rng, D)
+        if kind == "mamba":
+            m, bias = f"{p}.mamba", cfg["mamba_proj_bias"]
+            linear(f"{m}.in_proj", 2 * I + 2 * N + H, D, bias)
+            w[f"{m}.conv1d.weight"] = rng.standard_normal((I + 2 * N, 1, K)) / 2
+            w[f"{m}.conv1d.bias"] = rng.uniform(-0.5, 0.5, I + 2 * N)
+            w[f"{m}.dt_bias"] = rng.uniform(-3.0, 0.0, H)
+            w[f"{m}.A_log"] = np.log(rng.uniform(1.0, 8.0, H))
+            w[f"{m}.D"] = rng.uniform(0.5, 1.5, H)
+            w[f"{m}.norm.weight"] = _gain(rng, I)
+            linear(f"{m}.out_proj", D, I, bias)
+        else:
+            a = f"{p}.self_attn"
+            for n, out in (("q", hq * h), ("k", hkv * h), ("v", hkv * h)):
+                linear(f"{a}.{n}_proj", out, D, cfg["attention_bias"])
+            linear(f"{a}.o_proj", D, hq * h, cfg["attention_bias"])
+        Fs = cfg["shared_intermediate_size"]
+        linear(f"{p}.shared_mlp.input_linear", 2 * Fs, D, False)
+        linear(f"{p}.shared_mlp.output_linear", D, Fs, False)
+        E, F = cfg["num_local_experts"], cfg["intermediate_size"]
+        if E:
+            moe = f"{p}.block_sparse_moe"
+            w[f"{moe}.router.layer.weight"] = 4 * _lin(rng, E, D)
+            w[f"{moe}.input_linear.weight"] = np.stack(
+                [_lin(rng, 2 * F, D) for _ in range(E)]
+            )
+            w[f"{moe}.output_linear.weight"] = np.stack(
+                [_lin(rng, D, F) for _ in range(E)]
+            )
+    return {k: np.asarray(v, np.float32) for k, v in w.items()}
+
+
+def make_granite4(
+    path: Path, name: str = "granitemoehybrid", seed: int = 0, tokenizer=True, **over
+) -> Path:
+    cfg = granite4_config(name, **over)
+    return write_model(path, cfg, granite4_weights(cfg, seed), tokenizer)

@@ -33,7 +33,9 @@ def _usage() -> str:
     )
     lines.append("gemma4_text, llama4_text (Llama 4's dense text model),")
     lines.append("the hybrids qwen3_5, qwen3_5_moe, qwen3_next, lfm2, lfm2_moe and")
-    lines.append("nemotron_h (Nemotron-H, Nemotron 3) and")
+    lines.append(
+        "nemotron_h (Nemotron-H, Nemotron 3), granitemoehybrid (Granite 4) and"
+    )
     lines.append("the mixtures of experts qwen3_moe, mixtral, gpt_oss, glm4_moe and")
     lines.append("llama4 (Llama 4 Scout and Maverick);")
     lines.append("every other model mlx-lm loads runs as stock (mlx-lm's own class).")

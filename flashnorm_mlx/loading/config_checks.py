@@ -25,6 +25,9 @@ _NON_NEGATIVE = {
     "rope_max_length",
     "num_kv_shared_layers",
     "hidden_size_per_layer_input",
+    # Granite 4's dense checkpoints (granitemoehybrid): 0 experts, 0 picked.
+    "num_local_experts",
+    "num_experts_per_tok",
 }
 # Per-layer lists of OpenELM and their element checks.
 _LAYER_LISTS = {

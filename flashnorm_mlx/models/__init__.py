@@ -20,6 +20,7 @@ ARCHITECTURES = {
     "gemma4_text": "gemma4_text",
     "glm4_moe": "glm4_moe",
     "gpt_oss": "gpt_oss",
+    "granitemoehybrid": "granitemoehybrid",
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2_moe",
     "llama": "llama",
