@@ -33,7 +33,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
 from ..parallel import sharding
-from . import llama
+from . import llama, nemotron_h
 from .arch import Architecture, GatedNorm, Mixer, MoE, NormPair
 from .decoder import MLP, Decoder, DecoderBlock, DecoderModel, fuse_pairs
 from .gains import Gain
@@ -218,38 +218,14 @@ class Attention(llama.Attention):
         )
 
 
-class NoPEAttention(nn.Module):
+class NoPEAttention(nemotron_h.Attention):
     """q|k|v in one matmul times s (bias after), no RoPE (`nope`), the cache,
-    attention at attention_multiplier, o_proj."""
+    attention at attention_multiplier, o_proj: Nemotron-H's attention with
+    Granite's scale."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.n_heads, self.n_kv_heads = (
-            args.num_attention_heads,
-            args.num_key_value_heads,
-        )
-        h = args.hidden_size // self.n_heads
+        super().__init__(args)
         self.scale = args.attention_multiplier
-        rows = (self.n_heads + 2 * self.n_kv_heads) * h
-        self.qkv_proj = nn.Linear(args.hidden_size, rows, bias=False)
-        if args.attention_bias:
-            self.qkv_bias = mx.zeros((rows,))
-        self.o_proj = nn.Linear(self.n_heads * h, args.hidden_size, args.attention_bias)
-
-    def __call__(self, xs, ms, mask=None, cache=None):
-        B, L, _ = xs.shape
-        qkv = kernels.scaled(self.qkv_proj(xs), ms, self.get("qkv_bias"))
-        hq, hkv = self.n_heads, self.n_kv_heads  # a rank's own, where sharded
-        h = qkv.shape[-1] // (hq + 2 * hkv)
-        parts = mx.split(qkv, [hq * h, (hq + hkv) * h], axis=-1)
-        q, k, v = [
-            t.reshape(B, L, n, h).transpose(0, 2, 1, 3)
-            for t, n in zip(parts, (hq, hkv, hkv))
-        ]
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        o = kernels.scaled_dot_product_attention(q, k, v, cache, self.scale, mask)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class GraniteMoE(SoftmaxOfTopK):

@@ -202,7 +202,8 @@ class Attention(nn.Module):
             args.num_attention_heads,
             args.num_key_value_heads,
         )
-        h = args.head_dim or args.hidden_size // self.n_heads
+        # Granite 4's config (models/granitemoehybrid.py) has no head_dim.
+        h = getattr(args, "head_dim", None) or args.hidden_size // self.n_heads
         self.scale = h**-0.5
         rows = (self.n_heads + 2 * self.n_kv_heads) * h
         self.qkv_proj = nn.Linear(args.hidden_size, rows, bias=False)
