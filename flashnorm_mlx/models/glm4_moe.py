@@ -30,9 +30,9 @@ from .. import kernels
 from ..parallel import sharding
 from . import llama
 from .arch import MoE
-from .decoder import MLP, fuse
+from .decoder import MLP
 from .gains import QKNorm, QKNormGains
-from .moe import SparseMoE, fuse_experts
+from .moe import SparseMoE, fuse_experts_and_shared
 
 ARCH = dataclasses.replace(
     llama.ARCH,
@@ -198,10 +198,7 @@ class Model(llama.Model):
         weights = super().sanitize(weights)
         moe = ARCH.moe
         for p in ARCH.layer_prefixes(config):
-            weights = fuse_experts(weights, p, moe)
-            shared = [f"{p}.{part}" for part in moe.shared]
-            fused = f"{p}.{moe.shared_fused}"
-            weights = fuse(weights, shared, fused, fused + "_bias")
+            weights = fuse_experts_and_shared(weights, p, moe)
         return weights
 
     @property

@@ -35,9 +35,9 @@ from ..mlx_lm_compat import llama4_attn_scale
 from ..parallel import sharding
 from . import llama, llama4_text
 from .arch import MoE
-from .decoder import MLP, Decoder, DecoderModel, fuse, fuse_pairs
+from .decoder import MLP, Decoder, DecoderModel, fuse_pairs
 from .gains import QKNormGains
-from .moe import SwitchGLU, fuse_experts
+from .moe import SwitchGLU, fuse_experts_and_shared
 
 ModelArgs = stock.ModelArgs  # stock's: text_config and model_type
 
@@ -238,10 +238,7 @@ class Model(nn.Module):
         weights = fuse_pairs(weights, ARCH, config)
         moe = ARCH.moe
         for p in ARCH.layer_prefixes(config):
-            weights = fuse_experts(weights, p, moe)
-            shared = [f"{p}.{part}" for part in moe.shared]
-            fused = f"{p}.{moe.shared_fused}"
-            weights = fuse(weights, shared, fused, fused + "_bias")
+            weights = fuse_experts_and_shared(weights, p, moe)
         return weights
 
     @property

@@ -20,7 +20,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear, _gather_sort, _scatter_unsort
 
 from .. import kernels
-from .decoder import MLP
+from .decoder import MLP, fuse
 
 
 class SwitchGLU(nn.Module):
@@ -190,3 +190,12 @@ def fuse_experts(weights: dict, prefix: str, moe) -> dict:
             axis = -1 if suffix == "bias" else -2  # a bias is (experts, out)
             weights[f"{fused}.{suffix}"] = mx.concatenate(tensors, axis=axis)
     return weights
+
+
+def fuse_experts_and_shared(weights: dict, prefix: str, moe) -> dict:
+    """`fuse_experts`, then the shared expert's gate and up (`moe.shared`) ->
+    one `moe.shared_fused` weight (its bias alike)."""
+    weights = fuse_experts(weights, prefix, moe)
+    shared = [f"{prefix}.{part}" for part in moe.shared]
+    fused = f"{prefix}.{moe.shared_fused}"
+    return fuse(weights, shared, fused, fused + "_bias")

@@ -38,7 +38,7 @@ from . import qwen3
 from .arch import Architecture, GatedNorm, Gguf, Mixer, MoE, NormPair
 from .decoder import Decoder, DecoderBlock, fuse, fuse_pairs
 from .gains import Gain
-from .moe import SharedExpertMoE, fuse_experts
+from .moe import SharedExpertMoE, fuse_experts_and_shared
 
 PREFIX = "language_model."  # stock's module path of the text model
 
@@ -175,10 +175,7 @@ def fuse_layers(weights: dict, args, arch: Architecture) -> dict:
                 weights[f"{p}.self_attn.gate_proj.{suffix}"] = gate
     weights = fuse_pairs(weights, arch, vars(args))
     for p in prefixes:
-        weights = fuse_experts(weights, p, moe)
-        shared = [f"{p}.{part}" for part in moe.shared]
-        fused = f"{p}.{moe.shared_fused}"
-        weights = fuse(weights, shared, fused, fused + "_bias")
+        weights = fuse_experts_and_shared(weights, p, moe)
         # The router's rows and the shared gate's row: one matmul.
         gates = [f"{p}.{moe.router}", f"{p}.{moe.shared_gate}"]
         weights = fuse(weights, gates, gates[0], f"{p}.mlp.gate_bias")
