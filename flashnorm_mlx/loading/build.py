@@ -104,11 +104,16 @@ def build_model(
     if kquant and notes is not None:
         notes.append(kquant)
     fused = mode.stacks
+    # The caller's handles share the stacked rows only where the build read
+    # them (GGUF, read whole): a folder's own fresh handles leave them lazy,
+    # and views of the model's tensors would keep its buffers past its life.
+    shared_handles = source_weights is source.weights
     del source_weights, plan  # from here the model alone holds the (lazy) weights
     if group is not None:  # quantized first: mlx shards QuantizedLinear as is
         arch = models.architecture(config) if covered else None
         sharding.shard_model(model, group, source.name, own=not covered, arch=arch)
-    share = bool(as_is) and group is None and not fused and covered
+    share = shared_handles and bool(as_is) and group is None and not fused
+    share = share and covered
     arch = models.architecture(config) if share else None
     # Layer by layer, so one layer's source and output tensors coexist at a
     # time (a sharded rank's full tensors freed once cut), not the model's.
