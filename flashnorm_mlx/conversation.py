@@ -209,11 +209,6 @@ class ChatSession:
                 break
         self.cache_ids = list(fed[:keep])
 
-    @property
-    def cache_offset(self) -> int:
-        """Tokens the KV cache itself holds (first layer)."""
-        return _offset(self.cache[0]) if self.cache else 0
-
     # --- one turn ----------------------------------------------------------
 
     def send(

@@ -306,7 +306,7 @@ def test_chat_kv_options_flashnorm_matches_stock(pairs, case, monkeypatch, capsy
     want = RotatingKVCache if case == "rotating" else QuantizedKVCache
     for s in sessions:
         assert all(type(c) is want for c in s.cache), [type(c) for c in s.cache]
-        assert s.cache_offset > 32, s.cache_offset
+        assert s.cache[0].offset > 32, s.cache[0].offset
 
 
 # --- bench --draft-model ----------------------------------------------------------

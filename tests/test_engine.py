@@ -152,7 +152,7 @@ def test_batched_decode_compiles_block_parts_and_stays_exact(tmp_path):
     cache-free parts run compiled, with the uncompiled model's tokens."""
     from mlx_lm.generate import batch_generate
 
-    from flashnorm_mlx.loading import load
+    from flashnorm_mlx import load
 
     path = tiny.make_llama(tmp_path, "gqa_untied")
     prompts = [PROMPT, PROMPT[:5], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
@@ -205,7 +205,7 @@ def test_every_variant_on_the_compiled_engine_is_mlx_lm(tmp_path, make, cfg):
 
 def test_chat_of_three_turns_same_replies_compiled_and_not(tmp_path):
     """The prompt cache kept (and trimmed) across turns works compiled."""
-    from flashnorm_mlx.loading import load
+    from flashnorm_mlx import load
 
     path = tiny.make_llama(tmp_path, "gqa_untied")
     replies = {}

@@ -6,7 +6,7 @@ instantiate -> shard, for every variant (docs/design.md section 5a).
   file's structure checked before MLX reads it;
 - `recipe`: the one per-module transform (dequantize, fold, cast, quantize)
   behind loading and `convert`, and whole checkpoints a layer at a time;
-- `build`: `build_model`, one mode on a Source, and `load`;
+- `build`: `build_model`, one mode on a Source;
 - `variants`: the modes (how a model handles its norms, one record each) and
   the rows a run compares, mode x engine, one table;
 - `nonorm` and `stock_fused`: the comparison variants bench builds.
@@ -16,7 +16,7 @@ are `models`'; sharding is `parallel.sharding`'s.
 """
 
 from ..errors import LoadError
-from .build import DTYPES, bits_per_weight, build_model, load, model_dtype, weight_bytes
+from .build import DTYPES, bits_per_weight, build_model, model_dtype, weight_bytes
 from .source import Source, read_source
 from .variants import MODES, RUN_MODES, VARIANTS, Mode, Variant, mode_named
 
@@ -31,7 +31,6 @@ __all__ = [
     "Variant",
     "bits_per_weight",
     "build_model",
-    "load",
     "mode_named",
     "model_dtype",
     "read_source",

@@ -209,29 +209,6 @@ def _own_handles(source: Source) -> dict:
     return fresh if same else source.weights
 
 
-def load(
-    model: Optional[str] = None,
-    mode: Union[str, Mode] = FLASHNORM,
-    dtype: Optional[mx.Dtype] = None,
-    quantize: Optional[Tuple[int, int]] = None,
-    quantized_way: str = "stored",
-    tokenizer: Optional[str] = None,
-    engine: Optional[str] = None,
-):
-    """(model, tokenizer) for MODEL: FlashNorm-folded at load unless already folded
-    (or, for a quantized checkpoint, as stored with the gains in the kernels)."""
-    source = read_source(model, tokenizer=tokenizer)
-    m, _ = build_model(
-        source,
-        mode=mode,
-        dtype=dtype,
-        quantize=quantize,
-        quantized_way=quantized_way,
-        engine=engine,
-    )
-    return m, source.tokenizer
-
-
 def model_dtype(model: nn.Module) -> str:
     """The compute dtype: quantization scales' dtype, else the first float weight's."""
     params = tree_flatten(model.parameters())

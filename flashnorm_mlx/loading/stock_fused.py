@@ -25,9 +25,6 @@ import mlx.nn as nn
 
 from ..limits import module_q_mode
 
-# Projections of mlx-lm's Llama-family blocks that read the same input.
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
 
 def groups(arch) -> Tuple[Tuple[str, ...], ...]:
     """The stock module names of each `arch` pair with more than one part, a
@@ -149,7 +146,7 @@ def _signature(m: nn.Module) -> Optional[Tuple]:
     return shapes, quant
 
 
-def fuse_projections(model: nn.Module, stacks=GROUPS) -> int:
+def fuse_projections(model: nn.Module, stacks: Tuple[Tuple[str, ...], ...]) -> int:
     """Stack each group of `stacks` (`groups(arch)`) found in `model` (in place);
     returns how many were stacked. A group whose parts differ (e.g. quantized
     apart) stays."""
