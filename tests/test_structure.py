@@ -475,6 +475,90 @@ def test_no_module_is_over_the_line_limit():
     )
 
 
+MAX_FUNCTION_LINES = 80  # the developers' guide: a function reads on one screen
+# Today's longer ones, at their line counts (def to last line): each may only
+# shrink, and leaves the list once it is at most MAX_FUNCTION_LINES.
+LONG_FUNCTIONS = {
+    "loading/gguf_gemma4.py::gemma4_config": 137,
+    "checkpoint.py::convert": 110,
+    "serve/responses.py::_stream": 106,
+    "speed.py::run_bench": 106,
+    "cli/serve.py::setup_arg_parser": 102,
+    "cli/serve.py::main": 102,
+    "likelihood.py::perplexity": 100,
+    "loading/build.py::build_model": 97,
+    "serve/anthropic.py::_stream": 96,
+    "cli/generate.py::main": 95,
+    "loading/gguf_qwen35.py::qwen35_config": 95,
+    "cli/verify.py::main": 90,
+    "cli/bench.py::main": 87,
+    "serve/schema.py::read_requests": 85,
+    "loading/recipe.py::fold_checkpoint": 83,
+    "cli/flags.py::add_model_args": 81,
+}
+
+
+def _function_lines(tree, prefix=""):
+    """(qualified name, lines from `def` to its last line) of every function
+    and method under `tree`, nested ones too."""
+    for n in ast.iter_child_nodes(tree):
+        name = f"{prefix}{getattr(n, 'name', '')}"
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield name, n.end_lineno - n.lineno + 1
+        deeper = isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        yield from _function_lines(n, f"{name}." if deeper else prefix)
+
+
+def long_function_problems(root: Path, listed: dict, limit=MAX_FUNCTION_LINES):
+    """What breaks the rule under `root`: an unlisted function over `limit`, a
+    listed one grown past its count, and a listed one that is short now or gone."""
+    found = {
+        f"{f.relative_to(root).as_posix()}::{name}": n
+        for f in sorted(root.rglob("*.py"))
+        for name, n in _function_lines(ast.parse(f.read_text()))
+    }
+    problems = []
+    for key, n in sorted(found.items()):
+        if key not in listed and n > limit:
+            problems.append(f"{key}: {n} lines, over {limit}")
+        elif key in listed and n > listed[key]:
+            problems.append(f"{key}: {n} lines, grown past its listed {listed[key]}")
+        elif key in listed and n <= limit:
+            problems.append(f"{key}: {n} lines now; take it off the list")
+    problems += [f"{key}: listed but gone" for key in listed if key not in found]
+    return problems
+
+
+def test_no_function_is_over_80_lines_but_the_listed_which_only_shrink():
+    problems = long_function_problems(ROOT, LONG_FUNCTIONS)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "lines,listed,want",
+    [
+        (81, {}, "pkg/m.py::f: 81 lines, over 80"),
+        (80, {}, None),
+        (82, {"pkg/m.py::f": 81}, "pkg/m.py::f: 82 lines, grown past its listed 81"),
+        (81, {"pkg/m.py::f": 81}, None),
+        (80, {"pkg/m.py::f": 81}, "pkg/m.py::f: 80 lines now; take it off the list"),
+    ],
+)
+def test_the_function_length_rule_catches_each_way_to_break_it(
+    tmp_path, lines, listed, want
+):
+    """The checker on a module it is handed: a function of `lines` lines (def
+    to last line), in a class, against `listed`."""
+    body = "".join(f"        x{i} = {i}\n" for i in range(lines - 2))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        f"class C:\n    def f(self):\n{body}        return 0\n"
+    )
+    listed = {k.replace("::f", "::C.f"): n for k, n in listed.items()}
+    got = long_function_problems(tmp_path, listed)
+    assert got == ([want.replace("::f", "::C.f")] if want else []), got
+
+
 def test_the_slow_list_names_tests_and_fixtures_that_exist():
     """tests/conftest.py's SLOW and SLOW_FIXTURES (the developer loop leaves
     them out): a renamed test or fixture would silently rejoin the loop; and
