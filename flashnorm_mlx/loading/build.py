@@ -24,7 +24,7 @@ from . import gguf_kquant, nonorm, stock_fused
 from .adapters import adapted_quantization
 from .recipe import Recipe
 from .shapes import config_name, mismatch, shapes_of
-from .source import Source, folder_weights, read_source, source_weights
+from .source import Source, folder_weights, source_weights
 from .wrappers import rewrap
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
