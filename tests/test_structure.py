@@ -559,37 +559,43 @@ def test_the_function_length_rule_catches_each_way_to_break_it(
     assert got == ([want.replace("::f", "::C.f")] if want else []), got
 
 
-def test_the_slow_list_names_tests_and_fixtures_that_exist():
-    """tests/conftest.py's SLOW and SLOW_FIXTURES (the developer loop leaves
-    them out): a renamed test or fixture would silently rejoin the loop; and
-    LAUNCHES (one at a time under pytest-xdist)."""
+def test_the_slow_record_and_launches_name_tests_and_fixtures_that_exist():
+    """tests/durations.json's slow entries (the developer loop leaves them
+    out): a renamed test or fixture would silently rejoin the loop, until the
+    record is refreshed; and conftest's LAUNCHES (one at a time under
+    pytest-xdist)."""
     import conftest
+    import durations
 
     stale = []
-    launches = {}
+    names = {}  # file -> (test or fixture names, or () for the whole file)
     for entry in conftest.LAUNCHES:  # "file" (all its tests) or "file::test"
         file, _, test = entry.partition("::")
-        launches[file] = launches.get(file, ()) + ((test,) if test else ())
-    for table in (conftest.SLOW, conftest.SLOW_FIXTURES, launches):
-        for file, names in table.items():
-            path = ROOT.parent / "tests" / file
-            stale += [] if path.exists() else [file]
-            defs = (
-                {
-                    n.name
-                    for n in ast.walk(ast.parse(path.read_text()))
-                    if isinstance(n, ast.FunctionDef)
-                }
-                if path.exists()
-                else set()
-            )
-            stale += [f"{file}::{n}" for n in names if n not in defs]
+        names[file] = names.get(file, ()) + ((test,) if test else ())
+    for kind in ("tests", "fixtures"):
+        for entry, seconds in conftest.DURATIONS[kind].items():
+            file, _, name = entry.partition("::")
+            if seconds >= durations.SLOW_S:
+                names[file] = names.get(file, ()) + (name,)
+    for file, defined in names.items():
+        path = ROOT.parent / "tests" / file
+        stale += [] if path.exists() else [file]
+        defs = (
+            {
+                n.name
+                for n in ast.walk(ast.parse(path.read_text()))
+                if isinstance(n, ast.FunctionDef)
+            }
+            if path.exists()
+            else set()
+        )
+        stale += [f"{file}::{n}" for n in defined if n not in defs]
     assert not stale, stale
 
 
 def _fast_tests(path: Path):
     """The test functions of a test file that `pytest -m "not slow"` runs: not
-    marked slow by the file's pytestmark, a decorator or tests/conftest.py."""
+    marked slow by the file's pytestmark, a decorator or tests/durations.json."""
     import conftest
 
     tree = ast.parse(path.read_text())
