@@ -14,7 +14,7 @@ from flashnorm_mlx.checkpoint import convert
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.loading import LoadError, Source, build_model, read_source
 
-PROMPT = [[5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]]
+PROMPT = [tiny.PROMPT]  # a batch of one
 QUANT = {"float": None, "4bit_gs32": (4, 32), "4bit_gs64": (4, 64)}
 
 

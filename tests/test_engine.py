@@ -14,6 +14,7 @@ import pytest
 import tiny
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+from tiny import PROMPT
 
 from flashnorm_mlx import engine
 from flashnorm_mlx import kernels as K
@@ -22,31 +23,7 @@ from flashnorm_mlx.loading import MODES, build_model, read_source
 from flashnorm_mlx.models.blocks import Block
 
 ENGINE = {True: "compiled", False: "eager"}
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
-CONFIGS = (
-    [("llama", c, tiny.make_llama) for c in tiny.LLAMA_CONFIGS]
-    + [("qwen", c, tiny.make_qwen) for c in tiny.QWEN_CONFIGS]
-    + [("openelm", c, tiny.make_openelm) for c in tiny.OPENELM_CONFIGS]
-    + [("gemma3", c, tiny.make_gemma3) for c in tiny.GEMMA3_CONFIGS]
-    + [("phi3", c, tiny.make_phi3) for c in tiny.PHI3_CONFIGS]
-    + [("smollm3", c, tiny.make_smollm3) for c in tiny.SMOLLM3_CONFIGS]
-    + [("llama4_text", c, tiny.make_llama4_text) for c in tiny.LLAMA4_TEXT_CONFIGS]
-    + [("llama4", c, tiny.make_llama4) for c in tiny.LLAMA4_CONFIGS]
-    + [("ministral3", c, tiny.make_ministral3) for c in tiny.MINISTRAL3_CONFIGS]
-    + [("mistral3", c, tiny.make_mistral3) for c in tiny.MISTRAL3_WRAPPERS]
-    + [("qwen3_5", c, tiny.make_qwen3_5) for c in tiny.QWEN3_5_CONFIGS]
-    + [("qwen3_5_moe", c, tiny.make_qwen3_5_moe) for c in tiny.QWEN3_5_CONFIGS]
-    + [("qwen3_next", c, tiny.make_qwen3_next) for c in ("untied", "tied")]
-    + [("lfm2", c, tiny.make_lfm2) for c in tiny.LFM2_CONFIGS]
-    + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
-    + [("glm4_moe", c, tiny.make_glm4_moe) for c in tiny.GLM4_MOE_CONFIGS]
-    + [("nemotron_h", c, tiny.make_nemotron_h) for c in tiny.NEMOTRON_H_CONFIGS]
-    + [("granitemoehybrid", c, tiny.make_granite4) for c in tiny.GRANITE4_CONFIGS]
-    + [("gemma4_text", c, tiny.make_gemma4) for c in tiny.GEMMA4_CONFIGS]
-)
-EVERY_CONFIG = pytest.mark.parametrize(
-    "make,cfg", [pytest.param(m, c, id=f"{a}-{c}") for a, c, m in CONFIGS]
-)
+EVERY_CONFIG = pytest.mark.parametrize("make,cfg", tiny.every_config())
 
 
 def greedy(model, prompt, n):
@@ -111,7 +88,7 @@ RUN_EAGER_CONFIGS = ("granitemoehybrid_dense",)
 @EVERY_CONFIG
 def test_compiled_step_gives_the_uncompiled_greedy_text(tmp_path, make, cfg):
     on, off = both(read_source(str(make(tmp_path, cfg, tokenizer=False))))
-    a, b = greedy(on, PROMPT, 128), greedy(off, PROMPT, 128)
+    a, b = greedy(on, PROMPT, 64), greedy(off, PROMPT, 64)
     assert a == b, f"{cfg}: first difference at step {first_difference(a, b)}"
     eager = make in RUN_EAGER or cfg in RUN_EAGER_CONFIGS
     assert compiled_ran(on) == (not eager) and not compiled_ran(off), cfg

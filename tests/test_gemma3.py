@@ -17,14 +17,13 @@ import pytest
 import tiny
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold, kernels, speed
 from flashnorm_mlx.checkpoint import convert
 from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.loading import Source, build_model, read_source
 from flashnorm_mlx.models import gemma3
-
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 
 
 @pytest.fixture(scope="module", params=list(tiny.GEMMA3_CONFIGS))
@@ -37,11 +36,6 @@ def source(request, tmp_path_factory):
 def tied(tmp_path_factory):
     path = tiny.make_gemma3(tmp_path_factory.mktemp("g3"), "gemma3_tied")
     return read_source(str(path))
-
-
-def rel(a, b) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
 
 
 def test_classes_and_what_is_left_of_the_norms(source):

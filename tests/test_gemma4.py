@@ -21,6 +21,7 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold, kernels, models
 from flashnorm_mlx.checkpoint import convert
@@ -30,8 +31,6 @@ from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import gemma4_text
 from flashnorm_mlx.models.arch import Architecture
-
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 
 
 @pytest.fixture(scope="module", params=[*tiny.GEMMA4_CONFIGS, *tiny.GEMMA4_PARTS])
@@ -55,11 +54,6 @@ def dense_source(request, tmp_path_factory):
 def stock_q4(folder, tmp_path_factory):
     """mlx-lm's own `convert -q` of the tiny model, read back as stored."""
     return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
-
-
-def rel(a, b) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
 
 
 def test_classes_and_what_is_left_of_the_norms(source):

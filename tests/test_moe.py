@@ -17,6 +17,7 @@ import pytest
 import tiny
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold
 from flashnorm_mlx.checkpoint import convert
@@ -24,7 +25,6 @@ from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import moe
 
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 # model_type -> maker, layers with experts, the feed-forward's name, experts,
 # the router's (bits, group) under mlx-lm's convert -q and ours, the router's
 # and the experts' module names.
@@ -83,11 +83,6 @@ def stock_q4(source, tmp_path_factory):
     """mlx-lm's own `convert -q` of the tiny model (its router at 8 bits, as
     its quant_predicate says), read back as a checkpoint."""
     return tiny.mlx_q4(source.name, tmp_path_factory.mktemp("q4") / "mlx-q4")
-
-
-def rel(a, b) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
 
 
 class Picks(nn.Module):
