@@ -2099,17 +2099,3 @@ def every_config(*families):
         for make, configs in [FAMILIES[family]]
         for cfg in configs
     ]
-
-
-def pick(choices: dict) -> dict:
-    """{label: (builder, config, builder keywords)} from {label: (family,
-    config[, keywords])}, one label or more for each family of FAMILIES: a
-    test over every family that takes a config of its choosing names each."""
-    missing = set(FAMILIES) - {c[0] for c in choices.values()}
-    assert not missing, f"no config chosen for {sorted(missing)}"
-    out = {}
-    for label, (family, cfg, *kw) in choices.items():
-        make, configs = FAMILIES[family]
-        assert cfg in configs, (label, cfg)
-        out[label] = (make, cfg, kw[0] if kw else {})
-    return out
