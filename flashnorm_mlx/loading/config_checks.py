@@ -28,6 +28,8 @@ _NON_NEGATIVE = {
     # Granite 4's dense checkpoints (granitemoehybrid): 0 experts, 0 picked.
     "num_local_experts",
     "num_experts_per_tok",
+    # DeepSeek V3 style (deepseek_v3, glm4_moe): no dense first layers.
+    "first_k_dense_replace",
 }
 # Per-layer lists of OpenELM and their element checks.
 _LAYER_LISTS = {
@@ -190,6 +192,8 @@ def _value_problem(key: str, value, hint) -> Optional[str]:
             return "expected a list of strings"
         return None
     if origin in (dict, Dict) or hint is dict:
+        if value is None:  # DeepSeek V3's `rope_scaling: Dict = None`: none
+            return None
         if not isinstance(value, dict):
             return "expected an object"
         if (
