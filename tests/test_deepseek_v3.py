@@ -164,8 +164,8 @@ def test_fold_twice_equals_fold_once_and_compat_loads_in_mlx_lm(source, tmp_path
 
 def test_the_reference_sees_what_mla_must_get_right(tmp_path, monkeypatch):
     """Each break, made on purpose, moves the logits far past the tolerance:
-    s left on the renormalized latents (where it cancels), s missing from the
-    rotary key part, the router's s applied after the sigmoid."""
+    s left on the kv latent past its norm (where the norm cancels it), s
+    missing from the rotary key part, the router's s after the sigmoid."""
     srcs = {n: _source(tmp_path, n) for n in NAMES}
     x = mx.array([PROMPT * 2])
     want = {n: build_model(s, "stock", dtype=mx.float32)[0](x) for n, s in srcs.items()}
@@ -177,10 +177,11 @@ def test_the_reference_sees_what_mla_must_get_right(tmp_path, monkeypatch):
             flash, _ = build_model(srcs[name], "flashnorm", dtype=mx.float32)
             return rel(flash(x), want[name])
 
-    real_rsqrt, real_latents = deepseek_v3.latent_rsqrt, A.latents
+    real_latents = A.latents
 
-    def s_kept(u, ms, eps):  # rms_norm(s u) taken as s * rms_norm(u)
-        return real_rsqrt(u, ms, eps) * mx.rsqrt(ms)
+    def s_kept(self, xs, ms):  # s left on the kv latent after its norm
+        q, latent, k_pe = real_latents(self, xs, ms)
+        return q, (latent * mx.rsqrt(ms)[:, None]).astype(latent.dtype), k_pe
 
     def k_pe_without_s(self, xs, ms):
         q, latent, k_pe = real_latents(self, xs, ms)
@@ -197,7 +198,7 @@ def test_the_reference_sees_what_mla_must_get_right(tmp_path, monkeypatch):
     errs = {
         "s on the latents": err(
             "deepseek_v3",
-            lambda m: m.setattr(deepseek_v3, "latent_rsqrt", s_kept),
+            lambda m: m.setattr(A, "latents", s_kept),
         ),
         "no s on k_pe": err(
             "deepseek_v3", lambda m: m.setattr(A, "latents", k_pe_without_s)

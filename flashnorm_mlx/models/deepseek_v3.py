@@ -19,7 +19,6 @@ The multi-token-prediction layer of the checkpoints is dropped, as stock does.
 """
 
 import dataclasses
-import functools
 import math
 from typing import Optional
 
@@ -32,7 +31,6 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import kernels
 from ..errors import ShardError
-from ..kernels._common import prescaled
 from ..parallel import cuts, sharding
 from . import glm4_moe, llama
 from .arch import Architecture, NormPair
@@ -165,20 +163,11 @@ def canonical(config: dict, weights: dict) -> dict:
     return weights
 
 
-def latent_rsqrt(u, ms, eps: float):
-    """1/RMS of s * u, u a latent owing s: rsqrt(mean(u^2) + eps / s^2) (2d),
-    float32 (B, L, 1); float16's prescale p rides in s (2g): plain ops."""
-    if prescaled(u.dtype):
-        t = kernels.deferred_scale(ms, u.dtype)
-        mean = mx.mean(mx.square(u.astype(mx.float32)), axis=-1, keepdims=True)
-        return mx.rsqrt(mean + eps / (t * t))
-    return _latent_rsqrt(u, ms, eps)
-
-
-@functools.partial(mx.compile, shapeless=True)
-def _latent_rsqrt(u, ms, eps):
-    mean = mx.mean(mx.square(u.astype(mx.float32)), axis=-1, keepdims=True)
-    return mx.rsqrt(mean + eps * ms)
+def renorm(u, gain: Optional[nn.Module]):
+    """A latent norm on u (s on it already): stock's RMSNorm, its gain folded
+    into the linears after it (None) or kept (a quantized checkpoint as
+    stored)."""
+    return mx.fast.rms_norm(u, None if gain is None else gain.weight, LATENT_EPS)
 
 
 class Attention(nn.Module):
@@ -220,22 +209,17 @@ class Attention(nn.Module):
 
     def latents(self, xs, ms):
         """q (B, H, L, nope + rope) and the cached pair: the renormalized kv
-        latent (B, 1, L, r) and the rotary key part (B, 1, L, rope) before RoPE."""
+        latent (B, 1, L, r) and the rotary key part (B, 1, L, rope) before
+        RoPE. s rides past q_a|kv_a to its output row in one launch, which
+        k_pe needs; the latent norms then cancel it on q_a and the kv latent
+        (mx.fast.rms_norm: one launch each; section 2s)."""
         B, L, _ = xs.shape
-        a = self.q_kv_a_proj(xs)
+        a = kernels.scaled(self.q_kv_a_proj(xs), ms)
         q_a, ckv, k_pe = mx.split(
             a, [self.q_lora_rank, self.q_lora_rank + self.kv_lora_rank], axis=-1
         )
-        if "q_a_layernorm" in self:
-            q_in = q_a * self.q_a_layernorm.weight
-        else:
-            q_in = q_a
-        r_q = latent_rsqrt(q_a, ms, LATENT_EPS)  # s cancels: eps moves (2d)
-        q = (self.q_b_proj(q_in) * r_q).astype(xs.dtype)
-        latent = (ckv * latent_rsqrt(ckv, ms, LATENT_EPS)).astype(xs.dtype)
-        if "kv_a_layernorm" in self:
-            latent = latent * self.kv_a_layernorm.weight
-        k_pe = kernels.scaled(k_pe, ms)  # s stays on the rotary key part
+        q = self.q_b_proj(renorm(q_a, self.get("q_a_layernorm")))
+        latent = renorm(ckv, self.get("kv_a_layernorm"))
         q = q.reshape(B, L, self.num_heads, self.q_head_dim).transpose(0, 2, 1, 3)
         latent = mx.expand_dims(latent, 1)
         return q, latent, k_pe.reshape(B, L, 1, self.rope_dim).transpose(0, 2, 1, 3)
