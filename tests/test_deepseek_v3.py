@@ -70,10 +70,12 @@ def test_layers_and_no_norm_gain_left(source):
     assert "lm_head.weight" in dict(tree_flatten(model.parameters()))
 
 
-def test_verify_float32_on_the_compiled_engine(source):
+def test_verify_float32_on_the_compiled_engine(tmp_path):
     """`verify`: a prompt and 32 cached steps within 1e-4 relative of mlx-lm's
-    class in float32 on the compiled engine (the eager one: every config's
-    test in tests/test_architectures.py; 4-bit as stored: greedy and picks)."""
+    class in float32 on the compiled engine, on the YaRN config (the eager
+    engine, both configs: tests/test_architectures.py; Kimi K2's compiled
+    step: tests/test_engine.py; 4-bit as stored: greedy and picks)."""
+    source = _source(tmp_path, "deepseek_v3")
     r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine="compiled")
     print("compiled float32", r["max_rel_logit_diff"])
     assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
