@@ -153,6 +153,74 @@ def test_every_tokens_experts_are_stocks_at_every_step(source, stock_q4, quantiz
         assert moved, "the correction bias changes no pick"
 
 
+def test_what_is_not_folded_runs_as_stock():
+    """No q latent, attention biases, a tied head, no shared experts: stock,
+    with a note naming what; Kimi K2's model_type is covered."""
+    from flashnorm_mlx import models
+
+    assert models.is_covered(tiny.deepseek_v3_config())
+    assert models.is_covered(tiny.deepseek_v3_config("kimi_k2"))
+    for over, word in (
+        (dict(q_lora_rank=None), "q_lora_rank"),
+        (dict(attention_bias=True), "biases"),
+        (dict(tie_word_embeddings=True), "tied"),
+        (dict(n_shared_experts=None), "shared"),
+    ):
+        config = tiny.deepseek_v3_config(**over)
+        assert not models.is_covered(config), over
+        assert word in models.stock_note(config), (over, models.stock_note(config))
+
+
+def test_the_correction_bias_stays_float32_in_bfloat16_as_stocks(source):
+    """mlx-lm keeps `e_score_correction_bias` float32 whatever the dtype: built
+    in bfloat16, ours and stock hold it float32, every weight else bfloat16."""
+    for mode in ("stock", "flashnorm"):
+        model, _ = build_model(source, mode, dtype=mx.bfloat16)
+        dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
+        bias = {k: d for k, d in dtypes.items() if "e_score" in k}
+        rest = {d for k, d in dtypes.items() if "e_score" not in k}
+        assert bias and set(bias.values()) == {mx.float32}, (mode, bias)
+        assert rest == {mx.bfloat16}, (mode, rest)
+
+
+def test_hugging_face_kv_b_proj_and_per_expert_files(tmp_path):
+    """Hugging Face's layout (kv_b_proj whole, one module per expert) read as
+    mlx-lm's sanitize reads it: mlx-lm's `load_model` and ours (its
+    `canonical` split) on those files give stock's logits on the saved layout."""
+    import numpy as np
+
+    folder = tiny.make_deepseek_v3(tmp_path / "mlx", tokenizer=False)
+    src = read_source(str(folder))
+    cfg = src.config
+    w = dict(src.weights)
+    for k in [k for k in w if k.endswith("embed_q.weight") and "un" not in k]:
+        p = k[: -len(".embed_q.weight")]
+        wk = w.pop(k).swapaxes(-1, -2)  # (H, nope, r)
+        wv = w.pop(f"{p}.unembed_out.weight")  # (H, v, r)
+        w[f"{p}.kv_b_proj.weight"] = mx.concatenate([wk, wv], axis=1).reshape(
+            -1, cfg["kv_lora_rank"]
+        )
+    for k in [k for k in w if ".switch_mlp." in k]:
+        stacked, head = w.pop(k), k.replace(".switch_mlp.", ".experts.{e}.")
+        for e in range(stacked.shape[0]):
+            w[head.format(e=e)] = stacked[e]
+    w = {k: np.array(v) for k, v in w.items()}
+    path = tiny.write_model(tmp_path / "hf", cfg, w, tokenizer=False)
+    stored = mx.load(str(path / "model.safetensors"))
+    assert "model.layers.1.self_attn.kv_b_proj.weight" in stored, list(stored)
+    hf = read_source(str(path))  # its canonical form: kv_b_proj split
+    x = mx.array([PROMPT])
+    want = build_model(src, "stock", dtype=mx.float32)[0](x)
+    from mlx_lm.utils import load_model
+
+    errs = {
+        "mlx-lm's load_model": rel(load_model(path)[0](x), want),
+        "flashnorm": rel(build_model(hf, "flashnorm", dtype=mx.float32)[0](x), want),
+    }
+    print(errs)
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
 def test_fold_twice_equals_fold_once_and_compat_loads_in_mlx_lm(source, tmp_path):
     once, c1 = fold.fold_norms(source.weights, source.config)
     twice, c2 = fold.fold_norms(once, c1)
