@@ -8,7 +8,7 @@ routers with large weights and a correction bias that changes picks:
 - `deepseek_v3`: DeepSeek V3's YaRN (its mscale in the softmax scale), 8
   experts in 2 groups (1 kept per token), one dense layer, a large epsilon;
 - `kimi_k2`: Kimi K2's model_type (mlx-lm remaps it), one group, 6 experts,
-  experts on layers 0 and 2 (`moe_layer_freq` 2), plain RoPE.
+  experts on layer 2 alone (`moe_layer_freq` 2), plain RoPE.
 Every token's experts are compared with stock's at every step.
 """
 

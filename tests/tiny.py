@@ -2086,12 +2086,12 @@ DEEPSEEK_V3_CONFIGS = {
     # YaRN, 8 experts in two groups (one kept per token), a dense first layer.
     "deepseek_v3": {},
     # Kimi K2's model_type (mlx-lm remaps it): one group, 6 experts, plain
-    # RoPE, experts on every other layer from the first (moe_layer_freq 2).
+    # RoPE, experts on even layers past the first (moe_layer_freq 2): layer 2.
     "kimi_k2": dict(
         model_type="kimi_k2",
         n_group=1,
         n_routed_experts=6,
-        first_k_dense_replace=0,
+        first_k_dense_replace=1,
         moe_layer_freq=2,
         rope_scaling=None,
         rms_norm_eps=1e-5,

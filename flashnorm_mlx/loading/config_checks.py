@@ -28,8 +28,6 @@ _NON_NEGATIVE = {
     # Granite 4's dense checkpoints (granitemoehybrid): 0 experts, 0 picked.
     "num_local_experts",
     "num_experts_per_tok",
-    # DeepSeek V3 style (deepseek_v3, glm4_moe): no dense first layers.
-    "first_k_dense_replace",
 }
 # Per-layer lists of OpenELM and their element checks.
 _LAYER_LISTS = {

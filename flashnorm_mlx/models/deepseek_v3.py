@@ -139,7 +139,7 @@ def uncovered(config: dict) -> Optional[str]:
     """What runs as stock, with a note: no q latent (V2-Lite's q_proj), biases
     on the latent projections (s would not cancel), a tied head (stock never
     ties), routed experts without shared ones (GLM's reason)."""
-    if config.get("q_lora_rank") is None:
+    if "q_lora_rank" in config and config["q_lora_rank"] is None:
         return "deepseek_v3 without q_lora_rank"
     if config.get("attention_bias"):
         return "deepseek_v3 with attention biases"
@@ -280,6 +280,7 @@ class GroupRouted(glm4_moe.GroupRouted):
 
 
 class Model(Decoder):
+    ARCH = ARCH  # the registry's contract (main's Decoder reads it)
     Block = TransformerBlock
 
     def attention(self, args: ModelArgs, i: int) -> nn.Module:
