@@ -3,11 +3,12 @@ remaps to it), as mlx-lm's `deepseek_v3` runs it (docs/design.md section 2s).
 
 Multi-head latent attention (MLA), per layer, x the block input, s its 1/RMS:
 - the input norm's gain folds into `q_a_proj` and `kv_a_proj_with_mqa` (one
-  matmul here, `q_kv_a_proj`); s cancels on the latent q and kv, which
-  `q_a_layernorm` and `kv_a_layernorm` renormalize (rms_norm(s u, eps) =
-  u * rsqrt(mean(u^2) + eps / s^2), QK-norm's epsilon move, 2d), and stays
-  only on the rotary key part k_pe;
-- `q_a_layernorm`'s gain folds into `q_b_proj` and its 1/RMS rides past it;
+  matmul here, `q_kv_a_proj`); s must reach the rotary key part k_pe, and on
+  the latent q and kv, which `q_a_layernorm` and `kv_a_layernorm`
+  renormalize, it cancels: one launch puts it on the whole output row, and
+  the latent norms run as stock's (mx.fast.rms_norm; skipping s there would
+  need a per-token epsilon, 4 launches a norm: 2s says why not);
+- `q_a_layernorm`'s gain folds into `q_b_proj`; its 1/RMS stays before it;
 - `kv_a_layernorm`'s gain folds into mlx-lm's up-projections, `unembed_out`'s
   input columns and `embed_q`'s rows (read as latent @ W); its 1/RMS stays on
   each cached latent row. The cache holds stock's (latent, k_pe).
