@@ -36,8 +36,11 @@ def _usage() -> str:
     lines.append(
         "nemotron_h (Nemotron-H, Nemotron 3), granitemoehybrid (Granite 4) and"
     )
-    lines.append("the mixtures of experts qwen3_moe, mixtral, gpt_oss, glm4_moe and")
-    lines.append("llama4 (Llama 4 Scout and Maverick);")
+    lines.append("the mixtures of experts qwen3_moe, mixtral, gpt_oss, glm4_moe,")
+    lines.append(
+        "deepseek_v3 (DeepSeek V3), kimi_k2 (Kimi K2) and llama4 (Llama 4 Scout and"
+    )
+    lines.append("Maverick);")
     lines.append("every other model mlx-lm loads runs as stock (mlx-lm's own class).")
     lines.append("MODEL defaults to the embedded SmolLM2-135M-Instruct (4-bit GGUF).")
     lines.append("")

@@ -16,11 +16,13 @@ from .arch import Architecture
 
 # config model_type -> module in flashnorm_mlx.models
 ARCHITECTURES = {
+    "deepseek_v3": "deepseek_v3",
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4_text",
     "glm4_moe": "glm4_moe",
     "gpt_oss": "gpt_oss",
     "granitemoehybrid": "granitemoehybrid",
+    "kimi_k2": "deepseek_v3",  # mlx-lm remaps Kimi K2 to DeepSeek V3
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2_moe",
     "llama": "llama",
