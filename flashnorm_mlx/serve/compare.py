@@ -7,7 +7,8 @@ ignored, greedy; timing.py's conventions).
 The other model is built on the first Compare and kept: one more copy of the
 weights in memory from then on, none before (docs/serve.md). Both run on the
 generation thread in slices of about SLICE_S (Worker.call), each timed alone:
-a Compare never holds another client up for longer than a slice. It is
+a Compare never holds another client up for longer than a slice (building
+the other model, once, is one slice). It is
 refused (503, Retry-After) while other requests are in flight; one that
 arrives during it goes first while the Compare waits (PAUSE_S at most), and
 the Compare stops when its client leaves. One Compare at a time (409).
@@ -26,7 +27,8 @@ from .log import log
 from .schema import RequestError
 
 MAX_TOKENS = 512  # the page's default reply length (app.js) is at most this
-SLICE_S = 0.25  # the generation thread's longest stretch on a Compare
+SLICE_S = 0.25  # the longest a request that arrives waits for a Compare
+CALL_S = 1.0  # slices per Worker.call: its client is checked between calls
 PREFILL_CHUNK = 128  # prompt tokens per forward pass of a Compare's prefill
 PAUSE_S = 60.0  # how long a Compare waits for other requests before a 503
 CALL_TIMEOUT_S = 600  # one slice; building the other model is the longest
@@ -198,16 +200,19 @@ def _refused(message: str, status: int = 503) -> RequestError:
     )
 
 
-def _slice(worker, gen):
-    """One slice on the generation thread: None when requests wait there
-    (they go first), else ("more",) or ("done", the result)."""
-    if worker.runs or not worker.queue.empty():
-        return None
-    try:
-        next(gen)
-        return ("more",)
-    except StopIteration as done:
-        return ("done", done.value)
+def _slices(worker, gen):
+    """Slices on the generation thread for CALL_S at most, each only while
+    no request waits there: None when one does (it goes first), else
+    ("more",) or ("done", the result)."""
+    end = time.perf_counter() + CALL_S
+    while time.perf_counter() < end:
+        if worker.runs or not worker.queue.empty():
+            return None
+        try:
+            next(gen)
+        except StopIteration as done:
+            return ("done", done.value)
+    return ("more",)
 
 
 def _drive(h, gen) -> dict:
@@ -215,13 +220,13 @@ def _drive(h, gen) -> dict:
     flight and the client is there."""
     s = h.service
     try:
-        return _slices(h, s, gen)
+        return _wait_and_run(h, s, gen)
     finally:  # its arrays freed on the thread that made them, whatever happened
         if s.worker.alive:
             s.worker.call(lambda w: gen.close(), CALL_TIMEOUT_S)
 
 
-def _slices(h, s, gen) -> dict:
+def _wait_and_run(h, s, gen) -> dict:
     waited = 0.0
     while True:
         if client_gone(h.connection):
@@ -229,7 +234,7 @@ def _slices(h, s, gen) -> dict:
         got = (
             None
             if _busy(s)
-            else s.worker.call(lambda w: _slice(w, gen), CALL_TIMEOUT_S)
+            else s.worker.call(lambda w: _slices(w, gen), CALL_TIMEOUT_S)
         )
         if got is None:  # another request goes first: wait, a while at most
             if waited > PAUSE_S:
@@ -266,6 +271,7 @@ def compare(h) -> None:
             raise _refused(
                 "other requests are in flight: Compare times the model alone"
             )
+        log(f"compare: started, {n} tokens on a prompt of {len(prompt)}")
         try:
             out = _drive(h, c.steps(s.worker, prompt, n))
         except ConnectionAbortedError:
