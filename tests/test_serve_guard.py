@@ -478,3 +478,40 @@ def test_a_trickling_request_is_closed_at_its_deadline(keyed):
         s.close()
     print(f"closed after {closed} s")
     assert closed is not None and closed < 4, closed
+
+
+APIS = {  # path, body fields, where the answer says how many tokens were cached
+    "chat": ("/v1/chat/completions", "messages", "max_tokens"),
+    "messages": ("/v1/messages", "messages", "max_tokens"),
+    "responses": ("/v1/responses", "input", "max_output_tokens"),
+}
+
+
+def _cached_via(server, api, messages, salt=None) -> int:
+    path, field, most = APIS[api]
+    body = {"model": "default", field: messages, most: 1, "temperature": 0}
+    status, got = server.request(
+        "POST", path, {**body, **({"cache_salt": salt} if salt else {})}
+    )
+    assert status == 200, (api, got)
+    usage = got["usage"]
+    if api == "chat":
+        return usage["prompt_tokens_details"]["cached_tokens"]
+    if api == "messages":
+        return usage.get("cache_read_input_tokens") or 0
+    return usage["input_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.slow
+def test_a_salted_secret_is_found_by_no_unsalted_client_on_any_route(server):
+    """Every ordered pair of the three APIs: a secret sent salted through one
+    is guessed unsalted through the other, then found salted (the control).
+    Unsalted, only the template's default system prompt may be cached (from
+    the pair before): none of the secret's own ~10 tokens."""
+    for i, (a, b) in enumerate((a, b) for a in APIS for b in APIS if a != b):
+        secret = [{"role": "user", "content": f"{4417 + 97 * i} is the vault code."}]
+        _cached_via(server, a, secret, salt=f"s{i}")
+        guessed = _cached_via(server, b, secret)
+        found = _cached_via(server, b, secret, salt=f"s{i}")
+        print(a, "->", b, "unsalted", guessed, "salted", found)
+        assert guessed <= found - 8, (a, b, guessed, found)

@@ -262,7 +262,7 @@ def compare(h) -> None:
             code="invalid_value",
         )
     n = min(n, MAX_TOKENS)
-    requests = s.parse("chat", {**body, "stream": False})
+    requests = s.parse("chat", {**body, "max_tokens": n, "stream": False})
     prompt, c = requests[0].prompt, s.comparer
     if not c.running.acquire(blocking=False):
         raise _refused("a Compare is running; one at a time", status=409)
