@@ -186,6 +186,7 @@ def test_15_mb_of_another_shape_is_refused_before_tokenizing(server, path, body)
         f"short request {short}; {str(got)[:160]}"
     )
     assert status == 400 and got["error"]["code"] == "context_length_exceeded", got
+    assert "at least" in got["error"]["message"], got  # from its size: untokenized
     assert refused < 2 * REFUSE_S and grew < 300, (refused, grew)
     assert short.get("status") == 200 and short["s"] < 10, short
 
