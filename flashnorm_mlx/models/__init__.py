@@ -67,8 +67,13 @@ def covered_words() -> str:
 def check_runnable(config: dict) -> None:
     """UnsupportedModel (one line) where neither FlashNorm covers the config's
     model_type nor mlx-lm has a class for it."""
-    if is_covered(config):
-        return
+    if not is_covered(config):
+        stock_model_classes(config)
+
+
+def stock_model_classes(config: dict):
+    """(Model, ModelArgs) of mlx-lm for the config; UnsupportedModel (one line)
+    where mlx-lm has none."""
     import contextlib
     import io
 
@@ -77,7 +82,7 @@ def check_runnable(config: dict) -> None:
     said = io.StringIO()  # mlx-lm's olmo prints what it lacks, then exits
     try:
         with contextlib.redirect_stdout(said):
-            stock_classes(config)
+            return stock_classes(config)
     except MlxLmChanged:
         raise
     except (Exception, SystemExit) as e:
@@ -190,10 +195,7 @@ def canonical_weights(config: dict, weights: dict) -> dict:
 def model_classes(config: dict, ours: bool):
     """(Model, ModelArgs): ours (`ours`), else mlx-lm's own classes."""
     if not ours:  # any family mlx-lm loads, covered or not
-        from ..mlx_lm_compat import stock_classes
-
-        check_runnable(config)
-        return stock_classes(config)
+        return stock_model_classes(config)
     module = model_module(config)
     return module.Model, module.ModelArgs
 
