@@ -496,3 +496,38 @@ def test_a_folded_4bit_checkpoint_says_how_it_runs(llama_dir, tmp_path, capsys):
     f, _ = build_model(src, "flashnorm", dtype=mx.float32, quantized_way="dequantize")
     q, _ = build_model(src, "flashnorm", dtype=mx.float32)
     assert _rel(f(x), q(x)) < 1e-5, _rel(f(x), q(x))
+
+
+def test_default_quantizer_takes_seconds_here_and_requantizing_is_said(
+    llama_dir, tmp_path, monkeypatch
+):
+    """-q's default ("auto") is round-to-nearest on the CPU, GPTQ on a GPU, said
+    in one line where it chose RTN; a quantized source is said to be rounded a
+    second time, a float one is not."""
+    from flashnorm_mlx.quant import gptq
+
+    said = []
+    src = _quantized_source(llama_dir)
+    convert(src, tmp_path / "a", quantize=(4, 64), progress=False, on_stage=said.append)
+    marker = json.loads((tmp_path / "a" / "config.json").read_text())[fold.MARKER]
+    want = gptq.resolve("auto")
+    assert marker["quantization_method"]["method"] == want, marker
+    requant = [s for s in said if "already quantized" in s]
+    assert requant and "requantizes to 4-bit group 64" in requant[0], said
+    assert (gptq.AUTO_RTN_NOTE in said) == (want == "rtn"), said
+    said.clear()
+    convert(
+        str(llama_dir),
+        tmp_path / "b",
+        quantize=(4, 32),
+        progress=False,
+        on_stage=said.append,
+        q_method="rtn",
+    )
+    assert not [s for s in said if "already quantized" in s or "--q-method" in s], said
+    # auto: GPTQ where a GPU runs the model, RTN on the CPU.
+    assert gptq.resolve("rtn") == "rtn" and gptq.resolve("gptq") == "gptq"
+    monkeypatch.setattr(gptq.mx, "default_device", lambda: mx.gpu)
+    assert gptq.resolve("auto") == "gptq" and gptq.auto_note("auto", True) is None
+    monkeypatch.setattr(gptq.mx, "default_device", lambda: mx.cpu)
+    assert gptq.resolve("auto") == "rtn" and gptq.auto_note("auto", True)

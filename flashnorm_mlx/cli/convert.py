@@ -52,8 +52,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--q-method",
         choices=Q_METHODS,
         default=DEFAULT_Q_METHOD,
-        help="gptq: fold-aware GPTQ calibrated on offline text (FlashNorm 4-bit at "
-        "stock's quality; needs a tokenizer); rtn: round-to-nearest",
+        help="auto (default): rtn on a CPU, gptq where a GPU runs it; gptq: "
+        "fold-aware GPTQ calibrated on offline text (FlashNorm 4-bit at stock's "
+        "quality; minutes on a CPU; needs a tokenizer); rtn: round-to-nearest "
+        "(seconds)",
     )
     q.add_argument(
         "--calib-seqs",
