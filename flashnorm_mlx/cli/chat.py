@@ -191,6 +191,19 @@ def turn_notices(stats, requested_max_tokens: int, limit) -> list:
     return notes
 
 
+# One run each has no spread: its ratios would be noise shown as results
+# (bench's rule, timing.round_ratios: under 3 rounds, within noise).
+NOISE = (
+    "ratios between these: within noise (one run each); flashnorm-mlx bench times "
+    "interleaved rounds and gives them with their spread"
+)
+NONORM_NAME = "nonorm"
+NONORM = (
+    "  (nonorm removes the norms altogether: the speed bound, not a working "
+    "model, so its text is not meant to read)"
+)
+
+
 class Comparer:
     """/compare: bench's rows (loading/variants.py), mlx-lm then the four
     modes on the chat's engine, built on the same source and settings (once,
@@ -212,7 +225,7 @@ class Comparer:
     def __call__(self, session) -> str:
         from .. import estimate
         from ..loading import build_model
-        from ..loading.variants import BY_NAME, NAMES, STOCK, absent
+        from ..loading.variants import BY_NAME, NAMES, absent
 
         n = len(session.last_reply_ids)
         if n < 2:
@@ -235,20 +248,17 @@ class Comparer:
                 piece, seconds = f"{v}'s turn", time.perf_counter() - start
                 line = estimate.projection(piece, seconds, len(names) - 1, "/compare")
                 estimate.tell(self.say, line)
-        stock = r[STOCK.name]["decode_tps"]
-        cells = [
-            f"{v} {r[v]['decode_tps']:.1f}"
-            + (f" ({r[v]['decode_tps'] / stock:.2f}x)" if v != STOCK.name else "")
-            for v in names
-        ]
+        cells = [f"{v} {r[v]['decode_tps']:.1f}" for v in names]
         why = f"; {next(iter(missing.values()))}" if missing else ""
         speeds = (
             f"decode tok/s, last reply regenerated ({n} tokens, end-of-sequence "
             f"ignored, same {len(prompt)}-token prompt and "
-            f"weights; mlx-lm eager, the rest on the {self.engine} engine, x stock "
-            f"on it): " + " | ".join(cells) + why
+            f"weights; mlx-lm eager, the rest on the {self.engine} engine): "
+            + " | ".join(cells)
+            + why
         )
-        return "\n".join([speeds, *texts(r, session.tokenizer)])
+        lines = [speeds, NOISE, *texts(r, session.tokenizer)]
+        return "\n".join(lines + ([NONORM] if NONORM_NAME in r else []))
 
     def _prefill(self, prompt):
         """The chat model's cache after prompt[:-1] (each variant then feeds
