@@ -1,6 +1,7 @@
 """The CLI end to end on tiny models, and its answers to bad input."""
 
 import json
+from pathlib import Path
 import os
 import subprocess
 import sys
@@ -556,6 +557,34 @@ def test_top_level_help_names_every_architecture(capsys):
     text = " ".join(capsys.readouterr().out.split()).lower()
     for model_type in ARCHITECTURES:
         assert model_type in text, (model_type, text)
+
+
+def test_the_family_lists_are_the_registrys():
+    """models.ARCHITECTURES is the one list of covered families: the README's
+    first paragraph counts it and its table lists exactly it, and commands.md's
+    "Other families" names exactly it (the help: the test above). Adding a
+    family is its registry line, then what this test asks of the docs."""
+    import re
+
+    from flashnorm_mlx.models import ARCHITECTURES
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    first = " ".join(readme.split("\n\n")[1].split())
+    count = re.search(r"for (\d+) model types", first)
+    assert count and int(count[1]) == len(ARCHITECTURES), (first, len(ARCHITECTURES))
+    table = readme.split("### Supported architectures")[1].split("\n\n")[1]
+    rows = [line.split("|")[1] for line in table.splitlines()[2:]]
+    in_table = [t for cell in rows for t in re.findall(r"`([a-z0-9_]+)`", cell)]
+    assert sorted(in_table) == sorted(ARCHITECTURES), sorted(
+        set(in_table) ^ set(ARCHITECTURES)
+    )
+    other = (root / "docs" / "commands.md").read_text().split("## Other families")[1]
+    covers = other.split("FlashNorm covers")[1].split("(the README's table)")[0]
+    named = re.findall(r"`([a-z0-9_]+)`", covers)
+    assert sorted(named) == sorted(ARCHITECTURES), sorted(
+        set(named) ^ set(ARCHITECTURES)
+    )
 
 
 def test_chat_help_names_every_compare_variant():
