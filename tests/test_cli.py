@@ -587,6 +587,23 @@ def test_the_family_lists_are_the_registrys():
     )
 
 
+def test_serve_help_names_its_apis_and_the_kv_note_names_llama(capsys):
+    """The top-level help names every POST API serve answers (serve/routes.py,
+    serve/http.py), and commands.md's --max-kv-size note names Llama, whose
+    mlx-lm class has its own make_cache (so mlx-lm ignores the flag there)."""
+    from mlx_lm.models import llama
+
+    assert main(["--help"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "serve" in x)
+    for api in ("chat completions", "completions", "responses", "messages"):
+        assert api in line, line
+    assert hasattr(llama.Model, "make_cache")
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "commands.md").read_text()
+    note = " ".join(doc.split("One difference from mlx-lm")[1].split("\n\n")[0].split())
+    assert "(Llama, Gemma 3" in note, note
+
+
 def test_chat_help_names_every_compare_variant():
     from flashnorm_mlx.cli import chat
     from flashnorm_mlx.loading.variants import NAMES
