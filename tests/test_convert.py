@@ -531,3 +531,25 @@ def test_default_quantizer_takes_seconds_here_and_requantizing_is_said(
     assert gptq.resolve("auto") == "gptq" and gptq.auto_note("auto", True) is None
     monkeypatch.setattr(gptq.mx, "default_device", lambda: mx.cpu)
     assert gptq.resolve("auto") == "rtn" and gptq.auto_note("auto", True)
+
+
+def test_compat_on_a_quantized_source_as_stored_says_it_changed_nothing(
+    llama_dir, tmp_path, capsys
+):
+    """A quantized source is written as stored, its tensors the source's: with
+    --compat too, and the command says so in one line."""
+    from flashnorm_mlx.cli.convert import COMPAT_AS_STORED
+
+    stored = tmp_path / "stored"
+    convert(_quantized_source(llama_dir), stored, progress=False)
+    out = tmp_path / "compat"
+    assert main(["convert", str(stored), "-o", str(out), "--compat"]) == 0
+    printed = capsys.readouterr().out
+    assert COMPAT_AS_STORED in printed, printed
+    a, b = _files(stored), _files(out)
+    assert sorted(a) == sorted(b)
+    assert all(
+        mx.array_equal(a[k], b[k]).item() and a[k].dtype == b[k].dtype for k in a
+    )
+    assert main(["convert", str(stored), "-o", str(tmp_path / "plain")]) == 0
+    assert COMPAT_AS_STORED not in capsys.readouterr().out

@@ -120,4 +120,14 @@ def main(argv=None):
         f"{r['bytes'] / 1e6:.1f} MB, {r['dtype']}, {how}"
         + (", all-ones norms kept (--compat)" if r["compat"] else "")
     )
+    if args.compat and r["as_stored"]:
+        print(COMPAT_AS_STORED)
     return 0
+
+
+# --compat on a source written as stored: nothing to keep, and said.
+COMPAT_AS_STORED = (
+    "--compat changed nothing: a quantized source written as stored keeps its "
+    "norms, so stock mlx_lm.load runs it already; its tensors are the source's, "
+    "byte for byte"
+)
