@@ -408,3 +408,24 @@ def test_cli_compare_prints_five_speeds(model_dir, monkeypatch, capsys):
     assert " ".join(NOISE.split()) in flat and "within noise" in NOISE, out
     assert " ".join(NONORM.split()) in flat, out
     assert not RATIO.findall(flat.replace(" ".join(NOISE.split()), "")), out
+
+
+def test_a_long_prefill_says_where_it_is_as_it_moves(monkeypatch):
+    """After PREFILL_NOTICE_S the notice comes, then moves: before every chunk
+    on a terminal's one line, at most every PREFILL_EVERY_S in a pipe; its
+    words hold no parentheses (the terminal's line once nested two)."""
+    from flashnorm_mlx.cli import chat
+
+    clock = [0.0]
+    monkeypatch.setattr(chat.time, "perf_counter", lambda: clock[0])
+    for ui, every in ((chat.PlainUI(), chat.PREFILL_EVERY_S), (chat.PlainUI(), 0.0)):
+        ui.EVERY_S = every
+        said = []
+        ui.prefill_notice = said.append
+        for t, done in ((0, 0), (1, 18), (3, 40), (5, 80), (14, 120)):
+            clock[0] = float(t)
+            ui.prefilling(done, 444)
+        want = ["40", "120"] if every else ["40", "80", "120"]
+        assert [s.split(":")[1].split("/")[0].strip() for s in said] == want, said
+        assert all("(" not in s and s.endswith("Ctrl-C drops it") for s in said)
+    assert chat.RichUI.EVERY_S == 0.0
