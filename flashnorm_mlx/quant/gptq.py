@@ -60,10 +60,14 @@ def auto_note(method: str, quantizes: bool) -> Optional[str]:
     return AUTO_RTN_NOTE
 
 
+# The figure: perplexity on the embedded SmolLM2-135M, -q 4-bit group 64, 8
+# windows of 128 tokens, against stock's RTN (29.8): FlashNorm by GPTQ 33.3, by
+# RTN 43.1 (flashnorm-mlx perplexity -q --q-method gptq|rtn, 2-core CPU).
 AUTO_RTN_NOTE = (
-    "quantizing by round-to-nearest (seconds on the CPU); --q-method gptq "
-    "calibrates fold-aware GPTQ instead: minutes on a CPU, for lower perplexity "
-    "at the same bits"
+    "quantizing by round-to-nearest, seconds on the CPU; --q-method gptq "
+    "calibrates fold-aware GPTQ instead, minutes on a CPU: on the embedded "
+    "SmolLM2 at 4-bit it kept perplexity within 12% of stock's where RTN "
+    "lost 45%"
 )
 
 
