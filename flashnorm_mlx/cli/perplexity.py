@@ -65,6 +65,7 @@ def main(argv=None):
     from ..likelihood import load_text, perplexity
     from ..loading import read_source
     from ..loading.variants import STOCK, comparison
+    from ..modes import mode_named
     from ..quant import gptq
     from .common import (
         StageLog,
@@ -90,7 +91,7 @@ def main(argv=None):
             modes = (STOCK.name,)
             say_note(models.stock_note(source.config))
         auto = gptq.auto_note(args.q_method, bool(args.quantize))
-        if auto and "flashnorm" in modes:
+        if auto and any(mode_named(m).ours for m in modes):  # ours: GPTQ's side
             say_note(auto)
         log.step("tokenizing the text")
         r = perplexity(
