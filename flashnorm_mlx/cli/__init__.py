@@ -14,7 +14,11 @@ COMMANDS = {
     "bench": ("bench", "tokens/sec of stock vs FlashNorm vs the norm-removed bound"),
     "convert": ("convert", "write a folded (optionally quantized) checkpoint"),
     "perplexity": ("perplexity", "perplexity of stock vs FlashNorm on real text"),
-    "serve": ("serve", "an OpenAI-compatible HTTP server (chat, completions)"),
+    "serve": (
+        "serve",
+        "an HTTP server: OpenAI's chat completions, completions and responses, "
+        "Anthropic's messages",
+    ),
     "cache-prompt": (
         "cache_prompt",
         "save a prompt's KV cache for --prompt-cache-file",

@@ -266,7 +266,7 @@ def fold_checkpoint(
     call empties as it goes (pass a copy to keep yours).
 
     q_method: "gptq" (fold-aware, calibrated on `calibration` windows of offline
-    text; needs a tokenizer) or "rtn"; recorded in the config's flashnorm
+    text; needs a tokenizer), "rtn", or "auto" (`gptq.resolve`); recorded in the config's flashnorm
     block. bar: a live rich Progress to add tasks to (else one of our own when
     `progress`). on_layer(i, n): called after layer group i of n.
     on_stage(text): told as each stage ends (calibration, all layer groups);
@@ -277,6 +277,7 @@ def fold_checkpoint(
     """
     stage = on_stage or (lambda text: None)
     step = on_step or (lambda text: None)
+    q_method = gptq.resolve(q_method)
     # Before any work: weights that do not fit the config would fold into a
     # checkpoint nothing can load (builds ask only once they fail, build.py).
     why = mismatch(shapes_of(weights), source.config, config_name(source))
