@@ -17,6 +17,7 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
+from test_glm4_moe import _differ, _picks  # GLM's grouped router, the same
 
 from flashnorm_mlx import fold, kernels, speed
 from flashnorm_mlx.checkpoint import convert
@@ -98,39 +99,6 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
         got[engine] = greedy(flash)
     assert len(set(want)) >= 4, want  # a text that shows a wrong step
     assert len(want) == 64 and got == {"eager": want, "compiled": want}, (want, got)
-
-
-def record_picks(model):
-    """tests/test_moe.py's Picks on every layer with experts: {layer: picks}."""
-    from test_moe import Picks
-
-    logs = {}
-    for i, layer in enumerate(model.layers):
-        if "switch_mlp" in layer.mlp:
-            logs[i] = []
-            layer.mlp.switch_mlp = Picks(layer.mlp.switch_mlp, logs[i])
-    return logs
-
-
-def _picks(src, mode, dtype, unbiased=False):
-    model, _ = build_model(src, mode, dtype=dtype, engine="eager")
-    if unbiased:  # the correction bias left out of the picks
-        for layer in model.layers:
-            if "switch_mlp" in layer.mlp:
-                bias = layer.mlp.gate.e_score_correction_bias
-                layer.mlp.gate.e_score_correction_bias = mx.zeros_like(bias)
-    logs = record_picks(model)
-    greedy(model, 32)
-    return logs
-
-
-def _differ(ls, lf) -> list:
-    return [
-        (i, step)
-        for i in ls
-        for step, (a, b) in enumerate(zip(ls[i], lf[i]))
-        if not mx.array_equal(a, b).item()
-    ]
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
