@@ -131,6 +131,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         (tiny.make_lfm2, "lfm2", False),
         (tiny.make_lfm2_moe, "lfm2_moe", False),
         (tiny.make_glm4_moe, "glm4_moe", False),
+        (tiny.make_deepseek_v3, "deepseek_v3", False),
         (tiny.make_nemotron_h, "nemotron_h", False),
         (tiny.make_granite4, "granitemoehybrid", False),
     ],
@@ -150,6 +151,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         "lfm2",
         "lfm2_moe",
         "glm4_moe",
+        "deepseek_v3",
         "nemotron_h",
         "granitemoehybrid",
     ],
@@ -180,5 +182,6 @@ def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
     )
     # Beside its pairs, an MoE layer stacks its experts' and shared experts' gate|up.
     moe = {tiny.make_qwen3_5_moe: 12, tiny.make_qwen3_next: 11, tiny.make_glm4_moe: 8}
+    moe[tiny.make_deepseek_v3] = 8  # q_a|kv_a; a dense layer, two of experts
     want = moe.get(make, want)
     assert len(stacked) == want, stacked
