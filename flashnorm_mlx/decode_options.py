@@ -169,14 +169,14 @@ def after_prefix(prefix, processor):
     return lambda tokens, logits: processor(mx.concatenate([prefix, tokens]), logits)
 
 
-def load_draft(path: str, mode: str, tokenizer, name: str, build):
-    """The draft model built through `build(source, mode)` (the target's
-    loader), refused in one line where its tokenizer is not the target's."""
+def load_draft(path: str, tokenizer, name: str, build):
+    """The draft model built through `build(source)` (the target's loader),
+    refused in one line where its tokenizer is not the target's."""
     from .loading import read_source
 
     source = read_source(path)
     if source.tokenizer is None:
         raise UserError(f"--draft-model {path} has no tokenizer to compare with")
     check_same_vocabulary(tokenizer, source.tokenizer, name, path)
-    model, _ = build(source, mode)
+    model, _ = build(source)
     return model

@@ -23,8 +23,9 @@ import mlx.nn as nn
 
 from .errors import LoadError
 from .limits import AFFINE, module_q_mode
-from .loading import mode_named, model_dtype
+from .loading import model_dtype
 from .loading.checks import check_safetensors
+from .modes import Mode
 
 PREFIX = "flashnorm_mlx_"  # no dots: load_prompt_cache unflattens keys at them
 MODE, WEIGHTS, ADAPTER, TOKENS = (
@@ -56,13 +57,13 @@ def model_id(model: Optional[str]) -> str:
     return str(path.resolve()) if path.exists() else model
 
 
-def identity(model_arg: Optional[str], mode: str, model=None, adapter=None) -> dict:
+def identity(model_arg: Optional[str], mode: Mode, model=None, adapter=None) -> dict:
     """The metadata a file records for the model it was made with (the weights
     only when `model` is given)."""
     return {
         "model": model_id(model_arg),
         "tokenizer_config": json.dumps({}),
-        MODE: mode,
+        MODE: mode.name,
         **({WEIGHTS: weights_words(model)} if model is not None else {}),
         ADAPTER: str(Path(adapter).expanduser().resolve()) if adapter else "",
     }
@@ -143,7 +144,7 @@ def save(
     return len(ids)
 
 
-def read(path, model_arg: Optional[str], mode: str, adapter=None):
+def read(path, model_arg: Optional[str], mode: Mode, adapter=None):
     """(cache, metadata) of a file made with this MODEL, mode and adapter, read
     before the model is built; anything else is one LoadError line."""
     from mlx_lm.models.cache import load_prompt_cache
@@ -166,7 +167,7 @@ def read(path, model_arg: Optional[str], mode: str, adapter=None):
             f"{want['model']}"
         )
     if MODE not in meta:  # mlx-lm's cache_prompt: none of our keys
-        if not mode_named(mode).is_mlx_lms:
+        if not mode.is_mlx_lms:
             raise LoadError(
                 f"{path} was made by mlx-lm's cache_prompt, whose model is "
                 "stock's: run it with --mode stock"

@@ -11,6 +11,7 @@ import pytest
 import tiny
 
 from flashnorm_mlx.cli import main
+from flashnorm_mlx.modes import MODES
 
 DRAFT_FLAGS = ("draft_model", "num_draft_tokens")
 KV_FLAGS = ("max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start")
@@ -439,4 +440,4 @@ def test_the_draft_is_built_in_the_mode_asked(pairs, mode, capsys, monkeypatch):
     flags = ["--mode", mode, "--draft-model", str(draft)]
     drafted, _ = _generate(capsys, target, *flags, tokens=24)
     assert drafted == alone, (alone, drafted)
-    assert built[-2:] == [(str(target), mode), (str(draft), mode)], built
+    assert built[-2:] == [(str(target), MODES[mode]), (str(draft), MODES[mode])], built

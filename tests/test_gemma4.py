@@ -614,7 +614,7 @@ def gemma4_gguf_errors(folder, path, horizon=8):
     ref, _ = build_model(ref_src, "stock", dtype=mx.float32)
     src = read_source(str(path), need_tokenizer=False)
     out = {}
-    for mode in ("stock", models.run_mode(src.config, None)):
+    for mode in ("stock", models.run_mode(src.config).name):
         got, _ = build_model(src, mode, dtype=mx.float32)
         cr, cg = make_prompt_cache(ref), make_prompt_cache(got)
         a, b = ref(ids, cache=cr), got(ids, cache=cg)

@@ -21,6 +21,7 @@ from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import STOCK
 from flashnorm_mlx.quant import has_norm_gains
 
 STEPS = 32
@@ -135,7 +136,7 @@ def test_float32_matches_stock_on_the_same_quantized_files(quantized, arch, quan
         from flashnorm_mlx import models
 
         config = read_source(str(path), need_tokenizer=False).config
-        assert models.run_mode(config, None) == "stock", config
+        assert models.run_mode(config) is STOCK, config
         return
     stock, _ = load_model(path)
     source = read_source(str(path), need_tokenizer=False)

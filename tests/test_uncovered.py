@@ -17,6 +17,7 @@ from flashnorm_mlx import models, speed
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.errors import ShardError, UnsupportedModel
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 from flashnorm_mlx.parallel import sharding
 
 FAMILIES = tuple(tiny_stock.CONFIGS)  # olmo2, granite, starcoder2, olmoe
@@ -148,7 +149,7 @@ def test_nemotron_h_with_its_pattern_string_generates_mlx_lms_text(tmp_path, cap
     out, err = capsys.readouterr()
     assert _generated(out) == want, (_generated(out), want)
     assert not _note_lines(err, "nemotron_h"), err
-    assert models.run_mode(tiny_stock.config("nemotron_h"), None) == "flashnorm"
+    assert models.run_mode(tiny_stock.config("nemotron_h")) is FLASHNORM
 
 
 def test_the_mode_defaults_to_stock_and_flashnorm_asked_is_one_error(folders, capsys):
@@ -159,8 +160,8 @@ def test_the_mode_defaults_to_stock_and_flashnorm_asked_is_one_error(folders, ca
     assert out == "" and len(err.strip().splitlines()) == 1, err
     assert "error: --mode flashnorm" in err and "'olmo2'" in err, err
     assert all(mt in err for mt in models.ARCHITECTURES), err  # the covered ones
-    assert models.run_mode({"model_type": "olmo2"}, None) == "stock"
-    assert models.run_mode({"model_type": "llama"}, None) == "flashnorm"
+    assert models.run_mode({"model_type": "olmo2"}) is STOCK
+    assert models.run_mode({"model_type": "llama"}) is FLASHNORM
 
 
 def test_convert_refuses_in_one_line_and_writes_nothing(folders, tmp_path, capsys):

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 from .. import engine as engines
 from .. import fold, models, quant
 from ..errors import LoadError
-from ..modes import FLASHNORM, Mode, mode_named
+from ..modes import FLASHNORM, Mode
 from ..parallel import sharding
 from . import gguf_kquant, nonorm, stock_fused
 from .adapters import adapted_quantization
@@ -54,10 +54,7 @@ def build_model(
     steps, "eager" or "compiled" (engine.py; None: `engine.default()`), the
     same for every mode.
     """
-    mode = mode_named(mode)
-    if mode.needs_cover:  # mlx-lm's own class runs every family it loads
-        mt = source.config.get("model_type")
-        models.architecture(source.config).require(mode.name, mt)
+    mode = models.run_mode(source.config, mode)  # a Mode, or a caller's name
     try:
         engine = engines.resolve(engine)
     except ValueError as e:
