@@ -1,4 +1,4 @@
-"""Engines: how a model's decode steps run. Every variant runs on either one.
+"""Engines: how a model's decode steps run. Every mode runs on either one.
 
 - `eager`: the model's own `__call__`, its graph built op by op each step, as
   mlx-lm runs it (mlx-lm's `generate_step` drives both engines).

@@ -336,7 +336,7 @@ TEXT_CHARS = 72
 
 
 def texts(results: dict, tokenizer) -> list:
-    """'  mlx-lm, stock, ...: "text"' lines, the variants with the same text
+    """'  mlx-lm, stock, ...: "text"' lines, the rows with the same text
     on one line (greedy on the same weights: all but nonorm, which is not the
     same function)."""
     groups: dict = {}
@@ -392,7 +392,7 @@ def run_chat(session, ui, max_tokens: int, compare=None) -> int:
             elif command == "/help":
                 ui.help()
             elif command == "/compare" and compare is not None:
-                ui.notice("(regenerating the last reply with each variant ...)")
+                ui.notice("(regenerating the last reply with each row ...)")
                 try:
                     ui.notice(compare(session))
                 except KeyboardInterrupt:

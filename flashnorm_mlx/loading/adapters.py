@@ -5,7 +5,7 @@ An adapter folder (what `mlx_lm.lora` trains: adapter_config.json and
 adapters.safetensors) names linear modules by mlx-lm's parameter paths, which
 are the Hugging Face names our sources use. Each adapted module is fused once,
 in float32, by mlx-lm's own layer (`LoRALinear` / `DoRALinear` `.fuse`), so
-every variant and `convert` then run the fine-tuned function: FlashNorm folds
+every mode and `convert` then run the fine-tuned function: FlashNorm folds
 the adapted weights like any others.
 
 A quantized source is dequantized to float32 first, since the fused weight is

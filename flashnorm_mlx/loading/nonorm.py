@@ -234,7 +234,7 @@ def _stock_sanitized(config: dict, weights: fold.Weights) -> fold.Weights:
 def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
     """Stock mlx-lm class, norms removed, constants folded; returns (model, config).
 
-    Same weights as every variant (`quant.plan_weights`): float32 for the
+    Same weights as every mode (`quant.plan_weights`): float32 for the
     calibration and the fold, then quantized as the plan says.
     """
     weights, config, qspec = plan.weights, plan.config, plan.qspec

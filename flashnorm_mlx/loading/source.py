@@ -2,7 +2,7 @@
 
 MODEL is a local Hugging Face-style folder, a hub repo id (downloaded when there
 is a network), a `.gguf` file, or None for the embedded SmolLM2-135M-Instruct.
-Every variant (stock mlx-lm, FlashNorm, nonorm) is built from one `Source`
+Every mode (stock mlx-lm, FlashNorm, nonorm) is built from one `Source`
 (`loading.build_model`), so they run on the same weights.
 """
 

@@ -20,7 +20,6 @@ from ..modes import (  # noqa: F401 (the modes, re-exported with their rows)
     STOCK,
     STOCK_FUSED,
     Mode,
-    mode_named,
 )
 from . import gguf_kquant
 from .source import Source

@@ -12,7 +12,7 @@ A quantized source has three ways through FlashNorm (`QUANTIZED_WAYS`):
   quantization, a slightly different function.
 A float source is quantized only when asked (`quantize=(bits, group_size)`,
 which on a quantized source requantizes to those settings). Stock, nonorm and
-`convert` take the same path without or with the fold, so every variant is
+`convert` take the same path without or with the fold, so every mode is
 quantized from the same float weights with the same settings. A checkpoint
 folded already (by `convert`) is never folded or quantized again.
 """
