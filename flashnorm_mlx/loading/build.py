@@ -24,7 +24,7 @@ from . import gguf_kquant, nonorm, stock_fused
 from .adapters import adapted_quantization
 from .recipe import Recipe
 from .shapes import config_name, mismatch, shapes_of
-from .source import Source, folder_weights, source_weights
+from .source import Source, open_weights, source_weights
 from .wrappers import rewrap
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -186,16 +186,16 @@ def _instantiate(name: str, recipe: Recipe, ours: bool, wrapper=None):
 
 
 def _own_handles(source: Source) -> dict:
-    """The weights of a folder source opened again, lazily, for one build alone:
-    the tensors it reads (to fold, stack or cut a shard from) are then freed
-    once used, where `source`'s own (shared) handles would keep them. Anything
-    else (GGUF, which mx.load reads whole; weights not as the files hold them):
-    `source`'s."""
-    if source.folder is None or source.adapter is not None:  # not the files'
+    """The weights of a folder source, its checked files (`Source.files`)
+    opened again, lazily, for one build alone: the tensors it reads (to fold,
+    stack or cut a shard from) are then freed once used, where `source`'s own
+    (shared) handles would keep them. Anything else (GGUF, which mx.load reads
+    whole; weights not as the files hold them): `source`'s."""
+    if not source.files or source.adapter is not None:  # not the files'
         return source.weights
     try:
         fresh = source_weights(
-            source.config, folder_weights(source.folder), source.wrapper
+            source.config, open_weights(source.files), source.wrapper
         )
     except LoadError:
         return source.weights
