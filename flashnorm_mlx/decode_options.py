@@ -1,13 +1,7 @@
-"""Speculative decoding and KV cache options, as mlx-lm runs them
+"""Speculative decoding and KV cache options, as mlx-lm runs them: mlx-lm's own
+pieces handed their arguments, and ours only where it falls short (the
+--max-kv-size cache), the one-line checks and the draft tally
 (docs/design.md section 3f).
-
-Everything here hands mlx-lm's own pieces their arguments: `stream_generate`
-with a `draft_model` (`speculative_generate_step`), `RotatingKVCache`, and
-`maybe_quantize_kv_cache`'s `kv_bits`, `kv_group_size` and
-`quantized_kv_start`. What is ours: the cache for `--max-kv-size` (mlx-lm
-0.32.2's `make_prompt_cache` ignores it for every class with a `make_cache`,
-Llama's among them), the checks that give bad input one line, and the tally
-of accepted draft tokens.
 """
 
 from dataclasses import dataclass, field

@@ -1,10 +1,6 @@
-"""Perplexity of stock mlx-lm and FlashNorm on the same text and the same weights.
-
-The text is tokenized once and cut into non-overlapping windows of seq_len
-tokens, spread evenly over it; each window predicts its tokens 2..seq_len from
-the ones before (as mlx-lm's perplexity does). Both models are built with
-`loading.build_model` from one Source, so they are quantized from the same float
-weights with the same settings. Perplexity = exp(mean next-token NLL).
+"""Perplexity of stock mlx-lm and FlashNorm on the same text and the same weights:
+windows of seq_len tokens spread over the text, each predicting its tokens
+2..seq_len as mlx-lm's perplexity does; both models built from one Source.
 """
 
 import math

@@ -1,15 +1,7 @@
 """Prompt-cache files: a prompt's KV cache saved once and reused, in mlx-lm's
-format (`save_prompt_cache` / `load_prompt_cache`, docs/design.md section 5d).
-
-The safetensors metadata keeps mlx-lm's keys (`model`, `tokenizer_config`) and
-adds ours: the mode, the weights (dtype and quantization), the adapter and the
-cached token ids. A file is taken only by the model, mode and weights it was
-made with. FlashNorm's cache holds stock's K and V (the deferred 1/RMS reaches
-k and v before they are cached, sections 2a and 2d), equal up to rounding, but
-the two round differently, so a file is refused across modes: a reply from a
-cache must be the reply the same command gives without it. A file mlx-lm's
-own cache_prompt made has none of our keys: its model is mlx-lm's class, so
-it runs with --mode stock (the model, dtype and layers still checked).
+format. A file is taken only by the model, mode and weights it was made with,
+so a reply from a cache is the reply the same command gives without it
+(docs/design.md section 5d).
 """
 
 import json
