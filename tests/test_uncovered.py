@@ -364,3 +364,26 @@ def test_bench_draft_runs_both_as_stock(folders, capsys):
     out, err = capsys.readouterr()
     assert len(_note_lines(err, "olmo2")) == 1, err
     assert "same tokens with and without the draft: yes" in out, out
+
+
+def test_an_uncovered_draft_of_a_flashnorm_model_runs_as_stock(
+    folders, tmp_path, monkeypatch, capsys
+):
+    """--mode flashnorm with a draft FlashNorm does not cover: the model as
+    asked, the draft as stock (models.run_mode's or_stock), said in one note."""
+    from flashnorm_mlx.cli import common
+
+    built, real = [], common.build_model
+
+    def recording(source, mode, **kw):
+        built.append(mode)
+        return real(source, mode, **kw)
+
+    monkeypatch.setattr(common, "build_model", recording)
+    target = tiny.make_llama(tmp_path / "llama", "gqa_untied")
+    draft = str(folders["olmo2"])
+    argv = ["generate", str(target), "-p", PROMPT, "-m", "4", "--temp", "0"]
+    assert main([*argv, "--mode", "flashnorm", "--draft-model", draft]) == 0
+    err = capsys.readouterr().err
+    assert built == [FLASHNORM, STOCK], built
+    assert len(_note_lines(err, "olmo2")) == 1, err
