@@ -176,7 +176,7 @@ def test_quantized_source_takes_the_adapter_in_float(llama, tmp_path):
     err = _rel(ref(x), ours(x))
     print(f"8-bit source + adapter: FlashNorm in float vs mlx-lm adapted {err:.2e}")
     assert err < 1e-4
-    from flashnorm_mlx.equivalence import compare
+    from flashnorm_mlx.jobs.equivalence import compare
     from flashnorm_mlx.loading.adapters import adapter_comparison
     from flashnorm_mlx.loading.variants import comparison
 

@@ -15,7 +15,7 @@ import tiny
 from tiny import PROMPT
 
 from flashnorm_mlx import kernels, models
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 
 STEPS = 12

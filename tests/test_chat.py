@@ -19,7 +19,7 @@ import tiny
 from mlx_lm import stream_generate
 
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.conversation import ChatSession, ContextOverflow, common_prefix
+from flashnorm_mlx.jobs.conversation import ChatSession, ContextOverflow, common_prefix
 from flashnorm_mlx.loading import build_model, read_source
 
 STATS = re.compile(r"^(\d+) tokens, [\d.]+ tok/s \| prompt (\d+) tokens.* GB.*$", re.M)

@@ -10,8 +10,8 @@ import tiny
 from mlx.utils import tree_flatten
 
 from flashnorm_mlx import fold, quant
-from flashnorm_mlx.checkpoint import convert
 from flashnorm_mlx.cli import main
+from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.loading import LoadError, Source, build_model, read_source
 
 PROMPT = [tiny.PROMPT]  # a batch of one
@@ -309,7 +309,7 @@ def test_failed_force_onto_a_mount_point_leaves_nothing(
     import errno
     import os
 
-    from flashnorm_mlx import checkpoint
+    from flashnorm_mlx.jobs import checkpoint
 
     out = tmp_path / "mnt"
     assert main(["convert", str(llama_dir), "-o", str(out)]) == 0

@@ -292,7 +292,7 @@ def test_chat_kv_options_flashnorm_matches_stock(pairs, case, monkeypatch, capsy
     start at 16: FlashNorm's replies are stock's with the same options."""
     from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
-    from flashnorm_mlx.conversation import ChatSession
+    from flashnorm_mlx.jobs.conversation import ChatSession
 
     sessions, init = [], ChatSession.__post_init__
     monkeypatch.setattr(

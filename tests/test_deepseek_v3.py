@@ -20,9 +20,10 @@ from mlx_lm.generate import generate_step
 from test_glm4_moe import _differ, _picks  # GLM's grouped router, the same
 from tiny import PROMPT, rel
 
-from flashnorm_mlx import fold, kernels, speed
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx import fold, kernels
+from flashnorm_mlx.jobs import speed
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import deepseek_v3
 

@@ -18,8 +18,8 @@ from mlx_lm.generate import generate_step
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import kernels
-from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.errors import LoadError, UnsupportedModel
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import phi3, smollm3
 

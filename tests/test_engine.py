@@ -18,7 +18,7 @@ from tiny import PROMPT
 
 from flashnorm_mlx import engine
 from flashnorm_mlx import kernels as K
-from flashnorm_mlx.conversation import ChatSession
+from flashnorm_mlx.jobs.conversation import ChatSession
 from flashnorm_mlx.loading import MODES, build_model, read_source
 from flashnorm_mlx.models.blocks import Block
 

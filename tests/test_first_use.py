@@ -14,7 +14,7 @@ import tiny
 import flashnorm_mlx
 from flashnorm_mlx.cli import chat as chat_cli
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.conversation import ChatSession
+from flashnorm_mlx.jobs.conversation import ChatSession
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.modes import FLASHNORM
 

@@ -19,9 +19,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from tiny import PROMPT, rel
 
-from flashnorm_mlx import fold, kernels, speed
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx import fold, kernels
+from flashnorm_mlx.jobs import speed
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import Source, build_model, read_source
 from flashnorm_mlx.models import gemma3
 
@@ -116,7 +117,7 @@ def test_a_stored_head_is_used_as_stock_uses_it(tied, tmp_path):
 
 
 def test_perplexity_agrees_in_float32(source):
-    from flashnorm_mlx.likelihood import default_text, perplexity
+    from flashnorm_mlx.jobs.likelihood import default_text, perplexity
 
     r = perplexity(
         source, text=default_text()[:3000], seq_len=32, num_seqs=2, dtype=mx.float32

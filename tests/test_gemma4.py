@@ -24,9 +24,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold, kernels, models
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.errors import LoadError
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import gemma4_text
@@ -324,7 +324,7 @@ def test_the_wrapper_is_read_as_its_text_model_and_stock_is_mlx_lms(tmp_path):
 
 
 def test_bench_counts_fewer_launches(source):
-    from flashnorm_mlx import speed
+    from flashnorm_mlx.jobs import speed
 
     r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
     v = r["variants"]

@@ -20,9 +20,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from tiny import PROMPT, rel
 
-from flashnorm_mlx import fold, kernels, speed
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx import fold, kernels
+from flashnorm_mlx.jobs import speed
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import glm4_moe
 

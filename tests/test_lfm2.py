@@ -25,10 +25,11 @@ from mlx_lm.generate import generate_step
 from test_gguf import _u32, gguf_runs_as_folder, tiny_metadata, write_gguf
 from tiny import PROMPT, rel
 
-from flashnorm_mlx import fold, kernels, speed
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx import fold, kernels
 from flashnorm_mlx.errors import UnsupportedModel
+from flashnorm_mlx.jobs import speed
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import lfm2, lfm2_moe

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny import PROMPT
 
 from flashnorm_mlx import fold, quant
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 
 

@@ -23,7 +23,7 @@ from test_gguf import _u32, gguf_runs_as_folder, tiny_metadata, write_gguf
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import mlx_lm_compat as compat
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import llama, ministral3
@@ -211,7 +211,7 @@ def test_convert_loads_in_stock_mlx_lm(tmp_path, make, cfg, q_method):
     the source, quantized equal to FlashNorm on the same checkpoint."""
     from mlx_lm.utils import load_model
 
-    from flashnorm_mlx.checkpoint import convert
+    from flashnorm_mlx.jobs.checkpoint import convert
     from flashnorm_mlx.quant import gptq
 
     source = read_source(str(make(tmp_path / cfg, cfg)))

@@ -20,8 +20,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import moe
 
@@ -245,7 +245,7 @@ def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
 
 
 def test_perplexity_agrees_in_float32(source):
-    from flashnorm_mlx.likelihood import default_text, perplexity
+    from flashnorm_mlx.jobs.likelihood import default_text, perplexity
 
     r = perplexity(
         source, text=default_text()[:3000], seq_len=32, num_seqs=2, dtype=mx.float32
@@ -347,7 +347,7 @@ def test_stock_fused_stacks_each_experts_gate_and_up_and_is_stock(
 
 
 def test_bench_counts_fewer_launches_and_nonorm_runs(source):
-    from flashnorm_mlx import speed
+    from flashnorm_mlx.jobs import speed
 
     r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
     v = r["variants"]

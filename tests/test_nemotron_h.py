@@ -20,10 +20,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from tiny import PROMPT, rel
 
-from flashnorm_mlx import fold, speed
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx import fold
 from flashnorm_mlx.errors import ShardError
+from flashnorm_mlx.jobs import speed
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import nemotron_h
 

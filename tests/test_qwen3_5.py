@@ -23,8 +23,8 @@ from test_gguf import _u32, gguf_runs_as_folder, tiny_metadata, write_gguf
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold, kernels, models
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import LoadError, build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import qwen3_5
@@ -306,7 +306,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(source, tmp_path):
 
 
 def test_bench_counts_fewer_launches_and_nonorm_runs(source):
-    from flashnorm_mlx import speed
+    from flashnorm_mlx.jobs import speed
 
     r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
     v = r["variants"]

@@ -280,7 +280,7 @@ def test_the_gain_in_the_kernel_is_what_makes_it_exact(quantized, monkeypatch):
 def test_perplexity_runs_both_on_the_stored_weights(quantized):
     """perplexity's default on a quantized checkpoint: the same stored weights on
     both sides, so equal bits per weight and the same perplexity."""
-    from flashnorm_mlx.likelihood import perplexity
+    from flashnorm_mlx.jobs.likelihood import perplexity
     from flashnorm_mlx.texts import default_text
 
     source = read_source(str(quantized("qwen3-tied", "4bit-g64")))

@@ -228,7 +228,7 @@ def test_a_private_attribute_of_the_handler_in_routes_is_found(line):
 
 def test_no_two_modules_share_a_file_name():
     """One meaning per word: a file name says which module it is, wherever it
-    stands (cli/bench.py is the bench command, speed.py what it measures), so no
+    stands (cli/bench.py is the bench command, jobs/speed.py what it measures), so no
     two modules share one; a package's __init__.py is named by its folder."""
     by_name = {}
     for f in sorted(ROOT.rglob("*.py")):
@@ -400,14 +400,14 @@ def test_the_design_map_names_every_module_and_folder_of_the_package_root():
 # above the library, and what they share lives below them (engine, timing,
 # loading.variants, models, prompt_cache, decode_options).
 COMMANDS = {
-    "bench": ("speed", "speed_draft"),
+    "bench": ("jobs.speed", "jobs.speed_draft"),
     "cache_prompt": (),
-    "chat": ("conversation",),
-    "convert": ("checkpoint",),
+    "chat": ("jobs.conversation",),
+    "convert": ("jobs.checkpoint",),
     "generate": (),
-    "perplexity": ("likelihood",),
+    "perplexity": ("jobs.likelihood",),
     "serve": ("serve",),
-    "verify": ("equivalence",),
+    "verify": ("jobs.equivalence",),
 }
 
 
@@ -418,7 +418,7 @@ def _command_of(module: str):
     if parts[:1] == ["cli"]:
         return parts[1] if parts[1:] and parts[1] in COMMANDS else None
     for command, library in COMMANDS.items():
-        if parts and parts[0] in library:
+        if any(parts[: len(m.split("."))] == m.split(".") for m in library):
             return command
     return None
 
@@ -502,7 +502,7 @@ LONG_FUNCTIONS = {
     "loading/gguf_gemma4.py::gemma4_config": 137,
     "cli/serve.py::setup_arg_parser": 116,
     "serve/responses.py::_stream": 106,
-    "speed.py::run_bench": 106,
+    "jobs/speed.py::run_bench": 106,
     "cli/serve.py::main": 106,
     "serve/anthropic.py::_stream": 96,
     "cli/generate.py::main": 95,
@@ -512,7 +512,7 @@ LONG_FUNCTIONS = {
     "cli/bench.py::main": 87,
     "serve/schema.py::read_requests": 85,
     "loading/recipe.py::fold_checkpoint": 84,
-    "likelihood.py::perplexity": 81,
+    "jobs/likelihood.py::perplexity": 81,
     "cli/flags.py::add_model_args": 81,
 }
 

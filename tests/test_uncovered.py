@@ -13,9 +13,10 @@ import tiny
 import tiny_stock
 from serve_process import Server
 
-from flashnorm_mlx import models, speed
+from flashnorm_mlx import models
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.errors import ShardError, UnsupportedModel
+from flashnorm_mlx.jobs import speed
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.modes import FLASHNORM, STOCK
 from flashnorm_mlx.parallel import sharding

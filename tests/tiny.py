@@ -545,7 +545,7 @@ def compat_errors(source, out: Path, prompt) -> dict:
     ours on that checkpoint: {who: error}."""
     from mlx_lm.utils import load_model
 
-    from flashnorm_mlx.checkpoint import convert
+    from flashnorm_mlx.jobs.checkpoint import convert
     from flashnorm_mlx.loading import build_model, read_source
 
     convert(source, out, compat=True, progress=False)

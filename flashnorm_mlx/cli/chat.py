@@ -432,8 +432,8 @@ def main(argv=None):
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import engine as engines
     from .. import prompt_cache
-    from ..conversation import ChatSession
     from ..decode_options import KVOptions, check_kv_options
+    from ..jobs.conversation import ChatSession
     from ..models import context_length
     from .common import (
         build_for_sampling,

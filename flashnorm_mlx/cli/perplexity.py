@@ -62,7 +62,7 @@ def main(argv=None):
         parser.error(f"--data: no such data file: {args.data}")  # before MLX loads
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import models
-    from ..likelihood import load_text, perplexity
+    from ..jobs.likelihood import load_text, perplexity
     from ..loading import read_source
     from ..loading.variants import comparison
     from ..quant import gptq
@@ -121,7 +121,7 @@ def _print_table(r: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..likelihood import MIN_TIMED_TOKENS
+    from ..jobs.likelihood import MIN_TIMED_TOKENS
 
     quant = r["quantization"] or "not quantized"
     t = Table(title=f"Perplexity: {r['model']} ({r['dtype']}, {quant})")

@@ -11,10 +11,10 @@ from typing import Callable, List, Optional
 
 import mlx.core as mx
 
-from .decode_options import DraftTally, KVOptions, make_cache
-from .errors import ChatError, ContextOverflow  # noqa: F401 (raised here)
-from .parallel import distributed
-from .thinking import ReplySplit, starts_in_thought
+from ..decode_options import DraftTally, KVOptions, make_cache
+from ..errors import ChatError, ContextOverflow  # noqa: F401 (raised here)
+from ..parallel import distributed
+from ..thinking import ReplySplit, starts_in_thought
 
 PREFILL_CHUNK_S = 0.5  # seconds a prefill chunk aims at: Ctrl-C waits for one
 PREFILL_FIRST_CHUNK = 4  # tokens, before any chunk was timed (~0.3 s on a 2-core CPU)

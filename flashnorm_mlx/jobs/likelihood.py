@@ -11,8 +11,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 import mlx.core as mx
 import numpy as np
 
-from . import estimate, models, quant
-from .loading import (
+from .. import estimate, models, quant
+from ..loading import (
     RUN_MODES,
     LoadError,
     Mode,
@@ -23,10 +23,10 @@ from .loading import (
     model_dtype,
     recipe,
 )
-from .modes import FLASHNORM
-from .progress import counter, progress_bar
-from .quant import gptq
-from .texts import calibration_text, default_text  # noqa: F401 (public here too)
+from ..modes import FLASHNORM
+from ..progress import counter, progress_bar
+from ..quant import gptq
+from ..texts import calibration_text, default_text  # noqa: F401 (public here too)
 
 WARMUP_TOKENS = 16  # one window's first tokens, through each model before timing
 MIN_TIMED_TOKENS = 256  # fewer scored per side: no tokens/sec (overhead, not speed)

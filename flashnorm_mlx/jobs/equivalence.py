@@ -7,10 +7,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import quant
-from .loading import Source, build_model, model_dtype
-from .loading.adapters import adapted_quantization, apply_adapter, mlx_lm_adapted
-from .modes import FLASHNORM, STOCK
+from .. import quant
+from ..loading import Source, build_model, model_dtype
+from ..loading.adapters import adapted_quantization, apply_adapter, mlx_lm_adapted
+from ..modes import FLASHNORM, STOCK
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time,"
 
