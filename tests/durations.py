@@ -103,5 +103,6 @@ def pytest_sessionfinish(session):
         return
     if _seen["files"]:
         path = Path(os.environ.get("FLASHNORM_DURATIONS_FILE", PATH))
-        record = merged(read(path), _seen)
+        note = json.loads(path.read_text()).get("note") if path.exists() else None
+        record = {**({"note": note} if note else {}), **merged(read(path), _seen)}
         path.write_text(json.dumps(record, indent=1) + "\n")

@@ -68,7 +68,8 @@ def _record(tmp_path, *args, old=None):
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one_process", "xdist"])
 def test_a_run_writes_each_tests_and_fixtures_seconds(tmp_path, workers):
-    old = {  # another file's entries stay; this file's are replaced
+    old = {  # another file's entries stay, and the note; this file's are replaced
+        "note": "how it was measured",
         "tests": {"test_other.py::test_a": 9.0, "test_small.py::test_gone": 9.0},
         "fixtures": {},
         "files": {"test_other.py": 9.0, "test_small.py": 99.0},
@@ -87,6 +88,8 @@ def test_a_run_writes_each_tests_and_fixtures_seconds(tmp_path, workers):
         tests["test_other.py::test_a"] == 9.0
         and "test_small.py::test_gone" not in tests
     )
+    written = json.loads((tmp_path / "durations.json").read_text())
+    assert written["note"] == old["note"], written
 
 
 def test_without_the_switch_nothing_is_written(tmp_path):
