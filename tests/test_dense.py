@@ -195,7 +195,7 @@ def test_a_gguf_of_a_family_that_declares_none_is_one_line(tmp_path, arch, capsy
     assert f"{arch} has no gguf: llama.cpp's {arch} files are not read yet" in err
 
 
-def test_a_variant_a_family_declares_it_cannot_run_is_one_error(tmp_path, monkeypatch):
+def test_a_mode_a_family_declares_it_cannot_run_is_one_error(tmp_path, monkeypatch):
     import dataclasses
 
     source = _source(tmp_path, tiny.make_phi3, "phi3")

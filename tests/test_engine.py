@@ -1,4 +1,4 @@
-"""The engines (flashnorm_mlx/engine.py): every variant on the compiled step.
+"""The engines (flashnorm_mlx/engine.py): every mode on the compiled step.
 
 References: the same model on the eager engine (greedy tokens identical over
 128 steps on every tiny architecture, over 32 with each step's log-probabilities
@@ -154,7 +154,7 @@ def _teacher_forced(model, prompt, tokens):
 
 
 @EVERY_CONFIG
-def test_every_variant_on_the_compiled_engine_is_mlx_lm(tmp_path, make, cfg):
+def test_every_mode_on_the_compiled_engine_is_mlx_lm(tmp_path, make, cfg):
     """stock, stock_fused and FlashNorm on the compiled engine: mlx-lm's eager
     greedy tokens over 32 cached steps; stock within 1e-5 (float32, relative) of
     mlx-lm's logits, and mlx-lm's own class ran the whole compiled step."""
@@ -312,7 +312,7 @@ def _attention_without_sdpa(q, k, v, offset, scale=1.0):
     ],
     ids=["llama", "qwen3", "openelm"],
 )
-def test_every_variant_traces_one_decode_attention_per_layer(
+def test_every_mode_traces_one_decode_attention_per_layer(
     fake_kernels, monkeypatch, tmp_path, make, cfg, mode
 ):
     """On the compiled engine the four norm handlings differ in the norms alone:

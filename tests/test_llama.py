@@ -134,7 +134,7 @@ def test_quantized_tensors_are_never_refolded(source):
 
 
 def test_quantized_source_is_dequantized_folded_requantized(source):
-    """4-bit source, --requantize: both variants are quantized from the same float
+    """4-bit source, --requantize: both modes are quantized from the same float
     weights with the source's settings; FlashNorm's quantized model equals
     quantizing the in-memory fold of the dequantized weights."""
     from flashnorm_mlx.loading import Source
