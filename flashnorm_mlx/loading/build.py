@@ -55,6 +55,10 @@ def build_model(
     same for every mode.
     """
     mode = models.run_mode(source.config, mode)  # a Mode, or a caller's name
+    if mode.needs_cover:  # a family may not run every mode (ARCH.cannot)
+        models.architecture(source.config).require(
+            mode.name, source.config["model_type"]
+        )
     try:
         engine = engines.resolve(engine)
     except ValueError as e:

@@ -136,8 +136,7 @@ def run_mode(
     else (None) flashnorm where FlashNorm covers the model_type and stock where
     it does not, the one stock fallback. A mode that needs FlashNorm's cover
     asked of a family it does not cover is `not_covered`, or stock with
-    `or_stock` (a draft model, built like its target where it can be); one the
-    family cannot run is its `Architecture.require` line."""
+    `or_stock` (a draft model, built like its target where it can be)."""
     if asked is None:
         return FLASHNORM if is_covered(config) else STOCK
     mode = mode_named(asked)
@@ -145,8 +144,6 @@ def run_mode(
         if or_stock:
             return STOCK
         raise not_covered(config, f"--mode {mode}")
-    if mode.needs_cover:
-        architecture(config).require(mode.name, config.get("model_type"))
     return mode
 
 
