@@ -40,25 +40,19 @@ def build_model(
     group: Optional[mx.distributed.Group] = None,
     engine: Optional[str] = None,
 ) -> Tuple[nn.Module, dict]:
-    """Build the `mode` model (a modes.Mode or its name: how it handles the
-    norms) on `source`'s weights; returns (model, its config).
-
-    quantize=(bits, group_size): quantize a float source after folding;
-    quantized_way: how a quantized source is taken, "stored" (FlashNorm applies
-    the norm gains in its kernels), "dequantize" or "requantize" (quant/plan.py).
-    `notes` collects a line for the user where the weights were not taken as
-    the obvious reading of the flags would suggest. `group`: split the model
-    over it (sharding.shard_model) before its weights are evaluated, layer
-    by layer, so a rank holds its own shard and one layer's full tensors at a
-    time (ShardError where it cannot be split). `engine`: what runs its decode
-    steps, "eager" or "compiled" (engine.py; None: `engine.default()`), the
-    same for every mode.
+    """Build the `mode` model (a modes.Mode or its name) on `source`'s weights;
+    returns (model, its config). quantize=(bits, group_size): quantize a float
+    source after folding; quantized_way: how a quantized source is taken
+    (quant/plan.py). `notes` collects a line for the user where the weights
+    were not taken as the flags' obvious reading suggests. `group`: split the
+    model over it (sharding.shard_model) before its weights are evaluated,
+    layer by layer (ShardError where it cannot be split). `engine`: "eager" or
+    "compiled" (engine.py; None: `engine.default()`), the same for every mode.
     """
     mode = models.run_mode(source.config, mode)  # a Mode, or a caller's name
     if mode.needs_cover:  # a family may not run every mode (ARCH.cannot)
-        models.architecture(source.config).require(
-            mode.name, source.config["model_type"]
-        )
+        mt = source.config["model_type"]
+        models.architecture(source.config).require(mode.name, mt)
     try:
         engine = engines.resolve(engine)
     except ValueError as e:
