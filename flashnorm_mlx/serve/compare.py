@@ -24,12 +24,13 @@ from ..errors import UnsupportedModel
 from ..modes import FLASHNORM, STOCK, mode_named
 from .connections import client_gone
 from .log import log
+from .pacing import PrefillPace
 from .schema import RequestError
 
 MAX_TOKENS = 512  # the page's default reply length (app.js) is at most this
 SLICE_S = 0.25  # the longest a request that arrives waits for a Compare
 CALL_S = 1.0  # slices per Worker.call: its client is checked between calls
-PREFILL_CHUNK = 128  # prompt tokens per forward pass of a Compare's prefill
+PREFILL_CHUNK = 128  # most prompt tokens per forward pass of a Compare's prefill
 PAUSE_S = 60.0  # how long a Compare waits for other requests before a 503
 CALL_TIMEOUT_S = 600  # one slice; building the other model is the longest
 RETRY_AFTER_S = 5
@@ -78,11 +79,14 @@ def timed_run(model, prompt: List[int], n: int, stream) -> Iterator[None]:
         clock.pause()
         return True
 
-    mark = 0.0
-    for i in range(0, len(prompt) - 1, PREFILL_CHUNK):
+    mark, i, pace = 0.0, 0, PrefillPace(SLICE_S, PREFILL_CHUNK)
+    while i < len(prompt) - 1:  # chunks timed to a slice (pacing.py), as serve's
+        j, start = min(i + pace.step(1), len(prompt) - 1), clock.now()
         with mx.stream(stream):
-            model(ids[None, i : min(i + PREFILL_CHUNK, len(prompt) - 1)], cache=cache)
+            model(ids[None, i:j], cache=cache)
             mx.eval([c.state for c in cache])
+        pace.measured(j - i, clock.now() - start)
+        i = j
         if slice_done([]):
             yield
             clock.resume()
