@@ -111,7 +111,7 @@ def test_compare_is_refused_beside_a_stream_and_stops_when_its_client_leaves(ser
     try:
         assert stream.started.wait(120), s.log()
         t = time.monotonic()
-        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
         conn.request(
             "POST",
             "/compare",

@@ -22,7 +22,6 @@ import mlx.core as mx
 
 from ..errors import UnsupportedModel
 from ..modes import FLASHNORM, STOCK, mode_named
-from .connections import client_gone
 from .log import log
 from .pacing import PrefillPace
 from .schema import RequestError
@@ -219,21 +218,21 @@ def _slices(worker, gen):
     return ("more",)
 
 
-def _drive(h, gen) -> dict:
+def _drive(reply, gen) -> dict:
     """gen's slices, one Worker.call each, while no other request is in
     flight and the client is there."""
-    s = h.service
+    s = reply.service
     try:
-        return _wait_and_run(h, s, gen)
+        return _wait_and_run(reply, s, gen)
     finally:  # its arrays freed on the thread that made them, whatever happened
         if s.worker.alive:
             s.worker.call(lambda w: gen.close(), CALL_TIMEOUT_S)
 
 
-def _wait_and_run(h, s, gen) -> dict:
+def _wait_and_run(reply, s, gen) -> dict:
     waited = 0.0
     while True:
-        if client_gone(h.connection):
+        if reply.gone():
             raise ConnectionAbortedError("the client left")
         got = (
             None
@@ -251,11 +250,11 @@ def _wait_and_run(h, s, gen) -> dict:
             return got[1]
 
 
-def compare(h) -> None:
+def compare(reply) -> None:
     """POST /compare {"messages", "max_tokens": the reply's token count
     (MAX_TOKENS at most), and any other chat field} -> Comparer's JSON."""
-    s = h.service
-    body = h.read_json()
+    s = reply.service
+    body = reply.read_json()
     if s.comparer is None:
         raise RequestError("this server does not compare", status=404)
     n = body.get("max_tokens")
@@ -277,7 +276,7 @@ def compare(h) -> None:
             )
         log(f"compare: started, {n} tokens on a prompt of {len(prompt)}")
         try:
-            out = _drive(h, c.steps(s.worker, prompt, n))
+            out = _drive(reply, c.steps(s.worker, prompt, n))
         except ConnectionAbortedError:
             log("compare: cancelled: the client left")
             raise
@@ -294,4 +293,4 @@ def compare(h) -> None:
             else ""
         )
     )
-    h.send_json(200, out)
+    reply.send_json(200, out)
