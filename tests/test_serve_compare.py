@@ -48,10 +48,16 @@ def test_a_stock_server_compares_with_flashnorm_built_once(tmp_path):
     assert first["prompt_tokens"] == 8 and first["tokens"] == 6
 
 
-def _wait_line(server, text, since, limit=120):
+def _wait_line(server, text, since, limit=120, sock=None):
+    """Wait for a log line holding `text`; with `sock`, a request's socket,
+    fail at once where its answer comes first."""
+    import select
+
     end = time.monotonic() + limit
     while not any(text in x for x in server.lines[since:]):
         assert time.monotonic() < end, server.log()
+        if sock is not None and select.select([sock], [], [], 0)[0]:
+            pytest.fail(f"answered before {text!r}: {sock.recv(4096)[:600]!r}")
         time.sleep(0.02)
 
 
@@ -98,7 +104,7 @@ def test_compare_is_refused_beside_a_stream_and_stops_when_its_client_leaves(ser
         b"POST /compare HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
         b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
     )
-    _wait_line(s, "compare: started,", n0, limit=60)
+    _wait_line(s, "compare: started,", n0, limit=60, sock=sock)
     started = next(x for x in s.lines[n0:] if "compare: started," in x)
     assert "started, 512 tokens" in started, started  # capped (compare.MAX_TOKENS)
     status, got = s.request("POST", "/compare", {"messages": MSGS, "max_tokens": 4})
@@ -163,7 +169,7 @@ def test_a_compare_leaves_a_short_request_and_a_stream_their_pace(server):
         b"application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data
     )
     try:
-        _wait_line(s, "compare: started, 48 tokens", n0)  # its ready mark
+        _wait_line(s, "compare: started, 48 tokens", n0, sock=sock)  # ready mark
         t0 = time.monotonic()
         time.sleep(max(0.0, t0 + 2 - time.monotonic()))  # the acceptance's "2 s in"
         short = {}
