@@ -473,6 +473,25 @@ FLAG_ERRORS = {
     "convert -o ''": (["convert", "-o", ""], "-o/--output is empty"),
     "convert --calib-seqs 0": (["convert", "-o", "x", "--calib-seqs", "0"], "calib"),
     "perplexity --data": (["perplexity", "--data", "/no/such.txt"], "--data"),
+    # serve's own flag rules (flags.VALUE_RULES), before MLX loads.
+    "serve --port": (["serve", "--port", "70000"], "--port must be from 0 to 65535"),
+    "serve --max-connections-per-client": (
+        ["serve", "--max-connections-per-client", "0"],
+        "--max-connections-per-client must be at least 1",
+    ),
+    "serve --request-timeout": (
+        ["serve", "--request-timeout", "0"],
+        "--request-timeout must be more than 0",
+    ),
+    "serve --allowed-hosts": (
+        ["serve", "--allowed-hosts", " , "],
+        "--allowed-hosts must be one name or more",
+    ),
+    "serve --prefill-step-size": (
+        ["serve", "--prefill-step-size", "0"],
+        "--prefill-step-size must be at least 1",
+    ),
+    "serve --api-key": (["serve", "--api-key", " "], "must not be empty"),
 }
 
 

@@ -52,3 +52,61 @@ def test_warning_keeps_only_what_is_wrong(model):
     lines = _twice("--log-level", "WARNING", path=model)
     assert not any(DONE.search(l) or "stopp" in l for l in lines), lines
     assert any(" on http://" in l for l in lines), lines  # the ready line stays
+
+
+def test_log_lines_from_threads_never_run_together(monkeypatch):
+    """serve's log (serve/log.py) from 8 threads at once: each line is one
+    write of a whole line, and no two writes overlap (#58: lines from threads
+    ran together). The stand-in stderr yields inside each write, as a pipe
+    may, so unlocked writers would meet there."""
+    import sys
+    import threading
+    import time
+
+    from flashnorm_mlx.serve import log as serve_log
+
+    class Stderr:
+        def __init__(self):
+            self.writes, self.inside, self.overlaps = [], 0, 0
+
+        def write(self, text):
+            self.inside += 1
+            self.overlaps += self.inside > 1
+            time.sleep(0.0005)  # another thread runs here, if it may
+            self.writes.append(text)
+            self.inside -= 1
+
+        def flush(self):
+            pass
+
+    err = Stderr()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(serve_log, "_threshold", 0)
+    threads = [
+        threading.Thread(
+            target=lambda i=i: [
+                serve_log.log(f"thread {i} line {j}") for j in range(20)
+            ]
+        )
+        for i in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    bad = [
+        w
+        for w in err.writes
+        if not (
+            w.startswith(serve_log.LOG_PREFIX)
+            and w.endswith("\n")
+            and w.count("\n") == 1
+        )
+    ]
+    print(
+        f"{len(err.writes)} writes, {len(bad)} not a whole line, {err.overlaps} overlaps"
+    )
+    assert len(err.writes) == 160 and not bad and err.overlaps == 0, (
+        bad[:3],
+        err.overlaps,
+    )

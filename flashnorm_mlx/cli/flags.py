@@ -71,6 +71,17 @@ VALUE_RULES = {
     # A rotating cache keeps the first KV_KEEP tokens: its window must hold more.
     "max_kv_size": (lambda v: v is None or v > KV_KEEP, "more than 4 (tokens kept)"),
     "quantized_kv_start": (lambda v: v >= 0, "at least 0"),
+    # serve's own.
+    "port": (lambda v: 0 <= v <= 65535, "from 0 to 65535"),
+    "prompt_cache_size": (lambda v: v >= 1, "at least 1"),
+    "decode_concurrency": (lambda v: v >= 1, "at least 1"),
+    "max_connections": (lambda v: v >= 1, "at least 1"),
+    "max_connections_per_client": (lambda v: v >= 1, "at least 1"),
+    "prefill_chunk_seconds": (lambda v: v > 0, "more than 0"),
+    "request_timeout": (lambda v: v > 0, "more than 0"),
+    # Given, but only commas and spaces.
+    "allowed_origins": (lambda v: len(v) > 0, "one name or more (or *)"),
+    "allowed_hosts": (lambda v: len(v) > 0, "one name or more (or *)"),
 }
 Q_DEFAULTS = {"q_bits": 4, "q_group_size": 64}
 

@@ -33,6 +33,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_adapter_args(p)
     add_serve_template_args(p)
+    _add_listen_args(p)
+    # Request defaults, for requests that do not set them.
+    # The sampler defaults a request may override: those Settings holds.
+    add_sampling_args(p, max_tokens=512, sampler=_sampler_defaults())
+    _add_generation_args(p)
+    _add_guard_args(p)
+    add_trust_remote_code_arg(p)
+    add_draft_args(p)
+    add_kv_cache_args(p)
+    return p
+
+
+def _add_listen_args(p) -> None:
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -41,9 +54,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--port", type=int, default=8080, help="port to listen on (0: any free one)"
     )
-    # Request defaults, for requests that do not set them.
-    # The sampler defaults a request may override: those Settings holds.
-    add_sampling_args(p, max_tokens=512, sampler=_sampler_defaults())
+
+
+def _add_generation_args(p) -> None:
+    """The generation thread's: context, prefill, prompt cache, batch, log."""
     p.add_argument(
         "--max-context",
         type=int,
@@ -59,6 +73,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "shorter (--prefill-chunk-seconds)",
     )
     p.add_argument(
+        "--prefill-chunk-seconds",
+        type=float,
+        default=0.5,
+        help="seconds a prompt's prefill chunk aims at: running streams wait "
+        "about this long between tokens while a new prompt is read",
+    )
+    p.add_argument(
         "--prompt-cache-size",
         type=int,
         default=10,
@@ -72,6 +93,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "but --prompt-cache-size)",
     )
     p.add_argument(
+        "--decode-concurrency",
+        type=int,
+        default=32,
+        help="requests decoded together in one batch; more wait in a queue",
+    )
+    p.add_argument(
         "--log-level",
         type=str.upper,
         default="INFO",
@@ -79,12 +106,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="least important log lines printed: DEBUG adds a line as each request "
         "starts, WARNING and up keep only errors",
     )
-    p.add_argument(
-        "--decode-concurrency",
-        type=int,
-        default=32,
-        help="requests decoded together in one batch; more wait in a queue",
-    )
+
+
+def _add_guard_args(p) -> None:
+    """Who may call, from where, and how many connections they may hold."""
     p.add_argument(
         "--api-key",
         default=None,
@@ -128,17 +153,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="seconds a request's headers and body may take to arrive, in all "
         "(a client sending a byte at a time is closed)",
     )
-    p.add_argument(
-        "--prefill-chunk-seconds",
-        type=float,
-        default=0.5,
-        help="seconds a prompt's prefill chunk aims at: running streams wait "
-        "about this long between tokens while a new prompt is read",
-    )
-    add_trust_remote_code_arg(p)
-    add_draft_args(p)
-    add_kv_cache_args(p)
-    return p
 
 
 def _names(text: str) -> list:
@@ -160,41 +174,12 @@ def _size(text: str) -> int:
 @run_main
 def main(argv=None):
     parser = setup_arg_parser()
-    args = parser.parse_args(argv)
-    if not 0 <= args.port <= 65535:
-        parser.error(f"--port must be from 0 to 65535, not {args.port}")
-    for flag in (
-        "prefill_step_size",
-        "prompt_cache_size",
-        "decode_concurrency",
-        "max_connections",
-        "max_connections_per_client",
-    ):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
-    for flag in ("prefill_chunk_seconds", "request_timeout"):
-        if not getattr(args, flag) > 0:
-            parser.error(f"--{flag.replace('_', '-')} must be more than 0")
-    for flag in ("allowed_origins", "allowed_hosts"):
-        if getattr(args, flag) == []:  # given, but only commas and spaces
-            parser.error(f"--{flag.replace('_', '-')} needs at least one name (or *)")
+    args = parser.parse_args(argv)  # the flag rules (flags.VALUE_RULES) checked
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():
         parser.error(f"the API key (--api-key or ${API_KEY_ENV}) must not be empty")
     # MLX and mlx-lm (seconds) once the flags are good.
-    from ..chat_template import set_template
-    from ..loading.source import default_model_path
-    from ..serve import (
-        ApiServer,
-        Comparer,
-        Service,
-        Settings,
-        bind_warning,
-        other_mode,
-        run_until_signal,
-        set_level,
-    )
-    from .common import build, read_with_tokenizer
+    from ..serve import ApiServer, bind_warning, run_until_signal, set_level
 
     set_level(args.log_level)
     # Bind first: a port in use is one line before a long model load.
@@ -213,6 +198,33 @@ def main(argv=None):
     warning = bind_warning(args.host, api_key)
     if warning:
         print(f"flashnorm-mlx serve: {warning}", file=sys.stderr, flush=True)
+    try:
+        _attach(server, args, api_key)
+    except KeyboardInterrupt:
+        # The generation thread may still be building on MLX: a normal exit
+        # under it aborts ("terminate called without an active exception").
+        server.server_close()
+        interrupt.exit_now("flashnorm-mlx serve")
+    except BaseException:
+        server.server_close()
+        raise
+    run_until_signal(server)
+    return 0
+
+
+def _attach(server, args, api_key) -> None:
+    """The model built on the generation thread and served by `server`."""
+    from ..chat_template import set_template
+    from ..decode_options import KVOptions
+    from ..loading.source import default_model_path
+    from ..serve import Comparer, Decoding, Service, Settings, other_mode
+    from .common import build, read_with_tokenizer
+
+    decoding = Decoding(
+        KVOptions.from_args(args), args.draft_model, args.num_draft_tokens
+    )
+    if decoding.sequential:
+        print(f"flashnorm-mlx serve: {decoding.why()}", file=sys.stderr, flush=True)
 
     def load():
         source, tokenizer = read_with_tokenizer(args)
@@ -226,61 +238,29 @@ def main(argv=None):
         serve_with_draft(decoding, args, model, tokenizer, config, source.name)
         return model, tokenizer, config
 
-    decoding, worker = serve_decoding(args)
-
     def load_other():  # the page's Compare: the other mode, built on its first use
         source, _ = read_with_tokenizer(args)
         return build(source, other_mode(args.mode), args)[0]
 
-    try:
-        # Every Settings field is a flag of the same name (the key: flag or env).
-        held = (f.name for f in dataclasses.fields(Settings) if f.name != "api_key")
-        settings = Settings(
-            **{name: getattr(args, name) for name in held}, api_key=api_key
-        )
-        # A local folder by its name: answers never show where it sits on disk.
-        model_id = args.model or default_model_path().stem
-        if args.model and Path(args.model).exists():
-            model_id = Path(args.model).resolve().name
-        comparer = Comparer(load_other)
-        service = Service(load, model_id, args.mode, settings, worker, comparer)
-        server.attach(service)  # builds: load() settled --mode for the model
-        service.mode = args.mode
-        comparer.settle(args.mode)
-        print(
-            f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
-            f"{server.url}/v1{' (API key required)' if api_key else ''}, chat page "
-            f"{server.url}/ (Ctrl-C stops)",
-            file=sys.stderr,
-            flush=True,
-        )
-    except KeyboardInterrupt:
-        # The generation thread may still be building on MLX: a normal exit
-        # under it aborts ("terminate called without an active exception").
-        server.server_close()
-        interrupt.exit_now("flashnorm-mlx serve")
-    except BaseException:
-        server.server_close()
-        raise
-    run_until_signal(server)
-    return 0
-
-
-def serve_decoding(args):
-    """serve: (Decoding, the worker class for Service): mlx-lm's BatchGenerator
-    where no draft or KV option is given, else one request at a time, said once."""
-    import functools
-
-    from ..decode_options import KVOptions
-    from ..serve import Decoding, SequentialWorker, Worker
-
-    decoding = Decoding(
-        KVOptions.from_args(args), args.draft_model, args.num_draft_tokens
+    # Every Settings field is a flag of the same name (the key: flag or env).
+    held = (f.name for f in dataclasses.fields(Settings) if f.name != "api_key")
+    settings = Settings(**{name: getattr(args, name) for name in held}, api_key=api_key)
+    # A local folder by its name: answers never show where it sits on disk.
+    model_id = args.model or default_model_path().stem
+    if args.model and Path(args.model).exists():
+        model_id = Path(args.model).resolve().name
+    comparer = Comparer(load_other)
+    service = Service(load, model_id, args.mode, settings, decoding.worker(), comparer)
+    server.attach(service)  # builds: load() settled --mode for the model
+    service.mode = args.mode
+    comparer.settle(args.mode)
+    print(
+        f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
+        f"{server.url}/v1{' (API key required)' if api_key else ''}, chat page "
+        f"{server.url}/ (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
     )
-    if not decoding.sequential:
-        return decoding, Worker
-    print(f"flashnorm-mlx serve: {decoding.why()}", file=sys.stderr, flush=True)
-    return decoding, functools.partial(SequentialWorker, decoding=decoding)
 
 
 def serve_with_draft(decoding, args, model, tokenizer, config, name: str) -> None:

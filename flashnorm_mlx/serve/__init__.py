@@ -27,7 +27,8 @@ and shaped as OpenAI's; `log`, the server's log line; `guard`, the Host,
 Origin and Content-Type checks; `connections`, the connection cap and the
 server's run; `bounds`, prompts refused from their size before tokenizing;
 `pacing`, prefill chunks sized by time; `sequential`, requests one at a
-time with a draft model or KV cache options; `compare`, the page's Compare.
+time with a draft model or KV cache options; `compare`, the page's Compare;
+`reply`, what a route answers through (never the handler itself).
 
 Why not mlx_lm.server itself: it loads models with `mlx_lm.load` (not our
 FlashNorm builder), answers errors as {"error": "text"}, and has no API key.

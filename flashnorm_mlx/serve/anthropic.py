@@ -243,31 +243,31 @@ def _tool_use(call: dict) -> dict:
     }
 
 
-def count_tokens(h) -> None:
+def count_tokens(reply) -> None:
     """POST /v1/messages/count_tokens: the prompt's tokens as Messages would
     bill them, the whole prompt (a create's input_tokens plus its
     cache_read_input_tokens)."""
-    body = h.read_json()
-    h.service.fits_messages(body)  # counted before they are converted
+    body = reply.read_json()
+    reply.service.fits_messages(body)  # counted before they are converted
     chat = to_chat(body, counting=True)
-    h.send_json(200, {"input_tokens": len(h.service.chat_prompt(chat))})
+    reply.send_json(200, {"input_tokens": len(reply.service.chat_prompt(chat))})
 
 
-def messages(h) -> None:
+def messages(reply) -> None:
     """POST /v1/messages."""
-    body = h.read_json()
-    h.service.fits_messages(body)  # counted before they are converted
+    body = reply.read_json()
+    reply.service.fits_messages(body)  # counted before they are converted
     chat = to_chat(body)
     stream = body.get("stream") is True
-    reply = chat_reply(h, chat)
+    events = chat_reply(reply, chat)
     try:
-        _answer(h, reply, stream)
+        _answer(reply, events, stream)
     finally:
-        reply.close()  # a client that left: its request is cancelled now
+        events.close()  # a client that left: its request is cancelled now
 
 
-def _answer(h, reply, stream: bool) -> None:
-    _, request = next(reply)
+def _answer(reply, events, stream: bool) -> None:
+    _, request = next(events)
     message = {
         "id": new_id("msg_"),
         "type": "message",
@@ -280,7 +280,7 @@ def _answer(h, reply, stream: bool) -> None:
         **({"warning": request.warning} if request.warning else {}),
     }
     if not stream:
-        for what, value in reply:
+        for what, value in events:
             if what in BLOCKS:
                 kind, key, _ = BLOCKS[what]
                 if not message["content"] or message["content"][-1]["type"] != kind:
@@ -291,14 +291,14 @@ def _answer(h, reply, stream: bool) -> None:
             else:
                 message["stop_reason"], message["stop_sequence"] = _stop(value)
                 message["usage"] = _usage(value)
-        h.send_json(200, message)
+        reply.send_json(200, message)
         return
-    _stream(h, reply, message, request)
+    _stream(reply, events, message, request)
 
 
-def _stream(h, reply, message: dict, request) -> None:
-    first = next(reply)  # errors before the first piece are still a JSON error
-    h.start_events()
+def _stream(reply, events, message: dict, request) -> None:
+    first = next(events)  # errors before the first piece are still a JSON error
+    reply.start_events()
     # What message_delta's usage says too: the prompt less what was cached.
     usage = {
         "input_tokens": len(request.prompt) - request.cached,
@@ -306,7 +306,7 @@ def _stream(h, reply, message: dict, request) -> None:
         "cache_read_input_tokens": request.cached,
     }
     send_event(
-        h,
+        reply,
         "message_start",
         {"type": "message_start", "message": {**message, "usage": usage}},
     )
@@ -317,18 +317,20 @@ def _stream(h, reply, message: dict, request) -> None:
         if open_kind == "thinking":  # Anthropic signs a thought before its stop
             delta = {"type": "signature_delta", "signature": ""}
             send_event(
-                h,
+                reply,
                 "content_block_delta",
                 {"type": "content_block_delta", "index": index, "delta": delta},
             )
         if open_kind:
             send_event(
-                h, "content_block_stop", {"type": "content_block_stop", "index": index}
+                reply,
+                "content_block_stop",
+                {"type": "content_block_stop", "index": index},
             )
             open_kind = None
 
     try:
-        for what, value in chain(first, reply):
+        for what, value in chain(first, events):
             if what in BLOCKS:
                 kind, key, delta_type = BLOCKS[what]
                 if open_kind != kind:
@@ -336,7 +338,7 @@ def _stream(h, reply, message: dict, request) -> None:
                     index += 1
                     open_kind = kind
                     send_event(
-                        h,
+                        reply,
                         "content_block_start",
                         {
                             "type": "content_block_start",
@@ -346,7 +348,7 @@ def _stream(h, reply, message: dict, request) -> None:
                     )
                 delta = {"type": delta_type, key: value}
                 send_event(
-                    h,
+                    reply,
                     "content_block_delta",
                     {"type": "content_block_delta", "index": index, "delta": delta},
                 )
@@ -355,7 +357,7 @@ def _stream(h, reply, message: dict, request) -> None:
                 index += 1
                 use = _tool_use(value)
                 send_event(
-                    h,
+                    reply,
                     "content_block_start",
                     {
                         "type": "content_block_start",
@@ -368,12 +370,12 @@ def _stream(h, reply, message: dict, request) -> None:
                     "partial_json": json.dumps(use["input"]),
                 }
                 send_event(
-                    h,
+                    reply,
                     "content_block_delta",
                     {"type": "content_block_delta", "index": index, "delta": delta},
                 )
                 send_event(
-                    h,
+                    reply,
                     "content_block_stop",
                     {"type": "content_block_stop", "index": index},
                 )
@@ -381,7 +383,7 @@ def _stream(h, reply, message: dict, request) -> None:
                 close()
                 reason, hit = _stop(value)
                 send_event(
-                    h,
+                    reply,
                     "message_delta",
                     {
                         "type": "message_delta",
@@ -389,6 +391,6 @@ def _stream(h, reply, message: dict, request) -> None:
                         "usage": _usage(value),  # the final counts, all of them
                     },
                 )
-                send_event(h, "message_stop", {"type": "message_stop"})
+                send_event(reply, "message_stop", {"type": "message_stop"})
     except RequestError as e:
-        send_event(h, "error", error_body(e))
+        send_event(reply, "error", error_body(e))

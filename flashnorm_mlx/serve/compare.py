@@ -22,14 +22,14 @@ import mlx.core as mx
 
 from ..errors import UnsupportedModel
 from ..modes import FLASHNORM, STOCK, mode_named
-from .connections import client_gone
 from .log import log
+from .pacing import PrefillPace
 from .schema import RequestError
 
 MAX_TOKENS = 512  # the page's default reply length (app.js) is at most this
 SLICE_S = 0.25  # the longest a request that arrives waits for a Compare
 CALL_S = 1.0  # slices per Worker.call: its client is checked between calls
-PREFILL_CHUNK = 128  # prompt tokens per forward pass of a Compare's prefill
+PREFILL_CHUNK = 128  # most prompt tokens per forward pass of a Compare's prefill
 PAUSE_S = 60.0  # how long a Compare waits for other requests before a 503
 CALL_TIMEOUT_S = 600  # one slice; building the other model is the longest
 RETRY_AFTER_S = 5
@@ -78,11 +78,14 @@ def timed_run(model, prompt: List[int], n: int, stream) -> Iterator[None]:
         clock.pause()
         return True
 
-    mark = 0.0
-    for i in range(0, len(prompt) - 1, PREFILL_CHUNK):
+    mark, i, pace = 0.0, 0, PrefillPace(SLICE_S, PREFILL_CHUNK)
+    while i < len(prompt) - 1:  # chunks timed to a slice (pacing.py), as serve's
+        j, start = min(i + pace.step(1), len(prompt) - 1), clock.now()
         with mx.stream(stream):
-            model(ids[None, i : min(i + PREFILL_CHUNK, len(prompt) - 1)], cache=cache)
+            model(ids[None, i:j], cache=cache)
             mx.eval([c.state for c in cache])
+        pace.measured(j - i, clock.now() - start)
+        i = j
         if slice_done([]):
             yield
             clock.resume()
@@ -215,21 +218,21 @@ def _slices(worker, gen):
     return ("more",)
 
 
-def _drive(h, gen) -> dict:
+def _drive(reply, gen) -> dict:
     """gen's slices, one Worker.call each, while no other request is in
     flight and the client is there."""
-    s = h.service
+    s = reply.service
     try:
-        return _wait_and_run(h, s, gen)
+        return _wait_and_run(reply, s, gen)
     finally:  # its arrays freed on the thread that made them, whatever happened
         if s.worker.alive:
             s.worker.call(lambda w: gen.close(), CALL_TIMEOUT_S)
 
 
-def _wait_and_run(h, s, gen) -> dict:
+def _wait_and_run(reply, s, gen) -> dict:
     waited = 0.0
     while True:
-        if client_gone(h.connection):
+        if reply.gone():
             raise ConnectionAbortedError("the client left")
         got = (
             None
@@ -247,11 +250,11 @@ def _wait_and_run(h, s, gen) -> dict:
             return got[1]
 
 
-def compare(h) -> None:
+def compare(reply) -> None:
     """POST /compare {"messages", "max_tokens": the reply's token count
     (MAX_TOKENS at most), and any other chat field} -> Comparer's JSON."""
-    s = h.service
-    body = h.read_json()
+    s = reply.service
+    body = reply.read_json()
     if s.comparer is None:
         raise RequestError("this server does not compare", status=404)
     n = body.get("max_tokens")
@@ -273,7 +276,7 @@ def compare(h) -> None:
             )
         log(f"compare: started, {n} tokens on a prompt of {len(prompt)}")
         try:
-            out = _drive(h, c.steps(s.worker, prompt, n))
+            out = _drive(reply, c.steps(s.worker, prompt, n))
         except ConnectionAbortedError:
             log("compare: cancelled: the client left")
             raise
@@ -290,4 +293,4 @@ def compare(h) -> None:
             else ""
         )
     )
-    h.send_json(200, out)
+    reply.send_json(200, out)

@@ -11,15 +11,15 @@ import json
 import socket
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from queue import Empty
 from typing import List, Optional
 
 from . import anthropic, completions
 from .auth import key_scope
-from .connections import REQUEST_S, CappedServer, ReadsRequests, client_gone
+from .connections import REQUEST_S, CappedServer, ReadsRequests
 from .guard import PAGE_HEADERS, has_body, is_json, origin_allowed, refusal
 from .log import log
 from .logprobs import choice_logprobs
+from .reply import ClientGone, Reply
 from .routes import extra_routes, public_paths
 from .schema import Request, RequestError
 from .service import Service
@@ -29,10 +29,6 @@ MAX_BODY_BYTES = 16 << 20
 
 
 # --- HTTP ----------------------------------------------------------------------
-
-
-class _ClientGone(Exception):
-    pass
 
 
 class Handler(ReadsRequests, BaseHTTPRequestHandler):
@@ -132,13 +128,24 @@ class Handler(ReadsRequests, BaseHTTPRequestHandler):
             if refused:
                 raise refused
             self._check_key(path)
+            self.reply = Reply(
+                self.service,
+                self.wfile,
+                self.connection,
+                self.read_json,
+                self.send_json,
+                self.send_bytes,
+                self.start_events,
+            )
             routes = {
                 "/health": ("GET", self._health),
                 "/v1/models": ("GET", self._models),
                 f"/v1/models/{self.service.model_id}": ("GET", self._model),
                 "/v1/chat/completions": ("POST", lambda: self.complete("chat")),
                 "/v1/completions": ("POST", lambda: self.complete("text")),
-                **extra_routes(self),  # tokenizer endpoints, the chat page
+                # mlx_lm.server's path without /v1
+                "/chat/completions": ("POST", lambda: self.complete("chat")),
+                **extra_routes(self.reply),  # tokenizers, agent APIs, the page
             }
             if path not in routes:
                 raise RequestError(
@@ -162,7 +169,7 @@ class Handler(ReadsRequests, BaseHTTPRequestHandler):
             except OSError as gone:  # the client left before its answer
                 self.close_connection = True
                 log(f"{self.command} {path}: client left ({gone})")
-        except (_ClientGone, OSError):  # the client left, reset or stalled
+        except (ClientGone, OSError):  # the client left, reset or stalled
             self.close_connection = True
         except Exception as e:  # a bug answering one request: log it, answer 500
             log(f"internal error: {e}\n{traceback.format_exc()}", "ERROR")
@@ -287,7 +294,7 @@ class Handler(ReadsRequests, BaseHTTPRequestHandler):
             )
         raw = self.rfile.read(int(length))  # within the request's deadline
         if len(raw) < int(length):
-            raise _ClientGone()
+            raise ClientGone()
         self.close_connection = not self._keep_open  # the body is read
         try:
             body = json.loads(raw)
@@ -316,34 +323,16 @@ class Handler(ReadsRequests, BaseHTTPRequestHandler):
                     self._stream(requests)
                 else:
                     self._answer(requests)
-            except (_ClientGone, OSError):  # a Stop in the page, a client that left
+            except (ClientGone, OSError):  # a Stop in the page, a client that left
                 log(f"{kind} {requests[0].id[:8]}: cancelled: the client left")
                 raise
-
-    def next_event(self, request: Request):
-        """The request's next event; notices a dead worker or a client that left."""
-        while True:
-            try:
-                return request.events.get(timeout=0.5)
-            except Empty:
-                if not self.service.worker.thread.is_alive():
-                    return (
-                        "error",
-                        RequestError(
-                            "the server is shutting down",
-                            status=503,
-                            kind="server_error",
-                        ),
-                    )
-                if client_gone(self.connection):
-                    raise _ClientGone()
 
     def _answer(self, requests: List[Request]):
         results = []
         for request in requests:
-            what, value = self.next_event(request)
+            what, value = self.reply.next_event(request)
             while what not in ("done", "error"):
-                what, value = self.next_event(request)
+                what, value = self.reply.next_event(request)
             if what == "error":
                 raise value
             results.append(value)
@@ -384,7 +373,7 @@ class Handler(ReadsRequests, BaseHTTPRequestHandler):
         """Server-sent chunks: each choice's in turn (n > 1: the choices
         decode together; a client keys them by index), then usage once."""
         # Errors found before the first event still get a plain JSON error.
-        event = self.next_event(requests[0])
+        event = self.reply.next_event(requests[0])
         if event[0] == "error":
             raise event[1]
         self.start_events()  # the stream's end is the connection's end
@@ -394,7 +383,11 @@ class Handler(ReadsRequests, BaseHTTPRequestHandler):
             if result is None:  # an error, sent
                 break
             results.append(result)
-            event = self.next_event(requests[i + 1]) if i + 1 < len(requests) else None
+            event = (
+                self.reply.next_event(requests[i + 1])
+                if i + 1 < len(requests)
+                else None
+            )
         if len(results) == len(requests) and requests[0].include_usage:
             # OpenAI's shape: usage once, last, every choice counted.
             usage = completions.total_usage(
@@ -434,7 +427,7 @@ class Handler(ReadsRequests, BaseHTTPRequestHandler):
                     index=i,
                 )
             )
-            what, value = self.next_event(self._requests[i])
+            what, value = self.reply.next_event(self._requests[i])
         if what == "error":
             self._event(value.body())
             return None

@@ -28,18 +28,18 @@ def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-def chat_reply(h, chat: dict) -> Iterator[Tuple[str, object]]:
+def chat_reply(reply, chat: dict) -> Iterator[Tuple[str, object]]:
     """First ("request", Request), then the reply of the chat body `chat`
     piece by piece: its thought, then its text; a tool call comes whole,
     after the text before it. The worker streams either way: the caller
     collects what it does not stream."""
-    service = h.service
+    service = reply.service
     with service.submitted("chat", {**chat, "stream": True}) as requests:
         (request,) = requests
         split = reply_split(service, request, chat, streaming=False)
         yield "request", request
         while True:
-            what, value = h.next_event(request)
+            what, value = reply.next_event(request)
             if what == "error":
                 raise value
             final = what == "done"
@@ -69,10 +69,9 @@ def call_arguments(call: dict) -> dict:
     return args if isinstance(args, dict) else {}
 
 
-def send_event(h, kind: str, data: dict) -> None:
+def send_event(reply, kind: str, data: dict) -> None:
     """One named event: `event: kind` and its JSON."""
-    h.wfile.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
-    h.wfile.flush()
+    reply.event(f"event: {kind}\ndata: {json.dumps(data)}\n\n")
 
 
 def need(body: dict, name: str, ok, what: str):

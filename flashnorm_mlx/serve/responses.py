@@ -251,20 +251,20 @@ def _call(call: dict) -> dict:
     }
 
 
-def responses(h) -> None:
+def responses(reply) -> None:
     """POST /v1/responses."""
-    body = h.read_json()
-    h.service.fits_messages(body, "input")  # counted before they are converted
+    body = reply.read_json()
+    reply.service.fits_messages(body, "input")  # counted before they are converted
     chat = to_chat(body)
-    reply = chat_reply(h, chat)
+    events = chat_reply(reply, chat)
     try:
-        _, request = next(reply)
+        _, request = next(events)
         rid, mid = new_id("resp_"), new_id("msg_")
         if body.get("stream") is True:
-            _stream(h, body, reply, rid, request)
+            _stream(reply, body, events, rid, request)
             return
         text, thought, output, result = "", "", [], None
-        for what, value in reply:
+        for what, value in events:
             if what == "thought":
                 thought += value
             elif what == "text":
@@ -277,9 +277,9 @@ def responses(h) -> None:
             output.insert(0, _message(mid, text))
         if thought:  # before the message, as OpenAI's reasoning models answer
             output.insert(0, _reasoning(new_id("rs_"), thought))
-        h.send_json(200, _finished(body, rid, request, output, result))
+        reply.send_json(200, _finished(body, rid, request, output, result))
     finally:
-        reply.close()
+        events.close()
 
 
 def _finished(body, rid, request, output, result) -> dict:
@@ -296,15 +296,15 @@ def _part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
-def _stream(h, body, reply, rid, request) -> None:
+def _stream(reply, body, events, rid, request) -> None:
     """Responses' events: a message item open while text arrives, closed
     before a function_call item (each whole), then response.completed."""
-    first = next(reply)  # errors before the first piece are still a JSON error
-    h.start_events()
+    first = next(events)  # errors before the first piece are still a JSON error
+    reply.start_events()
     seq = iter(range(1 << 30))
 
     def event(kind, **data):
-        send_event(h, kind, {"type": kind, "sequence_number": next(seq), **data})
+        send_event(reply, kind, {"type": kind, "sequence_number": next(seq), **data})
 
     started = _response(body, rid, request.model, "in_progress", [], request.warning)
     event("response.created", response=started)
@@ -354,7 +354,7 @@ def _stream(h, body, reply, rid, request) -> None:
         msg.clear()
 
     try:
-        for what, value in chain(first, reply):
+        for what, value in chain(first, events):
             if what == "thought":
                 if not rs:
                     open_reasoning()

@@ -3,8 +3,8 @@ lm-evaluation-harness's RemoteTokenizer reads (so it needs no tokenizer of
 its own), and the browser chat page with the small JSON it shows in its
 header (docs/design.md section 5e).
 
-Each route is a function of the request's Handler (http.py), which reads the
-body, checks the API key and sends OpenAI's error body for a RequestError.
+Each route is a function of the request's Reply (reply.py); the Handler
+(http.py) checks the API key and sends OpenAI's error body for a RequestError.
 """
 
 import json
@@ -29,24 +29,23 @@ PAGE_FILES = {
 }
 
 
-def extra_routes(h) -> Dict[str, Tuple[str, Callable[[], None]]]:
-    """path -> (method, handler) for the Handler `h`."""
+def extra_routes(reply) -> Dict[str, Tuple[str, Callable[[], None]]]:
+    """path -> (method, route) answering through `reply`."""
     routes = {
-        "/tokenizer_info": ("GET", lambda: tokenizer_info(h)),
-        "/tokenize": ("POST", lambda: tokenize(h)),
-        "/detokenize": ("POST", lambda: detokenize(h)),
-        "/props": ("GET", lambda: props(h)),
-        "/compare": ("POST", lambda: compare(h)),  # the page's Compare (compare.py)
-        "/favicon.ico": ("GET", lambda: page_file(h, "favicon.svg")),
-        # mlx_lm.server's path without /v1; Anthropic's and OpenAI's agent APIs.
-        "/chat/completions": ("POST", lambda: h.complete("chat")),
-        "/v1/messages": ("POST", lambda: anthropic.messages(h)),
-        "/v1/messages/count_tokens": ("POST", lambda: anthropic.count_tokens(h)),
-        "/v1/responses": ("POST", lambda: responses.responses(h)),
-        "": ("GET", lambda: page_file(h, "index.html")),  # "/", its "/" stripped
+        "/tokenizer_info": ("GET", lambda: tokenizer_info(reply)),
+        "/tokenize": ("POST", lambda: tokenize(reply)),
+        "/detokenize": ("POST", lambda: detokenize(reply)),
+        "/props": ("GET", lambda: props(reply)),
+        "/compare": ("POST", lambda: compare(reply)),  # the page's Compare (compare.py)
+        "/favicon.ico": ("GET", lambda: page_file(reply, "favicon.svg")),
+        # Anthropic's and OpenAI's agent APIs.
+        "/v1/messages": ("POST", lambda: anthropic.messages(reply)),
+        "/v1/messages/count_tokens": ("POST", lambda: anthropic.count_tokens(reply)),
+        "/v1/responses": ("POST", lambda: responses.responses(reply)),
+        "": ("GET", lambda: page_file(reply, "index.html")),  # "/", its "/" stripped
     }
     for name in PAGE_FILES:
-        routes[f"/{name}"] = ("GET", lambda name=name: page_file(h, name))
+        routes[f"/{name}"] = ("GET", lambda name=name: page_file(reply, name))
     return routes
 
 
@@ -59,12 +58,12 @@ def public_paths() -> Tuple[str, ...]:
 # --- vLLM's tokenizer endpoints ---------------------------------------------------
 
 
-def tokenizer_info(h) -> None:
+def tokenizer_info(reply) -> None:
     """GET /tokenizer_info: vLLM's fields that RemoteTokenizer reads (eos_token
     must be there, even null, or lm-eval falls back to the hub)."""
-    s = h.service
+    s = reply.service
     tok = s.tokenizer
-    h.send_json(
+    reply.send_json(
         200,
         {
             "tokenizer_class": type(inner_tokenizer(tok)).__name__,
@@ -78,12 +77,12 @@ def tokenizer_info(h) -> None:
     )
 
 
-def tokenize(h) -> None:
+def tokenize(reply) -> None:
     """POST /tokenize {"prompt", "add_special_tokens" (default true, as vLLM)}
     or {"messages", "add_generation_prompt"} -> {"count", "max_model_len",
     "tokens", "token_strs"}."""
-    body = h.read_json()
-    s = h.service
+    body = reply.read_json()
+    s = reply.service
     add_special = _flag(body, "add_special_tokens", True)
     if "messages" in body:  # bounded as the chat route bounds them (bounds.py)
         s.fits_messages(body)
@@ -113,7 +112,7 @@ def tokenize(h) -> None:
                 )
             ids = s.tokenizer.encode(prompt, add_special_tokens=add_special)
     ids = [int(i) for i in ids]
-    h.send_json(
+    reply.send_json(
         200,
         {
             "count": len(ids),
@@ -124,10 +123,10 @@ def tokenize(h) -> None:
     )
 
 
-def detokenize(h) -> None:
+def detokenize(reply) -> None:
     """POST /detokenize {"tokens": [ids]} -> {"prompt": text}."""
-    body = h.read_json()
-    s = h.service
+    body = reply.read_json()
+    s = reply.service
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in ids
@@ -143,7 +142,7 @@ def detokenize(h) -> None:
         )
     with s.tokenizer_lock:
         text = s.tokenizer.decode(ids)
-    h.send_json(200, {"prompt": text})
+    reply.send_json(200, {"prompt": text})
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -160,10 +159,10 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 # --- the chat page ----------------------------------------------------------------
 
 
-def props(h) -> None:
+def props(reply) -> None:
     """GET /props: what the page's header names (llama-server has a /props too)."""
-    s = h.service
-    h.send_json(
+    s = reply.service
+    reply.send_json(
         200,
         {
             "model": s.model_id,
@@ -182,8 +181,8 @@ def props(h) -> None:
     )
 
 
-def page_file(h, name: str) -> None:
+def page_file(reply, name: str) -> None:
     """One of the page's static files, from the package (nothing from any
     other host: the page works offline)."""
     data = resources.files(__package__).joinpath("web", name).read_bytes()
-    h.send_bytes(200, PAGE_FILES[name], data)
+    reply.send_bytes(200, PAGE_FILES[name], data)

@@ -10,6 +10,7 @@ arrival order, so the thread (scheduler.Worker: stop strings, logprobs,
 streaming, the prompt cache pool) stays as it is.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -31,6 +32,13 @@ class Decoding:
     @property
     def sequential(self) -> bool:
         return self.draft_path is not None or not self.kv.plain
+
+    def worker(self):
+        """The generation thread's class for Service: the batched Worker, or
+        SequentialWorker with these options (say why() first)."""
+        if not self.sequential:
+            return Worker
+        return functools.partial(SequentialWorker, decoding=self)
 
     def why(self) -> str:
         flags = [f"--draft-model {self.draft_path}"] if self.draft_path else []

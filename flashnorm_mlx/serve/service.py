@@ -109,7 +109,7 @@ class Service:
         """The Requests of a /v1/chat/completions ("chat") or /v1/completions
         ("text") body: its prompts as token ids, then one Request per prompt
         (a completions request may hold several), made by schema.py."""
-        prompts, param = self._prompts(kind, body)
+        prompts, param, tools = self._prompts(kind, body)
         model = body.get("model")  # echoed, as mlx_lm.server does
         requests = read_requests(
             kind,
@@ -122,11 +122,10 @@ class Service:
             draw_seed=self._draw_seed,
             key_scope=key_scope,
         )
-        tools = read_tools(body, self.tokenizer) if kind == "chat" else None
         constrain(self, body, tools, requests)  # response_format, strict tools
         ignored = tools_ignored(body, self.tokenizer) if kind == "chat" else None
         for r in requests:
-            r.warning = ignored
+            r.warning, r.tools = ignored, tools
             r.thought = kind == "chat" and starts_in_thought(self.tokenizer, r.prompt)
         return requests
 
@@ -171,7 +170,8 @@ class Service:
             return self._seeds.getrandbits(63)
 
     def _prompts(self, kind: str, body: dict):
-        """(token id lists, the field they came from) of a request body."""
+        """(token id lists, the field they came from, a chat's tools: read
+        here, once) of a request body."""
         if kind == "chat":
             self.fits_messages(body)  # before 500,000 of them are copied
             messages = read_messages(body)
@@ -197,12 +197,10 @@ class Service:
                         f"the chat template refused the messages: {e}",
                         param="messages",
                     ) from None
-            prompts, param = [[int(i) for i in ids]], "messages"
-        else:
-            prompt = body.get("prompt")
-            texts = [prompt] if isinstance(prompt, str) else prompt
-            if isinstance(texts, list):
-                self.fits([p for p in texts if isinstance(p, str)], "prompt", 1)
-            prompts = read_prompts(body, self.encoder("prompt"), self.vocab_size)
-            param = "prompt"
-        return prompts, param
+            return [[int(i) for i in ids]], "messages", tools
+        prompt = body.get("prompt")
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if isinstance(texts, list):
+            self.fits([p for p in texts if isinstance(p, str)], "prompt", 1)
+        prompts = read_prompts(body, self.encoder("prompt"), self.vocab_size)
+        return prompts, "prompt", None

@@ -1,8 +1,8 @@
-"""The split of a serve request's reply (thinking.py): its tools read from
-the request, at most one call where `parallel_tool_calls` is false."""
+"""The split of a serve request's reply (thinking.py): the request's tools
+(read once, by Service.parse), at most one call where `parallel_tool_calls`
+is false."""
 
 from ..thinking import ReplySplit
-from .tools import read_tools
 
 
 def reply_split(service, request, body: dict, streaming: bool):
@@ -10,8 +10,7 @@ def reply_split(service, request, body: dict, streaming: bool):
     calls (its tools checked already by Service.parse), else None."""
     if request.kind != "chat":
         return None
-    tools = read_tools(body, service.tokenizer)
-    tokenizer = service.tokenizer
+    tools, tokenizer = request.tools, service.tokenizer
     if not tools and not getattr(tokenizer, "has_thinking", False):
         return None
     most = 1 if body.get("parallel_tool_calls") is False else None
