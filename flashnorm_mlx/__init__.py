@@ -5,9 +5,8 @@ Gemma 4, Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5 and 4.6, DeepSeek V3 (Kimi K2),
 LFM2, LFM2-MoE, Nemotron-H (Nemotron 3) and Granite 4 language models (the same
 function as stock mlx-lm, fewer ops); every other mlx-lm family runs as stock."""
 
-__version__ = "0.1.0"
-
-from .errors import LoadError  # noqa: E402
+from .errors import LoadError
+from .version import __version__
 
 __all__ = [
     "load",

@@ -1,13 +1,7 @@
-"""Speculative decoding and KV cache options, as mlx-lm runs them
+"""Speculative decoding and KV cache options, as mlx-lm runs them: mlx-lm's own
+pieces handed their arguments, and ours only where it falls short (the
+--max-kv-size cache), the one-line checks and the draft tally
 (docs/design.md section 3f).
-
-Everything here hands mlx-lm's own pieces their arguments: `stream_generate`
-with a `draft_model` (`speculative_generate_step`), `RotatingKVCache`, and
-`maybe_quantize_kv_cache`'s `kv_bits`, `kv_group_size` and
-`quantized_kv_start`. What is ours: the cache for `--max-kv-size` (mlx-lm
-0.32.2's `make_prompt_cache` ignores it for every class with a `make_cache`,
-Llama's among them), the checks that give bad input one line, and the tally
-of accepted draft tokens.
 """
 
 from dataclasses import dataclass, field
@@ -169,14 +163,14 @@ def after_prefix(prefix, processor):
     return lambda tokens, logits: processor(mx.concatenate([prefix, tokens]), logits)
 
 
-def load_draft(path: str, mode: str, tokenizer, name: str, build):
-    """The draft model built through `build(source, mode)` (the target's
-    loader), refused in one line where its tokenizer is not the target's."""
+def load_draft(path: str, tokenizer, name: str, build):
+    """The draft model built through `build(source)` (the target's loader),
+    refused in one line where its tokenizer is not the target's."""
     from .loading import read_source
 
     source = read_source(path)
     if source.tokenizer is None:
         raise UserError(f"--draft-model {path} has no tokenizer to compare with")
     check_same_vocabulary(tokenizer, source.tokenizer, name, path)
-    model, _ = build(source, mode)
+    model, _ = build(source)
     return model

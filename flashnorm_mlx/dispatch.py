@@ -1,17 +1,8 @@
-"""What one decode step launches: the primitives of a cached one-token forward pass.
-
-At batch-1 decode on Metal and CUDA every kernel-launching primitive costs the
-GPU a fixed ~10 µs whatever it computes, and MLX's host encoding per primitive
-on top (docs/design.md section 4a): the count of such primitives per step is
-one part of what decode speed is made of, host build time the other. The
-graph of one step is read with `mx.export_to_dot` without running it; views
-(reshape, transpose, slices, broadcasts) are counted apart since they launch
-nothing (a reshape of a non-contiguous array copies: the count says "at most").
-
-On a build without Metal or CUDA, mx.fast ops decompose into several plain ops
-and custom kernels do not run (their plain twins do), so raw counts there are not
-the GPU's. `gpu_like()` models the GPU graph on any build: every mx.fast op and
-every FlashNorm kernel becomes one node, as it is on a GPU.
+"""What one decode step launches: the primitives of a cached one-token forward
+pass, read from its graph without running it. At batch-1 decode each launch
+costs a GPU a fixed ~10 µs, so their count is one part of decode speed
+(docs/design.md sections 4a and 4b); `gpu_like()` counts as a GPU would on a
+build without one.
 """
 
 import contextlib

@@ -1,34 +1,10 @@
-"""Engines: how a model's decode steps run. Every variant runs on either one.
-
-- `eager`: the model's own `__call__`, its graph built op by op each step, as
-  mlx-lm runs it (mlx-lm's `generate_step` drives both engines).
-- `compiled`: a single-token step over mlx-lm's `KVCache` runs as one
-  `mx.compile`d function, embedding to logits, every block included. At
-  batch-1 decode of models up to ~1B parameters the host sets the pace on
-  Metal and CUDA (docs/design.md section 4a), and Python then runs once per
-  shape, not per op.
-
-Compiling and a length-aware attention are engine choices, not FlashNorm: any
-model could use them. So the compiled engine gives every class the same step
-(docs/design.md section 4c), ours and mlx-lm's alike:
-- the cache is the layer's own `KVCache` buffer (B, H, C, h), used at its full
-  capacity C: the step writes the new key and value at the offset, given as an
-  array (`mx.slice_update`, `StepCache`), and attention reads positions
-  0..offset only, through `kernels.decode_attention` (no mask). mlx-lm's model
-  modules are handed `kernels.scaled_dot_product_attention` in place of their
-  `scaled_dot_product_attention`, which is theirs for every other cache.
-  Capacity grows in buckets of `BUCKET` positions, so a step retraces once per
-  bucket, not per token;
-- the first step of each new shape runs eagerly, uncompiled: the kernels'
-  first-use checks evaluate (docs/design.md section 3c), which a trace must
-  never do. Tracing happens from the second step on, under `kernels.tracing()`.
-
-Steps the whole-step function cannot serve run the model as is: prefill (L > 1),
-caches other than a plain `KVCache` (rotating, quantized, batched), an empty
-cache. There FlashNorm's blocks compile their cache-free parts (`_parts_class`);
-mlx-lm's classes, whose attention holds the cache update, run eagerly. bench's
-rows all take the whole-step path, but Gemma 3's (its local layers' caches are
-rotating: docs/design.md section 3e).
+"""Engines: how a model's decode steps run, the same for every mode. `eager` is
+the model's own `__call__`, as mlx-lm runs it; `compiled` runs a single-token
+step over a `KVCache` as one `mx.compile`d function, so Python runs once per
+shape, not per op, where the host sets the pace (docs/design.md section 4a).
+Compiling is no part of FlashNorm: every class, ours and mlx-lm's, gets the
+same step (section 3e says how: the cache's buffer, its buckets, the eager
+first step, and what runs uncompiled).
 """
 
 import contextlib

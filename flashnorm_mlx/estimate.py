@@ -1,6 +1,6 @@
 """Say what will be slow before it is (docs/design.md section 4f).
 
-A long job (bench's generations, perplexity's batches, /compare's variants,
+A long job (bench's generations, perplexity's batches, /compare's rows,
 GPTQ's calibration and layers) measures its first piece, multiplies by the
 pieces left, and says so in one line where that comes to more than SLOW_S:
 a user learns at once that a run will take minutes, not after them. Only

@@ -1,23 +1,8 @@
 """Ctrl-C: one line, exit 130, whenever it comes.
 
-From a command's first line (`at_start`), a Ctrl-C that lands while a module is
-being imported (MLX and mlx-lm: seconds) ends the process at once with one
-line; elsewhere it raises KeyboardInterrupt, as Python's own handler does, and
-the command stops cleanly (cli/flags.py `run_main` prints the line).
-
-In a long command (perplexity, convert), `guard` acts at once even inside a
-long mx.eval.
-
-MLX evaluates lazily and Python raises KeyboardInterrupt only between
-bytecodes, so a Ctrl-C waits for the mx.eval in progress: one forward pass of
-a 30-layer model over 1024 tokens is minutes on a 2-core CPU. While `guard` is
-active, SIGINT instead wakes a watcher thread (`signal.set_wakeup_fd`; mx.eval
-releases the GIL, so the thread runs while the main thread computes). The
-watcher waits for a commit in progress (`committing`: convert's writing and
-final rename, seconds), runs the registered cleanups (`cleanup`: convert's
-temporary folder), prints one line saying what was interrupted and ends the
-process with status 130. Nothing else runs after that line: no half-written
-file, no traceback, no second line.
+Python raises KeyboardInterrupt only between bytecodes, so a Ctrl-C would wait
+out a long mx.eval (minutes on a CPU): while `guard` is active a watcher thread
+takes SIGINT instead (docs/design.md section 5d says how).
 """
 
 import contextlib

@@ -69,7 +69,7 @@ def device_info() -> dict:
 def versions() -> dict:
     import mlx_lm
 
-    from . import __version__
+    from .version import __version__
 
     return {
         "mlx": mx.__version__,

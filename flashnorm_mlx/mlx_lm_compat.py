@@ -1,24 +1,9 @@
 """Every use of mlx-lm's private names and internal fields, in one place.
 
-mlx-lm does not promise these; each function here is the only caller of one, and
-tests/test_mlx_lm_compat.py checks each still exists and behaves, so an mlx-lm
-upgrade that changes one fails there with the version named, not deep inside a
-model or the server (docs/design.md section 5). What they are for:
-- `stock_classes`: `mlx_lm.utils._get_classes`, the stock model class a config names;
-- `hub_download`: `mlx_lm.utils._download`, mlx-lm's own hub download;
-- `rope_freqs`: the `_freqs` and `_scale` of mlx-lm's scaled RoPE modules (Llama 3,
-  SuScaled, YaRN, Proportional), which the fused epilogue reproduces;
-- `inner_tokenizer`: `TokenizerWrapper._tokenizer`, the Hugging Face tokenizer;
-- `infer_tool_parser` and `set_tool_parser`: `mlx_lm.tokenizer_utils._infer_tool_parser`
-  and `TokenizerWrapper`'s `_tool_*` fields, so a template given with serve's
-  --chat-template brings its own tool-call format (mlx-lm infers it at load only);
-- `kv_buffers` and `set_kv_buffers`: a `KVCache`'s `keys`, `values` and `offset`,
-  which the compiled decode step reads and replaces whole (engine.py);
-- `llama4_attn_scale`: `mlx_lm.models.ministral3._get_llama_4_attn_scale`, the
-  query scale per position our Ministral 3 applies as stock does;
-- `gemma4_per_layer_inputs`: `Gemma4TextModel._get_per_layer_inputs` and
-  `_project_per_layer_inputs`, Gemma 4's per-layer inputs, run on our model
-  (which holds stock's modules under stock's names) as stock runs them.
+mlx-lm does not promise them: each function here is the only caller of one,
+and tests/test_mlx_lm_compat.py checks each still exists and behaves, so an
+upgrade that changes one fails there with the version named (docs/design.md
+section 5).
 """
 
 from typing import Optional, Tuple

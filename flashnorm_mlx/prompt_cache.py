@@ -1,15 +1,7 @@
 """Prompt-cache files: a prompt's KV cache saved once and reused, in mlx-lm's
-format (`save_prompt_cache` / `load_prompt_cache`, docs/design.md section 5d).
-
-The safetensors metadata keeps mlx-lm's keys (`model`, `tokenizer_config`) and
-adds ours: the mode, the weights (dtype and quantization), the adapter and the
-cached token ids. A file is taken only by the model, mode and weights it was
-made with. FlashNorm's cache holds stock's K and V (the deferred 1/RMS reaches
-k and v before they are cached, sections 2a and 2d), equal up to rounding, but
-the two round differently, so a file is refused across modes: a reply from a
-cache must be the reply the same command gives without it. A file mlx-lm's
-own cache_prompt made has none of our keys: its model is mlx-lm's class, so
-it runs with --mode stock (the model, dtype and layers still checked).
+format. A file is taken only by the model, mode and weights it was made with,
+so a reply from a cache is the reply the same command gives without it
+(docs/design.md section 5d).
 """
 
 import json
@@ -23,8 +15,9 @@ import mlx.nn as nn
 
 from .errors import LoadError
 from .limits import AFFINE, module_q_mode
-from .loading import mode_named, model_dtype
+from .loading import model_dtype
 from .loading.checks import check_safetensors
+from .modes import Mode
 
 PREFIX = "flashnorm_mlx_"  # no dots: load_prompt_cache unflattens keys at them
 MODE, WEIGHTS, ADAPTER, TOKENS = (
@@ -56,13 +49,13 @@ def model_id(model: Optional[str]) -> str:
     return str(path.resolve()) if path.exists() else model
 
 
-def identity(model_arg: Optional[str], mode: str, model=None, adapter=None) -> dict:
+def identity(model_arg: Optional[str], mode: Mode, model=None, adapter=None) -> dict:
     """The metadata a file records for the model it was made with (the weights
     only when `model` is given)."""
     return {
         "model": model_id(model_arg),
         "tokenizer_config": json.dumps({}),
-        MODE: mode,
+        MODE: mode.name,
         **({WEIGHTS: weights_words(model)} if model is not None else {}),
         ADAPTER: str(Path(adapter).expanduser().resolve()) if adapter else "",
     }
@@ -143,7 +136,7 @@ def save(
     return len(ids)
 
 
-def read(path, model_arg: Optional[str], mode: str, adapter=None):
+def read(path, model_arg: Optional[str], mode: Mode, adapter=None):
     """(cache, metadata) of a file made with this MODEL, mode and adapter, read
     before the model is built; anything else is one LoadError line."""
     from mlx_lm.models.cache import load_prompt_cache
@@ -166,7 +159,7 @@ def read(path, model_arg: Optional[str], mode: str, adapter=None):
             f"{want['model']}"
         )
     if MODE not in meta:  # mlx-lm's cache_prompt: none of our keys
-        if not mode_named(mode).is_mlx_lms:
+        if not mode.is_mlx_lms:
             raise LoadError(
                 f"{path} was made by mlx-lm's cache_prompt, whose model is "
                 "stock's: run it with --mode stock"

@@ -16,7 +16,7 @@ import time
 
 import mlx.core as mx
 
-from flashnorm_mlx.likelihood import perplexity
+from flashnorm_mlx.jobs.likelihood import perplexity
 from flashnorm_mlx.loading import read_source
 
 EVAL = dict(seq_len=256, num_seqs=17, dtype=mx.float32)

@@ -8,12 +8,11 @@ import mlx.core as mx
 import pytest
 import tiny
 from mlx.utils import tree_flatten
+from tiny import PROMPT
 
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.adapters import apply_adapter
-
-TOKENS = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 
 
 def make_adapter(model_dir, out, kind="lora", seed=1, num_layers=2):
@@ -98,7 +97,7 @@ def test_adapter_matches_mlx_lm_load_with_adapter_path(tmp_path, kind, name):
         str(model_dir), need_tokenizer=False, adapter_path=str(adapter)
     )
     ours, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    x = mx.array([TOKENS])
+    x = mx.array([PROMPT])
     want, got, unadapted = ref(x), ours(x), base(x)
     # The adapter changes the function (else the test proves nothing) ...
     moved = _rel(want, unadapted)
@@ -173,15 +172,15 @@ def test_quantized_source_takes_the_adapter_in_float(llama, tmp_path):
     assert not any("Quantized" in type(m).__name__ for _, m in ours.named_modules())
     stock, _ = build_model(q, "stock", dtype=mx.float32)
     ref = load_adapters(stock, str(adapter))  # mlx-lm's: 8-bit base + LoRA layers
-    x = mx.array([TOKENS])
+    x = mx.array([PROMPT])
     err = _rel(ref(x), ours(x))
     print(f"8-bit source + adapter: FlashNorm in float vs mlx-lm adapted {err:.2e}")
     assert err < 1e-4
-    from flashnorm_mlx.equivalence import compare
+    from flashnorm_mlx.jobs.equivalence import compare
     from flashnorm_mlx.loading.adapters import adapter_comparison
     from flashnorm_mlx.loading.variants import comparison
 
-    r = compare(q, TOKENS, horizon=4, dtype=mx.float32, adapter=str(adapter))
+    r = compare(q, PROMPT, horizon=4, dtype=mx.float32, adapter=str(adapter))
     how = adapter_comparison(q, comparison(q))
     print(r, how)
     assert r["max_rel_logit_diff"] < 1e-4 and r["greedy_match"] == 4
@@ -202,7 +201,7 @@ def test_convert_with_adapter_writes_the_adapted_function(llama, tmp_path, capsy
     assert main(argv) == 0
     ref, _ = _reference(llama, adapter)
     folded, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
-    x = mx.array([TOKENS])
+    x = mx.array([PROMPT])
     err = _rel(ref(x), folded(x))
     print(f"converted with adapter vs mlx-lm adapted: {err:.2e}")
     assert err < tiny.f32_tol(1e-4)

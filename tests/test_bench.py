@@ -8,8 +8,9 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 
-from flashnorm_mlx import dispatch, speed
+from flashnorm_mlx import dispatch
 from flashnorm_mlx.cli import main
+from flashnorm_mlx.jobs import speed
 from flashnorm_mlx.loading import Source, build_model, nonorm, read_source
 from flashnorm_mlx.loading.variants import NAMES
 from flashnorm_mlx.timing import time_generation

@@ -19,7 +19,7 @@ import tiny
 from mlx_lm import stream_generate
 
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.conversation import ChatSession, ContextOverflow, common_prefix
+from flashnorm_mlx.jobs.conversation import ChatSession, ContextOverflow, common_prefix
 from flashnorm_mlx.loading import build_model, read_source
 
 STATS = re.compile(r"^(\d+) tokens, [\d.]+ tok/s \| prompt (\d+) tokens.* GB.*$", re.M)
@@ -41,6 +41,11 @@ def loaded(model_dir):
     source = read_source(str(model_dir))
     model, _ = build_model(source, "flashnorm")
     return model, source.tokenizer
+
+
+def held(s: ChatSession) -> int:
+    """Tokens the session's KV cache itself holds (its first layer's)."""
+    return s.cache[0].offset if s.cache else 0
 
 
 def user(text):
@@ -96,7 +101,7 @@ def test_second_turn_prefills_only_new_tokens(loaded):
     ref1, _ = reference(model, tok, msgs1, 10, proc)
     assert t1.reply_ids == ref1, (t1.reply_ids, ref1)
     assert (t1.prompt_tokens, t1.cached_tokens) == (len(full1), 0), t1
-    n1 = s.cache_offset  # what the KV cache itself holds
+    n1 = held(s)  # what the KV cache itself holds
     assert n1 == len(s.cache_ids) == len(full1) + len(t1.reply_ids), (
         n1,
         len(s.cache_ids),
@@ -117,7 +122,7 @@ def test_second_turn_prefills_only_new_tokens(loaded):
     assert 4 * t2.prompt_tokens < len(full2), (t2.prompt_tokens, len(full2))
     ref2, _ = reference(model, tok, msgs2, 10, proc)
     assert t2.reply_ids == ref2, (t2.reply_ids, ref2)
-    assert s.cache_offset == len(full2) + len(ref2), (s.cache_offset, len(full2))
+    assert held(s) == len(full2) + len(ref2), (held(s), len(full2))
     assert t2.generation_tokens == len(ref2) and t2.peak_memory_gb > 0, t2
     assert t2.finish_reason in ("stop", "length") and t2.prompt_tps > 0, t2
 
@@ -147,7 +152,7 @@ def test_reset_clears_history_and_cache(loaded):
     s.send(LONG)
     s.reset()
     assert s.messages == [{"role": "system", "content": SYSTEM}], s.messages
-    assert s.cache_offset == 0 and s.cache_ids == [], s.cache_offset
+    assert held(s) == 0 and s.cache_ids == [], held(s)
     t = s.send("Hi")
     full = s.render([{"role": "system", "content": SYSTEM}, user("Hi")])
     assert (t.prompt_tokens, t.cached_tokens) == (len(full), 0), t
@@ -165,7 +170,7 @@ def test_ctrl_c_keeps_session_consistent(loaded, at):
     before, cached_before = list(s.messages), list(s.cache_ids)
     t = s.send("Go on.")
     assert t.finish_reason == "interrupted", t
-    assert s.cache_offset == len(s.cache_ids), (s.cache_offset, len(s.cache_ids))
+    assert held(s) == len(s.cache_ids), (held(s), len(s.cache_ids))
     if at == 1:
         assert t.reply_ids == [] and s.messages == before, (t.reply_ids, s.messages)
         # Back to the part of the old cache this turn reused; nothing of it fed.
@@ -217,7 +222,7 @@ def test_ctrl_c_in_the_prefill_drops_the_turn_and_trims_the_cache(loaded):
     assert t.prefilled_tokens == 8 < t.prompt_tokens, t  # two chunks of 4 fed
     assert s.messages == before, s.messages  # the message is dropped
     assert s.cache_ids == cached_before[: t.cached_tokens], len(s.cache_ids)
-    assert s.cache_offset == len(s.cache_ids), (s.cache_offset, len(s.cache_ids))
+    assert held(s) == len(s.cache_ids), (held(s), len(s.cache_ids))
     line = t.line()
     assert "tok/s" not in line and f"8 of {t.prompt_tokens} prompt tokens" in line
     t2 = s.send("Finish.")
@@ -253,7 +258,7 @@ def test_context_overflow_refuses_or_drops_turns(loaded):
     for i in range(4):
         t = s.send(f"Message number {i}.")
         dropped += t.dropped_messages
-        assert s.cache_offset <= limit, (i, s.cache_offset, limit)
+        assert held(s) <= limit, (i, held(s), limit)
         assert t.generation_tokens <= t.max_tokens <= 8, t
     assert dropped > 0, "four turns of ~30 tokens never outgrew 90 tokens?"
     assert s.messages[0]["role"] == "system", s.messages

@@ -10,11 +10,11 @@ import tiny
 from mlx.utils import tree_flatten
 
 from flashnorm_mlx import fold, quant
-from flashnorm_mlx.checkpoint import convert
 from flashnorm_mlx.cli import main
+from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.loading import LoadError, Source, build_model, read_source
 
-PROMPT = [[5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]]
+PROMPT = [tiny.PROMPT]  # a batch of one
 QUANT = {"float": None, "4bit_gs32": (4, 32), "4bit_gs64": (4, 64)}
 
 
@@ -309,7 +309,7 @@ def test_failed_force_onto_a_mount_point_leaves_nothing(
     import errno
     import os
 
-    from flashnorm_mlx import checkpoint
+    from flashnorm_mlx.jobs import checkpoint
 
     out = tmp_path / "mnt"
     assert main(["convert", str(llama_dir), "-o", str(out)]) == 0

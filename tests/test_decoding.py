@@ -11,6 +11,7 @@ import pytest
 import tiny
 
 from flashnorm_mlx.cli import main
+from flashnorm_mlx.modes import MODES
 
 DRAFT_FLAGS = ("draft_model", "num_draft_tokens")
 KV_FLAGS = ("max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start")
@@ -291,7 +292,7 @@ def test_chat_kv_options_flashnorm_matches_stock(pairs, case, monkeypatch, capsy
     start at 16: FlashNorm's replies are stock's with the same options."""
     from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
-    from flashnorm_mlx.conversation import ChatSession
+    from flashnorm_mlx.jobs.conversation import ChatSession
 
     sessions, init = [], ChatSession.__post_init__
     monkeypatch.setattr(
@@ -306,7 +307,7 @@ def test_chat_kv_options_flashnorm_matches_stock(pairs, case, monkeypatch, capsy
     want = RotatingKVCache if case == "rotating" else QuantizedKVCache
     for s in sessions:
         assert all(type(c) is want for c in s.cache), [type(c) for c in s.cache]
-        assert s.cache_offset > 32, s.cache_offset
+        assert s.cache[0].offset > 32, s.cache[0].offset
 
 
 # --- bench --draft-model ----------------------------------------------------------
@@ -439,4 +440,4 @@ def test_the_draft_is_built_in_the_mode_asked(pairs, mode, capsys, monkeypatch):
     flags = ["--mode", mode, "--draft-model", str(draft)]
     drafted, _ = _generate(capsys, target, *flags, tokens=24)
     assert drafted == alone, (alone, drafted)
-    assert built[-2:] == [(str(target), mode), (str(draft), mode)], built
+    assert built[-2:] == [(str(target), MODES[mode]), (str(draft), MODES[mode])], built

@@ -15,20 +15,15 @@ import mlx.core as mx
 import pytest
 import tiny
 from mlx_lm.generate import generate_step
+from tiny import PROMPT, rel
 
 from flashnorm_mlx import kernels
-from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.errors import LoadError, UnsupportedModel
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import phi3, smollm3
 
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
-CONFIGS = [(tiny.make_phi3, c) for c in tiny.PHI3_CONFIGS] + [
-    (tiny.make_smollm3, c) for c in tiny.SMOLLM3_CONFIGS
-]
-EVERY = pytest.mark.parametrize(
-    "make,cfg", [pytest.param(m, c, id=c) for m, c in CONFIGS]
-)
+EVERY = pytest.mark.parametrize("make,cfg", tiny.every_config("phi3", "smollm3"))
 # Which path each config's attention takes: the model's own RoPE module (True)
 # or the fused epilogue (False), every layer, every step; with the rotated dims
 # and the input factor the fused one gets.
@@ -38,11 +33,6 @@ ROTARY = {"phi3": (16, False), "phi3_longrope": (12, True), "phi3_su_full": (16,
 
 def _source(tmp_path, make, cfg):
     return read_source(str(make(tmp_path / cfg, cfg, tokenizer=False)))
-
-
-def rel(a, b) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
 
 
 @EVERY
@@ -205,7 +195,7 @@ def test_a_gguf_of_a_family_that_declares_none_is_one_line(tmp_path, arch, capsy
     assert f"{arch} has no gguf: llama.cpp's {arch} files are not read yet" in err
 
 
-def test_a_variant_a_family_declares_it_cannot_run_is_one_error(tmp_path, monkeypatch):
+def test_a_mode_a_family_declares_it_cannot_run_is_one_error(tmp_path, monkeypatch):
     import dataclasses
 
     source = _source(tmp_path, tiny.make_phi3, "phi3")

@@ -64,7 +64,7 @@ def gpu_count(source, mode, dtype):
 
 
 # A sliding-window cache (mlx-lm's RotatingKVCache) adds its own ops while it
-# fills, in every variant alike: those models are held to "fewer" only.
+# fills, in every mode alike: those models are held to "fewer" only.
 EXACT = [name for name in MODELS if "sliding" not in name]
 
 

@@ -621,7 +621,8 @@ def test_a_sharded_build_opens_its_own_handles_of_a_folders_weights(tmp_path):
     assert all(fresh[k] is not v for k, v in source.weights.items())
     assert all(mx.array_equal(fresh[k], v).item() for k, v in source.weights.items())
     changed = {**source.weights, "extra.weight": mx.zeros((1,))}
-    other = Source(source.name, source.config, changed, folder=source.folder)
+    other = Source(source.name, source.config, changed, files=source.files)
     assert build._own_handles(other) is changed
-    unfiled = Source(source.name, source.config, source.weights)
+    assert source.files and all(f.startswith(str(path)) for f in source.files)
+    unfiled = Source(source.name, source.config, source.weights, folder=path)
     assert build._own_handles(unfiled) is source.weights

@@ -1,4 +1,4 @@
-"""The engines (flashnorm_mlx/engine.py): every variant on the compiled step.
+"""The engines (flashnorm_mlx/engine.py): every mode on the compiled step.
 
 References: the same model on the eager engine (greedy tokens identical over
 128 steps on every tiny architecture, over 32 with each step's log-probabilities
@@ -14,40 +14,16 @@ import pytest
 import tiny
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+from tiny import PROMPT
 
 from flashnorm_mlx import engine
 from flashnorm_mlx import kernels as K
-from flashnorm_mlx.conversation import ChatSession
+from flashnorm_mlx.jobs.conversation import ChatSession
 from flashnorm_mlx.loading import MODES, build_model, read_source
 from flashnorm_mlx.models.blocks import Block
 
 ENGINE = {True: "compiled", False: "eager"}
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
-CONFIGS = (
-    [("llama", c, tiny.make_llama) for c in tiny.LLAMA_CONFIGS]
-    + [("qwen", c, tiny.make_qwen) for c in tiny.QWEN_CONFIGS]
-    + [("openelm", c, tiny.make_openelm) for c in tiny.OPENELM_CONFIGS]
-    + [("gemma3", c, tiny.make_gemma3) for c in tiny.GEMMA3_CONFIGS]
-    + [("phi3", c, tiny.make_phi3) for c in tiny.PHI3_CONFIGS]
-    + [("smollm3", c, tiny.make_smollm3) for c in tiny.SMOLLM3_CONFIGS]
-    + [("llama4_text", c, tiny.make_llama4_text) for c in tiny.LLAMA4_TEXT_CONFIGS]
-    + [("llama4", c, tiny.make_llama4) for c in tiny.LLAMA4_CONFIGS]
-    + [("ministral3", c, tiny.make_ministral3) for c in tiny.MINISTRAL3_CONFIGS]
-    + [("mistral3", c, tiny.make_mistral3) for c in tiny.MISTRAL3_WRAPPERS]
-    + [("qwen3_5", c, tiny.make_qwen3_5) for c in tiny.QWEN3_5_CONFIGS]
-    + [("qwen3_5_moe", c, tiny.make_qwen3_5_moe) for c in tiny.QWEN3_5_CONFIGS]
-    + [("qwen3_next", c, tiny.make_qwen3_next) for c in ("untied", "tied")]
-    + [("lfm2", c, tiny.make_lfm2) for c in tiny.LFM2_CONFIGS]
-    + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
-    + [("glm4_moe", c, tiny.make_glm4_moe) for c in tiny.GLM4_MOE_CONFIGS]
-    + [("deepseek_v3", c, tiny.make_deepseek_v3) for c in tiny.DEEPSEEK_V3_CONFIGS]
-    + [("nemotron_h", c, tiny.make_nemotron_h) for c in tiny.NEMOTRON_H_CONFIGS]
-    + [("granitemoehybrid", c, tiny.make_granite4) for c in tiny.GRANITE4_CONFIGS]
-    + [("gemma4_text", c, tiny.make_gemma4) for c in tiny.GEMMA4_CONFIGS]
-)
-EVERY_CONFIG = pytest.mark.parametrize(
-    "make,cfg", [pytest.param(m, c, id=f"{a}-{c}") for a, c, m in CONFIGS]
-)
+EVERY_CONFIG = pytest.mark.parametrize("make,cfg", tiny.every_config())
 
 
 def greedy(model, prompt, n):
@@ -112,7 +88,7 @@ RUN_EAGER_CONFIGS = ("granitemoehybrid_dense",)
 @EVERY_CONFIG
 def test_compiled_step_gives_the_uncompiled_greedy_text(tmp_path, make, cfg):
     on, off = both(read_source(str(make(tmp_path, cfg, tokenizer=False))))
-    a, b = greedy(on, PROMPT, 128), greedy(off, PROMPT, 128)
+    a, b = greedy(on, PROMPT, 64), greedy(off, PROMPT, 64)
     assert a == b, f"{cfg}: first difference at step {first_difference(a, b)}"
     eager = make in RUN_EAGER or cfg in RUN_EAGER_CONFIGS
     assert compiled_ran(on) == (not eager) and not compiled_ran(off), cfg
@@ -153,7 +129,7 @@ def test_batched_decode_compiles_block_parts_and_stays_exact(tmp_path):
     cache-free parts run compiled, with the uncompiled model's tokens."""
     from mlx_lm.generate import batch_generate
 
-    from flashnorm_mlx.loading import load
+    from flashnorm_mlx import load
 
     path = tiny.make_llama(tmp_path, "gqa_untied")
     prompts = [PROMPT, PROMPT[:5], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
@@ -178,7 +154,7 @@ def _teacher_forced(model, prompt, tokens):
 
 
 @EVERY_CONFIG
-def test_every_variant_on_the_compiled_engine_is_mlx_lm(tmp_path, make, cfg):
+def test_every_mode_on_the_compiled_engine_is_mlx_lm(tmp_path, make, cfg):
     """stock, stock_fused and FlashNorm on the compiled engine: mlx-lm's eager
     greedy tokens over 32 cached steps; stock within 1e-5 (float32, relative) of
     mlx-lm's logits, and mlx-lm's own class ran the whole compiled step."""
@@ -206,7 +182,7 @@ def test_every_variant_on_the_compiled_engine_is_mlx_lm(tmp_path, make, cfg):
 
 def test_chat_of_three_turns_same_replies_compiled_and_not(tmp_path):
     """The prompt cache kept (and trimmed) across turns works compiled."""
-    from flashnorm_mlx.loading import load
+    from flashnorm_mlx import load
 
     path = tiny.make_llama(tmp_path, "gqa_untied")
     replies = {}
@@ -336,7 +312,7 @@ def _attention_without_sdpa(q, k, v, offset, scale=1.0):
     ],
     ids=["llama", "qwen3", "openelm"],
 )
-def test_every_variant_traces_one_decode_attention_per_layer(
+def test_every_mode_traces_one_decode_attention_per_layer(
     fake_kernels, monkeypatch, tmp_path, make, cfg, mode
 ):
     """On the compiled engine the four norm handlings differ in the norms alone:

@@ -14,8 +14,9 @@ import tiny
 import flashnorm_mlx
 from flashnorm_mlx.cli import chat as chat_cli
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.conversation import ChatSession
+from flashnorm_mlx.jobs.conversation import ChatSession
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,8 +139,8 @@ def test_compare_shows_each_variants_text(model_dir, monkeypatch, capsys):
 
 def test_one_prefill_then_each_variant_decodes_what_a_full_run_decodes(model_dir):
     """The shared prefill (the chat model's cache after prompt[:-1], copied per
-    variant) regenerates the tokens a run from the whole prompt gives, for a
-    variant other than the chat's own; the copies leave the shared cache as
+    row) regenerates the tokens a run from the whole prompt gives, for a
+    row other than the chat's own; the copies leave the shared cache as
     it was."""
     from flashnorm_mlx.timing import time_generation
 
@@ -149,7 +150,7 @@ def test_one_prefill_then_each_variant_decodes_what_a_full_run_decodes(model_dir
     session = ChatSession(model, source.tokenizer, max_tokens=8)
     session.send("Tell me about the fox")
     prompt, n = session.last_prompt_ids, len(session.last_reply_ids)
-    compare = chat_cli.Comparer(source, "flashnorm", model, {"dtype": mx.float32})
+    compare = chat_cli.CompareRows(source, FLASHNORM, model, {"dtype": mx.float32})
     base = compare._prefill(prompt)
     held = [(c.offset, mx.array(c.keys)) for c in base]
     for m in (stock, model):

@@ -17,14 +17,14 @@ import pytest
 import tiny
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from tiny import PROMPT, rel
 
-from flashnorm_mlx import fold, kernels, speed
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx import fold, kernels
+from flashnorm_mlx.jobs import speed
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import Source, build_model, read_source
 from flashnorm_mlx.models import gemma3
-
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 
 
 @pytest.fixture(scope="module", params=list(tiny.GEMMA3_CONFIGS))
@@ -37,11 +37,6 @@ def source(request, tmp_path_factory):
 def tied(tmp_path_factory):
     path = tiny.make_gemma3(tmp_path_factory.mktemp("g3"), "gemma3_tied")
     return read_source(str(path))
-
-
-def rel(a, b) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
 
 
 def test_classes_and_what_is_left_of_the_norms(source):
@@ -122,7 +117,7 @@ def test_a_stored_head_is_used_as_stock_uses_it(tied, tmp_path):
 
 
 def test_perplexity_agrees_in_float32(source):
-    from flashnorm_mlx.likelihood import default_text, perplexity
+    from flashnorm_mlx.jobs.likelihood import default_text, perplexity
 
     r = perplexity(
         source, text=default_text()[:3000], seq_len=32, num_seqs=2, dtype=mx.float32

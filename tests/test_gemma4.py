@@ -21,17 +21,16 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold, kernels, models
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
 from flashnorm_mlx.errors import LoadError
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import gemma4_text
 from flashnorm_mlx.models.arch import Architecture
-
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 
 
 @pytest.fixture(scope="module", params=[*tiny.GEMMA4_CONFIGS, *tiny.GEMMA4_PARTS])
@@ -55,11 +54,6 @@ def dense_source(request, tmp_path_factory):
 def stock_q4(folder, tmp_path_factory):
     """mlx-lm's own `convert -q` of the tiny model, read back as stored."""
     return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
-
-
-def rel(a, b) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
 
 
 def test_classes_and_what_is_left_of_the_norms(source):
@@ -330,7 +324,7 @@ def test_the_wrapper_is_read_as_its_text_model_and_stock_is_mlx_lms(tmp_path):
 
 
 def test_bench_counts_fewer_launches(source):
-    from flashnorm_mlx import speed
+    from flashnorm_mlx.jobs import speed
 
     r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
     v = r["variants"]
@@ -620,7 +614,7 @@ def gemma4_gguf_errors(folder, path, horizon=8):
     ref, _ = build_model(ref_src, "stock", dtype=mx.float32)
     src = read_source(str(path), need_tokenizer=False)
     out = {}
-    for mode in ("stock", models.run_mode(src.config, None)):
+    for mode in ("stock", models.run_mode(src.config).name):
         got, _ = build_model(src, mode, dtype=mx.float32)
         cr, cg = make_prompt_cache(ref), make_prompt_cache(got)
         a, b = ref(ids, cache=cr), got(ids, cache=cg)

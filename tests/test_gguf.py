@@ -17,7 +17,7 @@ import pytest
 import regex
 import tiny
 
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import LoadError, build_model, read_source
 from flashnorm_mlx.loading.gguf import PRE_TOKENIZERS, build_fast_tokenizer, read_gguf
 from flashnorm_mlx.loading.source import default_model_path

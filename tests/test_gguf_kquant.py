@@ -13,7 +13,7 @@ import pytest
 import tiny
 from test_gguf import _gguf_name, llama_cpp_permute, tiny_metadata
 
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model
 from flashnorm_mlx.loading import gguf_kquant as kq
 from flashnorm_mlx.loading import read_source

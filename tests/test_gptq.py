@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tiny
 
-from flashnorm_mlx.likelihood import perplexity
+from flashnorm_mlx.jobs.likelihood import perplexity
 from flashnorm_mlx.loading import Source, build_model, read_source
 from flashnorm_mlx.quant import gptq
 from flashnorm_mlx.texts import calibration_text, default_text
@@ -154,7 +154,7 @@ def test_convert_gptq_is_recorded_deterministic_and_runs_in_stock_mlx_lm(
 
     from mlx_lm.utils import load_model
 
-    from flashnorm_mlx.checkpoint import convert
+    from flashnorm_mlx.jobs.checkpoint import convert
 
     a, b = tmp_path / "a", tmp_path / "b"
     for out in (a, b):
@@ -194,7 +194,7 @@ def test_gptq_in_row_chunks_equals_whole_weights(source):
 
 
 def test_convert_gptq_without_a_tokenizer_is_one_clear_error(tmp_path):
-    from flashnorm_mlx.checkpoint import convert
+    from flashnorm_mlx.jobs.checkpoint import convert
     from flashnorm_mlx.loading import LoadError
 
     src = read_source(str(tiny.make_openelm(tmp_path / "e", tokenizer=False)))
@@ -207,7 +207,7 @@ def test_bits_gptq_cannot_write_fail_before_any_work(source, tmp_path):
     """3-bit weights (mlx-lm's GPTQ packer writes 2, 4 and 8): one LoadError from
     the weights plan, before perplexity builds stock and before convert writes
     anything; round-to-nearest takes the same flags."""
-    from flashnorm_mlx.checkpoint import convert
+    from flashnorm_mlx.jobs.checkpoint import convert
     from flashnorm_mlx.loading import LoadError
 
     stages = []

@@ -18,14 +18,15 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
+from tiny import PROMPT, rel
 
-from flashnorm_mlx import fold, speed
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx import fold
+from flashnorm_mlx.jobs import speed
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import granitemoehybrid as granite
 
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 NAMES = list(tiny.GRANITE4_CONFIGS)
 
 
@@ -47,11 +48,6 @@ def stock_q4(folder, tmp_path_factory):
 
 def _source(tmp_path, name, **over):
     return read_source(str(tiny.make_granite4(tmp_path / name, name, **over)))
-
-
-def rel(a, b) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
 
 
 def greedy(model, n=64):

@@ -23,16 +23,17 @@ import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from test_gguf import _u32, gguf_runs_as_folder, tiny_metadata, write_gguf
+from tiny import PROMPT, rel
 
-from flashnorm_mlx import fold, kernels, speed
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx import fold, kernels
 from flashnorm_mlx.errors import UnsupportedModel
+from flashnorm_mlx.jobs import speed
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import lfm2, lfm2_moe
 
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 MAKERS = {
     **{c: tiny.make_lfm2 for c in tiny.LFM2_CONFIGS},
     **{c: tiny.make_lfm2_moe for c in tiny.LFM2_MOE_CONFIGS},
@@ -68,11 +69,6 @@ def moe_folder(request, tmp_path_factory):
 
 def _source(tmp_path, name):
     return read_source(str(make(tmp_path / name, name)))
-
-
-def rel(a, b) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
 
 
 def greedy(model, n=64):

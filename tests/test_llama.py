@@ -6,12 +6,11 @@ import mlx.core as mx
 import pytest
 import tiny
 from mlx_lm.models.cache import make_prompt_cache
+from tiny import PROMPT
 
 from flashnorm_mlx import fold, quant
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
-
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 
 
 @pytest.fixture(scope="module", params=list(tiny.LLAMA_CONFIGS))
@@ -135,7 +134,7 @@ def test_quantized_tensors_are_never_refolded(source):
 
 
 def test_quantized_source_is_dequantized_folded_requantized(source):
-    """4-bit source, --requantize: both variants are quantized from the same float
+    """4-bit source, --requantize: both modes are quantized from the same float
     weights with the source's settings; FlashNorm's quantized model equals
     quantizing the in-memory fold of the dequantized weights."""
     from flashnorm_mlx.loading import Source

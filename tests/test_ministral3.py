@@ -20,20 +20,15 @@ import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from test_gguf import _u32, gguf_runs_as_folder, tiny_metadata, write_gguf
+from tiny import PROMPT, rel
 
 from flashnorm_mlx import mlx_lm_compat as compat
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import llama, ministral3
 
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
-CONFIGS = [(tiny.make_ministral3, c) for c in tiny.MINISTRAL3_CONFIGS] + [
-    (tiny.make_mistral3, c) for c in tiny.MISTRAL3_WRAPPERS
-]
-EVERY = pytest.mark.parametrize(
-    "make,cfg", [pytest.param(m, c, id=c) for m, c in CONFIGS]
-)
+EVERY = pytest.mark.parametrize("make,cfg", tiny.every_config("ministral3", "mistral3"))
 WRAPPED = pytest.mark.parametrize("cfg", list(tiny.MISTRAL3_WRAPPERS))
 
 
@@ -54,11 +49,6 @@ def quantized_folder(tmp_path, make, cfg):
     config["quantization"] = source.config["quantization"]
     out = tmp_path / f"{cfg}-q4"
     return tiny.write_model(out, config, {k: v for k, v in weights.items()}, False)
-
-
-def rel(a, b) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
 
 
 @EVERY
@@ -221,7 +211,7 @@ def test_convert_loads_in_stock_mlx_lm(tmp_path, make, cfg, q_method):
     the source, quantized equal to FlashNorm on the same checkpoint."""
     from mlx_lm.utils import load_model
 
-    from flashnorm_mlx.checkpoint import convert
+    from flashnorm_mlx.jobs.checkpoint import convert
     from flashnorm_mlx.quant import gptq
 
     source = read_source(str(make(tmp_path / cfg, cfg)))

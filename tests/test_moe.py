@@ -17,14 +17,14 @@ import pytest
 import tiny
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import moe
 
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 # model_type -> maker, layers with experts, the feed-forward's name, experts,
 # the router's (bits, group) under mlx-lm's convert -q and ours, the router's
 # and the experts' module names.
@@ -83,11 +83,6 @@ def stock_q4(source, tmp_path_factory):
     """mlx-lm's own `convert -q` of the tiny model (its router at 8 bits, as
     its quant_predicate says), read back as a checkpoint."""
     return tiny.mlx_q4(source.name, tmp_path_factory.mktemp("q4") / "mlx-q4")
-
-
-def rel(a, b) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
 
 
 class Picks(nn.Module):
@@ -250,7 +245,7 @@ def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
 
 
 def test_perplexity_agrees_in_float32(source):
-    from flashnorm_mlx.likelihood import default_text, perplexity
+    from flashnorm_mlx.jobs.likelihood import default_text, perplexity
 
     r = perplexity(
         source, text=default_text()[:3000], seq_len=32, num_seqs=2, dtype=mx.float32
@@ -352,7 +347,7 @@ def test_stock_fused_stacks_each_experts_gate_and_up_and_is_stock(
 
 
 def test_bench_counts_fewer_launches_and_nonorm_runs(source):
-    from flashnorm_mlx import speed
+    from flashnorm_mlx.jobs import speed
 
     r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
     v = r["variants"]

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import tiny
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from tiny import PROMPT
 
 from flashnorm_mlx import fold, kernels
 from flashnorm_mlx.loading import Source, build_model, read_source
 from flashnorm_mlx.models import openelm
 
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 STEPS = 32
 
 

@@ -8,7 +8,7 @@ import pytest
 import tiny
 
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.likelihood import default_text, perplexity, windows
+from flashnorm_mlx.jobs.likelihood import default_text, perplexity, windows
 from flashnorm_mlx.loading import LoadError, build_model, read_source
 
 
@@ -95,7 +95,7 @@ def test_quant_table_rows_are_perplexity_keywords():
     from pathlib import Path
 
     from flashnorm_mlx import quant
-    from flashnorm_mlx.likelihood import perplexity
+    from flashnorm_mlx.jobs.likelihood import perplexity
 
     path = Path(__file__).parent.parent / "scripts" / "quant-table.py"
     spec = importlib.util.spec_from_file_location("quant_table", path)
@@ -110,7 +110,7 @@ def test_quant_table_rows_are_perplexity_keywords():
 def test_both_sides_are_timed_warm(model_dir, data_file, monkeypatch):
     """Each model runs a short warm-up forward pass before its timed windows,
     so the first side does not pay MLX's first-call costs alone."""
-    import flashnorm_mlx.likelihood as P
+    import flashnorm_mlx.jobs.likelihood as P
 
     calls = []
     real_nll, real_timed = P.token_nll, P._model_nll

@@ -14,7 +14,7 @@ import tiny
 from mlx.utils import tree_flatten
 
 from flashnorm_mlx import fold
-from flashnorm_mlx.checkpoint import convert
+from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.loading import build_model, read_source, wrappers
 
 ARCHITECTURES = {

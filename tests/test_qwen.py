@@ -9,13 +9,13 @@ import mlx.core as mx
 import pytest
 import tiny
 from mlx_lm.models.cache import make_prompt_cache
+from tiny import PROMPT
 
-from flashnorm_mlx import fold, speed
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.likelihood import default_text, perplexity
+from flashnorm_mlx import fold
+from flashnorm_mlx.jobs import speed
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.likelihood import default_text, perplexity
 from flashnorm_mlx.loading import Source, build_model, read_source
-
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 
 
 @pytest.fixture(scope="module", params=list(tiny.QWEN_CONFIGS))

@@ -20,15 +20,15 @@ import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from test_gguf import _u32, gguf_runs_as_folder, tiny_metadata, write_gguf
+from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold, kernels, models
-from flashnorm_mlx.checkpoint import convert
-from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.jobs.checkpoint import convert
+from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import LoadError, build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import qwen3_5
 
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 # case -> (maker, config): dense untied and tied; qwen3_5_moe on the tied one.
 CASES = {
     "qwen3_5": (tiny.make_qwen3_5, "qwen3_5"),
@@ -62,11 +62,6 @@ def source(folder):
 def stock_q4(folder, tmp_path_factory):
     """mlx-lm's own `convert -q` of the tiny model, read back as a checkpoint."""
     return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
-
-
-def rel(a, b) -> float:
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
 
 
 def greedy(model, n=64):
@@ -311,7 +306,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(source, tmp_path):
 
 
 def test_bench_counts_fewer_launches_and_nonorm_runs(source):
-    from flashnorm_mlx import speed
+    from flashnorm_mlx.jobs import speed
 
     r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
     v = r["variants"]

@@ -10,7 +10,7 @@ import pytest
 import tiny
 
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.equivalence import compare, prompt_tokens
+from flashnorm_mlx.jobs.equivalence import compare, prompt_tokens
 from flashnorm_mlx.loading import read_source
 
 pytestmark = pytest.mark.skipif(

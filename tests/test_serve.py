@@ -409,7 +409,7 @@ def test_stock_mode_serves_the_same_function_and_sigterm_stops_it(tiny_dir):
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from flashnorm_mlx.loading import load
+    from flashnorm_mlx import load
 
     s = Server(str(tiny_dir), "--mode", "stock", "--dtype", "float32")
     try:

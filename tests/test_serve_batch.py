@@ -14,8 +14,8 @@ import pytest
 import tiny
 from serve_process import Server
 
+from flashnorm_mlx import load
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.loading import load
 from flashnorm_mlx.serve import API_KEY_ENV, bind_warning, key_matches
 from flashnorm_mlx.serve.scheduler import make_seeded_sampler
 

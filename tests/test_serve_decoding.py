@@ -28,8 +28,8 @@ def reference(path, mode: str, tokens: int, *, max_kv_size=None, **kv) -> str:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
+    from flashnorm_mlx import load
     from flashnorm_mlx.decode_options import make_cache
-    from flashnorm_mlx.loading import load
 
     model, tok = load(str(path), mode=mode, dtype=mx.float32)
     prompt = tok.encode(PROMPT)

@@ -292,7 +292,7 @@ def test_chat_session_gives_the_thought_apart(model_dir):
     from mlx_lm.sample_utils import make_logits_processors
 
     from flashnorm_mlx.cli.chat import PlainUI, run_chat
-    from flashnorm_mlx.conversation import ChatSession
+    from flashnorm_mlx.jobs.conversation import ChatSession
     from flashnorm_mlx.loading import build_model, read_source
 
     source = read_source(str(model_dir[0]))

@@ -17,12 +17,13 @@ import tiny
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
+from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import STOCK
 from flashnorm_mlx.quant import has_norm_gains
 
-PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
 STEPS = 32
 
 ARCHS = {
@@ -109,10 +110,6 @@ def quantized(hf_dirs, tmp_path_factory):
     return get
 
 
-def _rel(a, b):
-    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
-
-
 def _run(models, steps=STEPS):
     """Logits of a prompt and `steps` cached greedy steps (stock's tokens fed to
     every model), float32, per model; plus how many leading steps agree."""
@@ -139,7 +136,7 @@ def test_float32_matches_stock_on_the_same_quantized_files(quantized, arch, quan
         from flashnorm_mlx import models
 
         config = read_source(str(path), need_tokenizer=False).config
-        assert models.run_mode(config, None) == "stock", config
+        assert models.run_mode(config) is STOCK, config
         return
     stock, _ = load_model(path)
     source = read_source(str(path), need_tokenizer=False)
@@ -154,7 +151,7 @@ def test_float32_matches_stock_on_the_same_quantized_files(quantized, arch, quan
         for k in packed
     ), packed
     (ls, lf), agree = _run([stock, flash])
-    err = _rel(lf, ls)
+    err = rel(lf, ls)
     assert err < tiny.f32_tol(), f"{arch} {quant}: rel {err:.3e}"
     assert agree == STEPS, f"{arch} {quant}: greedy {agree}/{STEPS}"
 
@@ -220,9 +217,9 @@ def test_low_precision_close_to_float32_stock(quantized, arch, dtype):
     flash, _ = build_model(source, "flashnorm", dtype=dtype)
     x = mx.array([PROMPT])
     r = ref(x)
-    err_s = _rel(stock(x).astype(mx.float32), r)
+    err_s = rel(stock(x).astype(mx.float32), r)
     lf = flash(x).astype(mx.float32)
-    err_f = _rel(lf, r)
+    err_f = rel(lf, r)
     assert mx.isfinite(lf).all().item(), arch
     assert err_f < LOW_PRECISION_TOL[dtype], f"flashnorm {err_f:.3e}, stock {err_s:.3e}"
 
@@ -242,7 +239,7 @@ def test_float16_survives_residuals_x1000(quantized):
     ref, _ = build_model(big, "stock", dtype=mx.float32)
     (lf, lr), _ = _run([flash, ref], steps=4)
     assert mx.isfinite(lf).all().item()
-    assert _rel(lf, lr) < LOW_PRECISION_TOL[mx.float16], _rel(lf, lr)
+    assert rel(lf, lr) < LOW_PRECISION_TOL[mx.float16], rel(lf, lr)
 
 
 def test_same_bytes_and_the_gains_are_the_checkpoints(quantized):
@@ -277,13 +274,13 @@ def test_the_gain_in_the_kernel_is_what_makes_it_exact(quantized, monkeypatch):
         lambda h, y, ms_y, eps, gain=None: real(h, y, ms_y, eps),
     )
     x = mx.array([PROMPT])
-    assert _rel(flash(x), stock(x)) > 1e-2
+    assert rel(flash(x), stock(x)) > 1e-2
 
 
 def test_perplexity_runs_both_on_the_stored_weights(quantized):
     """perplexity's default on a quantized checkpoint: the same stored weights on
     both sides, so equal bits per weight and the same perplexity."""
-    from flashnorm_mlx.likelihood import perplexity
+    from flashnorm_mlx.jobs.likelihood import perplexity
     from flashnorm_mlx.texts import default_text
 
     source = read_source(str(quantized("qwen3-tied", "4bit-g64")))
@@ -316,4 +313,4 @@ def test_quantize_as_mlx_lm_script_makes_a_stored_checkpoint(hf_dirs, tmp_path):
     flash, config = build_model(source, "flashnorm", dtype=mx.float32)
     assert has_norm_gains(config)
     (ls, lf), agree = _run([stock, flash], steps=4)
-    assert _rel(lf, ls) < tiny.f32_tol() and agree == 4
+    assert rel(lf, ls) < tiny.f32_tol() and agree == 4

@@ -228,7 +228,7 @@ def test_a_private_attribute_of_the_handler_in_routes_is_found(line):
 
 def test_no_two_modules_share_a_file_name():
     """One meaning per word: a file name says which module it is, wherever it
-    stands (cli/bench.py is the bench command, speed.py what it measures), so no
+    stands (cli/bench.py is the bench command, jobs/speed.py what it measures), so no
     two modules share one; a package's __init__.py is named by its folder."""
     by_name = {}
     for f in sorted(ROOT.rglob("*.py")):
@@ -400,14 +400,14 @@ def test_the_design_map_names_every_module_and_folder_of_the_package_root():
 # above the library, and what they share lives below them (engine, timing,
 # loading.variants, models, prompt_cache, decode_options).
 COMMANDS = {
-    "bench": ("speed", "speed_draft"),
+    "bench": ("jobs.speed", "jobs.speed_draft"),
     "cache_prompt": (),
-    "chat": ("conversation",),
-    "convert": ("checkpoint",),
+    "chat": ("jobs.conversation",),
+    "convert": ("jobs.checkpoint",),
     "generate": (),
-    "perplexity": ("likelihood",),
+    "perplexity": ("jobs.likelihood",),
     "serve": ("serve",),
-    "verify": ("equivalence",),
+    "verify": ("jobs.equivalence",),
 }
 
 
@@ -418,7 +418,7 @@ def _command_of(module: str):
     if parts[:1] == ["cli"]:
         return parts[1] if parts[1:] and parts[1] in COMMANDS else None
     for command, library in COMMANDS.items():
-        if parts and parts[0] in library:
+        if any(parts[: len(m.split("."))] == m.split(".") for m in library):
             return command
     return None
 
@@ -495,37 +495,124 @@ def test_no_module_is_over_the_line_limit():
     )
 
 
-def test_the_slow_list_names_tests_and_fixtures_that_exist():
-    """tests/conftest.py's SLOW and SLOW_FIXTURES (the developer loop leaves
-    them out): a renamed test or fixture would silently rejoin the loop; and
-    LAUNCHES (one at a time under pytest-xdist)."""
+MAX_FUNCTION_LINES = 80  # the developers' guide: a function reads on one screen
+# Today's longer ones, at their line counts (def to last line): each may only
+# shrink, and leaves the list once it is at most MAX_FUNCTION_LINES.
+LONG_FUNCTIONS = {
+    "loading/gguf_gemma4.py::gemma4_config": 137,
+    "serve/responses.py::_stream": 106,
+    "jobs/speed.py::run_bench": 106,
+    "serve/anthropic.py::_stream": 98,
+    "cli/generate.py::main": 95,
+    "loading/gguf_qwen35.py::qwen35_config": 95,
+    "loading/build.py::build_model": 92,
+    "cli/verify.py::main": 91,
+    "cli/bench.py::main": 87,
+    "serve/schema.py::read_requests": 85,
+    "loading/recipe.py::fold_checkpoint": 84,
+    "jobs/likelihood.py::perplexity": 81,
+    "cli/flags.py::add_model_args": 81,
+}
+
+
+def _function_lines(tree, prefix=""):
+    """(qualified name, lines from `def` to its last line) of every function
+    and method under `tree`, nested ones too."""
+    for n in ast.iter_child_nodes(tree):
+        name = f"{prefix}{getattr(n, 'name', '')}"
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield name, n.end_lineno - n.lineno + 1
+        deeper = isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        yield from _function_lines(n, f"{name}." if deeper else prefix)
+
+
+def long_function_problems(root: Path, listed: dict, limit=MAX_FUNCTION_LINES):
+    """What breaks the rule under `root`: an unlisted function over `limit`, a
+    listed one grown past its count, and a listed one that is short now or gone."""
+    found = {
+        f"{f.relative_to(root).as_posix()}::{name}": n
+        for f in sorted(root.rglob("*.py"))
+        for name, n in _function_lines(ast.parse(f.read_text()))
+    }
+    problems = []
+    for key, n in sorted(found.items()):
+        if key not in listed and n > limit:
+            problems.append(f"{key}: {n} lines, over {limit}")
+        elif key in listed and n > listed[key]:
+            problems.append(f"{key}: {n} lines, grown past its listed {listed[key]}")
+        elif key in listed and n <= limit:
+            problems.append(f"{key}: {n} lines now; take it off the list")
+    problems += [f"{key}: listed but gone" for key in listed if key not in found]
+    return problems
+
+
+def test_no_function_is_over_80_lines_but_the_listed_which_only_shrink():
+    problems = long_function_problems(ROOT, LONG_FUNCTIONS)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "lines,listed,want",
+    [
+        (81, {}, "pkg/m.py::f: 81 lines, over 80"),
+        (80, {}, None),
+        (82, {"pkg/m.py::f": 81}, "pkg/m.py::f: 82 lines, grown past its listed 81"),
+        (81, {"pkg/m.py::f": 81}, None),
+        (80, {"pkg/m.py::f": 81}, "pkg/m.py::f: 80 lines now; take it off the list"),
+    ],
+)
+def test_the_function_length_rule_catches_each_way_to_break_it(
+    tmp_path, lines, listed, want
+):
+    """The checker on a module it is handed: a function of `lines` lines (def
+    to last line), in a class, against `listed`."""
+    body = "".join(f"        x{i} = {i}\n" for i in range(lines - 2))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        f"class C:\n    def f(self):\n{body}        return 0\n"
+    )
+    listed = {k.replace("::f", "::C.f"): n for k, n in listed.items()}
+    got = long_function_problems(tmp_path, listed)
+    assert got == ([want.replace("::f", "::C.f")] if want else []), got
+
+
+def test_the_slow_record_and_launches_name_tests_and_fixtures_that_exist():
+    """tests/durations.json's slow entries (the developer loop leaves them
+    out): a renamed test or fixture would silently rejoin the loop, until the
+    record is refreshed; and conftest's LAUNCHES (one at a time under
+    pytest-xdist)."""
     import conftest
+    import durations
 
     stale = []
-    launches = {}
+    names = {}  # file -> (test or fixture names, or () for the whole file)
     for entry in conftest.LAUNCHES:  # "file" (all its tests) or "file::test"
         file, _, test = entry.partition("::")
-        launches[file] = launches.get(file, ()) + ((test,) if test else ())
-    for table in (conftest.SLOW, conftest.SLOW_FIXTURES, launches):
-        for file, names in table.items():
-            path = ROOT.parent / "tests" / file
-            stale += [] if path.exists() else [file]
-            defs = (
-                {
-                    n.name
-                    for n in ast.walk(ast.parse(path.read_text()))
-                    if isinstance(n, ast.FunctionDef)
-                }
-                if path.exists()
-                else set()
-            )
-            stale += [f"{file}::{n}" for n in names if n not in defs]
+        names[file] = names.get(file, ()) + ((test,) if test else ())
+    for kind in ("tests", "fixtures"):
+        for entry, seconds in conftest.DURATIONS[kind].items():
+            file, _, name = entry.partition("::")
+            if seconds >= durations.SLOW_S:
+                names[file] = names.get(file, ()) + (name,)
+    for file, defined in names.items():
+        path = ROOT.parent / "tests" / file
+        stale += [] if path.exists() else [file]
+        defs = (
+            {
+                n.name
+                for n in ast.walk(ast.parse(path.read_text()))
+                if isinstance(n, ast.FunctionDef)
+            }
+            if path.exists()
+            else set()
+        )
+        stale += [f"{file}::{n}" for n in defined if n not in defs]
     assert not stale, stale
 
 
 def _fast_tests(path: Path):
     """The test functions of a test file that `pytest -m "not slow"` runs: not
-    marked slow by the file's pytestmark, a decorator or tests/conftest.py."""
+    marked slow by the file's pytestmark, a decorator or tests/durations.json."""
     import conftest
 
     tree = ast.parse(path.read_text())

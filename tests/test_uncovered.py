@@ -13,10 +13,12 @@ import tiny
 import tiny_stock
 from serve_process import Server
 
-from flashnorm_mlx import models, speed
+from flashnorm_mlx import models
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.errors import ShardError, UnsupportedModel
+from flashnorm_mlx.jobs import speed
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 from flashnorm_mlx.parallel import sharding
 
 FAMILIES = tuple(tiny_stock.CONFIGS)  # olmo2, granite, starcoder2, olmoe
@@ -148,7 +150,7 @@ def test_nemotron_h_with_its_pattern_string_generates_mlx_lms_text(tmp_path, cap
     out, err = capsys.readouterr()
     assert _generated(out) == want, (_generated(out), want)
     assert not _note_lines(err, "nemotron_h"), err
-    assert models.run_mode(tiny_stock.config("nemotron_h"), None) == "flashnorm"
+    assert models.run_mode(tiny_stock.config("nemotron_h")) is FLASHNORM
 
 
 def test_the_mode_defaults_to_stock_and_flashnorm_asked_is_one_error(folders, capsys):
@@ -159,8 +161,8 @@ def test_the_mode_defaults_to_stock_and_flashnorm_asked_is_one_error(folders, ca
     assert out == "" and len(err.strip().splitlines()) == 1, err
     assert "error: --mode flashnorm" in err and "'olmo2'" in err, err
     assert all(mt in err for mt in models.ARCHITECTURES), err  # the covered ones
-    assert models.run_mode({"model_type": "olmo2"}, None) == "stock"
-    assert models.run_mode({"model_type": "llama"}, None) == "flashnorm"
+    assert models.run_mode({"model_type": "olmo2"}) is STOCK
+    assert models.run_mode({"model_type": "llama"}) is FLASHNORM
 
 
 def test_convert_refuses_in_one_line_and_writes_nothing(folders, tmp_path, capsys):
@@ -363,3 +365,26 @@ def test_bench_draft_runs_both_as_stock(folders, capsys):
     out, err = capsys.readouterr()
     assert len(_note_lines(err, "olmo2")) == 1, err
     assert "same tokens with and without the draft: yes" in out, out
+
+
+def test_an_uncovered_draft_of_a_flashnorm_model_runs_as_stock(
+    folders, tmp_path, monkeypatch, capsys
+):
+    """--mode flashnorm with a draft FlashNorm does not cover: the model as
+    asked, the draft as stock (models.run_mode's or_stock), said in one note."""
+    from flashnorm_mlx.cli import common
+
+    built, real = [], common.build_model
+
+    def recording(source, mode, **kw):
+        built.append(mode)
+        return real(source, mode, **kw)
+
+    monkeypatch.setattr(common, "build_model", recording)
+    target = tiny.make_llama(tmp_path / "llama", "gqa_untied")
+    draft = str(folders["olmo2"])
+    argv = ["generate", str(target), "-p", PROMPT, "-m", "4", "--temp", "0"]
+    assert main([*argv, "--mode", "flashnorm", "--draft-model", draft]) == 0
+    err = capsys.readouterr().err
+    assert built == [FLASHNORM, STOCK], built
+    assert len(_note_lines(err, "olmo2")) == 1, err

@@ -11,6 +11,16 @@ import mlx.core as mx
 import numpy as np
 
 VOCAB = 300  # >= the byte-level tokenizer below (256 bytes + specials)
+# The token ids the model tests feed: repeats (7, 7) and ids across the vocabulary.
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
+
+
+def rel(a, b) -> float:
+    """max |a - b| / max |b|, in float32: the tests' relative error against a
+    reference `b`."""
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
 
 LLAMA_BASE = dict(
     model_type="llama",
@@ -535,12 +545,8 @@ def compat_errors(source, out: Path, prompt) -> dict:
     ours on that checkpoint: {who: error}."""
     from mlx_lm.utils import load_model
 
-    from flashnorm_mlx.checkpoint import convert
+    from flashnorm_mlx.jobs.checkpoint import convert
     from flashnorm_mlx.loading import build_model, read_source
-
-    def rel(a, b) -> float:
-        a, b = a.astype(mx.float32), b.astype(mx.float32)
-        return (mx.abs(a - b).max() / mx.abs(b).max()).item()
 
     convert(source, out, compat=True, progress=False)
     stock_on_compat, _ = load_model(out)
@@ -2131,3 +2137,60 @@ def make_deepseek_v3(
         else:
             w[k] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
     return write_model(path, cfg, w, tokenizer)
+
+
+# --- the families -------------------------------------------------------------
+
+
+def _one_config(make, only: str):
+    """A family with one config of its own (its builder takes no name)."""
+
+    def made(path: Path, name: str = only, seed: int = 0, tokenizer: bool = True):
+        assert name == only, name
+        return make(path, seed=seed, tokenizer=tokenizer)
+
+    made.__name__ = make.__name__
+    return made
+
+
+# Every family FlashNorm folds, by mlx-lm model_type: (builder, its tiny
+# configs); a builder takes (path, config name, seed=0, tokenizer=True). The
+# tests that run every family read this table (a new family is one row here).
+FAMILIES = {
+    "llama": (make_llama, tuple(LLAMA_CONFIGS)),
+    "qwen": (make_qwen, tuple(QWEN_CONFIGS)),
+    "openelm": (make_openelm, tuple(OPENELM_CONFIGS)),
+    "gemma3": (make_gemma3, tuple(GEMMA3_CONFIGS)),
+    "phi3": (make_phi3, tuple(PHI3_CONFIGS)),
+    "smollm3": (make_smollm3, tuple(SMOLLM3_CONFIGS)),
+    "llama4_text": (make_llama4_text, tuple(LLAMA4_TEXT_CONFIGS)),
+    "llama4": (make_llama4, tuple(LLAMA4_CONFIGS)),
+    "ministral3": (make_ministral3, tuple(MINISTRAL3_CONFIGS)),
+    "mistral3": (make_mistral3, tuple(MISTRAL3_WRAPPERS)),
+    "qwen3_5": (make_qwen3_5, tuple(QWEN3_5_CONFIGS)),
+    "qwen3_5_moe": (make_qwen3_5_moe, tuple(QWEN3_5_CONFIGS)),
+    "qwen3_next": (make_qwen3_next, ("untied", "tied")),
+    "lfm2": (make_lfm2, tuple(LFM2_CONFIGS)),
+    "lfm2_moe": (make_lfm2_moe, tuple(LFM2_MOE_CONFIGS)),
+    "glm4_moe": (make_glm4_moe, tuple(GLM4_MOE_CONFIGS)),
+    "deepseek_v3": (make_deepseek_v3, tuple(DEEPSEEK_V3_CONFIGS)),
+    "nemotron_h": (make_nemotron_h, tuple(NEMOTRON_H_CONFIGS)),
+    "granitemoehybrid": (make_granite4, tuple(GRANITE4_CONFIGS)),
+    "gemma4_text": (make_gemma4, tuple(GEMMA4_CONFIGS)),
+    "qwen3_moe": (_one_config(make_qwen3_moe, "qwen3_moe"), ("qwen3_moe",)),
+    "mixtral": (_one_config(make_mixtral, "mixtral"), ("mixtral",)),
+    "gpt_oss": (_one_config(make_gpt_oss, "gpt_oss"), ("gpt_oss",)),
+}
+
+
+def every_config(*families):
+    """pytest params (make, cfg), id "family-config", of every config of
+    `families` (all of FAMILIES if none named)."""
+    import pytest
+
+    return [
+        pytest.param(make, cfg, id=f"{family}-{cfg}")
+        for family in families or FAMILIES
+        for make, configs in [FAMILIES[family]]
+        for cfg in configs
+    ]

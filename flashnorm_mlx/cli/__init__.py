@@ -77,7 +77,7 @@ def _main(argv) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from .. import __version__
+        from ..version import __version__
 
         print(f"flashnorm-mlx {__version__}")
         return 0

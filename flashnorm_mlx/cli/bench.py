@@ -249,9 +249,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     # MLX and mlx-lm (seconds) once argparse is content: bench's own checks need them.
     from ..errors import BenchError
+    from ..jobs.speed import run_bench, validate
     from ..loading import read_source
     from ..parallel import distributed
-    from ..speed import run_bench, validate
     from .common import StageLog, join_launch, model_kwargs
 
     if args.draft_model:  # speed_draft.py: the model alone against with the draft
@@ -333,8 +333,8 @@ def main(argv=None):
 def _draft_main(parser, args) -> int:
     """bench --draft-model: FlashNorm alone, then with the draft (speed_draft.py)."""
     from .. import models
+    from ..jobs.speed_draft import check, lines, run_draft_bench
     from ..loading import read_source
-    from ..speed_draft import check, lines, run_draft_bench
     from .common import StageLog, model_kwargs, say_note
 
     wrong = check(args.num_trials, args.generation_tokens, args.prompt_tokens)

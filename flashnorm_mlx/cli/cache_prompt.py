@@ -74,20 +74,20 @@ def main(argv=None):
     from .. import prompt_cache
     from ..chat_template import cache_prompt_ids
     from ..decode_options import KVOptions, check_kv_options
-    from .common import build, read_with_tokenizer
+    from .common import build, read_model
 
     # One process: a tensor-parallel rank's cache holds its shard's heads alone
     # (build refuses a multi-rank launch).
-    source, tokenizer = read_with_tokenizer(args)
+    source, tokenizer, mode = read_model(args)
     tokenizer_config = prompt_cache.tokenizer_config(args.eos_token)
     prompt_cache.apply_tokenizer_config(tokenizer_config, tokenizer, source.name)
-    model, config = build(source, args.mode, args)
+    model, config = build(source, mode, args)
     kv = KVOptions.from_args(args)
     check_kv_options(kv, model, config, source.name)
     ids = cache_prompt_ids(tokenizer, prompt, args.system_prompt)
-    meta = prompt_cache.identity(args.model, args.mode, model, args.adapter_path)
+    meta = prompt_cache.identity(args.model, mode, model, args.adapter_path)
     meta["tokenizer_config"] = json.dumps(tokenizer_config)
     n = prompt_cache.save(out, model, ids, meta, args.prefill_step_size, kv)
     size = os.path.getsize(out)
-    print(f"Wrote {out}: {n} prompt tokens cached ({args.mode}), {size / 1e6:.2f} MB")
+    print(f"Wrote {out}: {n} prompt tokens cached ({mode}), {size / 1e6:.2f} MB")
     return 0

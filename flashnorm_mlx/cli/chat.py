@@ -216,23 +216,24 @@ NONORM = (
 )
 
 
-class Comparer:
+class CompareRows:
     """/compare: bench's rows (loading/variants.py), mlx-lm then the four
     modes on the chat's engine, built on the same source and settings (once,
-    on first use; the chat's own model is its row), each regenerating the last
-    reply: its decode speed and its text. The prompt is prefilled once, by the
-    chat's model, and each variant decodes from a copy of that cache (a decode
-    step's cost is the cache's length, not its values; where a variant's cache
-    kinds differ it prefills its own). say(line): where the variants left would
-    take over a minute, once per /compare, after the first one (estimate.py)."""
+    on first use; the chat's own model, of Mode `mode`, is its row), each
+    regenerating the last reply: its decode speed and its text. The prompt is
+    prefilled once, by the chat's model, and each row decodes from a copy of
+    that cache (a decode step's cost is the cache's length, not its values;
+    where a row's cache kinds differ it prefills its own). say(line): where the
+    rows left would take over a minute, once per /compare, after the first one
+    (estimate.py)."""
 
-    def __init__(self, source, mode: str, model, kwargs: dict, sampler=None, say=None):
+    def __init__(self, source, mode, model, kwargs: dict, sampler=None, say=None):
         from .. import engine as engines
 
         self.source, self.sampler, self.say = source, sampler, say
         self.engine = engines.resolve(kwargs.get("engine"))
         self.kwargs = {k: v for k, v in kwargs.items() if k != "engine"}
-        self.mode, self.models = mode, {mode: model}
+        self.mode, self.models = mode.name, {mode.name: model}  # by row
 
     def __call__(self, session) -> str:
         from .. import estimate
@@ -273,7 +274,7 @@ class Comparer:
         return "\n".join(lines + ([NONORM] if NONORM_NAME in r else []))
 
     def _prefill(self, prompt):
-        """The chat model's cache after prompt[:-1] (each variant then feeds
+        """The chat model's cache after prompt[:-1] (each row then feeds
         the last token, its first decode), or None for a one-token prompt."""
         import mlx.core as mx
         from mlx_lm.generate import generate_step
@@ -335,7 +336,7 @@ TEXT_CHARS = 72
 
 
 def texts(results: dict, tokenizer) -> list:
-    """'  mlx-lm, stock, ...: "text"' lines, the variants with the same text
+    """'  mlx-lm, stock, ...: "text"' lines, the rows with the same text
     on one line (greedy on the same weights: all but nonorm, which is not the
     same function)."""
     groups: dict = {}
@@ -391,7 +392,7 @@ def run_chat(session, ui, max_tokens: int, compare=None) -> int:
             elif command == "/help":
                 ui.help()
             elif command == "/compare" and compare is not None:
-                ui.notice("(regenerating the last reply with each variant ...)")
+                ui.notice("(regenerating the last reply with each row ...)")
                 try:
                     ui.notice(compare(session))
                 except KeyboardInterrupt:
@@ -431,8 +432,8 @@ def main(argv=None):
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import engine as engines
     from .. import prompt_cache
-    from ..conversation import ChatSession
     from ..decode_options import KVOptions, check_kv_options
+    from ..jobs.conversation import ChatSession
     from ..models import context_length
     from .common import (
         build_for_sampling,
@@ -444,15 +445,15 @@ def main(argv=None):
     from .decoding import draft_model
 
     saved = None
-    source, tokenizer = read_for_sampling(args)  # settles --mode for the model
+    source, tokenizer, mode = read_for_sampling(args)  # --mode settled, once
     if args.prompt_cache_file is not None:  # a bad file: one line before the build
         saved = prompt_cache.read(
-            args.prompt_cache_file, args.model, args.mode, args.adapter_path
+            args.prompt_cache_file, args.model, mode, args.adapter_path
         )
-    model, config = build_for_sampling(args, source)
+    model, config = build_for_sampling(args, source, mode)
     kv = KVOptions.from_args(args)
     check_kv_options(kv, model, config, source.name)
-    draft = draft_model(args, tokenizer, source.name)
+    draft = draft_model(args, tokenizer, source.name, mode)
     seed_sampling(args, source)  # after every build, as mlx-lm draws
     limit = args.max_context or context_length(config)
     try:
@@ -482,7 +483,7 @@ def main(argv=None):
     ui.header(
         [
             ("model", source.name),
-            ("mode", args.mode),
+            ("mode", mode.name),
             ("engine", engines.engine_of(model)),
             ("context", f"{limit} tokens" if limit else "unlimited"),
             ("max tokens", args.max_tokens),
@@ -495,5 +496,5 @@ def main(argv=None):
         ]
     )
     sampler = session.sampler
-    compare = Comparer(source, args.mode, model, model_kwargs(args), sampler, ui.notice)
+    compare = CompareRows(source, mode, model, model_kwargs(args), sampler, ui.notice)
     return run_chat(session, ui, args.max_tokens, compare)

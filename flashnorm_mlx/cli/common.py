@@ -51,7 +51,7 @@ def model_kwargs(args) -> dict:
     )
 
 
-def build(source, mode: str, args):
+def build(source, mode, args):
     """`build_model` with the command's flags; where a quantized source is not
     run as its file holds it (in float, or rounded again), one note on stderr
     says what the user gets instead (quant/plan.py)."""
@@ -67,28 +67,29 @@ def say_note(note: str) -> None:
         print(f"flashnorm-mlx: note: {note}", file=sys.stderr)
 
 
-def resolve_mode(args, source) -> None:
-    """args.mode for the model read (models.run_mode): as asked, else flashnorm
+def settle_mode(source, asked, engine=None):
+    """The Mode the model read runs (models.run_mode): as asked, else flashnorm
     where FlashNorm covers its model_type; a family it does not cover runs as
     stock, said in one note, and --mode flashnorm on it is one error line."""
     from .. import engine as engines
     from .. import models
 
-    args.mode = models.run_mode(source.config, args.mode)
+    mode = models.run_mode(source.config, asked)
     if not models.is_covered(source.config):
-        engine = engines.resolve(getattr(args, "engine", None))
-        say_note(models.stock_note(source.config, engine))
+        say_note(models.stock_note(source.config, engines.resolve(engine)))
+    return mode
 
 
 def read_for_sampling(args):
-    """(source, tokenizer): join a multi-rank launch, read MODEL, settle --mode."""
+    """(source, tokenizer, mode): join a multi-rank launch, read MODEL, settle
+    --mode for it."""
     join_launch(args)  # mlx.launch with several ranks: tensor parallel
-    return read_with_tokenizer(args)
+    return read_model(args)
 
 
-def build_for_sampling(args, source):
+def build_for_sampling(args, source, mode):
     """(model, config): build (sharded under a launch); `seed_sampling` after."""
-    model, config = build(source, args.mode, args)
+    model, config = build(source, mode, args)
     distributed.announce()
     return model, config
 
@@ -208,10 +209,10 @@ def interruptible(log: StageLog):
     return interrupt.guard(log.now, log.prefix)
 
 
-def read_with_tokenizer(args):
-    """(source, tokenizer) of MODEL for the commands that tokenize: --tokenizer,
-    --adapter-path and --trust-remote-code as the flags give them; --mode
-    settled for it (`resolve_mode`)."""
+def read_model(args):
+    """(source, tokenizer, mode) of MODEL for the commands that tokenize:
+    --tokenizer, --adapter-path and --trust-remote-code as the flags give them;
+    --mode settled for it (`settle_mode`), once: the commands pass the Mode on."""
     source = read_source(
         args.model,
         tokenizer=args.tokenizer,
@@ -219,7 +220,15 @@ def read_with_tokenizer(args):
         trust_remote_code=args.trust_remote_code,
     )
     tokenizer = need_tokenizer(source.tokenizer, source.name)
-    resolve_mode(args, source)
+    mode = settle_mode(source, args.mode, getattr(args, "engine", None))
+    return source, tokenizer, mode
+
+
+def read_with_tokenizer(args):
+    """serve's `read_model` (cli/serve.py, which reads args.mode) until serve
+    takes the Mode as the other commands do: its name written into args."""
+    source, tokenizer, mode = read_model(args)
+    args.mode = mode.name
     return source, tokenizer
 
 

@@ -80,7 +80,7 @@ def main(argv=None):
         parser.error("-o/--output is empty")
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import quant
-    from ..checkpoint import convert
+    from ..jobs.checkpoint import convert
     from ..loading import gguf_kquant
     from ..quant import gptq
     from .common import StageLog, interruptible, model_kwargs, say_slow

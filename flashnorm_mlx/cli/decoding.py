@@ -16,21 +16,21 @@ from ..parallel import distributed
 from .common import build, say_note
 
 
-def draft_model(args, tokenizer, name: str):
-    """The --draft-model, built like the model (same --mode, dtype, quantization
-    and engine flags), or None."""
+def draft_model(args, tokenizer, name: str, mode=None):
+    """The --draft-model, built like the model (its Mode `mode`, else serve's
+    args.mode; the same dtype, quantization and engine flags), or None."""
     if not getattr(args, "draft_model", None):
         return None
     if distributed.current() is not None:  # untried sharded; mlx_lm.server refuses it
         raise UserError("--draft-model: not under mlx.launch with several ranks")
+    mode = mode or args.mode
 
-    def build_draft(source, mode):
+    def build_draft(source):
         if not models.is_covered(source.config):  # stock, whatever the model's mode
-            mode = "stock"
             say_note(f"--draft-model: {models.stock_note(source.config)}")
-        return build(source, mode, args)
+        return build(source, models.run_mode(source.config, mode, or_stock=True), args)
 
-    return load_draft(args.draft_model, args.mode, tokenizer, name, build_draft)
+    return load_draft(args.draft_model, tokenizer, name, build_draft)
 
 
 def generation_kwargs(args, model, draft, config: dict, name: str) -> dict:

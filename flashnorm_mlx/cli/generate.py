@@ -99,19 +99,19 @@ def main(argv=None):
 
     grammar = _json_grammar(args)
     cache = None
-    source, tokenizer = read_for_sampling(args)  # settles --mode for the model
+    source, tokenizer, mode = read_for_sampling(args)  # --mode settled, once
     if args.prompt_cache_file is not None:  # a bad file: one line before the build
         cache, meta = prompt_cache.read(
-            args.prompt_cache_file, args.model, args.mode, args.adapter_path
+            args.prompt_cache_file, args.model, mode, args.adapter_path
         )
-    model, config = build_for_sampling(args, source)
+    model, config = build_for_sampling(args, source, mode)
     if cache is not None:
         prompt_cache.fit(args.prompt_cache_file, cache, meta, model)
         prompt_cache.check_kv_flags(
             args.prompt_cache_file, cache, args.kv_bits, args.kv_group_size
         )
         prompt_cache.use_file_tokenizer(args.prompt_cache_file, meta, tokenizer)
-    draft = draft_model(args, tokenizer, source.name)
+    draft = draft_model(args, tokenizer, source.name, mode)
     seed_sampling(args, source)  # after every build, as mlx-lm draws
     kwargs = generation_kwargs(args, model, draft, config, source.name)
     if cache is not None:  # the file's cache in place of a new one, as mlx-lm

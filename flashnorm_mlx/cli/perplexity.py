@@ -62,10 +62,9 @@ def main(argv=None):
         parser.error(f"--data: no such data file: {args.data}")  # before MLX loads
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import models
-    from ..likelihood import load_text, perplexity
+    from ..jobs.likelihood import load_text, perplexity
     from ..loading import read_source
-    from ..loading.variants import STOCK, comparison
-    from ..modes import mode_named
+    from ..loading.variants import comparison
     from ..quant import gptq
     from .common import (
         StageLog,
@@ -84,14 +83,15 @@ def main(argv=None):
         log.step(f"reading {args.model or 'the embedded model'}")
         source = read_source(args.model, tokenizer=args.tokenizer)
         tokenizer = need_tokenizer(source.tokenizer, source.name)
-        modes = RUN_MODES if args.mode == "both" else (args.mode,)
-        if not models.is_covered(source.config):  # the stock row alone, said once
-            if args.mode in RUN_MODES:  # one mode asked: flashnorm's is one line
-                models.run_mode(source.config, args.mode)
-            modes = (STOCK.name,)
+        asked = RUN_MODES if args.mode == "both" else (args.mode,)
+        covered = models.is_covered(source.config)
+        if not covered:  # the stock row alone; flashnorm asked alone is one line
+            asked = (None if args.mode == "both" else args.mode,)
+        modes = [models.run_mode(source.config, m) for m in asked]
+        if not covered:
             say_note(models.stock_note(source.config))
         auto = gptq.auto_note(args.q_method, bool(args.quantize))
-        if auto and any(mode_named(m).ours for m in modes):  # ours: GPTQ's side
+        if auto and any(m.ours for m in modes):  # ours: GPTQ's side
             say_note(auto)
         log.step("tokenizing the text")
         r = perplexity(
@@ -121,7 +121,7 @@ def _print_table(r: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..likelihood import MIN_TIMED_TOKENS
+    from ..jobs.likelihood import MIN_TIMED_TOKENS
 
     quant = r["quantization"] or "not quantized"
     t = Table(title=f"Perplexity: {r['model']} ({r['dtype']}, {quant})")

@@ -33,7 +33,7 @@ def main(argv=None):
         parser.error("-p/--prompt is empty (leave -p out for the fixed sentence)")
     # MLX and mlx-lm (seconds) once the flags are good.
     from .. import models
-    from ..equivalence import compare, prompt_tokens
+    from ..jobs.equivalence import compare, prompt_tokens
     from ..loading import read_source
     from ..loading.adapters import adapter_comparison
     from ..loading.variants import comparison

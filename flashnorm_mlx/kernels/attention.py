@@ -10,7 +10,7 @@ never read, and no mask exists.
 `scaled_dot_product_attention` is the one attention call of every model the
 engine runs, ours and mlx-lm's classes alike (the engine hands it to mlx-lm's
 model modules): mlx-lm's own for every cache, `decode_attention` for the
-compiled step's fixed-capacity one. So on one engine every variant attends with
+compiled step's fixed-capacity one. So on one engine every mode attends with
 the same kernel (docs/design.md section 4c).
 """
 

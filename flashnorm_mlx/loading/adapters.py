@@ -1,18 +1,6 @@
-"""mlx-lm LoRA and DoRA adapters, fused into a Source's weights before the fold
-(docs/design.md section 5a).
-
-An adapter folder (what `mlx_lm.lora` trains: adapter_config.json and
-adapters.safetensors) names linear modules by mlx-lm's parameter paths, which
-are the Hugging Face names our sources use. Each adapted module is fused once,
-in float32, by mlx-lm's own layer (`LoRALinear` / `DoRALinear` `.fuse`), so
-every variant and `convert` then run the fine-tuned function: FlashNorm folds
-the adapted weights like any others.
-
-A quantized source is dequantized to float32 first, since the fused weight is
-off its quantization grid: it then runs in float (the "dequantize" way), or
-with --requantize is quantized again with the source's bits and group size
-(`adapted_quantization`). A checkpoint `convert` folded already is refused:
-an adapter applies to the weights it was trained on.
+"""mlx-lm LoRA and DoRA adapters, fused into a Source's weights before the fold,
+by mlx-lm's own layers, so every mode and `convert` run the fine-tuned
+function (docs/design.md section 5a).
 """
 
 import copy

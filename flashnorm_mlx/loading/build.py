@@ -1,8 +1,8 @@
 """Build stock, FlashNorm or nonorm models on one checkpoint's weights.
 
-`build_model` builds any variant on a `Source` (source.py), `load` reads and
+`build_model` builds any mode on a `Source` (source.py), `load` reads and
 builds. Weights, dtype and quantization are decided once by
-`quant.plan_weights`, shared with `convert` and nonorm; every variant but
+`quant.plan_weights`, shared with `convert` and nonorm; every mode but
 nonorm is built on the tensors `recipe.Recipe` makes, the ones `convert` writes.
 """
 
@@ -18,13 +18,13 @@ from mlx.utils import tree_flatten
 from .. import engine as engines
 from .. import fold, models, quant
 from ..errors import LoadError
-from ..modes import FLASHNORM, Mode, mode_named
+from ..modes import FLASHNORM, Mode
 from ..parallel import sharding
 from . import gguf_kquant, nonorm, stock_fused
 from .adapters import adapted_quantization
 from .recipe import Recipe
 from .shapes import config_name, mismatch, shapes_of
-from .source import Source, folder_weights, read_source, source_weights
+from .source import Source, open_weights, source_weights
 from .wrappers import rewrap
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -40,23 +40,18 @@ def build_model(
     group: Optional[mx.distributed.Group] = None,
     engine: Optional[str] = None,
 ) -> Tuple[nn.Module, dict]:
-    """Build the `mode` model (a modes.Mode or its name: how it handles the
-    norms) on `source`'s weights; returns (model, its config).
-
-    quantize=(bits, group_size): quantize a float source after folding;
-    quantized_way: how a quantized source is taken, "stored" (FlashNorm applies
-    the norm gains in its kernels), "dequantize" or "requantize" (quant/plan.py).
-    `notes` collects a line for the user where the weights were not taken as
-    the obvious reading of the flags would suggest. `group`: split the model
-    over it (sharding.shard_model) before its weights are evaluated, layer
-    by layer, so a rank holds its own shard and one layer's full tensors at a
-    time (ShardError where it cannot be split). `engine`: what runs its decode
-    steps, "eager" or "compiled" (engine.py; None: `engine.default()`), the
-    same for every mode.
+    """Build the `mode` model (a modes.Mode or its name) on `source`'s weights;
+    returns (model, its config). quantize=(bits, group_size): quantize a float
+    source after folding; quantized_way: how a quantized source is taken
+    (quant/plan.py). `notes` collects a line for the user where the weights
+    were not taken as the flags' obvious reading suggests. `group`: split the
+    model over it (sharding.shard_model) before its weights are evaluated,
+    layer by layer (ShardError where it cannot be split). `engine`: "eager" or
+    "compiled" (engine.py; None: `engine.default()`), the same for every mode.
     """
-    mode = mode_named(mode)
-    if mode.needs_cover:  # mlx-lm's own class runs every family it loads
-        mt = source.config.get("model_type")
+    mode = models.run_mode(source.config, mode)  # a Mode, or a caller's name
+    if mode.needs_cover:  # a family may not run every mode (ARCH.cannot)
+        mt = source.config["model_type"]
         models.architecture(source.config).require(mode.name, mt)
     try:
         engine = engines.resolve(engine)
@@ -189,16 +184,16 @@ def _instantiate(name: str, recipe: Recipe, ours: bool, wrapper=None):
 
 
 def _own_handles(source: Source) -> dict:
-    """The weights of a folder source opened again, lazily, for one build alone:
-    the tensors it reads (to fold, stack or cut a shard from) are then freed
-    once used, where `source`'s own (shared) handles would keep them. Anything
-    else (GGUF, which mx.load reads whole; weights not as the files hold them):
-    `source`'s."""
-    if source.folder is None or source.adapter is not None:  # not the files'
+    """The weights of a folder source, its checked files (`Source.files`)
+    opened again, lazily, for one build alone: the tensors it reads (to fold,
+    stack or cut a shard from) are then freed once used, where `source`'s own
+    (shared) handles would keep them. Anything else (GGUF, which mx.load reads
+    whole; weights not as the files hold them): `source`'s."""
+    if not source.files or source.adapter is not None:  # not the files'
         return source.weights
     try:
         fresh = source_weights(
-            source.config, folder_weights(source.folder), source.wrapper
+            source.config, open_weights(source.files), source.wrapper
         )
     except LoadError:
         return source.weights
@@ -207,29 +202,6 @@ def _own_handles(source: Source) -> dict:
         for k, v in source.weights.items()
     )
     return fresh if same else source.weights
-
-
-def load(
-    model: Optional[str] = None,
-    mode: Union[str, Mode] = FLASHNORM,
-    dtype: Optional[mx.Dtype] = None,
-    quantize: Optional[Tuple[int, int]] = None,
-    quantized_way: str = "stored",
-    tokenizer: Optional[str] = None,
-    engine: Optional[str] = None,
-):
-    """(model, tokenizer) for MODEL: FlashNorm-folded at load unless already folded
-    (or, for a quantized checkpoint, as stored with the gains in the kernels)."""
-    source = read_source(model, tokenizer=tokenizer)
-    m, _ = build_model(
-        source,
-        mode=mode,
-        dtype=dtype,
-        quantize=quantize,
-        quantized_way=quantized_way,
-        engine=engine,
-    )
-    return m, source.tokenizer
 
 
 def model_dtype(model: nn.Module) -> str:

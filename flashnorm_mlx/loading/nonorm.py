@@ -1,23 +1,9 @@
 """The paper's speed bound: stock mlx-lm with every RMSNorm removed.
 
-Each RMSNorm  y = x * rsqrt(mean(x^2) + eps) * g  becomes the fixed map
-y = x * c  with  c = g / r,  r twice the norm's largest input RMS over token
-positions, measured once in float32 over a few random tokens, in order, each
-norm seeing the activations of the norms before it already made constant
-(`measure_rms`). c is folded into the weights the norm feeds (a pure dict
-transform), and the norm modules become nn.Identity: zero norm ops, while
-activations stay finite (naive removal overflows to inf/NaN, and NaN arithmetic
-runs ~20x slower on CPUs).
-
-Where c goes, per norm (architecture-generic: a walk over the RMSNorm modules):
-- a norm in `fold.norm_pairs`: input columns of the linears it feeds;
-- the final norm before a tied head: the head is untied (lm_head = embedding * c),
-  which costs storage, not decode bandwidth;
-- a per-head QK-norm (OpenELM q_norm/k_norm): the q or k output rows of qkv_proj;
-- a post-norm (Gemma's, on a sublayer's output before the residual add): the
-  output rows of the linear before it (`Architecture.post_norms`).
-The gain is the architecture's (`Architecture.gain`: Gemma's 1 + w).
-Not the same function as stock (only a bound on its speed).
+Each norm becomes a constant c = g / r measured once (r: twice its largest
+input RMS in float32), folded into what it feeds, so activations stay finite
+(naive removal overflows, and NaN arithmetic is ~20x slower on CPUs). Not
+stock's function, only a bound on its speed (docs/design.md section 1e).
 """
 
 import copy
@@ -234,7 +220,7 @@ def _stock_sanitized(config: dict, weights: fold.Weights) -> fold.Weights:
 def build_nonorm(plan: "quant.WeightPlan") -> Tuple[nn.Module, dict]:
     """Stock mlx-lm class, norms removed, constants folded; returns (model, config).
 
-    Same weights as every variant (`quant.plan_weights`): float32 for the
+    Same weights as every mode (`quant.plan_weights`): float32 for the
     calibration and the fold, then quantized as the plan says.
     """
     weights, config, qspec = plan.weights, plan.config, plan.qspec

@@ -1,22 +1,10 @@
 """One weight pipeline for loading and `convert`: fold (or not), then quantize.
 
-`Recipe` says how each output tensor is made from the source, one module at a
-time (`Recipe.module`, the one per-module transform): dequantize a quantized
-source to float32, fold the norm gains in float32 (`fold.fold_gain`), cast to
-the output dtype, then quantize (round-to-nearest as `nn.quantize` does, or
-fold-aware GPTQ, quant/gptq.py). `loading.build_model` builds every model
-(but nonorm) on `Recipe.tensors()`; `convert` writes what `fold_checkpoint`
-computes with the same `module`, in row chunks. So a converted checkpoint holds
-exactly the tensors loading builds. Tensors keep their Hugging Face names (q/k/v
-and gate/up stay separate; our Llama stacks them in `sanitize`), so `--compat`
-checkpoints (all-ones norms kept) also run in stock mlx-lm. A quantized source
-taken as stored keeps its tensors.
-
-`fold_checkpoint` is the one way to run GPTQ: `convert` writes what it returns,
-`perplexity` builds its FlashNorm model from it. The work goes one layer and
-one module at a time, large weights (the embedding) in row chunks, and each
-source tensor is released once its output exists, so peak memory stays near
-one copy of the model.
+`Recipe.module` is the one per-module transform (dequantize, fold in float32,
+cast, quantize), so a converted checkpoint holds exactly the tensors loading
+builds; `fold_checkpoint` runs it a layer and a module at a time, each source
+tensor released once used, so peak memory stays near one copy of the model
+(docs/design.md section 5a).
 """
 
 import contextlib

@@ -2,7 +2,7 @@
 
 MODEL is a local Hugging Face-style folder, a hub repo id (downloaded when there
 is a network), a `.gguf` file, or None for the embedded SmolLM2-135M-Instruct.
-Every variant (stock mlx-lm, FlashNorm, nonorm) is built from one `Source`
+Every mode (stock mlx-lm, FlashNorm, nonorm) is built from one `Source`
 (`loading.build_model`), so they run on the same weights.
 """
 
@@ -13,7 +13,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
@@ -46,6 +46,9 @@ class Source:
     # A multimodal wrapper's own config, where `config` is its text model
     # (wrappers.py): stock builds mlx-lm's wrapper class from it.
     wrapper: Optional[dict] = None
+    # A folder's weight files, checked once: a build reopens them for its own
+    # handles (build._own_handles) where `weights` are what they hold.
+    files: Tuple[str, ...] = ()
 
 
 # --- locating ----------------------------------------------------------------
@@ -190,8 +193,9 @@ def _read_folder(path: Path, name: str) -> Source:
     wrapper, text = None, wrappers.text_config(config, str(config_file))
     if text is not None:  # a multimodal wrapper: its text model is what folds
         wrapper, config = (None if wrappers.is_flat(config) else config), text
-    weights = source_weights(config, folder_weights(path), wrapper)
-    return Source(name, config, weights, folder=path, wrapper=wrapper)
+    files = weight_files(path)
+    weights = source_weights(config, open_weights(files), wrapper)
+    return Source(name, config, weights, folder=path, files=files, wrapper=wrapper)
 
 
 def source_weights(config: dict, weights: dict, wrapper: Optional[dict]) -> dict:
@@ -202,14 +206,21 @@ def source_weights(config: dict, weights: dict, wrapper: Optional[dict]) -> dict
     return models.canonical_weights(config, weights)
 
 
-def folder_weights(path: Path) -> dict:
-    """The folder's safetensors, opened lazily (each header checked first)."""
-    files = sorted(glob.glob(str(path / "model*.safetensors")))
+def weight_files(path: Path) -> Tuple[str, ...]:
+    """The folder's model*.safetensors, each header checked (MLX trusts its
+    offsets): a Source carries them, so a build reopens them unchecked."""
+    files = tuple(sorted(glob.glob(str(path / "model*.safetensors"))))
     if not files:
         raise LoadError(f"{path}: no model*.safetensors weight files")
+    for f in files:
+        check_safetensors(f)
+    return files
+
+
+def open_weights(files: Tuple[str, ...]) -> dict:
+    """The checked files' tensors, opened lazily."""
     weights = {}
     for f in files:
-        check_safetensors(f)  # MLX trusts the header's offsets
         try:
             weights.update(mx.load(f))
         except Exception as e:

@@ -1,21 +1,9 @@
 """stock_fused: stock mlx-lm with q|k|v and gate|up each one matmul, nothing else.
 
-bench's honest attribution. FlashNorm changes two things at once: it fuses the
-projections that read the same input (5 matmuls a block become 2) and it does
-the norm work (folded or in-kernel gains, deferred 1/RMS, fused epilogues). On
-launch-bound backends the fusion alone is worth launches, so FlashNorm's lead
-over `stock_fused` is what the norm work buys, and its lead over `stock` what
-the whole design buys. The norms stay; the function is stock's (stacking rows,
-quantized ones too, changes no output element).
-
-The stock classes call q_proj(x), k_proj(x), v_proj(x) on one x: each part
-becomes a view of one stacked matmul computed once for that x. Which parts
-stack is the family's `ARCH.pairs` (`groups`); a checkpoint that stores them
-fused already (Phi-3, OpenELM) has none, and stock_fused is stock there.
-Stacked experts (mlx-lm's SwitchGLU: gate_proj(x, indices), up_proj(x,
-indices), each weight (experts, out, in)) stack each expert's rows (axis -2)
-into one gather matmul computed once for that x and those indices; a bias's
-rows are its last axis.
+FlashNorm both fuses the projections that read one input and does the norm
+work; its lead over stock_fused is what the norm work alone buys (bench's
+honest attribution, docs/design.md section 4c). The function is stock's:
+stacking rows, quantized ones too, changes no output element.
 """
 
 from typing import List, Optional, Tuple
@@ -24,9 +12,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..limits import module_q_mode
-
-# Projections of mlx-lm's Llama-family blocks that read the same input.
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def groups(arch) -> Tuple[Tuple[str, ...], ...]:
@@ -149,7 +134,7 @@ def _signature(m: nn.Module) -> Optional[Tuple]:
     return shapes, quant
 
 
-def fuse_projections(model: nn.Module, stacks=GROUPS) -> int:
+def fuse_projections(model: nn.Module, stacks: Tuple[Tuple[str, ...], ...]) -> int:
     """Stack each group of `stacks` (`groups(arch)`) found in `model` (in place);
     returns how many were stacked. A group whose parts differ (e.g. quantized
     apart) stays."""

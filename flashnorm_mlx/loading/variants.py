@@ -1,11 +1,7 @@
-"""The variants a run compares, one table: its mode (how the model handles its
-norms: what is built) x the engine that runs its decode steps (engine.py).
-
-Two variants on one engine differ only in their mode (docs/design.md section
-4b), so every mode runs on either engine; `mlx-lm` is stock on the eager
-engine, mlx-lm as its users run it today, the reference row of bench and
-chat's /compare. The modes are records (flashnorm_mlx/modes.py, re-exported
-here); build.build_model asks them, nothing compares their names.
+"""The rows a run compares (bench, chat's /compare), one table: a mode (how the
+model handles its norms, flashnorm_mlx/modes.py) on an engine (engine.py).
+`mlx-lm`, stock on the eager engine, is the reference row: mlx-lm as its users
+run it (docs/design.md section 4c).
 """
 
 from dataclasses import dataclass
@@ -20,7 +16,6 @@ from ..modes import (  # noqa: F401 (the modes, re-exported with their rows)
     STOCK,
     STOCK_FUSED,
     Mode,
-    mode_named,
 )
 from . import gguf_kquant
 from .source import Source

@@ -8,10 +8,10 @@ not cover but mlx-lm loads runs as stock, mlx-lm's own class (`run_mode`).
 
 import importlib
 from types import ModuleType
-from typing import Optional
+from typing import Optional, Union
 
 from ..errors import UnsupportedModel
-from ..modes import FLASHNORM, STOCK, mode_named
+from ..modes import FLASHNORM, STOCK, Mode, mode_named
 from .arch import Architecture
 
 # config model_type -> module in flashnorm_mlx.models
@@ -128,13 +128,21 @@ def not_covered(
     )
 
 
-def run_mode(config: dict, mode: Optional[str]) -> str:
-    """The --mode a run takes (its name): as asked, else (None) flashnorm where
-    FlashNorm covers the model_type and stock where it does not; a mode that
-    needs FlashNorm's cover asked of a family it does not cover is `not_covered`."""
-    if mode is None:
-        return (FLASHNORM if is_covered(config) else STOCK).name
-    if mode_named(mode).needs_cover and not is_covered(config):
+def run_mode(
+    config: dict, asked: Union[None, str, Mode] = None, or_stock: bool = False
+) -> Mode:
+    """The Mode a run of the model `config` describes takes, settled once where
+    the model is read: `asked` (--mode's name, a library caller's, or a Mode),
+    else (None) flashnorm where FlashNorm covers the model_type and stock where
+    it does not, the one stock fallback. A mode that needs FlashNorm's cover
+    asked of a family it does not cover is `not_covered`, or stock with
+    `or_stock` (a draft model, built like its target where it can be)."""
+    if asked is None:
+        return FLASHNORM if is_covered(config) else STOCK
+    mode = mode_named(asked)
+    if mode.needs_cover and not is_covered(config):
+        if or_stock:
+            return STOCK
         raise not_covered(config, f"--mode {mode}")
     return mode
 

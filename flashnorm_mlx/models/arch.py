@@ -18,7 +18,7 @@ Beyond the Llama shape (docs/design.md section 2h), an architecture states:
   pair's gate and up (docs/design.md section 2j).
 - `gguf`: how llama.cpp's GGUF files of the family are read (`Gguf`), None
   where it has none (the MoE's tensor names are on `MoE.gguf`);
-- `cannot`: what the family does not do (a variant such as "nonorm", or
+- `cannot`: what the family does not do (a mode such as "nonorm", or
   "gguf"), each with why; `require` turns asking for it into one line;
 - `mixers` and `layer_kind`: a hybrid family's token mixers (attention, gated
   attention, gated DeltaNet, short convolution), each with the pair its norm
@@ -249,7 +249,7 @@ class Architecture:
     post_norms: Tuple[PostNorm, ...] = ()  # per layer, unfoldable
     embed_scale: bool = False  # embeddings times sqrt(width) (Gemma)
     tie_default: bool = True  # a config without tie_key (stock's default)
-    # (what, why) the family cannot do: a variant ("nonorm", ...) or "gguf".
+    # (what, why) the family cannot do: a mode ("nonorm", ...) or "gguf".
     cannot: Tuple[Tuple[str, str], ...] = ()
     moe: Optional[MoE] = None  # a mixture-of-experts feed-forward, where any
     gguf: Optional[Gguf] = None  # llama.cpp's files, where they are read

@@ -1,20 +1,7 @@
-"""Float weights, quantization and compute dtype: one decision for load and convert.
-
-A quantized source has three ways through FlashNorm (`QUANTIZED_WAYS`):
-- "stored" (the default): the checkpoint's quantized weights as they are, for
-  stock and FlashNorm alike. Folding would change them, so FlashNorm does not
-  fold: the norm gains ride in its kernels instead (models/blocks.py). Stock's
-  exact function, stock's bytes per token.
-- "dequantize": dequantized to float32 and folded; the same function in float,
-  at 2-4x the bytes per token.
-- "requantize": dequantized, folded in float32, quantized again with the
-  source's own settings (stock requantized alike): the folded weights'
-  quantization, a slightly different function.
-A float source is quantized only when asked (`quantize=(bits, group_size)`,
-which on a quantized source requantizes to those settings). Stock, nonorm and
-`convert` take the same path without or with the fold, so every variant is
-quantized from the same float weights with the same settings. A checkpoint
-folded already (by `convert`) is never folded or quantized again.
+"""Float weights, quantization and compute dtype: one decision for load and convert,
+so every mode and `convert` run on the same weights. A quantized source is taken
+"stored", "dequantize"d or "requantize"d (`QUANTIZED_WAYS`; docs/design.md
+section 1).
 """
 
 from dataclasses import dataclass

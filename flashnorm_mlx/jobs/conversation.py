@@ -1,21 +1,8 @@
 """A multi-turn chat that keeps its KV cache across turns.
 
-Each turn renders the whole conversation with the model's chat template and
-prefills only the tokens the cache does not already hold: the cache is trimmed
-to the longest common prefix of what it holds and the new rendering, so a
-template that re-renders earlier turns differently (or a reply whose text does
-not re-tokenize to the generated ids) costs a partial re-prefill, never a wrong
-answer. Generation is mlx-lm's `stream_generate` on the shared prompt cache.
-
-Ctrl-C (KeyboardInterrupt) during `send` stops the reply and keeps the session:
-the partial reply stays in the history and the cache keeps exactly the tokens
-known to be fed (a reply interrupted before its first token is dropped with
-its user message). Python raises KeyboardInterrupt only once an mx.eval
-returns, so the prompt is prefilled in chunks timed to PREFILL_CHUNK_S each
-(a 300-token message is ~20 s of prefill on a 2-core CPU): a Ctrl-C acts
-within one chunk. A conversation that outgrows the context drops its oldest
-turns (the system prompt stays); a message that cannot fit even alone is
-refused with `ContextOverflow`.
+Each turn prefills only what the cache does not hold, so a template that
+re-renders earlier turns costs a partial re-prefill, never a wrong answer; a
+Ctrl-C stops the reply and keeps the session (docs/design.md section 5d).
 """
 
 import time
@@ -24,10 +11,10 @@ from typing import Callable, List, Optional
 
 import mlx.core as mx
 
-from .decode_options import DraftTally, KVOptions, make_cache
-from .errors import ChatError, ContextOverflow  # noqa: F401 (raised here)
-from .parallel import distributed
-from .thinking import ReplySplit, starts_in_thought
+from ..decode_options import DraftTally, KVOptions, make_cache
+from ..errors import ChatError, ContextOverflow  # noqa: F401 (raised here)
+from ..parallel import distributed
+from ..thinking import ReplySplit, starts_in_thought
 
 PREFILL_CHUNK_S = 0.5  # seconds a prefill chunk aims at: Ctrl-C waits for one
 PREFILL_FIRST_CHUNK = 4  # tokens, before any chunk was timed (~0.3 s on a 2-core CPU)
@@ -208,11 +195,6 @@ class ChatSession:
                 self.cache, keep = self._new_cache(), 0
                 break
         self.cache_ids = list(fed[:keep])
-
-    @property
-    def cache_offset(self) -> int:
-        """Tokens the KV cache itself holds (first layer)."""
-        return _offset(self.cache[0]) if self.cache else 0
 
     # --- one turn ----------------------------------------------------------
 

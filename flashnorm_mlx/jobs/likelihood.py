@@ -1,35 +1,32 @@
-"""Perplexity of stock mlx-lm and FlashNorm on the same text and the same weights.
-
-The text is tokenized once and cut into non-overlapping windows of seq_len
-tokens, spread evenly over it; each window predicts its tokens 2..seq_len from
-the ones before (as mlx-lm's perplexity does). Both models are built with
-`loading.build_model` from one Source, so they are quantized from the same float
-weights with the same settings. Perplexity = exp(mean next-token NLL).
+"""Perplexity of stock mlx-lm and FlashNorm on the same text and the same weights:
+windows of seq_len tokens spread over the text, each predicting its tokens
+2..seq_len as mlx-lm's perplexity does; both models built from one Source.
 """
 
 import math
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
 
-from . import estimate, quant
-from .loading import (
+from .. import estimate, models, quant
+from ..loading import (
     RUN_MODES,
     LoadError,
+    Mode,
     Source,
     bits_per_weight,
     build_model,
     gguf_kquant,
-    mode_named,
     model_dtype,
     recipe,
 )
-from .progress import counter, progress_bar
-from .quant import gptq
-from .texts import calibration_text, default_text  # noqa: F401 (public here too)
+from ..modes import FLASHNORM
+from ..progress import counter, progress_bar
+from ..quant import gptq
+from ..texts import calibration_text, default_text  # noqa: F401 (public here too)
 
 WARMUP_TOKENS = 16  # one window's first tokens, through each model before timing
 MIN_TIMED_TOKENS = 256  # fewer scored per side: no tokens/sec (overhead, not speed)
@@ -91,7 +88,7 @@ def perplexity(
     tokens: Optional[List[int]] = None,
     seq_len: int = 256,
     num_seqs: Optional[int] = 16,
-    modes: Iterable[str] = RUN_MODES,
+    modes: Iterable[Union[str, Mode]] = RUN_MODES,
     batch_size: int = 4,
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
@@ -123,12 +120,14 @@ def perplexity(
     """
     stage = on_stage or (lambda text: None)
     step = on_step or (lambda text: None)
-    modes = list(modes)
+    modes = [models.run_mode(source.config, m) for m in modes]  # Modes, or names
     data = _data(source, modes, text, tokens, seq_len, num_seqs)
     kw = dict(dtype=dtype, quantize=quantize, quantized_way=quantized_way)
-    ours = quant.requantizes(source.weights, source.config, quantize, quantized_way)
+    requantized = quant.requantizes(
+        source.weights, source.config, quantize, quantized_way
+    )
     q_method = gptq.resolve(q_method)
-    if ours and q_method == "gptq" and any(mode_named(m).ours for m in modes):
+    if requantized and q_method == "gptq" and any(m.ours for m in modes):
         # Settings GPTQ cannot write fail now, not after stock is scored.
         quant.plan_weights(source.weights, source.config, **kw, q_method="gptq")
     result: Dict[str, object] = {
@@ -145,13 +144,17 @@ def perplexity(
         line = estimate.projection(piece, seconds, batches - 1)
         estimate.tell(on_slow, line)
 
-    gptq_run = (calibration, stage, on_slow) if q_method == "gptq" and ours else None
+    gptq_run = (
+        (calibration, stage, on_slow) if q_method == "gptq" and requantized else None
+    )
     with progress_bar(progress, "[bold]{task.description}[/] windows") as bar:
         for mode in modes:
-            model = _build(source, mode, kw, ours, gptq_run, bar, step, result)
+            model = _build(source, mode, kw, requantized, gptq_run, bar, step, result)
             stage(f"built {mode} ({result[f'{mode}_method']})")
             first = first_batch if mode == modes[0] else None
-            nll[mode] = _score(model, mode, data, batch_size, bar, step, result, first)
+            nll[mode.name] = _score(
+                model, mode.name, data, batch_size, bar, step, result, first
+            )
             stage(f"{mode}: {data.shape[0]}/{data.shape[0]} windows scored")
             del model
     if len(nll) == 2:
@@ -165,7 +168,7 @@ def perplexity(
 def _data(source, modes, text, tokens, seq_len, num_seqs) -> mx.array:
     """The windows to score, once the modes are known good."""
     for m in modes:
-        if m not in RUN_MODES:
+        if m.name not in RUN_MODES:
             raise LoadError(f"unknown mode {m!r}; choose from {', '.join(RUN_MODES)}")
     if tokens is None:
         if source.tokenizer is None:
@@ -175,11 +178,11 @@ def _data(source, modes, text, tokens, seq_len, num_seqs) -> mx.array:
     return windows(tokens, seq_len, num_seqs)
 
 
-def _build(source, mode, kw, ours, gptq_run, bar, step, result):
+def _build(source, mode, kw, requantized, gptq_run, bar, step, result):
     """`mode`'s model; its method, dtype, quantization and bits into result.
     gptq_run: (calibration, stage, on_slow) where FlashNorm is GPTQ's."""
     step(f"building {mode}")
-    flash = mode_named(mode).ours  # our class: GPTQ folds, stock's is RTN
+    flash = mode.ours  # our class: GPTQ folds, stock's is RTN
     if flash and gptq_run:
         calibration, stage, on_slow = gptq_run
         model, config = _gptq_flashnorm(
@@ -189,10 +192,12 @@ def _build(source, mode, kw, ours, gptq_run, bar, step, result):
         model, config = build_model(source, mode, **kw)
     method = (
         ("gptq" if flash and gptq_run else "rtn")
-        if ours
+        if requantized
         else "stored" if config.get("quantization") else "float"
     )
-    result.update(dtype=model_dtype(model), quantization=_quantization(config, ours))
+    result.update(
+        dtype=model_dtype(model), quantization=_quantization(config, requantized)
+    )
     result[f"{mode}_method"] = method
     result[f"{mode}_bits_per_weight"] = bits_per_weight(model)
     return model
@@ -260,13 +265,13 @@ def _gptq_flashnorm(source: Source, kw, calibration, bar, stage, step, on_slow):
         on_slow=on_slow,
     )
     converted = Source(source.name, config, weights, source.tokenizer)
-    return build_model(converted, "flashnorm", dtype=dtype)
+    return build_model(converted, FLASHNORM, dtype=dtype)
 
 
-def _quantization(config: dict, ours: bool = False) -> Optional[str]:
+def _quantization(config: dict, requantized: bool = False) -> Optional[str]:
     words = quant.describe(config) if config.get("quantization") else None
     floats = gguf_kquant.floats_of(config)
-    if floats and not ours:  # a GGUF's Q6_K & co., read as float (not ours: -q)
+    if floats and not requantized:  # a GGUF's Q6_K & co., read as float (not -q)
         kinds = "/".join(sorted(set(floats.values())))  # never "not quantized"
         return f"{words}, " * bool(words) + f"{kinds} in float"
     return words

@@ -18,11 +18,11 @@ from typing import List, Optional
 import mlx.core as mx
 import numpy as np
 
-from .decode_options import DraftTally, check_same_vocabulary
-from .errors import UserError
-from .loading import Source, build_model, read_source
-from .models import run_mode
-from .timing import spread, time_generation
+from ..decode_options import DraftTally, check_same_vocabulary
+from ..errors import UserError
+from ..loading import Source, build_model, read_source
+from ..models import run_mode
+from ..timing import spread, time_generation
 
 
 def time_speculative(

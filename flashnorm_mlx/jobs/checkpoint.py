@@ -17,14 +17,14 @@ from typing import Callable, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from . import fold, interrupt, models, quant
-from .errors import LoadError
-from .fold import Weights
-from .loading import gguf_kquant, wrappers
-from .loading.adapters import adapted_quantization, apply_adapter
-from .loading.recipe import CHUNK_ELEMENTS, fold_checkpoint
-from .loading.source import Source, read_source, resolve
-from .quant import gptq
+from .. import fold, interrupt, models, quant
+from ..errors import LoadError
+from ..fold import Weights
+from ..loading import gguf_kquant, wrappers
+from ..loading.adapters import adapted_quantization, apply_adapter
+from ..loading.recipe import CHUNK_ELEMENTS, fold_checkpoint
+from ..loading.source import Source, read_source, resolve
+from ..quant import gptq
 
 # Files of a Hugging Face folder that make up its tokenizer (copied verbatim).
 TOKENIZER_PATTERNS = (

@@ -7,9 +7,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import quant
-from .loading import Source, build_model, model_dtype
-from .loading.adapters import adapted_quantization, apply_adapter, mlx_lm_adapted
+from .. import quant
+from ..loading import Source, build_model, model_dtype
+from ..loading.adapters import adapted_quantization, apply_adapter, mlx_lm_adapted
+from ..modes import FLASHNORM, STOCK
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time,"
 
@@ -58,8 +59,8 @@ def compare(
         source = apply_adapter(base, adapter)
         kw["quantize"], _ = adapted_quantization(source, quantize, quantized_way)
     models = {
-        "stock": build_model(base, "stock", **{**kw, "quantize": quantize})[0],
-        "flashnorm": build_model(source, "flashnorm", **kw)[0],
+        "stock": build_model(base, STOCK, **{**kw, "quantize": quantize})[0],
+        "flashnorm": build_model(source, FLASHNORM, **kw)[0],
     }
     if adapter is not None:
         models["stock"] = mlx_lm_adapted(models["stock"], adapter)
@@ -68,7 +69,7 @@ def compare(
     )
     if noisy:  # the source's own function, as exactly as MLX computes it
         ref_kw = dict(dtype=mx.float32, quantized_way="stored", engine="eager")
-        models["reference"] = build_model(source, "stock", **ref_kw)[0]
+        models["reference"] = build_model(source, STOCK, **ref_kw)[0]
     stage(
         "built stock and FlashNorm on the same weights"
         + (" and stock float32 as the reference" if noisy else "")

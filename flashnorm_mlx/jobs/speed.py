@@ -22,17 +22,17 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import dispatch
-from . import engine as engines
-from . import estimate, kernels, models, quant
-from .errors import BenchError
-from .loading import Source, build_model, gguf_kquant, model_dtype, weight_bytes
-from .loading.nonorm import rms_norm_paths
-from .loading.variants import BY_NAME, NAMES, REFERENCE, STOCK, absent, comparison
-from .machine import device_info, versions
-from .models import covered_words, is_covered, model_classes
-from .parallel import distributed
-from .timing import (
+from .. import dispatch
+from .. import engine as engines
+from .. import estimate, kernels, models, quant
+from ..errors import BenchError
+from ..loading import Source, build_model, gguf_kquant, model_dtype, weight_bytes
+from ..loading.nonorm import rms_norm_paths
+from ..loading.variants import BY_NAME, NAMES, REFERENCE, STOCK, absent, comparison
+from ..machine import device_info, versions
+from ..models import covered_words, is_covered, model_classes
+from ..parallel import distributed
+from ..timing import (
     HOST_NOTE,
     first_steps,
     round_ratios,
