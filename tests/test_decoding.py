@@ -11,7 +11,7 @@ import pytest
 import tiny
 
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.modes import MODES
+from flashnorm_mlx.modes import FLASHNORM, MODES
 
 DRAFT_FLAGS = ("draft_model", "num_draft_tokens")
 KV_FLAGS = ("max_kv_size", "kv_bits", "kv_group_size", "quantized_kv_start")
@@ -419,7 +419,7 @@ def test_a_draft_under_a_multi_rank_launch_is_refused(pairs, monkeypatch, capsys
     args = decoding.KVOptions()  # any object: the refusal comes first
     args.draft_model = str(draft)
     with pytest.raises(decoding.UserError, match="mlx.launch"):
-        decoding.draft_model(args, None, str(target))
+        decoding.draft_model(args, None, str(target), FLASHNORM)
 
 
 @pytest.mark.parametrize("mode", ["stock", "flashnorm"])

@@ -15,6 +15,7 @@ import tiny
 from mlx_lm.generate import generate_step
 
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 from flashnorm_mlx.serve.compare import Comparer, other_mode
 
 
@@ -28,15 +29,13 @@ def test_a_stock_server_compares_with_flashnorm_built_once(tmp_path):
         time.sleep(0.01)  # seconds shows 2 decimals; a warm process may take < 5 ms
         return build_model(read_source(path, need_tokenizer=False), "flashnorm")[0]
 
-    c = Comparer(build_other, "stock")
+    c = Comparer(build_other, STOCK)
     worker = SimpleNamespace(model=stock)  # what Worker.call hands the function
     prompt = [3, 17, 42, 9, 100, 7, 64, 5]
     first, again = c.run(worker, prompt, 6), c.run(worker, prompt, 6)
     print(first)
     assert builds == [1] and first["built_seconds"] > 0 and again["built_seconds"] == 0
-    assert (
-        first["modes"] == ["stock", "flashnorm"] and other_mode("flashnorm") == "stock"
-    )
+    assert first["modes"] == ["stock", "flashnorm"] and other_mode(FLASHNORM) is STOCK
     res = first["results"]
     assert res["stock"]["model"].startswith("mlx_lm.models."), res
     assert res["flashnorm"]["model"].startswith("flashnorm_mlx."), res

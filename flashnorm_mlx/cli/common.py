@@ -224,14 +224,6 @@ def read_model(args):
     return source, tokenizer, mode
 
 
-def read_with_tokenizer(args):
-    """serve's `read_model` (cli/serve.py, which reads args.mode) until serve
-    takes the Mode as the other commands do: its name written into args."""
-    source, tokenizer, mode = read_model(args)
-    args.mode = mode.name
-    return source, tokenizer
-
-
 def need_tokenizer(tokenizer, model_name):
     if tokenizer is None:
         raise UserError(

@@ -16,14 +16,13 @@ from ..parallel import distributed
 from .common import build, say_note
 
 
-def draft_model(args, tokenizer, name: str, mode=None):
-    """The --draft-model, built like the model (its Mode `mode`, else serve's
-    args.mode; the same dtype, quantization and engine flags), or None."""
+def draft_model(args, tokenizer, name: str, mode):
+    """The --draft-model, built like the model (its Mode `mode`; the same
+    dtype, quantization and engine flags), or None."""
     if not getattr(args, "draft_model", None):
         return None
     if distributed.current() is not None:  # untried sharded; mlx_lm.server refuses it
         raise UserError("--draft-model: not under mlx.launch with several ranks")
-    mode = mode or args.mode
 
     def build_draft(source):
         if not models.is_covered(source.config):  # stock, whatever the model's mode

@@ -218,7 +218,7 @@ def _attach(server, args, api_key) -> None:
     from ..decode_options import KVOptions
     from ..loading.source import default_model_path
     from ..serve import Comparer, Decoding, Service, Settings, other_mode
-    from .common import build, read_with_tokenizer
+    from .common import build, read_model
 
     decoding = Decoding(
         KVOptions.from_args(args), args.draft_model, args.num_draft_tokens
@@ -226,21 +226,25 @@ def _attach(server, args, api_key) -> None:
     if decoding.sequential:
         print(f"flashnorm-mlx serve: {decoding.why()}", file=sys.stderr, flush=True)
 
+    settled = {}  # the Mode load() settles for the model, once
+
     def load():
-        source, tokenizer = read_with_tokenizer(args)
+        source, tokenizer, settled["mode"] = read_model(args)
         set_template(  # mlx-lm's template flags, for every chat request
             tokenizer,
             chat_template=args.chat_template,
             use_default=args.use_default_chat_template,
             template_args=args.chat_template_args,
         )
-        model, config = build(source, args.mode, args)
-        serve_with_draft(decoding, args, model, tokenizer, config, source.name)
+        model, config = build(source, settled["mode"], args)
+        serve_with_draft(
+            decoding, args, model, tokenizer, config, source.name, settled["mode"]
+        )
         return model, tokenizer, config
 
     def load_other():  # the page's Compare: the other mode, built on its first use
-        source, _ = read_with_tokenizer(args)
-        return build(source, other_mode(args.mode), args)[0]
+        source, _, _ = read_model(args)
+        return build(source, other_mode(settled["mode"]), args)[0]
 
     # Every Settings field is a flag of the same name (the key: flag or env).
     held = (f.name for f in dataclasses.fields(Settings) if f.name != "api_key")
@@ -252,10 +256,10 @@ def _attach(server, args, api_key) -> None:
     comparer = Comparer(load_other)
     service = Service(load, model_id, args.mode, settings, decoding.worker(), comparer)
     server.attach(service)  # builds: load() settled --mode for the model
-    service.mode = args.mode
-    comparer.settle(args.mode)
+    service.mode = settled["mode"].name
+    comparer.settle(settled["mode"])
     print(
-        f"flashnorm-mlx serve: {model_id} ({args.mode}) on "
+        f"flashnorm-mlx serve: {model_id} ({service.mode}) on "
         f"{server.url}/v1{' (API key required)' if api_key else ''}, chat page "
         f"{server.url}/ (Ctrl-C stops)",
         file=sys.stderr,
@@ -263,11 +267,11 @@ def _attach(server, args, api_key) -> None:
     )
 
 
-def serve_with_draft(decoding, args, model, tokenizer, config, name: str) -> None:
+def serve_with_draft(decoding, args, model, tokenizer, config, name: str, mode) -> None:
     """serve, on the generation thread after the model's build: check the KV
     options against it and build the draft like it."""
     from ..decode_options import check_kv_options
     from .decoding import draft_model
 
     check_kv_options(decoding.kv, model, config, name)
-    decoding.draft_model = draft_model(args, tokenizer, name)
+    decoding.draft_model = draft_model(args, tokenizer, name, mode)

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, List
 import mlx.core as mx
 
 from ..errors import UnsupportedModel
-from ..modes import FLASHNORM, STOCK, mode_named
+from ..modes import FLASHNORM, STOCK, Mode
 from .log import log
 from .pacing import PrefillPace
 from .schema import RequestError
@@ -35,9 +35,9 @@ CALL_TIMEOUT_S = 600  # one slice; building the other model is the longest
 RETRY_AFTER_S = 5
 
 
-def other_mode(mode: str) -> str:
-    """What a server running `mode` is compared with (its name)."""
-    return (FLASHNORM if mode_named(mode).is_mlx_lms else STOCK).name
+def other_mode(mode: Mode) -> Mode:
+    """What a server running `mode` is compared with."""
+    return FLASHNORM if mode.is_mlx_lms else STOCK
 
 
 class _Clock:
@@ -119,14 +119,15 @@ class Comparer:
     `settle` gives the server's mode once the model is read (serve's --mode
     defaults by family)."""
 
-    def __init__(self, build_other: Callable[[], object], mode: str = "flashnorm"):
+    def __init__(self, build_other: Callable[[], object], mode: Mode = FLASHNORM):
         self.build_other = build_other
         self.settle(mode)
         self.model = None  # the other model, once built
         self.running = threading.Lock()  # one Compare at a time
 
-    def settle(self, mode: str) -> None:
-        self.mode, self.other = mode, other_mode(mode)
+    def settle(self, mode: Mode) -> None:
+        """The server's Mode, once its model is read: rows are named by mode."""
+        self.mode, self.other = mode.name, other_mode(mode).name
 
     def steps(self, worker, prompt: List[int], n: int) -> Iterator[None]:
         """On the generation thread, a slice per next(): both models' decode
