@@ -20,7 +20,7 @@ from .. import fold, models, quant
 from ..errors import LoadError
 from ..modes import FLASHNORM, Mode, mode_named
 from ..parallel import sharding
-from . import gguf_kquant, nonorm, stock_fused
+from . import gguf_kquant, nonorm, stacks, stock_fused
 from .adapters import adapted_quantization
 from .recipe import Recipe
 from .shapes import config_name, mismatch, shapes_of
@@ -88,7 +88,9 @@ def build_model(
             )
             # mlx-lm's own model of a wrapper folder is its wrapper class.
             wrapper = source.wrapper if mode.is_mlx_lms else None
-            model, config, as_is = _instantiate(source.name, recipe, mode.ours, wrapper)
+            model, config, as_is = _instantiate(
+                source.name, recipe, mode.ours, wrapper, notes
+            )
             del recipe
             if by_mlx_lm:
                 model, config = _mlx_lm_quantized(model, config, *by_mlx_lm)
@@ -162,7 +164,7 @@ def _share_rows(layer, prefix: str, pairs, weights: dict, as_is: Set[str]) -> No
             mx.eval([weights[k] for k in keys])
 
 
-def _instantiate(name: str, recipe: Recipe, ours: bool, wrapper=None):
+def _instantiate(name: str, recipe: Recipe, ours: bool, wrapper=None, notes=None):
     """(model, config, keys of the source tensors it takes unchanged) of our
     class (`ours`) or mlx-lm's on the recipe's tensors; weights that do not
     fit the config are one LoadError line. wrapper: a multimodal wrapper's
@@ -171,6 +173,12 @@ def _instantiate(name: str, recipe: Recipe, ours: bool, wrapper=None):
     tensors, config = recipe.tensors(), recipe.config
     if ours:  # a GGUF's Q4_K q|k stacked with a Q6_K v: float
         tensors = gguf_kquant.float_pairs(tensors, config, recipe.out_dtype)
+        # A Q5_0 q|k with a Q8_0 v: one setting per stack (stacks.py).
+        tensors, config, added = stacks.common_settings(
+            tensors, config, recipe.out_dtype
+        )
+        if added and notes is not None:
+            notes.append(stacks.note(added))
     as_is = {k for k, v in tensors.items() if recipe.src.get(k) is v}
     norm_gains = recipe.as_stored and not fold.is_folded(config) and ours
     built = config

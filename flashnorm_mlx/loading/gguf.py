@@ -129,6 +129,8 @@ def read_gguf(
     if floats:
         mods = {rename(n).rpartition(".")[0]: t for n, t in floats.items() if rename(n)}
         config[gguf_kquant.CONFIG_KEY] = mods
+    if any(t.type_name in gguf_kquant.K_TYPES for t in table):  # read in float32
+        config[gguf_kquant.FILE_DTYPE_KEY] = "float16"
     tokenizer = None
     if load_tokenizer:
         try:

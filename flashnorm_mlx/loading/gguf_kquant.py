@@ -6,10 +6,16 @@ Q3_K/Q5_K/Q5_0/Q5_1. A file holding any of them is read here instead, metadata
 and tensors in the form `mx.load` gives (numbers as 0-d arrays, block quants as
 MLX affine group-32 triples `.weight/.scales/.biases`):
 - Q4_K/Q5_K: w = (d*sc)*q - dmin*m per 32 weights, MLX's affine format at 4/5
-  bits (scale d*sc, bias -dmin*m, in float16): repacked, not dequantized;
+  bits (scale d*sc, bias -dmin*m, in float32, which holds them exactly):
+  repacked, not dequantized;
 - Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: 32-weight blocks, affine triples as `mx.load` makes;
 - Q6_K/Q3_K/Q2_K (16-weight scales, which MLX's smallest group of 32 cannot
-  hold): dequantized to float16, and listed so the user is told (`float_note`).
+  hold): dequantized to float32 (exact), and listed so the user is told
+  (`float_note`).
+The K-quants' float32 is cast once to the compute dtype when the model is
+built (float32 on the CPU: llama.cpp's dequantized values exactly; float16
+where the model computes in float16, as the file's own scales); the config's
+`kquant.FILE_DTYPE_KEY` keeps the file's float16 as its dtype.
 """
 
 import math
@@ -21,7 +27,12 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..quant.kquant import CONFIG_KEY, NEAREST_BITS, floats_of  # noqa: F401
+from ..quant.kquant import (  # noqa: F401
+    CONFIG_KEY,
+    FILE_DTYPE_KEY,
+    NEAREST_BITS,
+    floats_of,
+)
 from .checks import GGUF_VALUE, GGUFTensor, Reader
 
 QK_K = 256  # weights per K-quant super-block
@@ -33,6 +44,7 @@ FLOAT_TYPES = NEAREST_BITS
 # Stored bits per weight (block bytes * 8 / weights per block).
 BITS_PER_WEIGHT = {"Q6_K": 210 * 8 / 256, "Q3_K": 110 * 8 / 256, "Q2_K": 84 * 8 / 256}
 CHUNK = 1 << 20  # weights decoded at a time
+K_TYPES = {"Q4_K", "Q5_K", *FLOAT_TYPES}  # decoded in float32 (exact)
 
 
 def needs_own_reader(table: List[GGUFTensor]) -> bool:
@@ -109,14 +121,15 @@ def _decode(name: str, kind: str, raw: np.ndarray, shape: tuple) -> dict:
     out = None  # the tensor's arrays, filled chunk by chunk
     for i in range(0, rows, step):
         b = blocks[i : i + step].reshape(-1, _BLOCK_BYTES[kind])
+        # K-quants' products (d*sc, dmin*m, d*sc*q) need float32 to be exact;
+        # the other types' scales are the file's own float16.
+        exact = np.float32 if kind in K_TYPES else np.float16
         if kind in FLOAT_TYPES:
-            parts = [DEQUANTIZE[kind](b).astype(np.float16).reshape(-1, cols)]
+            parts = [DEQUANTIZE[kind](b).astype(exact).reshape(-1, cols)]
         else:
             q, scales, biases, bits = AFFINE[kind](b)
             parts = [pack(q.reshape(-1, cols), bits)]
-            parts += [
-                x.astype(np.float16).reshape(-1, cols // 32) for x in (scales, biases)
-            ]
+            parts += [x.astype(exact).reshape(-1, cols // 32) for x in (scales, biases)]
         if out is None:
             out = [np.empty((rows, p.shape[1]), p.dtype) for p in parts]
         for o, p in zip(out, parts):

@@ -51,8 +51,12 @@ class WeightPlan:
     note: Optional[str] = None
 
 
-def source_dtype(weights: Weights) -> mx.Dtype:
-    """The dtype a checkpoint stores its float tensors in (scales for quantized ones)."""
+def source_dtype(weights: Weights, config: Optional[dict] = None) -> mx.Dtype:
+    """The dtype a checkpoint stores its float tensors in (scales for quantized
+    ones; a GGUF's float16 where its K-quants were read in float32)."""
+    given = kquant.file_dtype(config)
+    if given is not None:
+        return given
     for k, v in weights.items():
         if (k.endswith(".scales") or k.endswith(".weight")) and mx.issubdtype(
             v.dtype, mx.floating
@@ -62,10 +66,12 @@ def source_dtype(weights: Weights) -> mx.Dtype:
     return mx.float32
 
 
-def compute_dtype(weights: Weights) -> mx.Dtype:
+def compute_dtype(weights: Weights, config: Optional[dict] = None) -> mx.Dtype:
     """Default compute dtype: the checkpoint's, but float32 on MLX's CPU backend,
     whose float16/bfloat16 kernels are slow (quantized matmul ~30x/8x slower)."""
-    return mx.float32 if mx.default_device() == mx.cpu else source_dtype(weights)
+    if mx.default_device() == mx.cpu:
+        return mx.float32
+    return source_dtype(weights, config)
 
 
 def plan_weights(
@@ -94,7 +100,9 @@ def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan
             f"unknown way {quantized_way!r} for a quantized source; choose from "
             f"{', '.join(QUANTIZED_WAYS)}"
         )
-    default = source_dtype(weights) if output else compute_dtype(weights)
+    default = (
+        source_dtype(weights, config) if output else compute_dtype(weights, config)
+    )
     given_dtype, dtype = dtype, dtype or default
     if fold.is_folded(config):
         return _plan_folded(
@@ -188,7 +196,8 @@ def _float_note(weights, config, dtype) -> str:
     q = config.get("quantization") or {}
     name = str(dtype).replace("mlx.core.", "")
     # Stored bits per weight: the bits, plus a scale (and an affine bias) a group.
-    extra = 8 * source_dtype(weights).size * (2 if q_mode_of(q) == AFFINE else 1)
+    size = source_dtype(weights, config).size
+    extra = 8 * size * (2 if q_mode_of(q) == AFFINE else 1)
     stored = q.get("bits", 4) + extra / q.get("group_size", 64)
     times = 8 * dtype.size / stored
     return (
