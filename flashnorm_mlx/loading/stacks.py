@@ -28,9 +28,7 @@ from .gguf_kquant import pack
 def mixed_settings(tensors: dict, config: dict) -> List[List[str]]:
     """The stacks whose quantized members (all of them quantized) differ in
     setting, each as its members' module paths."""
-    if not any(k.endswith(".scales") for k in tensors) or not models.is_covered(
-        config
-    ):
+    if not any(k.endswith(".scales") for k in tensors) or not models.is_covered(config):
         return []
     arch, out = models.architecture(config), []
     for i, prefix in enumerate(arch.layer_prefixes(config)):
@@ -75,7 +73,9 @@ def common_settings(
             else:
                 tensors.update(_dequantized(tensors, p, s, dtype))
                 q.pop(p, None)
-            after = sum(tensors[f"{p}.{k}"].nbytes for k in _ARRAYS if f"{p}.{k}" in tensors)
+            after = sum(
+                tensors[f"{p}.{k}"].nbytes for k in _ARRAYS if f"{p}.{k}" in tensors
+            )
             added["lifted" if affine else "float"] += after - before
             added["members"] += 1
     return tensors, config, added
@@ -127,12 +127,15 @@ def note(added: Dict[str, int]) -> str:
     """One line: how many members were taken another way, and the memory."""
     ways = []
     if added.get("lifted"):
-        ways.append(f"lifted to the stack's bits (+{added['lifted'] / 1e6:.2f} MB)")
+        ways.append(f"lifted to the stack's bits (+{_size(added['lifted'])})")
     if added.get("float"):
-        ways.append(f"dequantized into a float stack (+{added['float'] / 1e6:.2f} MB)")
+        ways.append(f"dequantized into a float stack (+{_size(added['float'])})")
     return (
         f"{added['members']} q|k|v, gate|up members stored with other settings "
         f"than the rest of their stack run {' and '.join(ways)}: FlashNorm "
         "stacks each as one matmul; the same weights, the file's results"
     )
 
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} KB"

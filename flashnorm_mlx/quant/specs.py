@@ -61,7 +61,9 @@ def dequantize_weights(
             qp = quant_params(config, module)
             if qp is None:
                 raise FoldError(f"{module} is quantized but config has no quantization")
-            scales, biases = weights[f"{module}.scales"], weights.get(f"{module}.biases")
+            scales, biases = weights[f"{module}.scales"], weights.get(
+                f"{module}.biases"
+            )
             # mx.dequantize computes in its scales' dtype: float16 scales would
             # round every weight to float16 before the cast (affine only).
             if mx.issubdtype(scales.dtype, mx.floating):
