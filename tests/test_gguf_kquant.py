@@ -1,5 +1,6 @@
 """GGUF K-quants: Q4_K/Q5_K run quantized (repacked as MLX affine group-32
-triples), Q6_K/Q3_K/Q2_K are read as float16 and named in one line.
+triples, float32 scales), Q6_K/Q3_K/Q2_K are read as float32 and named in one
+line.
 
 The block writers below quantize numpy floats into llama.cpp's block layouts
 (ggml-common.h's block_q4_K/q5_K/q6_K), written by the `gguf` package
@@ -194,9 +195,10 @@ def test_block_writer_round_trips_through_llama_cpps_dequantizer(qtype):
 
 @pytest.mark.parametrize("qtype,bits", [("Q4_K", 4), ("Q5_K", 5)])
 def test_k_quant_is_repacked_not_dequantized(tmp_path, monkeypatch, qtype, bits):
-    """Q4_K/Q5_K come out as MLX affine triples at 4/5 bits, group 32, whose
-    dequantization is llama.cpp's within float16 rounding of scales and mins
-    (decoded a few rows at a time, the last chunk short, as a large tensor is)."""
+    """Q4_K/Q5_K come out as MLX affine triples at 4/5 bits, group 32, with
+    float32 scales and biases whose dequantization is llama.cpp's within
+    float32 rounding (decoded a few rows at a time, the last chunk short, as a
+    large tensor is)."""
     monkeypatch.setattr(kq, "CHUNK", 1000)  # 3 rows of 256 a chunk
     path, raws = write_kquant_gguf(tmp_path / f"{qtype}.gguf", {}, qtype)
     config, weights, _ = read_gguf(path, load_tokenizer=False)
@@ -208,22 +210,23 @@ def test_k_quant_is_repacked_not_dequantized(tmp_path, monkeypatch, qtype, bits)
         assert weights[f"{module}.weight"].dtype == mx.uint32, name
         ours = _gguf_rows(_dequantized(weights, config, module), name)
         ref = reference(raw, qtype)
-        # Scale and bias held in float16: weight q*s + b is off by at most
-        # 2^-11 (|q*s| + |b|), half a float16 step of each.
-        b = _gguf_rows(np.repeat(np.array(weights[f"{module}.biases"]), 32, 1), name)
-        bound = 2**-11 * (np.abs(ours - b) + np.abs(b)) * 1.01 + 1e-7
+        # Scale d*sc and bias -dmin*m held exactly (float32): weight q*s + b
+        # is llama.cpp's within one float32 rounding of the sum.
+        assert weights[f"{module}.scales"].dtype == mx.float32, name
+        bound = 2**-24 * np.abs(ref) * 1.01
         err = np.abs(ours - ref)
         worst = np.unravel_index(np.argmax(err - bound), err.shape)
         assert (err <= bound).all(), (
             f"{name}: {err[worst]:.3e} off llama.cpp's {ref[worst]:.5f} at "
-            f"{worst} (float16 bound {bound[worst]:.3e}; max {err.max():.3e})"
+            f"{worst} (float32 bound {bound[worst]:.3e}; max {err.max():.3e})"
         )
 
 
 @pytest.mark.parametrize("qtype", ["Q6_K", "Q3_K", "Q2_K"])
 def test_types_mlx_cannot_hold_are_llama_cpps_floats(monkeypatch, qtype):
     """Q6_K (written from floats), Q3_K and Q2_K (random blocks with sane
-    float16 scales): float16 of llama.cpp's reading, recorded as float-read."""
+    float16 scales): llama.cpp's reading exactly (float32), recorded as
+    float-read."""
     monkeypatch.setattr(kq, "CHUNK", 1200)  # 2 rows of 512 a chunk
     kind = getattr(gguf.GGMLQuantizationType, qtype)
     block = gguf.GGML_QUANT_SIZES[kind][1]
@@ -238,10 +241,10 @@ def test_types_mlx_cannot_hold_are_llama_cpps_floats(monkeypatch, qtype):
         raw = raw.reshape(8, -1)
     out = kq._decode("blk.0.attn_q.weight", qtype, raw.reshape(-1), (8, 512))
     ours = np.array(out["blk.0.attn_q.weight"])
-    want = reference(raw, qtype).astype(np.float16)
-    assert ours.dtype == np.float16 and np.array_equal(
+    want = reference(raw, qtype)
+    assert ours.dtype == np.float32 and np.array_equal(
         ours, want
-    ), f"{qtype}: max {np.abs(ours.astype(np.float32) - want).max():.3e} off"
+    ), f"{qtype}: max {np.abs(ours - want).max():.3e} off"
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
