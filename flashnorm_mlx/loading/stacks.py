@@ -133,7 +133,7 @@ def note(added: Dict[str, int]) -> str:
     return (
         f"{added['members']} q|k|v, gate|up members stored with other settings "
         f"than the rest of their stack run {' and '.join(ways)}: FlashNorm "
-        "stacks each as one matmul; the same weights, the file's results"
+        "stacks each as one matmul; the same weights, the stored results"
     )
 
 

@@ -1,0 +1,63 @@
+"""q|k|v and gate|up stored with different quantization settings, as mlx-lm's
+mixed recipes and llama.cpp's quantizer store them: FlashNorm stacks each as
+one matmul (loading/stacks.py). Reference: stock mlx-lm on the same weights;
+llama.cpp's own files: test_gguf_llama_cpp.py."""
+
+import mlx.core as mx
+import pytest
+import tiny
+
+from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.loading import Source, build_model
+from flashnorm_mlx.loading.stacks import mixed_settings
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7]
+
+
+def _mixed(v_spec: dict, mlp_spec: dict) -> Source:
+    """A tiny Llama at 4-bit group 64, v_proj and up_proj stored otherwise."""
+    cfg = dict(tiny.LLAMA_BASE, intermediate_size=128)  # groups of 64 divide it
+    w = {k: mx.array(v) for k, v in tiny.llama_weights(cfg, seed=5).items()}
+    q = {"group_size": 64, "bits": 4, "mode": "affine"}
+    out = {}
+    for k, v in w.items():
+        m = k[: -len(".weight")]
+        if not (k.endswith(".weight") and v.ndim == 2):
+            out[k] = v
+            continue
+        spec = v_spec if ".v_proj" in m else mlp_spec if ".up_proj" in m else q
+        if spec is not q:
+            q[m] = spec
+        parts = mx.quantize(v, spec["group_size"], spec["bits"], mode=spec["mode"])
+        names = ("weight", "scales", "biases")[: len(parts)]
+        out.update({f"{m}.{n}": p for n, p in zip(names, parts)})
+    return Source("mixed", {**cfg, "quantization": q}, out)
+
+
+@pytest.mark.parametrize(
+    "v_spec,way",
+    [
+        ({"group_size": 32, "bits": 8, "mode": "affine"}, "lifted"),
+        ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, "float"),
+    ],
+)
+def test_mixed_stacks_run_in_flashnorm_as_stock(v_spec, way):
+    """v at 8-bit group 32 beside 4-bit group 64 q and k (up at 6-bit group
+    64 beside a 4-bit gate): q, k lifted to 8-bit group 32, the same weights;
+    an mxfp4 v: the stack in float. FlashNorm's tokens equal stock's."""
+    mlp = {"group_size": 64, "bits": 6, "mode": "affine"}
+    source = _mixed(v_spec, mlp)
+    assert len(mixed_settings(source.weights, source.config)) == 4
+    notes = []
+    flash, _ = build_model(source, "flashnorm", dtype=mx.float32, notes=notes)
+    attn = flash.model.layers[0].self_attn.qkv_proj
+    if way == "lifted":
+        assert (attn.bits, attn.group_size) == (8, 32), (attn.bits, attn.group_size)
+    else:
+        assert type(attn).__name__ == "Linear", type(attn)
+    assert flash.model.layers[0].mlp.gate_up_proj.bits == 6
+    assert len(notes) == 1 and f"{'lifted' if way == 'lifted' else 'float'}" in notes[0]
+    r = compare(source, PROMPT, horizon=8, dtype=mx.float32)
+    print(f"{way}: FlashNorm vs stock {r['max_rel_logit_diff']:.3e}; {notes[0]}")
+    assert r["max_rel_logit_diff"] < tiny.f32_tol(), r
+    assert r["greedy_match"] == 8, r
