@@ -4,7 +4,9 @@ mlx-lm does not promise these; each function here is the only caller of one, and
 tests/test_mlx_lm_compat.py checks each still exists and behaves, so an mlx-lm
 upgrade that changes one fails there with the version named, not deep inside a
 model or the server (docs/design.md section 5). What they are for:
-- `stock_classes`: `mlx_lm.utils._get_classes`, the stock model class a config names;
+- `stock_classes`: `mlx_lm.utils._get_classes`, the stock model class a config names
+  (gemma3_text's with its cache list padded where it has fewer layers than
+  its sliding-window pattern, whose global mask it reads at that index);
 - `hub_download`: `mlx_lm.utils._download`, mlx-lm's own hub download;
 - `rope_freqs`: the `_freqs` and `_scale` of mlx-lm's scaled RoPE modules (Llama 3,
   SuScaled, YaRN, Proportional), which the fused epilogue reproduces;
@@ -47,7 +49,25 @@ def stock_classes(config: dict):
         from mlx_lm.utils import _get_classes
     except ImportError as e:
         raise _changed("mlx_lm.utils._get_classes", e) from None
-    return _get_classes(config)
+    model_cls, args_cls = _get_classes(config)
+    if config.get("model_type") == "gemma3_text":
+        model_cls = _gemma3_any_depth(model_cls)
+    return model_cls, args_cls
+
+
+def _gemma3_any_depth(model_cls):
+    """mlx-lm's gemma3_text reads its global mask from cache[pattern - 1],
+    an IndexError where the model has fewer layers (all sliding, as llama.cpp
+    runs them): the cache list padded with None, which no layer reads."""
+
+    class Model(model_cls):
+        def __call__(self, inputs, cache=None, input_embeddings=None):
+            n, p = len(self.model.layers), self.args.sliding_window_pattern
+            if n < p:
+                cache = list(cache or [None] * n) + [None] * (p - n)
+            return super().__call__(inputs, cache, input_embeddings)
+
+    return Model
 
 
 def hub_download(repo: str, allow_patterns):
