@@ -36,7 +36,10 @@ def mixed_settings(tensors: dict, config: dict) -> List[List[str]]:
             parts = [f"{prefix}.{p}" for p in pair.parts]
             if len(parts) < 2 or any(f"{p}.scales" not in tensors for p in parts):
                 continue
-            settings = {tuple(sorted(quant_params(config, p).items())) for p in parts}
+            specs = [quant_params(config, p) for p in parts]
+            if any(s is None for s in specs):  # no settings to go by: fuse says so
+                continue
+            settings = {tuple(sorted(s.items())) for s in specs}
             if len(settings) > 1:
                 out.append(parts)
     return out
