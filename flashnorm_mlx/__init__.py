@@ -1,9 +1,9 @@
 """flashnorm-mlx: exact FlashNorm inference on MLX for Llama, Mistral, Ministral 3
 (Mistral 3's text model), Qwen2/Qwen3, Qwen3.5 (dense and MoE), Qwen3-Next, Phi-3,
 SmolLM3, Llama 4 (Scout, Maverick, the dense text model), OpenELM, Gemma 3,
-Gemma 4, Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5 and 4.6, LFM2, LFM2-MoE,
-Nemotron-H (Nemotron 3) and Granite 4 language models (the same function as
-stock mlx-lm, fewer ops); every other mlx-lm family runs as stock."""
+Gemma 4, Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5 and 4.6, DeepSeek V3 (Kimi K2),
+LFM2, LFM2-MoE, Nemotron-H (Nemotron 3) and Granite 4 language models (the same
+function as stock mlx-lm, fewer ops); every other mlx-lm family runs as stock."""
 
 __version__ = "0.1.0"
 

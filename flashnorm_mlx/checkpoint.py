@@ -135,9 +135,11 @@ def convert(
     on_layer(i, n): called after layer group i of n is computed (tests inject
         failures here). max_shard_gb: 0 writes one tensor per shard.
     chunk_elements: a weight with more elements is computed in row chunks.
-    q_method: "gptq" (default: fold-aware GPTQ, calibrated on `calibration`
-        windows of offline text; needs a tokenizer) or "rtn" (round-to-nearest);
-        recorded in config.json's "flashnorm" block.
+    q_method: "gptq" (fold-aware GPTQ, calibrated on `calibration` windows of
+        offline text; needs a tokenizer), "rtn" (round-to-nearest), or "auto"
+        (default: the one that takes seconds here, `gptq.resolve`); recorded in
+        config.json's "flashnorm" block. on_stage hears that a quantized source
+        is requantized, and that "auto" chose RTN on the CPU.
     on_stage(text) / on_step(text): told as each stage ends / where the work is
         (`recipe.fold_checkpoint`; writing too). on_slow(line): GPTQ on the
         CPU says once how long it will take (`recipe.fold_checkpoint`).
@@ -154,14 +156,7 @@ def convert(
     source_path = source.folder if isinstance(source, Source) else resolve(source)
     check_output(out, shown, force, source_path)
     tokenizer_dir = resolve(tokenizer) if tokenizer else None
-    if not isinstance(source, Source):
-        source = read_source(source, tokenizer=tokenizer, adapter_path=adapter_path)
-        # Ours alone: each tensor goes once its output is computed.
-        weights, source.weights = source.weights, {}
-    else:
-        if adapter_path is not None:
-            source = apply_adapter(source, adapter_path)
-        weights = dict(source.weights)  # the caller's stay
+    source, weights = _read(source, tokenizer, adapter_path)
     if not models.is_covered(source.config):  # before any folder is made
         raise models.not_covered(
             source.config,
@@ -170,9 +165,25 @@ def convert(
             "quantizes it",
         )
     quantize, note = adapted_quantization(source, quantize, quantized_way)
-    if note and on_stage is not None:
-        on_stage(note)
+    for line in (note, *_quantizing_notes(source, quantize, q_method)):
+        if line and on_stage is not None:
+            on_stage(line)
+    q_method = gptq.resolve(q_method)
+    steps = (quantize, dtype, quantized_way, compat, q_method, calibration)
+    hooks = dict(on_layer=on_layer, on_stage=on_stage, on_step=on_step)
+    hooks.update(on_slow=on_slow, progress=progress, chunk_elements=chunk_elements)
+    paths = (out, shown, force, tokenizer_dir, max_shard_gb)
+    files, summary = _fold_and_write(source, weights, steps, hooks, paths)
+    if on_stage is not None:
+        on_stage(f"wrote {len(files)} file(s) to {shown}")
+    return summary
 
+
+def _fold_and_write(source, weights, steps, hooks, paths):
+    """(files, summary): `fold_checkpoint(source, weights, *steps, **hooks)`
+    written into a temporary sibling of out, renamed into place at the end; a
+    failure or Ctrl-C leaves neither it nor a created parent behind."""
+    out, shown, force, tokenizer_dir, max_shard_gb = paths
     tmp, created = _make_tmp(out, shown)  # before any work: a bad -o is one line
 
     def remove_tmp():
@@ -181,42 +192,66 @@ def convert(
 
     try:
         with interrupt.cleanup(remove_tmp):  # Ctrl-C: interrupt.py ends the run
-            done, config = fold_checkpoint(
-                source,
-                weights,
-                quantize,
-                dtype,
-                quantized_way,
-                compat,
-                q_method,
-                calibration,
-                progress=progress,
-                on_layer=on_layer,
-                chunk_elements=chunk_elements,
-                on_stage=on_stage,
-                on_step=on_step,
-                on_slow=on_slow,
-            )
-            del weights
-            (on_step or (lambda text: None))(f"writing {shown}")
-            # A Ctrl-C waits for the files, then removes them, or for the rename.
-            with interrupt.committing():
-                files = _write_weights(tmp, done, config, max_shard_gb)
-                _write_config(tmp, config)
-                _write_tokenizer(tmp, source, tokenizer_dir)
-                summary = _summary(shown, done, config, files)
-                del done
-                interrupt.check()
-                _replace(tmp, out, shown, force)
+            done, config = fold_checkpoint(source, weights, *steps, **hooks)
+            weights.clear()  # ours (read here) or our copy: each went as folded
+            (hooks["on_step"] or (lambda text: None))(f"writing {shown}")
+            dst = (tmp, out, shown, force, tokenizer_dir, max_shard_gb)
+            files = _write(dst, done, config, source)
+            summary = _summary(shown, done, config, files)
+            del done
     except OSError as e:
         remove_tmp()
         raise LoadError(f"cannot write {shown}: {e.strerror or e}") from None
     except BaseException:
         remove_tmp()
         raise
-    if on_stage is not None:
-        on_stage(f"wrote {len(files)} file(s) to {shown}")
-    return summary
+    return files, summary
+
+
+def _read(source, tokenizer, adapter_path) -> Tuple[Source, Weights]:
+    """(source, the weights to fold): a MODEL string is read here and its
+    tensors are ours alone (each goes once its output is computed)."""
+    if not isinstance(source, Source):
+        source = read_source(source, tokenizer=tokenizer, adapter_path=adapter_path)
+        weights, source.weights = source.weights, {}
+        return source, weights
+    if adapter_path is not None:
+        source = apply_adapter(source, adapter_path)
+    return source, dict(source.weights)  # the caller's stay
+
+
+def _quantizing_notes(source: Source, quantize, q_method: str) -> List[str]:
+    """What -q does that a user would not guess: a quantized source is rounded
+    a second time, and "auto" chose round-to-nearest on the CPU."""
+    notes = []
+    was = source.config.get("quantization")
+    kquants = gguf_kquant.floats_of(source.config)
+    if quantize and (was or kquants):
+        words = (
+            quant.describe(source.config)
+            if was
+            else "/".join(sorted(set(kquants.values())))
+        )
+        notes.append(
+            f"the source is already quantized, {words}: -q dequantizes it and "
+            f"requantizes to {quantize[0]}-bit group {quantize[1]}, rounding it a "
+            "second time; without -q it is written as stored, exactly"
+        )
+    auto = gptq.auto_note(q_method, bool(quantize))
+    return notes + ([auto] if auto else [])
+
+
+def _write(paths, done: Weights, config: dict, source: Source) -> List[str]:
+    """The files into tmp, then tmp renamed to out. A Ctrl-C waits for the
+    files, then removes them, or for the rename."""
+    tmp, out, shown, force, tokenizer_dir, max_shard_gb = paths
+    with interrupt.committing():
+        files = _write_weights(tmp, done, config, max_shard_gb)
+        _write_config(tmp, config)
+        _write_tokenizer(tmp, source, tokenizer_dir)
+        interrupt.check()
+        _replace(tmp, out, shown, force)
+    return files
 
 
 def _make_tmp(out: Path, shown: Path) -> Tuple[Path, List[Path]]:

@@ -45,6 +45,18 @@ def fold_gain(weights: Weights, gain: mx.array, linear: str) -> Weights:
     return {**weights, f"{linear}.weight": folded}
 
 
+def fold_into(weights: Weights, gain: mx.array, linear: str, arch) -> Weights:
+    """`fold_gain`, or on the rows (axis -2) of a linear `arch.gain_on_rows`
+    names (read as x @ W: mlx-lm's MLA embed_q, docs/design.md section 2s)."""
+    if not arch.gain_on_rows or not linear.endswith(arch.gain_on_rows):
+        return fold_gain(weights, gain, linear)
+    if f"{linear}.scales" in weights:
+        raise FoldError(f"{linear} is quantized; dequantize before folding")
+    w = weights[f"{linear}.weight"]
+    g = gain.astype(mx.float32)[:, None]
+    return {**weights, f"{linear}.weight": (w.astype(mx.float32) * g).astype(w.dtype)}
+
+
 def fold_norms(
     weights: Weights, config: dict, untie: bool = False, compat: bool = False
 ) -> Tuple[Weights, dict]:
@@ -73,7 +85,7 @@ def fold_norms(
         # Gemma: 1 + w (docs/design.md section 2h); a gated norm's per head (2k).
         gain = arch.folded_gain(config, norm, stored)
         for linear in linears:
-            weights = fold_gain(weights, gain, linear)
+            weights = fold_into(weights, gain, linear, arch)
         folded_norms.append(norm)
         if compat:
             weights[f"{norm}.weight"] = arch.unit_weight(stored)

@@ -112,9 +112,9 @@ def perplexity(
     source (which is dequantized first); without it a quantized source is
     taken as `quantized_way` says (quant/plan.py): as stored by default, both models on
     the very same quantized weights. Quantized by us (-q, "requantize"), stock
-    is mlx-lm's round-to-nearest and FlashNorm uses `q_method`
-    (default GPTQ on the folded weights, calibrated on `calibration_text`; see
-    gptq.py); each side reports its method and bits per weight, and the result
+    is mlx-lm's round-to-nearest and FlashNorm uses `q_method` (GPTQ on the
+    folded weights, calibrated on `calibration_text`, see gptq.py; "rtn"; or
+    "auto", the default: `gptq.resolve`); each side reports its method and bits per weight, and the result
     a 95% confidence interval of the relative difference (over windows).
     on_stage(text) is told when a model is built and scored (and GPTQ's
     stages); on_step(text) where the work is, before each step (a batch);
@@ -124,22 +124,13 @@ def perplexity(
     stage = on_stage or (lambda text: None)
     step = on_step or (lambda text: None)
     modes = list(modes)
-    for m in modes:
-        if m not in RUN_MODES:
-            raise LoadError(f"unknown mode {m!r}; choose from {', '.join(RUN_MODES)}")
-    if tokens is None:
-        if source.tokenizer is None:
-            raise LoadError(f"{source.name} has no tokenizer; pass --tokenizer")
-        tokens = list(
-            source.tokenizer.encode(text if text is not None else default_text())
-        )
-    data = windows(tokens, seq_len, num_seqs)
+    data = _data(source, modes, text, tokens, seq_len, num_seqs)
     kw = dict(dtype=dtype, quantize=quantize, quantized_way=quantized_way)
     ours = quant.requantizes(source.weights, source.config, quantize, quantized_way)
+    q_method = gptq.resolve(q_method)
     if ours and q_method == "gptq" and any(mode_named(m).ours for m in modes):
         # Settings GPTQ cannot write fail now, not after stock is scored.
         quant.plan_weights(source.weights, source.config, **kw, q_method="gptq")
-
     result: Dict[str, object] = {
         "model": source.name,
         "seq_len": seq_len,
@@ -154,27 +145,11 @@ def perplexity(
         line = estimate.projection(piece, seconds, batches - 1)
         estimate.tell(on_slow, line)
 
+    gptq_run = (calibration, stage, on_slow) if q_method == "gptq" and ours else None
     with progress_bar(progress, "[bold]{task.description}[/] windows") as bar:
         for mode in modes:
-            step(f"building {mode}")
-            flash = mode_named(mode).ours  # our class: GPTQ folds, stock's is RTN
-            if flash and q_method == "gptq" and ours:
-                model, config = _gptq_flashnorm(
-                    source, kw, calibration, bar, stage, step, on_slow
-                )
-            else:
-                model, config = build_model(source, mode, **kw)
-            method = (
-                (q_method if flash else "rtn")
-                if ours
-                else "stored" if config.get("quantization") else "float"
-            )
-            result.update(
-                dtype=model_dtype(model), quantization=_quantization(config, ours)
-            )
-            result[f"{mode}_method"] = method
-            result[f"{mode}_bits_per_weight"] = bits_per_weight(model)
-            stage(f"built {mode} ({method})")
+            model = _build(source, mode, kw, ours, gptq_run, bar, step, result)
+            stage(f"built {mode} ({result[f'{mode}_method']})")
             first = first_batch if mode == modes[0] else None
             nll[mode] = _score(model, mode, data, batch_size, bar, step, result, first)
             stage(f"{mode}: {data.shape[0]}/{data.shape[0]} windows scored")
@@ -185,6 +160,42 @@ def perplexity(
         result["max_token_nll_diff"] = float(np.abs(diff).max())
         result["diff_rel_ci95"] = _ratio_ci(diff.reshape(data.shape[0], -1))
     return result
+
+
+def _data(source, modes, text, tokens, seq_len, num_seqs) -> mx.array:
+    """The windows to score, once the modes are known good."""
+    for m in modes:
+        if m not in RUN_MODES:
+            raise LoadError(f"unknown mode {m!r}; choose from {', '.join(RUN_MODES)}")
+    if tokens is None:
+        if source.tokenizer is None:
+            raise LoadError(f"{source.name} has no tokenizer; pass --tokenizer")
+        text = text if text is not None else default_text()
+        tokens = list(source.tokenizer.encode(text))
+    return windows(tokens, seq_len, num_seqs)
+
+
+def _build(source, mode, kw, ours, gptq_run, bar, step, result):
+    """`mode`'s model; its method, dtype, quantization and bits into result.
+    gptq_run: (calibration, stage, on_slow) where FlashNorm is GPTQ's."""
+    step(f"building {mode}")
+    flash = mode_named(mode).ours  # our class: GPTQ folds, stock's is RTN
+    if flash and gptq_run:
+        calibration, stage, on_slow = gptq_run
+        model, config = _gptq_flashnorm(
+            source, kw, calibration, bar, stage, step, on_slow
+        )
+    else:
+        model, config = build_model(source, mode, **kw)
+    method = (
+        ("gptq" if flash and gptq_run else "rtn")
+        if ours
+        else "stored" if config.get("quantization") else "float"
+    )
+    result.update(dtype=model_dtype(model), quantization=_quantization(config, ours))
+    result[f"{mode}_method"] = method
+    result[f"{mode}_bits_per_weight"] = bits_per_weight(model)
+    return model
 
 
 def _score(model, mode, data, batch_size, bar, step, result, first=None):

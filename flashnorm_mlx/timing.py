@@ -134,10 +134,16 @@ def spread(values: Sequence[float]) -> dict:
     }
 
 
+# Fewer interleaved rounds give no spread worth the name: no verdict
+# (bench -n 1 once showed 0.37x where 3 rounds said 1.00x, within noise).
+MIN_ROUNDS = 3
+
+
 def round_ratios(trials: List[dict], variant: str, base: str, key: str) -> dict:
     """`variant` over `base` in `key`, per interleaved round: the median of those
-    ratios, their spread (min, max) and whether it includes 1.0 (`within_noise`:
-    no verdict, faster or slower), and the ratio of the medians."""
+    ratios, their spread (min, max) and whether it includes 1.0 or comes from
+    under MIN_ROUNDS rounds (`within_noise`: no verdict, faster or slower), and
+    the ratio of the medians."""
     by_round: Dict[int, Dict[str, float]] = {}
     for t in trials:
         by_round.setdefault(t["round"], {})[t["variant"]] = t[key]
@@ -150,7 +156,8 @@ def round_ratios(trials: List[dict], variant: str, base: str, key: str) -> dict:
         "median_of_ratios": statistics.median(per_round),
         "min": min(per_round),
         "max": max(per_round),
-        "within_noise": min(per_round) <= 1.0 <= max(per_round),
+        "within_noise": len(per_round) < MIN_ROUNDS
+        or min(per_round) <= 1.0 <= max(per_round),
         "ratio_of_medians": med_v / med_b,
         "rounds_faster": sum(x > 1.0 for x in per_round),
         "rounds": len(per_round),

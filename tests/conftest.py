@@ -39,6 +39,7 @@ PARTS = {
         "test_qwen3_5.py",
         "test_lfm2.py",
         "test_glm4_moe.py",
+        "test_deepseek_v3.py",
         "test_llama4.py",
         "test_nemotron_h.py",
         "test_granitemoehybrid.py",
@@ -188,6 +189,11 @@ SLOW = {
     ),
     "test_serve_guard.py": (
         "test_api_keys_and_cache_salts_share_no_cached_prefixes",  # 14 s
+        # 2026-12-06, -n 0, shared 2 cores: 12 requests on three APIs
+        "test_a_salted_secret_is_found_by_no_unsalted_client_on_any_route",  # 38 s
+    ),
+    "test_serve_compare.py": (  # a server of its own: 6 s
+        "test_compare_is_refused_beside_a_stream_and_stops_when_its_client_leaves",
     ),
     "test_serve_tools.py": (
         # a second server: 4.4 s under load, 1.2 s on a quiet CPU
@@ -212,6 +218,15 @@ SLOW = {
         "test_64_greedy_tokens_identical_to_stock_on_both_engines",  # 8 s (q4)
         "test_two_rank_tensor_parallel_matches_one_process_and_stock",  # 8-10 s
         "test_convert_q_rtn_and_gptq_load_in_mlx_lm",  # 2-5 s
+    ),
+    # File alone, --durations=0, fresh TMPDIR, shared box at load 4-5 (2026-12-06).
+    "test_deepseek_v3.py": (
+        # Whichever compiled test runs first pays MLX's compiles: 18-38 s fresh,
+        # 2 s warm; the 2-rank launch 37 s fresh, 2.5 s warm.
+        "test_verify_float32_on_the_compiled_engine",
+        "test_64_greedy_tokens_identical_to_stock_on_both_engines",  # 8-18 s
+        "test_two_rank_tensor_parallel_matches_one_process_and_stock",
+        "test_convert_q_rtn_and_gptq_load_in_mlx_lm",  # 1-4 s
     ),
     # File alone, --durations=0, shared box under load (2026-12-06).
     "test_llama4.py": (
@@ -248,6 +263,7 @@ LAUNCHES = {
     "test_qwen3_5.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_lfm2.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_glm4_moe.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
+    "test_deepseek_v3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_nemotron_h.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_granitemoehybrid.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
     "test_gemma3.py::test_two_rank_tensor_parallel_matches_one_process_and_stock",
@@ -266,6 +282,7 @@ FILE_S = {  # summed --durations=0, 2 workers, quiet, fresh clone, 2026-11-28
     "test_serve.py": 45,
     "test_moe.py": 41,
     "test_glm4_moe.py": 60,  # file alone, fresh TMPDIR, load 4-5, 2026-12-06
+    "test_deepseek_v3.py": 130,  # file alone, fresh TMPDIR (46 s warm), 2026-12-06
     "test_decoding.py": 31,
     "test_serve_guard.py": 29,
     "test_serve_load.py": 26,

@@ -153,9 +153,10 @@ def test_verify_adapter_fails_when_the_fuse_is_skipped(
     adapter = make_adapter(llama, tmp_path / "a")
     monkeypatch.setattr(adapters, "_fused", lambda module, weights, *a: {})
     argv = ["verify", str(llama), "--json", "--dtype", "float32", "-g", "4"]
-    assert main([*argv, "--adapter-path", str(adapter)]) == 0
+    assert main([*argv, "--adapter-path", str(adapter)]) == 1  # FAIL
     r = json.loads(capsys.readouterr().out)
-    assert r["max_rel_logit_diff"] > 1e-2, r
+    assert r["max_rel_logit_diff"] > 1e-2 and not r["passed"], r
+    assert r["verdict"].startswith("FAIL: max |logit diff|"), r
 
 
 def test_quantized_source_takes_the_adapter_in_float(llama, tmp_path):

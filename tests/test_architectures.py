@@ -61,6 +61,7 @@ CONFIGS = (
     + [("lfm2", c, tiny.make_lfm2) for c in tiny.LFM2_CONFIGS]
     + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
     + [("glm4_moe", c, tiny.make_glm4_moe) for c in tiny.GLM4_MOE_CONFIGS]
+    + [("deepseek_v3", c, tiny.make_deepseek_v3) for c in tiny.DEEPSEEK_V3_CONFIGS]
     + [("nemotron_h", c, tiny.make_nemotron_h) for c in tiny.NEMOTRON_H_CONFIGS]
     + [("granitemoehybrid", c, tiny.make_granite4) for c in tiny.GRANITE4_CONFIGS]
     + [("gemma4_text", c, tiny.make_gemma4) for c in tiny.GEMMA4_CONFIGS]
@@ -147,6 +148,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         (tiny.make_lfm2, "lfm2", False),
         (tiny.make_lfm2_moe, "lfm2_moe", False),
         (tiny.make_glm4_moe, "glm4_moe", False),
+        (tiny.make_deepseek_v3, "deepseek_v3", False),
         (tiny.make_nemotron_h, "nemotron_h", False),
         (tiny.make_granite4, "granitemoehybrid", False),
     ],
@@ -166,6 +168,7 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
         "lfm2",
         "lfm2_moe",
         "glm4_moe",
+        "deepseek_v3",
         "nemotron_h",
         "granitemoehybrid",
     ],
@@ -196,5 +199,6 @@ def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
     )
     # Beside its pairs, an MoE layer stacks its experts' and shared experts' gate|up.
     moe = {tiny.make_qwen3_5_moe: 12, tiny.make_qwen3_next: 11, tiny.make_glm4_moe: 8}
+    moe[tiny.make_deepseek_v3] = 8  # q_a|kv_a; a dense layer, two of experts
     want = moe.get(make, want)
     assert len(stacked) == want, stacked

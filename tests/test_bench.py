@@ -1,6 +1,7 @@
 """`bench` and the nonorm bound on tiny random models (small -p/-g/-n, no timing)."""
 
 import json
+import re
 
 import mlx.core as mx
 import pytest
@@ -432,6 +433,29 @@ def test_cli_engine_and_verbose_table(model_dir, capsys, monkeypatch, flags, eng
         if cells[:1] in (["mlx-lm"], ["stock"], ["flashnorm"]) and len(cells) > 4:
             rows.setdefault(cells[0], cells[1])
     assert rows == {"mlx-lm": "eager", "stock": engine, "flashnorm": engine}, out
+    # -n 1: no ratio without "within noise" (one round has no spread).
+    ratios = [line for line in out.splitlines() if re.search(r"\d\.\d+x", line)]
+    assert ratios and all("within noise" in line for line in ratios), out
+    cells = [line.split() for line in out.splitlines()[:8]]
+    assert any(c[:1] == ["flashnorm"] and "noise" in c for c in cells), out
+
+
+def test_under_three_rounds_or_a_spread_over_one_is_within_noise():
+    """timing.round_ratios: 2 rounds both 1.5x are no verdict; 3 rounds all
+    over 1 are one; 3 rounds on both sides of 1 are not."""
+    from flashnorm_mlx.timing import round_ratios
+
+    def trials(pairs):
+        return [
+            {"round": i, "variant": v, "x": x}
+            for i, (a, b) in enumerate(pairs)
+            for v, x in (("a", a), ("b", b))
+        ]
+
+    assert round_ratios(trials([(3, 2)] * 2), "a", "b", "x")["within_noise"]
+    assert not round_ratios(trials([(3, 2)] * 3), "a", "b", "x")["within_noise"]
+    spread = [(3, 2), (2, 3), (3, 2)]
+    assert round_ratios(trials(spread), "a", "b", "x")["within_noise"]
 
 
 def test_cli_default_table_fits_100_columns(result, monkeypatch):

@@ -224,7 +224,15 @@ def test_a_fast_convert_prints_its_stages_not_a_line_per_layer(tmp_path):
     model = tiny.make_llama(tmp_path / "m", "gqa_untied")
     r = subprocess.run(
         [sys.executable, "-m", "flashnorm_mlx", "convert", str(model)]
-        + ["-o", str(tmp_path / "out"), "-q", "--calib-seqs", "2"],
+        + [
+            "-o",
+            str(tmp_path / "out"),
+            "-q",
+            "--q-method",
+            "gptq",
+            "--calib-seqs",
+            "2",
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -496,3 +496,60 @@ def test_a_folded_4bit_checkpoint_says_how_it_runs(llama_dir, tmp_path, capsys):
     f, _ = build_model(src, "flashnorm", dtype=mx.float32, quantized_way="dequantize")
     q, _ = build_model(src, "flashnorm", dtype=mx.float32)
     assert _rel(f(x), q(x)) < 1e-5, _rel(f(x), q(x))
+
+
+def test_default_quantizer_takes_seconds_here_and_requantizing_is_said(
+    llama_dir, tmp_path, monkeypatch
+):
+    """-q's default ("auto") is round-to-nearest on the CPU, GPTQ on a GPU, said
+    in one line where it chose RTN; a quantized source is said to be rounded a
+    second time, a float one is not."""
+    from flashnorm_mlx.quant import gptq
+
+    said = []
+    src = _quantized_source(llama_dir)
+    convert(src, tmp_path / "a", quantize=(4, 64), progress=False, on_stage=said.append)
+    marker = json.loads((tmp_path / "a" / "config.json").read_text())[fold.MARKER]
+    want = gptq.resolve("auto")
+    assert marker["quantization_method"]["method"] == want, marker
+    requant = [s for s in said if "already quantized" in s]
+    assert requant and "requantizes to 4-bit group 64" in requant[0], said
+    assert (gptq.AUTO_RTN_NOTE in said) == (want == "rtn"), said
+    said.clear()
+    convert(
+        str(llama_dir),
+        tmp_path / "b",
+        quantize=(4, 32),
+        progress=False,
+        on_stage=said.append,
+        q_method="rtn",
+    )
+    assert not [s for s in said if "already quantized" in s or "--q-method" in s], said
+    # auto: GPTQ where a GPU runs the model, RTN on the CPU.
+    assert gptq.resolve("rtn") == "rtn" and gptq.resolve("gptq") == "gptq"
+    monkeypatch.setattr(gptq.mx, "default_device", lambda: mx.gpu)
+    assert gptq.resolve("auto") == "gptq" and gptq.auto_note("auto", True) is None
+    monkeypatch.setattr(gptq.mx, "default_device", lambda: mx.cpu)
+    assert gptq.resolve("auto") == "rtn" and gptq.auto_note("auto", True)
+
+
+def test_compat_on_a_quantized_source_as_stored_says_it_changed_nothing(
+    llama_dir, tmp_path, capsys
+):
+    """A quantized source is written as stored, its tensors the source's: with
+    --compat too, and the command says so in one line."""
+    from flashnorm_mlx.cli.convert import COMPAT_AS_STORED
+
+    stored = tmp_path / "stored"
+    convert(_quantized_source(llama_dir), stored, progress=False)
+    out = tmp_path / "compat"
+    assert main(["convert", str(stored), "-o", str(out), "--compat"]) == 0
+    printed = capsys.readouterr().out
+    assert COMPAT_AS_STORED in printed, printed
+    a, b = _files(stored), _files(out)
+    assert sorted(a) == sorted(b)
+    assert all(
+        mx.array_equal(a[k], b[k]).item() and a[k].dtype == b[k].dtype for k in a
+    )
+    assert main(["convert", str(stored), "-o", str(tmp_path / "plain")]) == 0
+    assert COMPAT_AS_STORED not in capsys.readouterr().out

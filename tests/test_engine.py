@@ -40,6 +40,7 @@ CONFIGS = (
     + [("lfm2", c, tiny.make_lfm2) for c in tiny.LFM2_CONFIGS]
     + [("lfm2_moe", c, tiny.make_lfm2_moe) for c in tiny.LFM2_MOE_CONFIGS]
     + [("glm4_moe", c, tiny.make_glm4_moe) for c in tiny.GLM4_MOE_CONFIGS]
+    + [("deepseek_v3", c, tiny.make_deepseek_v3) for c in tiny.DEEPSEEK_V3_CONFIGS]
     + [("nemotron_h", c, tiny.make_nemotron_h) for c in tiny.NEMOTRON_H_CONFIGS]
     + [("granitemoehybrid", c, tiny.make_granite4) for c in tiny.GRANITE4_CONFIGS]
     + [("gemma4_text", c, tiny.make_gemma4) for c in tiny.GEMMA4_CONFIGS]

@@ -60,7 +60,8 @@ FAMILY.update({"qwen3_5_moe": "Qwen3.5", "qwen3_next": "Qwen3-Next"})
 FAMILY.update({"lfm2": "LFM2", "lfm2_moe": "LFM2-MoE", "nemotron_h": "Nemotron-H"})
 FAMILY.update({"gemma4_text": "Gemma 4", "glm4_moe": "GLM-4.5"})
 FAMILY.update({"llama4_text": "Llama 4", "llama4": "Llama 4"})
-FAMILY.update({"granitemoehybrid": "Granite 4"})
+FAMILY.update({"granitemoehybrid": "Granite 4", "deepseek_v3": "DeepSeek V3"})
+FAMILY.update({"kimi_k2": "Kimi K2"})
 
 
 def test_summary_and_docstring_name_every_family():

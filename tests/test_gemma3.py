@@ -266,7 +266,7 @@ def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
 
 def test_convert_quantized_runs(tied, tmp_path):
     out = tmp_path / "q4"
-    convert(tied, out, quantize=(4, 32), progress=False)
+    convert(tied, out, quantize=(4, 32), progress=False, q_method="gptq")
     model, _ = build_model(read_source(str(out)), "flashnorm")
     assert type(model.layers[0].mlp.gate_up_proj).__name__ == "QuantizedLinear"
     assert mx.isfinite(model(mx.array([PROMPT]))).all().item()

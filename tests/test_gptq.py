@@ -70,7 +70,13 @@ def _gptq_model(source, **kw):
     from flashnorm_mlx.loading.recipe import fold_checkpoint
 
     weights, config = fold_checkpoint(
-        source, dict(source.weights), (4, 32), mx.float32, calibration=CALIB, **kw
+        source,
+        dict(source.weights),
+        (4, 32),
+        mx.float32,
+        q_method="gptq",
+        calibration=CALIB,
+        **kw,
     )
     converted = Source(source.name, config, weights, source.tokenizer)
     return build_model(converted, "flashnorm", dtype=mx.float32)[0]
@@ -114,6 +120,7 @@ def test_perplexity_reports_methods_bits_and_an_interval(source):
         num_seqs=4,
         dtype=mx.float32,
         quantize=(4, 32),
+        q_method="gptq",
         calibration=CALIB,
     )
     assert (r["stock_method"], r["flashnorm_method"]) == ("rtn", "gptq"), r
@@ -157,6 +164,7 @@ def test_convert_gptq_is_recorded_deterministic_and_runs_in_stock_mlx_lm(
             quantize=(4, 32),
             compat=True,
             progress=False,
+            q_method="gptq",
             calibration=CALIB,
         )
     marker = json.loads((a / "config.json").read_text())["flashnorm"]
@@ -191,7 +199,7 @@ def test_convert_gptq_without_a_tokenizer_is_one_clear_error(tmp_path):
 
     src = read_source(str(tiny.make_openelm(tmp_path / "e", tokenizer=False)))
     with pytest.raises(LoadError, match="--q-method rtn"):
-        convert(src, tmp_path / "out", quantize=(4, 32), progress=False)
+        convert(src, tmp_path / "out", (4, 32), progress=False, q_method="gptq")
     assert not (tmp_path / "out").exists()
 
 
@@ -205,11 +213,16 @@ def test_bits_gptq_cannot_write_fail_before_any_work(source, tmp_path):
     stages = []
     with pytest.raises(LoadError, match="not 3-bit"):
         perplexity(
-            source, seq_len=16, num_seqs=1, quantize=(3, 32), on_stage=stages.append
+            source,
+            seq_len=16,
+            num_seqs=1,
+            quantize=(3, 32),
+            q_method="gptq",
+            on_stage=stages.append,
         )
     assert stages == [], stages  # nothing was built, so nothing was scored
     with pytest.raises(LoadError, match="not 3-bit"):
-        convert(source, tmp_path / "out", quantize=(3, 32), progress=False)
+        convert(source, tmp_path / "out", (3, 32), progress=False, q_method="gptq")
     assert list(tmp_path.iterdir()) == [], "convert left files behind"
     r = perplexity(source, seq_len=16, num_seqs=1, quantize=(3, 32), q_method="rtn")
     assert r["flashnorm_method"] == "rtn", r

@@ -258,13 +258,13 @@ def test_bench_counts_fewer_launches(source):
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])
 def test_load_peak_is_stocks(tmp_path, quantized):
     """Reading and building FlashNorm peaks within 3% of stock on the same
-    16-layer MoE folder, float32 and mlx-lm's 4-bit as stored
+    32-layer MoE folder, float32 and mlx-lm's 4-bit as stored
     (tests/test_load_memory.py's measure)."""
     import test_load_memory
     from mlx_lm.convert import convert as mlx_convert
 
-    over = dict(layer_types=["mamba", "mamba", "attention", "mamba"] * 4)
-    over["num_hidden_layers"] = 16
+    over = dict(layer_types=["mamba", "mamba", "attention", "mamba"] * 8)
+    over["num_hidden_layers"] = 32
     path = tiny.make_granite4(
         tmp_path / "f", "granitemoehybrid", tokenizer=quantized, **over
     )

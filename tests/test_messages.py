@@ -271,7 +271,8 @@ def test_gptq_on_the_cpu_names_rtn_after_its_first_calibration_batch(
     llama_dir, threshold, tmp_path, capsys
 ):
     argv = ["convert", str(llama_dir), "-q", "--q-group-size", "32"]
-    assert main([*argv, "-o", str(tmp_path / "gptq"), "--calib-seqs", "8"]) == 0
+    gptq_argv = [*argv, "--q-method", "gptq", "--calib-seqs", "8"]
+    assert main([*gptq_argv, "-o", str(tmp_path / "gptq")]) == 0
     err = capsys.readouterr().err
     prefix = "flashnorm-mlx convert: GPTQ on the CPU, calibrating: about "
     lines = _slow_lines(err, prefix)
@@ -302,6 +303,7 @@ def test_gptq_says_it_after_the_first_layer_group_where_calibration_is_one_batch
         source,
         dict(source.weights),
         quantize=(4, 32),
+        q_method="gptq",
         calibration=gptq.Calibration(num_seqs=4, seq_len=32),
         on_slow=said.append,
     )

@@ -352,3 +352,20 @@ def test_a_hub_download_fetches_python_files_only_when_trusted(trust, monkeypatc
     )
     source.resolve("org/some-model", trust)
     assert len(asked) == 1 and ("*.py" in asked[0]) == trust, asked
+
+
+@pytest.mark.parametrize(
+    "flag, why",
+    [(["--image", "a.png"], "text models only"), (["-qa"], "nvfp4/mxfp8")],
+)
+def test_image_and_quantize_activations_are_one_line_each(flag, why, capsys):
+    """mlx_lm generate's --image and --quantize-activations: taken by name and
+    refused in one line saying why, before any model is read."""
+    from flashnorm_mlx.cli import main
+
+    try:
+        rc = main(["generate", "-p", "hi", *flag])
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and why in err[0], (rc, err)

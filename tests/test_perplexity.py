@@ -172,3 +172,18 @@ def test_step_lines_count_the_windows_of_calibration_and_scoring(model_dir, data
         assert scored == [
             f"scoring {mode}: {n}/3 windows scored" for n in (0, 2, 3)
         ], steps
+
+
+def test_cli_q_says_auto_chose_rtn_on_the_cpu(model_dir, data_file, capsys):
+    """perplexity -q on the CPU: FlashNorm by round-to-nearest (auto), and
+    one note naming --q-method gptq; --q-method rtn asked: no note."""
+    from flashnorm_mlx.quant import gptq
+
+    argv = ["perplexity", str(model_dir), "--data", str(data_file), "-q"]
+    argv += ["--q-group-size", "32", "--seq-len", "16", "--num-seqs", "2", "--json"]
+    assert main(argv) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    want = gptq.resolve("auto") == "rtn"
+    assert (gptq.AUTO_RTN_NOTE in err) == want, err
+    assert main([*argv, "--q-method", "rtn"]) == 0
+    assert gptq.AUTO_RTN_NOTE not in " ".join(capsys.readouterr().err.split())

@@ -37,6 +37,7 @@ ARCHITECTURES = {
     "lfm2": lambda p: tiny.make_lfm2(p, "lfm2"),
     "lfm2_moe": lambda p: tiny.make_lfm2_moe(p, "lfm2_moe"),
     "glm4_moe": lambda p: tiny.make_glm4_moe(p, "glm4_moe"),
+    "deepseek_v3": lambda p: tiny.make_deepseek_v3(p, "deepseek_v3"),
     # Dense: tiny.quantized packs every 2-D weight, and the MoE's router is
     # no linear in mlx-lm's class (tests/test_nemotron_h.py converts that one).
     "nemotron_h": lambda p: tiny.make_nemotron_h(p, "nemotron_h"),

@@ -130,7 +130,7 @@ def test_converted_checkpoint_loads_and_matches(source, tmp_path):
 
 def test_convert_quantized_runs(source, tmp_path):
     out = tmp_path / "q4"
-    convert(source, out, quantize=(4, 32), progress=False)
+    convert(source, out, quantize=(4, 32), progress=False, q_method="gptq")
     model, _ = build_model(read_source(str(out)), "flashnorm")
     logits = model(mx.array([PROMPT]))
     assert mx.isfinite(logits).all().item()

@@ -127,10 +127,13 @@ def test_malformed_requests_get_the_json_error(server):
     print(answer)
     assert head.split()[1] == b"431" and b"application/json" in head, head
     assert json.loads(body)["error"]["code"] == "bad_request", body
-    # No version at all is HTTP/0.9, whose answers have no headers: the body alone.
+    # No version at all (HTTP/0.9's shape): still a 400 with a status line and
+    # headers, so a client reading HTTP/1.x sees an answer, not a bare body.
     answer = _send_raw(server, b"NOT A REQUEST LINE AT ALL\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
     print(answer)
-    assert json.loads(answer)["error"]["code"] == "bad_request", answer
+    assert head.split()[1] == b"400" and b"application/json" in head, head
+    assert json.loads(body)["error"]["code"] == "bad_request", body
 
 
 # --- vLLM's tokenizer endpoints --------------------------------------------------

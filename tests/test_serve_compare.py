@@ -45,3 +45,55 @@ def test_a_stock_server_compares_with_flashnorm_built_once(tmp_path):
     fn, st = (res[m]["decode_tokens_per_second"] for m in ("flashnorm", "stock"))
     assert first["ratio"] == pytest.approx(fn / st, abs=2e-3)
     assert first["prompt_tokens"] == 8 and first["tokens"] == 6
+
+
+def _wait_line(server, text, since, limit=120):
+    end = time.monotonic() + limit
+    while not any(text in x for x in server.lines[since:]):
+        assert time.monotonic() < end, server.log()
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_compare_is_refused_beside_a_stream_and_stops_when_its_client_leaves():
+    """The embedded SmolLM2 served: a Compare beside a running stream is a
+    503 with Retry-After at once (the stream untouched); alone it runs in
+    slices, one at a time (409), max_tokens capped at 512, and it stops when
+    its client leaves."""
+    import json
+    import socket
+
+    from serve_process import Server
+    from test_serve_load import Stream
+
+    s = Server()
+    msgs = [{"role": "user", "content": "Tell me about lighthouses."}]
+    try:
+        n0 = len(s.lines)
+        body = json.dumps({"messages": msgs, "max_tokens": 10**6}).encode()
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=60)
+        sock.sendall(
+            b"POST /compare HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        _wait_line(s, "compare: started, 512 tokens", n0)  # capped
+        status, got = s.request("POST", "/compare", {"messages": msgs, "max_tokens": 4})
+        assert status == 409, got
+        sock.close()
+        t = time.monotonic()
+        _wait_line(s, "compare: cancelled: the client left", n0, limit=60)
+        print(f"stopped {time.monotonic() - t:.2f} s after its client left")
+        stream = Stream(s.port)
+        assert stream.started.wait(120), s.log()
+        t = time.monotonic()
+        status, got = s.request(
+            "POST", "/compare", {"messages": msgs, "max_tokens": 48}
+        )
+        print("beside a stream:", status, got, round(time.monotonic() - t, 2))
+        assert status == 503 and got["error"]["code"] == "busy", got
+        assert time.monotonic() - t < 5
+        stream.close()
+        status, _ = s.request("GET", "/health")
+        assert status == 200
+    finally:
+        s.kill()

@@ -243,7 +243,9 @@ def test_clients_leaving_early_make_one_line_each_at_most(server):
 
 @pytest.fixture(scope="module")
 def keyed():
-    s = Server("--api-key", "key-a,key-b", "--max-connections", "4")
+    s = Server(
+        "--api-key", "key-a,key-b", "--max-connections", "4", "--request-timeout", "2"
+    )
     yield s
     s.kill()
 
@@ -280,6 +282,8 @@ def test_api_keys_and_cache_salts_share_no_cached_prefixes(keyed):
     with keyed.client(key="key-c") as client:
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
+    status, _, body = http(keyed.port, "POST", "/compare", body=chat_body())
+    assert status == 401, (status, body)  # the page's Compare needs the key too
 
 
 def test_connections_past_the_cap_get_a_503(keyed):
@@ -379,3 +383,135 @@ def test_prefill_pace_sizes_chunks_by_time():
         n = busy.step(1)
         busy.measured(n, 1.0 + 0.1 * n, fixed=1.0)
     assert busy.step(1) == 5, busy.last
+
+
+# --- round 2 (#58): framing, slow sockets, one address ----------------------------
+
+
+def test_each_request_shape_gets_one_response_with_a_status_line(server):
+    p = server.port
+    inner = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    shapes = {
+        "one word": b"HELLO\r\n\r\n",
+        "HTTP/0.9": b"GET /\r\n\r\n",
+        "two Hosts": b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n\r\n",
+        "lengths 0 and N": b"POST /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Length: 0\r\nContent-Length: %d\r\n\r\n" % len(inner) + inner,
+        "length and chunked": b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n" % len(inner)
+        + inner,
+        "OPTIONS with a body": b"OPTIONS /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(inner) + inner,
+    }
+    for name, data in shapes.items():
+        raw = exchange(p, data)
+        print(name, raw[:120])
+        assert raw.count(b"HTTP/1.1 ") == 1, (name, raw)
+        want = b"HTTP/1.1 204 " if name.startswith("OPTIONS") else b"HTTP/1.1 400 "
+        assert raw.startswith(want) and b"Connection: close" in raw, (name, raw)
+
+
+def test_the_page_forbids_framing_sniffing_and_foreign_scripts(server):
+    status, h, _ = http(server.port, "GET", "/")
+    print(h)
+    assert status == 200 and h["x-frame-options"] == "DENY", h
+    assert h["x-content-type-options"] == "nosniff", h
+    csp = h["content-security-policy"]
+    assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp, csp
+
+
+def _from(address, port) -> socket.socket:
+    s = socket.socket()
+    s.settimeout(30)
+    s.bind((address, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def _health_from(address, port) -> int:
+    with _from(address, port) as s:
+        s.sendall(
+            b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        )
+        return int(s.recv(64).split()[1])
+
+
+def test_130_slow_sockets_from_one_address_leave_others_served(server):
+    """Real defaults: 32 connections per address (the rest get a 503), so a
+    client on another loopback address (127.0.0.2) is served at once."""
+    socks = [_from("127.0.0.1", server.port) for _ in range(130)]
+    try:
+        for s in socks:
+            s.sendall(b"G")  # a request begun, one byte of it
+        assert _health_from("127.0.0.2", server.port) == 200
+        assert _health_from("127.0.0.1", server.port) == 503
+    finally:
+        for s in socks:
+            s.close()
+    deadline = time.monotonic() + 30  # their threads notice the close
+    while _health_from("127.0.0.1", server.port) != 200:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.1)
+
+
+def test_a_trickling_request_is_closed_at_its_deadline(keyed):
+    """--request-timeout 2: a byte a second keeps every read alive, not the
+    request; the connection closes within the deadline (and a slot frees)."""
+    s = _from("127.0.0.1", keyed.port)
+    start = time.monotonic()
+    closed = None
+    try:
+        for ch in b"GET /health HTTP/1.1\r\n" * 2:
+            s.sendall(bytes([ch]))
+            s.settimeout(0.5)
+            try:
+                if s.recv(1) == b"":
+                    closed = time.monotonic() - start
+                    break
+            except socket.timeout:
+                pass
+            except OSError:
+                closed = time.monotonic() - start
+                break
+            assert time.monotonic() - start < 20
+    finally:
+        s.close()
+    print(f"closed after {closed} s")
+    assert closed is not None and closed < 4, closed
+
+
+APIS = {  # path, body fields, where the answer says how many tokens were cached
+    "chat": ("/v1/chat/completions", "messages", "max_tokens"),
+    "messages": ("/v1/messages", "messages", "max_tokens"),
+    "responses": ("/v1/responses", "input", "max_output_tokens"),
+}
+
+
+def _cached_via(server, api, messages, salt=None) -> int:
+    path, field, most = APIS[api]
+    body = {"model": "default", field: messages, most: 1, "temperature": 0}
+    status, got = server.request(
+        "POST", path, {**body, **({"cache_salt": salt} if salt else {})}
+    )
+    assert status == 200, (api, got)
+    usage = got["usage"]
+    if api == "chat":
+        return usage["prompt_tokens_details"]["cached_tokens"]
+    if api == "messages":
+        return usage.get("cache_read_input_tokens") or 0
+    return usage["input_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.slow
+def test_a_salted_secret_is_found_by_no_unsalted_client_on_any_route(server):
+    """Every ordered pair of the three APIs: a secret sent salted through one
+    is guessed unsalted through the other, then found salted (the control).
+    Unsalted, only the template's default system prompt may be cached (from
+    the pair before): none of the secret's own ~10 tokens."""
+    for i, (a, b) in enumerate((a, b) for a in APIS for b in APIS if a != b):
+        secret = [{"role": "user", "content": f"{4417 + 97 * i} is the vault code."}]
+        _cached_via(server, a, secret, salt=f"s{i}")
+        guessed = _cached_via(server, b, secret)
+        found = _cached_via(server, b, secret, salt=f"s{i}")
+        print(a, "->", b, "unsalted", guessed, "salted", found)
+        assert guessed <= found - 8, (a, b, guessed, found)

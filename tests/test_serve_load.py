@@ -141,3 +141,65 @@ def test_a_running_stream_keeps_going_past_huge_and_long_prompts(server):
         assert max(gaps) < MAX_GAP_S, sorted(gaps)[-5:]
     finally:
         stream.close()
+
+
+def _rss_mb(pid) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [  # 64 prompts that each fit, 15 MB in all; 500,000 empty messages
+        ("/v1/completions", {"prompt": ["lorem ipsum " * 19_500] * 64}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": ""}] * 500_000},
+        ),
+    ],
+    ids=["64-prompts", "500k-messages"],
+)
+def test_15_mb_of_another_shape_is_refused_before_tokenizing(server, path, body):
+    data = json.dumps({**body, "max_tokens": 1}).encode()
+    before = _rss_mb(server.proc.pid)
+    short = {}
+
+    def send_short():
+        t = time.monotonic()
+        short["status"] = server.request(
+            "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}
+        )[0]
+        short["s"] = time.monotonic() - t
+
+    t = time.monotonic()
+    other = threading.Thread(target=send_short)
+    other.start()  # while the big body is read and refused
+    status, got = server.request(
+        "POST", path, data, {"Content-Type": "application/json"}
+    )
+    refused = time.monotonic() - t
+    other.join(60)
+    grew = _rss_mb(server.proc.pid) - before
+    print(
+        f"{len(data) >> 20} MB: {status} in {refused:.2f} s, RSS +{grew:.0f} MB; "
+        f"short request {short}; {str(got)[:160]}"
+    )
+    assert status == 400 and got["error"]["code"] == "context_length_exceeded", got
+    assert "at least" in got["error"]["message"], got  # from its size: untokenized
+    assert refused < 2 * REFUSE_S and grew < 300, (refused, grew)
+    assert short.get("status") == 200 and short["s"] < 10, short
+
+
+def test_prompts_stop_at_the_first_past_the_request_s_budget(server):
+    """4 contexts per request (bounds.REQUEST_CONTEXTS): 6 prompts of ~7,000
+    tokens each (8,192 a context) pass the size bound; tokenizing stops at
+    the 5th, the 6th never tokenized."""
+    texts = ["lorem ipsum " * 1_400 + str(i) for i in range(6)]
+    status, got = server.request(
+        "POST", "/v1/completions", {"prompt": texts, "max_tokens": 1}, timeout=30
+    )
+    print(status, got)
+    assert status == 400 and got["error"]["code"] == "context_length_exceeded"
+    spent = int(got["error"]["message"].rsplit(" ", 1)[1])
+    assert 32_768 < spent < 6 * 7_000, spent

@@ -82,7 +82,10 @@ def ask(page, text):
 def wait_reply(page, n):
     """Until the reply streaming ends (Send and Enter set busy at once); then
     the page holds `n` replies."""
-    page.wait_for_function("!document.body.dataset.busy", timeout=REPLY_MS)
+    # A selector, not wait_for_function: the page's CSP forbids eval.
+    page.wait_for_selector(
+        "body:not([data-busy='1'])", state="attached", timeout=REPLY_MS
+    )
     got = page.locator(".msg.assistant").count()
     assert got == n, (got, n, page.locator("#messages").inner_text())
 

@@ -48,6 +48,7 @@ ARCHS = {
     "lfm2-bias": (tiny.make_lfm2, "lfm2_bias"),
     "lfm2_moe": (tiny.make_lfm2_moe, "lfm2_moe"),
     "glm4_moe": (tiny.make_glm4_moe, "glm4_moe"),
+    "deepseek_v3": (tiny.make_deepseek_v3, "deepseek_v3"),
     "nemotron_h": (tiny.make_nemotron_h, "nemotron_h_moe"),
     "granitemoehybrid": (tiny.make_granite4, "granitemoehybrid"),
 }
@@ -184,6 +185,8 @@ def _fused_name(key, params):
         ("shared_expert.up_proj", "shared_expert.gate_up_proj"),
         ("shared_experts.gate_proj", "shared_experts.gate_up_proj"),  # GLM's
         ("shared_experts.up_proj", "shared_experts.gate_up_proj"),
+        ("self_attn.q_a_proj", "self_attn.q_kv_a_proj"),  # DeepSeek V3's latents
+        ("self_attn.kv_a_proj_with_mqa", "self_attn.q_kv_a_proj"),
         ("mlp.shared_expert_gate", "mlp.gate"),
         # LFM2's names (models/lfm2.py `_OURS`): w1|w3 fused, w2 and out_proj renamed.
         ("feed_forward.w1", "feed_forward.gate_up_proj"),

@@ -347,6 +347,26 @@ def test_every_registered_architecture_has_its_model_file():
     assert model_files == set(models.ARCHITECTURES.values()), model_files
 
 
+def test_each_familys_decoder_reads_its_own_contract():
+    """The decoder a family defines reads that family's `ARCH`, the one the
+    registry gives, not the contract of the family its class came from
+    (Qwen3's decoder once read Llama's, without Qwen3's QK-norms)."""
+    from flashnorm_mlx.models.decoder import Decoder
+
+    for file in set(models.ARCHITECTURES.values()):
+        module = __import__(f"flashnorm_mlx.models.{file}", fromlist=["x"])
+        decoders = [
+            c
+            for c in vars(module).values()
+            if isinstance(c, type)
+            and issubclass(c, Decoder)
+            and c.__module__ == module.__name__
+        ]
+        for c in decoders:
+            assert c.ARCH is module.ARCH, (file, c.__name__)
+    assert "ARCH" not in vars(Decoder)  # declared, never defaulted
+
+
 @pytest.mark.parametrize(
     "model_type, words",
     [

@@ -278,6 +278,22 @@ def test_a_model_type_mlx_lm_cannot_load_is_one_error(tmp_path, capsys):
     assert len(err) == 1 and "unsupported model_type 'no_such_family'" in err[0], err
     with pytest.raises(UnsupportedModel, match="cannot load it"):
         models.check_runnable(cfg)
+    assert str(path / "config.json") in err[0], err  # the file that says it
+
+
+def test_a_folder_looks_up_mlx_lms_class_once(tmp_path, folders, monkeypatch):
+    """Reading a folder asks mlx-lm for its class once (the import is the
+    cost): the check that anything can run it and the config's types are one
+    lookup, for an uncovered family and a covered one alike."""
+    calls = []
+    lookup = models.stock_model_classes
+    monkeypatch.setattr(
+        models, "stock_model_classes", lambda c: calls.append(c) or lookup(c)
+    )
+    read_source(str(folders["granite"]), need_tokenizer=False)
+    llama = tiny.make_llama(tmp_path / "llama", "gqa_untied", tokenizer=False)
+    read_source(str(llama), need_tokenizer=False)
+    assert [c["model_type"] for c in calls] == ["granite", "llama"], calls
 
 
 def test_tensor_parallel_uses_mlx_lms_own_shard_or_says_it_has_none(folders):

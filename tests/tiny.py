@@ -2037,3 +2037,97 @@ def make_granite4(
 ) -> Path:
     cfg = granite4_config(name, **over)
     return write_model(path, cfg, granite4_weights(cfg, seed), tokenizer)
+
+
+# --- DeepSeek V3 / Kimi K2 (deepseek_v3): MLA, grouped sigmoid experts ---------------
+
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    architectures=["DeepseekV3ForCausalLM"],
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=64,  # two groups of 32: a 4-bit down splits over 2 ranks
+    max_position_embeddings=512,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=32,  # embed_q's input: 4-bit groups of 32, as stored
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    rms_norm_eps=0.05,
+    rope_theta=10000.0,
+    # DeepSeek V3's YaRN (its mscale_all_dim moves the softmax scale), shrunk.
+    rope_scaling=dict(
+        type="yarn",
+        factor=4.0,
+        original_max_position_embeddings=128,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    attention_bias=False,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+)
+DEEPSEEK_V3_CONFIGS = {
+    # YaRN, 8 experts in two groups (one kept per token), a dense first layer.
+    "deepseek_v3": {},
+    # Kimi K2's model_type (mlx-lm remaps it): one group, 6 experts, plain
+    # RoPE, experts on even layers past the first (moe_layer_freq 2): layer 2.
+    "kimi_k2": dict(
+        model_type="kimi_k2",
+        n_group=1,
+        n_routed_experts=6,
+        first_k_dense_replace=1,
+        moe_layer_freq=2,
+        rope_scaling=None,
+        rms_norm_eps=1e-5,
+        routed_scaling_factor=1.0,
+    ),
+}
+
+
+def deepseek_v3_config(name: str = "deepseek_v3", **over) -> dict:
+    return {**DEEPSEEK_V3, **DEEPSEEK_V3_CONFIGS[name], **over}
+
+
+def make_deepseek_v3(
+    path: Path, name: str = "deepseek_v3", seed: int = 0, tokenizer: bool = True, **over
+) -> Path:
+    """Built with mlx-lm's own class and saved as `mlx_lm.convert` saves it
+    (embed_q / unembed_out, stacked experts): every norm gain in [0.25, 4],
+    the latent norms' too; routers with large weights and a correction bias
+    that changes picks."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import deepseek_v3
+
+    cfg = deepseek_v3_config(name, **over)
+    args = deepseek_v3.ModelArgs.from_dict({**cfg, "model_type": "deepseek_v3"})
+    rng = np.random.default_rng(seed + 11)
+    w = {}
+    for k, v in tree_flatten(deepseek_v3.Model(args).parameters()):
+        shape = tuple(v.shape)
+        if "norm" in k:
+            w[k] = _gain(rng, shape[0])
+        elif k.endswith("e_score_correction_bias"):
+            w[k] = rng.uniform(-0.3, 0.3, shape).astype(np.float32)
+        elif k.endswith("mlp.gate.weight"):
+            w[k] = 4 * _lin(rng, *shape)
+        elif k == "model.embed_tokens.weight":
+            w[k] = rng.standard_normal(shape).astype(np.float32)
+        else:
+            w[k] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    return write_model(path, cfg, w, tokenizer)

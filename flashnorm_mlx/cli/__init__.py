@@ -14,7 +14,11 @@ COMMANDS = {
     "bench": ("bench", "tokens/sec of stock vs FlashNorm vs the norm-removed bound"),
     "convert": ("convert", "write a folded (optionally quantized) checkpoint"),
     "perplexity": ("perplexity", "perplexity of stock vs FlashNorm on real text"),
-    "serve": ("serve", "an OpenAI-compatible HTTP server (chat, completions)"),
+    "serve": (
+        "serve",
+        "an HTTP server: OpenAI's chat completions, completions and responses, "
+        "Anthropic's messages",
+    ),
     "cache-prompt": (
         "cache_prompt",
         "save a prompt's KV cache for --prompt-cache-file",
@@ -36,8 +40,11 @@ def _usage() -> str:
     lines.append(
         "nemotron_h (Nemotron-H, Nemotron 3), granitemoehybrid (Granite 4) and"
     )
-    lines.append("the mixtures of experts qwen3_moe, mixtral, gpt_oss, glm4_moe and")
-    lines.append("llama4 (Llama 4 Scout and Maverick);")
+    lines.append("the mixtures of experts qwen3_moe, mixtral, gpt_oss, glm4_moe,")
+    lines.append(
+        "deepseek_v3 (DeepSeek V3), kimi_k2 (Kimi K2) and llama4 (Llama 4 Scout and"
+    )
+    lines.append("Maverick);")
     lines.append("every other model mlx-lm loads runs as stock (mlx-lm's own class).")
     lines.append("MODEL defaults to the embedded SmolLM2-135M-Instruct (4-bit GGUF).")
     lines.append("")

@@ -79,12 +79,13 @@ def _cell(s: dict) -> str:
 
 
 def _ratio_cell(r) -> str:
-    """The median of per-round decode ratios; ~ where they fall on both sides of
-    1.0 (the spread is in the ratio lines and the JSON)."""
+    """The median of per-round decode ratios, or "noise" where they fall on
+    both sides of 1.0 or come from under 3 rounds (the spread is in the ratio
+    lines and the JSON)."""
     if r is None:
         return "-"
     d = r["decode"]
-    return f"{d['median_of_ratios']:.2f}" + ("~" if d["within_noise"] else " ")
+    return "noise" if d["within_noise"] else f"{d['median_of_ratios']:.2f}"
 
 
 def render(result: dict, console, verbose: bool = False) -> None:
@@ -172,15 +173,20 @@ RATIO_LINES = (
 
 
 def ratio_line(r: dict) -> str:
-    """ "1.08x decode (1.05-1.10), prompt 1.01x", or "within noise" where the
-    per-round decode ratios fall on both sides of 1.0."""
+    """ "1.08x decode (1.05-1.10 over 5 rounds), prompt 1.01x (0.99-1.03)",
+    each ratio led by "within noise, " where its per-round ratios fall on both
+    sides of 1.0 or come from under 3 rounds (timing.round_ratios)."""
     d, p = r["decode"], r["prompt"]
-    verdict = "within noise, " if d["within_noise"] else ""
-    spread = f"{d['min']:.2f}-{d['max']:.2f} over {d['rounds']} rounds"
     return (
-        f"{verdict}{d['median_of_ratios']:.2f}x decode ({spread}), "
-        f"prompt {p['median_of_ratios']:.2f}x"
+        f"{_noise(d)}{d['median_of_ratios']:.2f}x decode ({d['min']:.2f}-"
+        f"{d['max']:.2f} over {d['rounds']} round{'s' * (d['rounds'] != 1)}), "
+        f"prompt {_noise(p)}{p['median_of_ratios']:.2f}x "
+        f"({p['min']:.2f}-{p['max']:.2f})"
     )
+
+
+def _noise(ratio: dict) -> str:
+    return "within noise, " if ratio["within_noise"] else ""
 
 
 def _print_lines(result: dict, console) -> None:
@@ -215,8 +221,9 @@ def _print_lines(result: dict, console) -> None:
     console.print(
         f"{same} (checksum {result['source']['checksum'][:12]}), "
         f"{first['dtype']}, {qtxt}, engine {st['engine']}; tok/s = median ±half "
-        f"the rounds' range; x = median of per-round decode ratios, ~ where they "
-        f"fall on both sides of 1.0 (within noise); peak GB = the variant's "
+        f"the rounds' range; x = median of per-round decode ratios, noise where "
+        f"they fall on both sides of 1.0 or come from under 3 rounds (within "
+        f"noise); peak GB = the variant's "
         f"parameters plus the most its trials added; --verbose for host time, "
         f"launches and bytes"
     )

@@ -46,29 +46,38 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-# A prefill still running after this long says so, once (and that Ctrl-C stops it).
+# A prefill still running after this long says so (and that Ctrl-C stops it),
+# then says where it is before each chunk: every chunk on a terminal's one
+# line, at most every PREFILL_EVERY_S in a pipe's lines.
 PREFILL_NOTICE_S = 2.0
+PREFILL_EVERY_S = 10.0
+
+
+def prefill_words(done: int, total: int) -> str:
+    return f"reading the message: {done}/{total} prompt tokens, Ctrl-C drops it"
 
 
 class PlainUI:
     """Piped stdin: no prompts, no styling; replies, stats lines and notices."""
 
+    EVERY_S = PREFILL_EVERY_S  # between a pipe's progress lines
+
     def __init__(self):
-        self.prefill_start, self.prefill_told = 0.0, False
+        self.prefill_start, self.prefill_told = 0.0, None
 
     def header(self, rows):
         pass
 
     def prefilling(self, done: int, total: int):
-        """Before each prefill chunk: a long prefill gets one line."""
+        """Before each prefill chunk: a long prefill says where it is."""
         now = time.perf_counter()
         if done == 0:
-            self.prefill_start, self.prefill_told = now, False
-        elif not self.prefill_told and now - self.prefill_start >= PREFILL_NOTICE_S:
-            self.prefill_told = True
-            self.prefill_notice(
-                f"reading the message ({done}/{total} prompt tokens; Ctrl-C drops it)"
-            )
+            self.prefill_start, self.prefill_told = now, None
+        elif now - self.prefill_start >= PREFILL_NOTICE_S and (
+            self.prefill_told is None or now - self.prefill_told >= self.EVERY_S
+        ):
+            self.prefill_told = now
+            self.prefill_notice(prefill_words(done, total))
 
     def prefill_notice(self, message: str):
         # On stderr, like the other commands' stage lines: stdout is the chat.
@@ -104,6 +113,8 @@ class PlainUI:
 
 class RichUI(PlainUI):
     """A terminal on stdin: header panel, styled prompt, dim stats lines."""
+
+    EVERY_S = 0.0  # one line, rewritten before each chunk
 
     def __init__(self):
         from rich.console import Console
@@ -162,7 +173,8 @@ class RichUI(PlainUI):
     def prefill_notice(self, message: str):
         """One line, without a newline and within the width (so that one
         carriage return reaches its start): gone once the reply starts."""
-        line = f"({message})"[: max(self.console.width - 1, 1)]
+        self.clear_transient()  # the last one: this one replaces it
+        line = message[: max(self.console.width - 1, 1)]
         self.console.print(line, style="dim", markup=False, end="", soft_wrap=True)
         self.transient = True
 
@@ -191,6 +203,19 @@ def turn_notices(stats, requested_max_tokens: int, limit) -> list:
     return notes
 
 
+# One run each has no spread: its ratios would be noise shown as results
+# (bench's rule, timing.round_ratios: under 3 rounds, within noise).
+NOISE = (
+    "ratios between these: within noise (one run each); flashnorm-mlx bench times "
+    "interleaved rounds and gives them with their spread"
+)
+NONORM_NAME = "nonorm"
+NONORM = (
+    "  (nonorm removes the norms altogether: the speed bound, not a working "
+    "model, so its text is not meant to read)"
+)
+
+
 class Comparer:
     """/compare: bench's rows (loading/variants.py), mlx-lm then the four
     modes on the chat's engine, built on the same source and settings (once,
@@ -212,7 +237,7 @@ class Comparer:
     def __call__(self, session) -> str:
         from .. import estimate
         from ..loading import build_model
-        from ..loading.variants import BY_NAME, NAMES, STOCK, absent
+        from ..loading.variants import BY_NAME, NAMES, absent
 
         n = len(session.last_reply_ids)
         if n < 2:
@@ -235,20 +260,17 @@ class Comparer:
                 piece, seconds = f"{v}'s turn", time.perf_counter() - start
                 line = estimate.projection(piece, seconds, len(names) - 1, "/compare")
                 estimate.tell(self.say, line)
-        stock = r[STOCK.name]["decode_tps"]
-        cells = [
-            f"{v} {r[v]['decode_tps']:.1f}"
-            + (f" ({r[v]['decode_tps'] / stock:.2f}x)" if v != STOCK.name else "")
-            for v in names
-        ]
+        cells = [f"{v} {r[v]['decode_tps']:.1f}" for v in names]
         why = f"; {next(iter(missing.values()))}" if missing else ""
         speeds = (
             f"decode tok/s, last reply regenerated ({n} tokens, end-of-sequence "
             f"ignored, same {len(prompt)}-token prompt and "
-            f"weights; mlx-lm eager, the rest on the {self.engine} engine, x stock "
-            f"on it): " + " | ".join(cells) + why
+            f"weights; mlx-lm eager, the rest on the {self.engine} engine): "
+            + " | ".join(cells)
+            + why
         )
-        return "\n".join([speeds, *texts(r, session.tokenizer)])
+        lines = [speeds, NOISE, *texts(r, session.tokenizer)]
+        return "\n".join(lines + ([NONORM] if NONORM_NAME in r else []))
 
     def _prefill(self, prompt):
         """The chat model's cache after prompt[:-1] (each variant then feeds

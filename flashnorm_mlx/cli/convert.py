@@ -52,8 +52,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--q-method",
         choices=Q_METHODS,
         default=DEFAULT_Q_METHOD,
-        help="gptq: fold-aware GPTQ calibrated on offline text (FlashNorm 4-bit at "
-        "stock's quality; needs a tokenizer); rtn: round-to-nearest",
+        help="auto (default): rtn on a CPU, gptq where a GPU runs it; gptq: "
+        "fold-aware GPTQ calibrated on offline text (FlashNorm 4-bit at stock's "
+        "quality; minutes on a CPU; needs a tokenizer); rtn: round-to-nearest "
+        "(seconds)",
     )
     q.add_argument(
         "--calib-seqs",
@@ -118,4 +120,14 @@ def main(argv=None):
         f"{r['bytes'] / 1e6:.1f} MB, {r['dtype']}, {how}"
         + (", all-ones norms kept (--compat)" if r["compat"] else "")
     )
+    if args.compat and r["as_stored"]:
+        print(COMPAT_AS_STORED)
     return 0
+
+
+# --compat on a source written as stored: nothing to keep, and said.
+COMPAT_AS_STORED = (
+    "--compat changed nothing: a quantized source written as stored keeps its "
+    "norms, so stock mlx_lm.load runs it already; its tensors are the source's, "
+    "byte for byte"
+)

@@ -19,8 +19,8 @@ DTYPE_NAMES = ("float16", "bfloat16", "float32")  # loading.DTYPES
 ENGINES = ("eager", "compiled")  # engine.ENGINES
 # loading.variants.NAMES: bench's and /compare's rows, the reference first
 VARIANT_NAMES = ("mlx-lm", "stock", "stock_fused", "nonorm", "flashnorm")
-Q_METHODS = ("gptq", "rtn")  # quant.gptq.METHODS
-DEFAULT_Q_METHOD = "gptq"  # quant.gptq.DEFAULT_METHOD
+Q_METHODS = ("auto", "gptq", "rtn")  # quant.gptq.METHODS
+DEFAULT_Q_METHOD = "auto"  # quant.gptq.DEFAULT_METHOD
 CALIB_SEQS, CALIB_LEN = 16, 128  # quant.gptq.Calibration's num_seqs, seq_len
 API_KEY_ENV = "FLASHNORM_MLX_API_KEY"  # serve.API_KEY_ENV
 

@@ -6,6 +6,7 @@ import sys
 from .flags import Parser, add_model_args, run_main
 from .mlx_lm_flags import (
     add_generation_args,
+    add_refused_args,
     add_sampling_args,
     add_template_args,
     add_verbose_arg,
@@ -31,6 +32,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="feed the prompt as raw text",
     )
     add_generation_args(p)
+    add_refused_args(p)
     add_template_args(p)
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument(

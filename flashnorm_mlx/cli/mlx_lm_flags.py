@@ -279,6 +279,43 @@ def add_trust_remote_code_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Refused(argparse.Action):
+    """An mlx-lm flag taken by name and refused in one line (exit 2) saying why."""
+
+    def __init__(self, option_strings, dest, why: str = "", **kw):
+        self.why = why
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {self.why}")
+
+
+IMAGE_WHY = (
+    "flashnorm-mlx runs text models only (a multimodal wrapper's text model); "
+    "mlx_lm generate --image runs the image-taking ones"
+)
+QUANTIZE_ACTIVATIONS_WHY = (
+    "mlx-lm quantizes activations only in nvfp4/mxfp8 layers (its QQLinear), "
+    "which FlashNorm's folded layers do not have; mlx_lm generate "
+    "--quantize-activations runs them"
+)
+
+
+def add_refused_args(parser: argparse.ArgumentParser) -> None:
+    """mlx_lm.generate's --image and --quantize-activations: one line each."""
+    parser.add_argument(
+        "--image", nargs="+", action=_Refused, why=IMAGE_WHY, help=IMAGE_WHY
+    )
+    parser.add_argument(
+        "--quantize-activations",
+        "-qa",
+        nargs=0,
+        action=_Refused,
+        why=QUANTIZE_ACTIVATIONS_WHY,
+        help=QUANTIZE_ACTIVATIONS_WHY,
+    )
+
+
 def add_generation_args(parser: argparse.ArgumentParser) -> None:
     """What generate and chat both take from mlx_lm.generate: the prefill step,
     --trust-remote-code, a draft, the KV cache options, an adapter and a

@@ -47,7 +47,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         choices=Q_METHODS,
         default=DEFAULT_Q_METHOD,
         help="how FlashNorm is quantized (stock: mlx-lm's round-to-nearest): gptq, "
-        "fold-aware and calibrated on text never scored, or rtn",
+        "fold-aware and calibrated on text never scored (minutes on a CPU); rtn; "
+        "auto (default): rtn on a CPU, gptq where a GPU runs it",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -64,6 +65,8 @@ def main(argv=None):
     from ..likelihood import load_text, perplexity
     from ..loading import read_source
     from ..loading.variants import STOCK, comparison
+    from ..modes import mode_named
+    from ..quant import gptq
     from .common import (
         StageLog,
         interruptible,
@@ -87,6 +90,9 @@ def main(argv=None):
                 models.run_mode(source.config, args.mode)
             modes = (STOCK.name,)
             say_note(models.stock_note(source.config))
+        auto = gptq.auto_note(args.q_method, bool(args.quantize))
+        if auto and any(mode_named(m).ours for m in modes):  # ours: GPTQ's side
+            say_note(auto)
         log.step("tokenizing the text")
         r = perplexity(
             source,

@@ -115,6 +115,20 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="connections open at once; more get a 503",
     )
     p.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=32,
+        help="connections open at once from one address, so that one client "
+        "cannot take every slot; more get a 503",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's headers and body may take to arrive, in all "
+        "(a client sending a byte at a time is closed)",
+    )
+    p.add_argument(
         "--prefill-chunk-seconds",
         type=float,
         default=0.5,
@@ -154,11 +168,13 @@ def main(argv=None):
         "prompt_cache_size",
         "decode_concurrency",
         "max_connections",
+        "max_connections_per_client",
     ):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if not args.prefill_chunk_seconds > 0:
-        parser.error("--prefill-chunk-seconds must be more than 0")
+    for flag in ("prefill_chunk_seconds", "request_timeout"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be more than 0")
     for flag in ("allowed_origins", "allowed_hosts"):
         if getattr(args, flag) == []:  # given, but only commas and spaces
             parser.error(f"--{flag.replace('_', '-')} needs at least one name (or *)")
@@ -189,6 +205,8 @@ def main(argv=None):
             args.allowed_origins or (),
             args.allowed_hosts or (),
             args.max_connections,
+            args.max_connections_per_client,
+            args.request_timeout,
         )
     except (OSError, OverflowError) as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e}") from None

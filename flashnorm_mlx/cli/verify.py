@@ -72,7 +72,7 @@ def main(argv=None):
     r.update(how)
     if args.json:
         print(json.dumps(r))
-        return 0
+        return 0 if r["passed"] else 1
     from rich.console import Console
     from rich.table import Table
 
@@ -115,4 +115,5 @@ def main(argv=None):
             ),
             markup=False,
         )
-    return 0
+    console.print(r["verdict"], markup=False)  # the last line: PASS or FAIL
+    return 0 if r["passed"] else 1

@@ -179,6 +179,15 @@ def scaled_dot_product_attention(
     array (`fixed_capacity`, the compiled engine's step cache): that one is read
     by `decode_attention`, which needs no mask."""
     if getattr(cache, "fixed_capacity", False) and sinks is None:
+        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+            # An additive mask over the whole buffer (DeepSeek's MLA passes its
+            # rotary scores as one): positions past the offset masked out.
+            live = mx.arange(keys.shape[2]) <= cache.offset
+            low = mx.array(mx.finfo(mask.dtype).min, mask.dtype)
+            mask = mx.where(live, mask, low)
+            return mx.fast.scaled_dot_product_attention(
+                queries, keys, values, scale=scale, mask=mask
+            )
         return decode_attention(queries, keys, values, cache.offset, scale)
     return base.scaled_dot_product_attention(
         queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks

@@ -190,6 +190,8 @@ def _value_problem(key: str, value, hint) -> Optional[str]:
             return "expected a list of strings"
         return None
     if origin in (dict, Dict) or hint is dict:
+        if value is None:  # DeepSeek V3's `rope_scaling: Dict = None`: none
+            return None
         if not isinstance(value, dict):
             return "expected an object"
         if (

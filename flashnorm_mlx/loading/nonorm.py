@@ -184,7 +184,7 @@ def fold_constants(
             config[arch.tie_key] = False
         for linear in site.into:
             if site.rows is None:
-                weights = fold.fold_gain(weights, c, linear)
+                weights = fold.fold_into(weights, c, linear, arch)
             else:
                 weights = _fold_rows(weights, c, linear, *site.rows)
     config[MARKER] = {"calibrated_norms": len(sites)}

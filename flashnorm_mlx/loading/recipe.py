@@ -68,7 +68,8 @@ class Recipe:
         self._written = kquant.file_dtype(config) if not self._cast else None
         self._float_read = set(kquant.floats_of(config) or ())
         covered = models.is_covered(config)
-        self._uncast = models.architecture(config).uncast if covered else ()
+        self._arch = models.architecture(config) if covered else None
+        self._uncast = self._arch.uncast if covered else ()
         self._stock = None  # what calibration runs
         if fold.is_folded(config):  # cast, quantized or dequantized, never folded
             self._refolded(plan, keep_norms or compat, compat if output else None)
@@ -188,7 +189,7 @@ class Recipe:
             part, _ = quant.dequantize_weights(part, self.src_config, mx.float32)
         part = fold.map_floats(part, lambda v: v.astype(mx.float32))
         if module in self.gains:
-            part = fold.fold_gain(part, self.gains[module], module)
+            part = fold.fold_into(part, self.gains[module], module, self._arch)
         q = (self.qspec or {}).get(module)
         # Calibration measured every linear; GPTQ takes the ones quantized.
         by_gptq = q and module in self.hessians
@@ -277,7 +278,7 @@ def fold_checkpoint(
     call empties as it goes (pass a copy to keep yours).
 
     q_method: "gptq" (fold-aware, calibrated on `calibration` windows of offline
-    text; needs a tokenizer) or "rtn"; recorded in the config's flashnorm
+    text; needs a tokenizer), "rtn", or "auto" (`gptq.resolve`); recorded in the config's flashnorm
     block. bar: a live rich Progress to add tasks to (else one of our own when
     `progress`). on_layer(i, n): called after layer group i of n.
     on_stage(text): told as each stage ends (calibration, all layer groups);
@@ -288,6 +289,7 @@ def fold_checkpoint(
     """
     stage = on_stage or (lambda text: None)
     step = on_step or (lambda text: None)
+    q_method = gptq.resolve(q_method)
     # Before any work: weights that do not fit the config would fold into a
     # checkpoint nothing can load (builds ask only once they fail, build.py).
     why = mismatch(shapes_of(weights), source.config, config_name(source))

@@ -125,19 +125,22 @@ def read_source(
         src = Source(name, config, weights, tok)
     else:
         src = _read_folder(path, name)
-    try:
-        models.check_runnable(src.config)
-    except ValueError as e:
-        raise LoadError(f"{name}: {e}") from None
     # Values of the wrong type, sign or size: one line here, not a traceback
     # from deep inside a model's constructor. A family FlashNorm does not cover
     # has mlx-lm's class alone, whose values' meanings we do not know: types only.
+    # mlx-lm's class is looked up once, here, on the config that runs (a
+    # wrapper's text model where FlashNorm reads one): where it has none, one
+    # line naming the file.
     where = path / "config.json" if path.is_dir() else f"{path} (metadata)"
+    covered = models.is_covered(src.config)
+    try:
+        arg_classes = [models.stock_model_classes(src.config)[1]]
+    except ValueError as e:
+        raise LoadError(f"{where}: {e}") from None
+    if covered:
+        arg_classes.append(models.model_classes(src.config, True)[1])
     if src.wrapper is not None:
         where = f"{where} text_config"
-    covered = models.is_covered(src.config)
-    classes = (False, True) if covered else (False,)  # mlx-lm's, ours
-    arg_classes = [models.model_classes(src.config, ours)[1] for ours in classes]
     check_config(src.config, str(where), arg_classes, ranges=covered)
     # The tokenizer after the config's check: transformers validates config.json
     # too, and would report its own, longer words for the same problem.
@@ -184,10 +187,6 @@ def _read_folder(path: Path, name: str) -> Source:
         raise LoadError(f"{config_file}: not a JSON object")
     if not isinstance(config.get("model_type"), str):
         raise LoadError(f"{config_file}: no model_type string")
-    try:
-        models.check_runnable(config)
-    except ValueError as e:
-        raise LoadError(f"{config_file}: {e}") from None
     wrapper, text = None, wrappers.text_config(config, str(config_file))
     if text is not None:  # a multimodal wrapper: its text model is what folds
         wrapper, config = (None if wrappers.is_flat(config) else config), text

@@ -16,11 +16,13 @@ from .arch import Architecture
 
 # config model_type -> module in flashnorm_mlx.models
 ARCHITECTURES = {
+    "deepseek_v3": "deepseek_v3",
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4_text",
     "glm4_moe": "glm4_moe",
     "gpt_oss": "gpt_oss",
     "granitemoehybrid": "granitemoehybrid",
+    "kimi_k2": "deepseek_v3",  # mlx-lm remaps Kimi K2 to DeepSeek V3
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2_moe",
     "llama": "llama",
@@ -67,8 +69,13 @@ def covered_words() -> str:
 def check_runnable(config: dict) -> None:
     """UnsupportedModel (one line) where neither FlashNorm covers the config's
     model_type nor mlx-lm has a class for it."""
-    if is_covered(config):
-        return
+    if not is_covered(config):
+        stock_model_classes(config)
+
+
+def stock_model_classes(config: dict):
+    """(Model, ModelArgs) of mlx-lm for the config; UnsupportedModel (one line)
+    where mlx-lm has none."""
     import contextlib
     import io
 
@@ -77,7 +84,7 @@ def check_runnable(config: dict) -> None:
     said = io.StringIO()  # mlx-lm's olmo prints what it lacks, then exits
     try:
         with contextlib.redirect_stdout(said):
-            stock_classes(config)
+            return stock_classes(config)
     except MlxLmChanged:
         raise
     except (Exception, SystemExit) as e:
@@ -190,10 +197,7 @@ def canonical_weights(config: dict, weights: dict) -> dict:
 def model_classes(config: dict, ours: bool):
     """(Model, ModelArgs): ours (`ours`), else mlx-lm's own classes."""
     if not ours:  # any family mlx-lm loads, covered or not
-        from ..mlx_lm_compat import stock_classes
-
-        check_runnable(config)
-        return stock_classes(config)
+        return stock_model_classes(config)
     module = model_module(config)
     return module.Model, module.ModelArgs
 

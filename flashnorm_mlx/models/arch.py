@@ -32,7 +32,8 @@ Beyond the Llama shape (docs/design.md section 2h), an architecture states:
 - `uncast`: tensors kept float32 whatever the dtype, as stock's
   `cast_predicate` keeps them (GLM's correction bias, section 2o);
 - `layer_count`: the layers where a config may leave the count out, and
-  `shard_layers`: a family's own split of mlx-lm's layers over ranks.
+  `shard_layers`: a family's own split of mlx-lm's layers over ranks;
+- `gain_on_rows`: linears applied untransposed, whose rows take a gain.
 The block and sublayer names (`norms`, `attention`, `feed_forward`) come from
 `pairs`, so the shared decoder (models/decoder.py) and sharding read them here.
 """
@@ -270,6 +271,9 @@ class Architecture:
     # A family's own split of mlx-lm's layers (stock, nonorm) over ranks,
     # (layers, group, arch), where `sharding.shard_layers` does not know them.
     shard_layers: Optional[Callable] = None
+    # Linears (relative to a layer) that read a norm's output as x @ W, not
+    # x @ W^T (mlx-lm's MLA embed_q): the gain scales their rows (axis -2).
+    gain_on_rows: Tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:

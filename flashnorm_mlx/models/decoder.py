@@ -149,11 +149,13 @@ class DecoderModel(nn.Module):
 
 
 class Decoder(nn.Module):
-    """The outer model. Subclasses set `Block` (a `DecoderBlock` with the
-    family's `ARCH`) and `attention_cls` (called as attention_cls(args)), or
+    """The outer model. Subclasses set `ARCH` (their family's contract, the one
+    the registry reads), `Block` (a `DecoderBlock`) and `attention_cls` (called
+    as attention_cls(args)), or
     override `attention(args, i)`, `feed_forward(args, i)` or `block(args, i)`
     (the block class) where layers differ; each layer is built once."""
 
+    ARCH: Architecture
     Block: type
     attention_cls: type
     Inner = DecoderModel  # the embeddings-blocks-norm module (`model`)
@@ -165,7 +167,7 @@ class Decoder(nn.Module):
         self.args = args
         self.model_type = args.model_type
         self.norm_gains = norm_gains  # read by mixers that hold a gain of their own
-        arch = self.Block.ARCH
+        arch = self.ARCH
         layers = [
             self.block(args, i)(
                 args,
@@ -185,7 +187,7 @@ class Decoder(nn.Module):
 
     def feed_forward(self, args, i: int) -> nn.Module:
         """Layer i's feed-forward, (xs, ms) -> (y, ms_y): the deferred GLU."""
-        return MLP(args, self.Block.ARCH.activation)
+        return MLP(args, self.ARCH.activation)
 
     def block(self, args, i: int) -> type:
         """Layer i's block class (a hybrid family's differ by mixer)."""
@@ -206,7 +208,7 @@ class Decoder(nn.Module):
     def sanitize(self, weights):
         """Hugging Face (folded or not) names -> this class's fused layout, as
         `ARCH.pairs` names it (applied once, at load)."""
-        arch = self.Block.ARCH
+        arch = self.ARCH
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
         if self.args.tie_word_embeddings:
             weights.pop(f"{arch.head}.weight", None)
@@ -217,7 +219,7 @@ class Decoder(nn.Module):
         calls it): each block's attention and feed-forward split over `group`;
         embedding, head and the residual stream (post-norms too) stay whole."""
         group = group or mx.distributed.init()
-        sharding.shard_layers(self.layers, group, self.Block.ARCH)
+        sharding.shard_layers(self.layers, group, self.ARCH)
 
     @property
     def layers(self):

@@ -129,6 +129,7 @@ class TransformerBlock(DecoderBlock):
 
 
 class Model(Decoder):
+    ARCH = ARCH
     Block = TransformerBlock
 
     def attention(self, args: ModelArgs, i: int) -> Attention:

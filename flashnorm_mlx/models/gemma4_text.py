@@ -452,6 +452,7 @@ class GemmaModel(DecoderModel):
 
 
 class Model(Decoder):
+    ARCH = ARCH
     Block = TransformerBlock
     Inner = GemmaModel
 

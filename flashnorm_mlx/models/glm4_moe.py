@@ -183,6 +183,7 @@ def is_sparse(args: ModelArgs, i: int) -> bool:
 
 
 class Model(llama.Model):
+    ARCH = ARCH
     attention_cls = Attention
 
     def feed_forward(self, args: ModelArgs, i: int):

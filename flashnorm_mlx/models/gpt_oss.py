@@ -124,6 +124,7 @@ class ExpertsMoE(SparseMoE):
 
 
 class Model(llama.Model):
+    ARCH = ARCH
     attention_cls = Attention
 
     def __init__(self, args: ModelArgs, norm_gains: bool = False):

@@ -299,6 +299,7 @@ class Inner(DecoderModel):
 
 
 class Model(Decoder):
+    ARCH = ARCH
     Block = AttentionBlock
     Inner = Inner
 

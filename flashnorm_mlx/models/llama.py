@@ -104,6 +104,7 @@ class TransformerBlock(DecoderBlock):
 
 
 class Model(Decoder):
+    ARCH = ARCH
     # Architectures that differ from Llama only in attention (Qwen2's biases,
     # Qwen3's QK-norm) subclass this with their own attention class.
     Block = TransformerBlock

@@ -195,6 +195,7 @@ class Inner(DecoderModel):
 
 
 class TextModel(Decoder):
+    ARCH = ARCH
     Block = Block
     Inner = Inner
 

@@ -87,6 +87,7 @@ class TransformerBlock(llama.TransformerBlock):
 
 
 class Model(llama.Model):
+    ARCH = ARCH
     Block = TransformerBlock
 
     def __init__(self, args: ModelArgs, norm_gains: bool = False):

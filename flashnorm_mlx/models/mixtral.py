@@ -52,6 +52,7 @@ class TransformerBlock(llama.TransformerBlock):
 
 
 class Model(llama.Model):
+    ARCH = ARCH
     Block = TransformerBlock
     attention_cls = Attention
 

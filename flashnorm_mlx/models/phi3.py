@@ -66,5 +66,6 @@ class TransformerBlock(DecoderBlock):
 
 
 class Model(Decoder):
+    ARCH = ARCH
     Block = TransformerBlock
     attention_cls = Attention

@@ -31,4 +31,5 @@ class Attention(llama.Attention):
 
 
 class Model(llama.Model):
+    ARCH = ARCH
     attention_cls = Attention

@@ -312,6 +312,7 @@ class DeltaNetBlock(AttentionBlock):
 
 
 class TextModel(Decoder):
+    ARCH = ARCH
     Block = AttentionBlock
     attention_cls = Attention
 

@@ -41,6 +41,7 @@ def is_sparse(args: ModelArgs, i: int) -> bool:
 
 
 class Model(llama.Model):
+    ARCH = ARCH
     attention_cls = qwen3.Attention
 
     def feed_forward(self, args: ModelArgs, i: int):

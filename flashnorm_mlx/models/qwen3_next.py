@@ -88,6 +88,8 @@ def in_proj_rows(qkvz: mx.array, ba: mx.array, args) -> mx.array:
 
 
 class Model(qwen3_5.TextModel):
+    ARCH = ARCH
+
     def __init__(self, args: ModelArgs, norm_gains: bool = False):
         if args.attention_bias:  # a bias before the QK-norm: s would not cancel
             raise UnsupportedModel("qwen3_next with attention_bias is not folded yet")

@@ -33,5 +33,7 @@ class Attention(llama.Attention):
 
 
 class Model(llama.Model):
+    ARCH = ARCH
+
     def attention(self, args: ModelArgs, i: int) -> Attention:
         return Attention(args, bool(args.no_rope_layers[i]))

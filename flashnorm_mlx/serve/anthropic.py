@@ -136,7 +136,8 @@ def to_chat(body: dict, counting: bool = False) -> dict:
         chat["max_tokens"] = need(
             body, "max_tokens", lambda v: is_int(v) and v >= 1, "an integer >= 1"
         )
-    for name in ("model", "temperature", "top_p", *SAMPLER_EXTRAS):
+    # cache_salt: vLLM's field, as on chat completions (extra_body in the SDKs).
+    for name in ("model", "temperature", "top_p", "cache_salt", *SAMPLER_EXTRAS):
         if body.get(name) is not None:
             chat[name] = body[name]
     if body.get("temperature") is not None:
@@ -246,13 +247,16 @@ def count_tokens(h) -> None:
     """POST /v1/messages/count_tokens: the prompt's tokens as Messages would
     bill them, the whole prompt (a create's input_tokens plus its
     cache_read_input_tokens)."""
-    chat = to_chat(h.read_json(), counting=True)
+    body = h.read_json()
+    h.service.fits_messages(body)  # counted before they are converted
+    chat = to_chat(body, counting=True)
     h.send_json(200, {"input_tokens": len(h.service.chat_prompt(chat))})
 
 
 def messages(h) -> None:
     """POST /v1/messages."""
     body = h.read_json()
+    h.service.fits_messages(body)  # counted before they are converted
     chat = to_chat(body)
     stream = body.get("stream") is True
     reply = chat_reply(h, chat)

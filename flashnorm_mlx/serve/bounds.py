@@ -8,6 +8,13 @@ a bound, not a guess, where the tokenizer's normalizer never shortens text
 (none, or only prepends and replaces, as byte-level BPE and SentencePiece
 tokenizers do). With any other normalizer, or a tokenizer class of the model's
 own code, there is no bound (None).
+
+A request as a whole is bounded too, before anything is tokenized: its
+prompts together at most REQUEST_CONTEXTS contexts, and each chat message
+at least one token (500,000 empty messages are not an empty prompt). While
+its prompts are tokenized, one at a time (the tokenizer's lock taken for
+each, so other requests' prompts go between), the first that cannot fit
+ends it (Budget).
 """
 
 import json
@@ -17,6 +24,7 @@ from ..mlx_lm_compat import inner_tokenizer
 from .schema import RequestError
 
 SAFE_NORMALIZERS = ("Prepend", "Replace", "Sequence")
+REQUEST_CONTEXTS = 4  # a request's prompts together, in contexts (n choices aside)
 
 
 def bytes_per_token(tokenizer) -> Optional[int]:
@@ -46,19 +54,51 @@ def _kinds(backend) -> list:
 
 
 def check_fits(
-    texts: Iterable[str], per_token: Optional[int], limit: Optional[int], param: str
+    texts: Iterable[str],
+    per_token: Optional[int],
+    limit: Optional[int],
+    param: str,
+    items: int = 0,
 ) -> None:
-    """400 (context_length_exceeded) when `texts` together are more tokens
-    than the context holds with one reply token."""
-    if per_token is None or limit is None:
+    """400 (context_length_exceeded) when `texts` together, and `items`
+    tokens besides (one per chat message), are more tokens than `limit`
+    holds with one reply token."""
+    if limit is None:
         return
-    size = sum(len(t.encode()) for t in texts)
-    least = -(-size // per_token)
+    size = sum(len(t.encode()) for t in texts) if per_token else 0
+    least = (-(-size // per_token) if per_token else 0) + items
     if least + 1 > limit:
+        held = f"{size} bytes of text" if per_token else ""
+        held += (" and " if held and items else "") + (
+            f"{items} messages" if items else ""
+        )
+        per = f" (no token is more than {per_token} bytes)" if per_token else ""
         raise RequestError(
             f"this model's maximum context length is {limit} tokens; the "
-            f"request's {size} bytes of text are at least {least} tokens "
-            f"(no token is more than {per_token} bytes)",
+            f"request's {held} are at least {least} tokens{per}",
             param=param,
             code="context_length_exceeded",
         )
+
+
+class Budget:
+    """A request's prompts' tokens as they are tokenized, one prompt at a
+    time: a 400 at the first prompt past the context, or past the request's
+    REQUEST_CONTEXTS contexts in all."""
+
+    def __init__(self, limit: Optional[int], param: str):
+        self.limit, self.param, self.spent = limit, param, 0
+
+    def take(self, n: int) -> None:
+        if self.limit is None:
+            return
+        self.spent += n
+        if n + 1 > self.limit or self.spent > self.limit * REQUEST_CONTEXTS:
+            most = self.limit * REQUEST_CONTEXTS
+            raise RequestError(
+                f"this model's maximum context length is {self.limit} tokens, "
+                f"and a request's prompts together at most {most}; a prompt "
+                f"of {n} tokens brings this one to {self.spent}",
+                param=self.param,
+                code="context_length_exceeded",
+            )

@@ -7,6 +7,10 @@
   loopback origins, the page's own origin, and --allowed-origins ("*": any).
 - Content-Type: API bodies must be JSON; text/plain and form types are what a
   page may POST cross-origin without a preflight.
+- Framing: one Host, one Content-Length of digits, not with Transfer-Encoding
+  (RFC 9112 section 6.3): a request read two ways is a 400 and a close.
+- The page: served with a Content-Security-Policy (its own scripts and styles
+  only, no frames around it) and nosniff.
 """
 
 import ipaddress
@@ -14,6 +18,15 @@ from typing import Iterable, Optional, Tuple
 from urllib.parse import urlsplit
 
 LOOPBACK_NAMES = ("localhost",)
+# The chat page's files: scripts and styles from the page's own origin only
+# (a model's reply rendered as HTML cannot run or load anything), no page may
+# frame it (clickjacking), and no type guessing.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+    "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+}
 
 
 def _is_loopback(name: str) -> bool:
@@ -93,6 +106,19 @@ def has_body(headers) -> bool:
     return headers.get("Content-Length", "0") != "0" or bool(
         headers.get("Transfer-Encoding")
     )
+
+
+def framing_error(headers) -> Optional[str]:
+    """Why a request's headers frame it ambiguously (a 400), else None."""
+    for name in ("Host", "Content-Length"):
+        if len(headers.get_all(name) or ()) > 1:
+            return f"more than one {name} header"
+    length = headers.get("Content-Length")
+    if length is not None and not length.strip().isdigit():
+        return f"Content-Length must be a number of bytes, not {length[:40]!r}"
+    if length is not None and headers.get("Transfer-Encoding"):
+        return "Content-Length and Transfer-Encoding together"
+    return None
 
 
 def refusal(headers, server, preflight: bool = False):

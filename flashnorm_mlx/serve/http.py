@@ -16,8 +16,8 @@ from typing import List, Optional
 
 from . import anthropic, completions
 from .auth import key_scope
-from .connections import CappedServer, client_gone
-from .guard import has_body, is_json, origin_allowed, refusal
+from .connections import REQUEST_S, CappedServer, ReadsRequests, client_gone
+from .guard import PAGE_HEADERS, has_body, is_json, origin_allowed, refusal
 from .log import log
 from .logprobs import choice_logprobs
 from .routes import extra_routes, public_paths
@@ -35,9 +35,10 @@ class _ClientGone(Exception):
     pass
 
 
-class Handler(BaseHTTPRequestHandler):
-    """One connection's requests. The other modules' routes use `service` and
-    the public methods (one line each below); the _names are this class's own."""
+class Handler(ReadsRequests, BaseHTTPRequestHandler):
+    """One connection's requests, each read by ReadsRequests (connections.py).
+    The other modules' routes use `service` and the public methods (one line
+    each below); the _names are this class's own."""
 
     protocol_version = "HTTP/1.1"  # keep-alive for JSON; streams close at the end
     server_version = "flashnorm-mlx"
@@ -63,10 +64,13 @@ class Handler(BaseHTTPRequestHandler):
         if refused:  # a foreign Host; a foreign Origin just gets no grant
             self.close_connection = True
             return self.send_json(refused.status, refused.body())
+        self.close_connection |= has_body(self.headers)  # left unread: closed
         self.send_response(204)
         self._cors_headers()
         self.send_header("Access-Control-Max-Age", "600")
         self.send_header("Content-Length", "0")
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
 
     def send_error(self, code, message=None, explain=None):
@@ -154,7 +158,7 @@ class Handler(BaseHTTPRequestHandler):
         except RequestError as e:  # Anthropic's routes answer in its own shape
             body = anthropic.error_body(e) if anthropic.owns(path) else e.body()
             try:
-                self.send_json(e.status, body)
+                self.send_json(e.status, body, e.headers)
             except OSError as gone:  # the client left before its answer
                 self.close_connection = True
                 log(f"{self.command} {path}: client left ({gone})")
@@ -189,12 +193,14 @@ class Handler(BaseHTTPRequestHandler):
                     code="invalid_api_key",
                 )
 
-    def send_json(self, status: int, obj: dict) -> None:
-        """`obj` as the JSON reply, with the CORS headers."""
+    def send_json(self, status: int, obj: dict, headers=None) -> None:
+        """`obj` as the JSON reply, with the CORS headers and `headers`."""
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self._cors_headers()
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         if status == 401:
             self.send_header("WWW-Authenticate", "Bearer")
         self.send_header("Content-Length", str(len(data)))
@@ -210,6 +216,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Cache-Control", "no-cache")
+        for name, value in PAGE_HEADERS.items():  # CSP, no framing (guard.py)
+            self.send_header(name, value)
         self.end_headers()
         self._sent = True
         self.wfile.write(data)
@@ -277,7 +285,7 @@ class Handler(BaseHTTPRequestHandler):
                 status=415,
                 code="unsupported_media_type",
             )
-        raw = self.rfile.read(int(length))
+        raw = self.rfile.read(int(length))  # within the request's deadline
         if len(raw) < int(length):
             raise _ClientGone()
         self.close_connection = not self._keep_open  # the body is read
@@ -466,6 +474,8 @@ class ApiServer(CappedServer, ThreadingHTTPServer):
         allowed_origins=(),
         allowed_hosts=(),
         max_connections: int = 128,
+        max_per_client: int = 32,
+        request_timeout: float = REQUEST_S,
     ):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), Handler)
@@ -473,7 +483,8 @@ class ApiServer(CappedServer, ThreadingHTTPServer):
         self.allowed_origins = tuple(allowed_origins)  # CORS; "*": any (guard.py)
         self.allowed_hosts = tuple(allowed_hosts)
         self.loopback = ipaddress.ip_address(self.server_address[0]).is_loopback
-        self.max_connections = max_connections
+        self.max_connections, self.max_per_client = max_connections, max_per_client
+        self.request_timeout = request_timeout  # headers and body (connections.py)
 
     @property
     def url(self) -> str:

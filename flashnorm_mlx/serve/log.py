@@ -2,11 +2,13 @@
 at or above `--log-level` (mlx_lm.server's levels)."""
 
 import sys
+import threading
 
 from ..limits import LOG_LEVELS as LEVELS  # mlx_lm.server's choices
 
 LOG_PREFIX = "flashnorm-mlx serve:"
 _threshold = LEVELS.index("INFO")
+_write = threading.Lock()  # one write a line: threads' lines never run together
 
 
 def set_level(name: str) -> None:
@@ -17,4 +19,6 @@ def set_level(name: str) -> None:
 
 def log(line: str, level: str = "INFO") -> None:
     if LEVELS.index(level) >= _threshold:
-        print(f"{LOG_PREFIX} {line}", file=sys.stderr, flush=True)
+        with _write:
+            sys.stderr.write(f"{LOG_PREFIX} {line}\n")
+            sys.stderr.flush()

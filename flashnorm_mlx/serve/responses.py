@@ -132,7 +132,8 @@ def to_chat(body: dict) -> dict:
         chat["max_tokens"] = need(
             body, "max_output_tokens", lambda v: is_int(v) and v >= 1, "an integer >= 1"
         )
-    for name in ("model", "temperature", "top_p", *SAMPLER_EXTRAS):
+    # cache_salt: vLLM's field, as on chat completions (extra_body in the SDKs).
+    for name in ("model", "temperature", "top_p", "cache_salt", *SAMPLER_EXTRAS):
         if body.get(name) is not None:
             chat[name] = body[name]
     fmt = _format(body)
@@ -253,6 +254,7 @@ def _call(call: dict) -> dict:
 def responses(h) -> None:
     """POST /v1/responses."""
     body = h.read_json()
+    h.service.fits_messages(body, "input")  # counted before they are converted
     chat = to_chat(body)
     reply = chat_reply(h, chat)
     try:

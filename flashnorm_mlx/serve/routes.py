@@ -14,7 +14,9 @@ from typing import Callable, Dict, Tuple
 from ..mlx_lm_compat import inner_tokenizer
 from . import anthropic, responses
 from .compare import compare
+from .prompts import read_messages
 from .schema import RequestError
+from .tools import with_tool_history
 
 # The page's files (package data, flashnorm_mlx/serve/web): name -> MIME type.
 PAGE_FILES = {
@@ -83,13 +85,15 @@ def tokenize(h) -> None:
     body = h.read_json()
     s = h.service
     add_special = _flag(body, "add_special_tokens", True)
+    if "messages" in body:  # bounded as the chat route bounds them (bounds.py)
+        s.fits_messages(body)
+        messages = with_tool_history(read_messages(body), body)
+        s.fits([m["content"] for m in messages], "messages", items=len(messages))
+    elif isinstance(body.get("prompt"), str):
+        s.fits([body["prompt"]], "prompt")
     with s.tokenizer_lock:
         if "messages" in body:
-            from .prompts import read_messages
-            from .tools import with_tool_history
-
             # As the chat route renders them: earlier tool calls kept.
-            messages = with_tool_history(read_messages(body), body)
             gen = _flag(body, "add_generation_prompt", True)
             try:
                 ids = s.tokenizer.apply_chat_template(

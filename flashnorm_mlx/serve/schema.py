@@ -54,10 +54,12 @@ class RequestError(Exception):
         code: Optional[str] = None,
         status: int = 400,
         kind: str = "invalid_request_error",
+        headers: Optional[dict] = None,
     ):
         super().__init__(message)
         self.message, self.param, self.code = message, param, code
         self.status, self.kind = status, kind
+        self.headers = headers or {}  # sent with the error (Retry-After)
 
     def body(self) -> dict:
         return {

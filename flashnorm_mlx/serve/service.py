@@ -9,7 +9,7 @@ from typing import Callable, Iterator, List, Optional
 
 from ..thinking import starts_in_thought
 from .auth import current_scope
-from .bounds import bytes_per_token, check_fits
+from .bounds import REQUEST_CONTEXTS, Budget, bytes_per_token, check_fits
 from .prompts import read_messages, read_prompts, read_template_kwargs
 from .scheduler import Worker
 from .schema import Request, RequestError, Settings, read_requests
@@ -135,12 +135,35 @@ class Service:
         template arguments too), as parse() would run them."""
         return self._prompts("chat", body)[0][0]
 
-    def fits(self, texts: List[str], param: str, each: int = 0) -> None:
+    def fits(self, texts: List[str], param: str, each: int = 0, items=0) -> None:
         """400 before tokenizing for texts that cannot fit the context
-        (bounds.py); each=1: every text is a prompt of its own."""
+        (bounds.py); each=1: every text is a prompt of its own, and all
+        together REQUEST_CONTEXTS contexts at most; items: tokens besides
+        the texts (a chat's messages, one each at least)."""
         limit, per = self.settings.max_context, self.bytes_per_token
-        for group in [[t] for t in texts] if each else [texts]:
-            check_fits(group, per, limit, param)
+        for text in texts if each else ():
+            check_fits([text], per, limit, param)
+        whole = limit * REQUEST_CONTEXTS if each and limit else limit
+        check_fits(texts, per, whole, param, items)
+
+    def fits_messages(self, body: dict, field: str = "messages") -> None:
+        """A chat body's messages, counted before they are read: a token each."""
+        messages = body.get(field)
+        if isinstance(messages, list):
+            self.fits([], field, items=len(messages))
+
+    def encoder(self, param: str) -> Callable[[str], List[int]]:
+        """tokenizer.encode under the lock one text at a time (other requests'
+        texts go between), each counted against the request's Budget."""
+        budget = Budget(self.settings.max_context, param)
+
+        def encode(text: str, **kwargs) -> List[int]:
+            with self.tokenizer_lock:
+                ids = self.tokenizer.encode(text, **kwargs)
+            budget.take(len(ids))
+            return ids
+
+        return encode
 
     def _draw_seed(self) -> int:
         """A seed for a request that names none (--seed seeds these draws)."""
@@ -150,6 +173,7 @@ class Service:
     def _prompts(self, kind: str, body: dict):
         """(token id lists, the field they came from) of a request body."""
         if kind == "chat":
+            self.fits_messages(body)  # before 500,000 of them are copied
             messages = read_messages(body)
             if not getattr(self.tokenizer, "has_chat_template", False):
                 raise RequestError(
@@ -163,7 +187,8 @@ class Service:
             # Earlier calls stay whatever tools and tool_choice say: agents
             # drop tools to force a final answer (docs/serve.md, "Tools").
             messages = with_tool_history(messages, body)
-            self.fits([m["content"] for m in messages], "messages")
+            contents = [m["content"] for m in messages]
+            self.fits(contents, "messages", items=len(messages))
             with self.tokenizer_lock:
                 try:
                     ids = self.tokenizer.apply_chat_template(messages, **extra)
@@ -178,7 +203,6 @@ class Service:
             texts = [prompt] if isinstance(prompt, str) else prompt
             if isinstance(texts, list):
                 self.fits([p for p in texts if isinstance(p, str)], "prompt", 1)
-            with self.tokenizer_lock:
-                prompts = read_prompts(body, self.tokenizer.encode, self.vocab_size)
+            prompts = read_prompts(body, self.encoder("prompt"), self.vocab_size)
             param = "prompt"
         return prompts, param

@@ -1,0 +1,333 @@
+"""DeepSeek V3 and Kimi K2 (models/deepseek_v3.py) against mlx-lm's own
+`deepseek_v3` class on the same weights.
+
+Tiny random models (tests/tiny.py `make_deepseek_v3`), built with mlx-lm's
+class and saved as `mlx_lm.convert` saves them (embed_q / unembed_out,
+stacked experts), every norm gain in [0.25, 4] (the latent norms' too),
+routers with large weights and a correction bias that changes picks:
+- `deepseek_v3`: DeepSeek V3's YaRN (its mscale in the softmax scale), 8
+  experts in 2 groups (1 kept per token), one dense layer, a large epsilon;
+- `kimi_k2`: Kimi K2's model_type (mlx-lm remaps it), one group, 6 experts,
+  experts on layer 2 alone (`moe_layer_freq` 2), plain RoPE.
+Every token's experts are compared with stock's at every step.
+"""
+
+import mlx.core as mx
+import pytest
+import tiny
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from test_glm4_moe import _differ, _picks  # GLM's grouped router, the same
+
+from flashnorm_mlx import fold, kernels, speed
+from flashnorm_mlx.checkpoint import convert
+from flashnorm_mlx.equivalence import compare
+from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.models import deepseek_v3
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
+NAMES = list(tiny.DEEPSEEK_V3_CONFIGS)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def folder(request, tmp_path_factory):
+    return tiny.make_deepseek_v3(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def source(folder):
+    return read_source(str(folder))
+
+
+@pytest.fixture(scope="module")
+def stock_q4(folder, tmp_path_factory):
+    """mlx-lm's own `convert -q` (its router left float: MoEGate is no Linear)."""
+    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
+
+
+def _source(tmp_path, name):
+    return read_source(str(tiny.make_deepseek_v3(tmp_path / name, name)))
+
+
+def rel(a, b) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.abs(b).max()).item()
+
+
+def greedy(model, n=64):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+
+
+def test_layers_and_no_norm_gain_left(source):
+    """Dense and sparse layers where stock has them (first_k_dense_replace,
+    moe_layer_freq); folded, no norm gain is left, the latent norms' neither."""
+    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    ours = [type(l.mlp).__name__ == "GroupRouted" for l in model.layers]
+    theirs = [type(l.mlp).__name__ == "DeepseekV3MoE" for l in stock.layers]
+    assert ours == theirs and any(ours) and not all(ours), (ours, theirs)
+    norms = [k for k, _ in tree_flatten(model.parameters()) if "norm" in k]
+    assert not norms, norms
+    assert "lm_head.weight" in dict(tree_flatten(model.parameters()))
+
+
+def test_verify_float32_on_the_compiled_engine(tmp_path):
+    """`verify`: a prompt and 32 cached steps within 1e-4 relative of mlx-lm's
+    class in float32 on the compiled engine, on the YaRN config (the eager
+    engine, both configs: tests/test_architectures.py; Kimi K2's compiled
+    step: tests/test_engine.py; 4-bit as stored: greedy and picks)."""
+    source = _source(tmp_path, "deepseek_v3")
+    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine="compiled")
+    print("compiled float32", r["max_rel_logit_diff"])
+    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_64_greedy_tokens_identical_to_stock_on_both_engines(
+    source, stock_q4, quantized
+):
+    src = stock_q4 if quantized else source
+    dtype = None if quantized else mx.float32
+    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    want = greedy(stock)
+    got = {}
+    for engine in ("eager", "compiled"):
+        flash, _ = build_model(src, "flashnorm", dtype=dtype, engine=engine)
+        if quantized:
+            proj = flash.layers[1].self_attn.q_kv_a_proj
+            assert type(proj).__name__ == "QuantizedLinear", type(proj)
+        got[engine] = greedy(flash)
+    assert len(set(want)) >= 4, want  # a text that shows a wrong step
+    assert len(want) == 64 and got == {"eager": want, "compiled": want}, (want, got)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
+def test_every_tokens_experts_are_stocks_at_every_step(source, stock_q4, quantized):
+    """The experts each token picks (the correction bias and the groups
+    choosing, the sigmoid scores not) equal stock's, prompt and 32 greedy
+    steps; they vary with the token, and the bias changes some."""
+    src = stock_q4 if quantized else source
+    dtype = None if quantized else mx.float32
+    ls, lf = (_picks(src, mode, dtype) for mode in ("stock", "flashnorm"))
+    assert ls and set(ls) == set(lf), (ls, lf)
+    assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls  # prompt + steps
+    bad = _differ(ls, lf)
+    assert not bad, bad
+    k = source.config["num_experts_per_tok"]
+    first = next(iter(ls.values()))[0].reshape(-1, k).tolist()
+    assert len({tuple(p) for p in first}) >= 3, first  # routing reads the input
+    if not quantized:
+        moved = _differ(ls, _picks(src, "stock", dtype, unbiased=True))
+        assert moved, "the correction bias changes no pick"
+
+
+def test_what_is_not_folded_runs_as_stock():
+    """No q latent, attention biases, a tied head, no shared experts: stock,
+    with a note naming what; Kimi K2's model_type is covered."""
+    from flashnorm_mlx import models
+
+    assert models.is_covered(tiny.deepseek_v3_config())
+    assert models.is_covered(tiny.deepseek_v3_config("kimi_k2"))
+    for over, word in (
+        (dict(q_lora_rank=None), "q_lora_rank"),
+        (dict(attention_bias=True), "biases"),
+        (dict(tie_word_embeddings=True), "tied"),
+        (dict(n_shared_experts=None), "shared"),
+    ):
+        config = tiny.deepseek_v3_config(**over)
+        assert not models.is_covered(config), over
+        assert word in models.stock_note(config), (over, models.stock_note(config))
+
+
+def test_the_correction_bias_stays_float32_in_bfloat16_as_stocks(source):
+    """mlx-lm keeps `e_score_correction_bias` float32 whatever the dtype: built
+    in bfloat16, ours and stock hold it float32, every weight else bfloat16."""
+    for mode in ("stock", "flashnorm"):
+        model, _ = build_model(source, mode, dtype=mx.bfloat16)
+        dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
+        bias = {k: d for k, d in dtypes.items() if "e_score" in k}
+        rest = {d for k, d in dtypes.items() if "e_score" not in k}
+        assert bias and set(bias.values()) == {mx.float32}, (mode, bias)
+        assert rest == {mx.bfloat16}, (mode, rest)
+
+
+def test_hugging_face_kv_b_proj_and_per_expert_files(tmp_path):
+    """Hugging Face's layout (kv_b_proj whole, one module per expert) read as
+    mlx-lm's sanitize reads it: mlx-lm's `load_model` and ours (its
+    `canonical` split) on those files give stock's logits on the saved layout."""
+    import numpy as np
+
+    folder = tiny.make_deepseek_v3(tmp_path / "mlx", tokenizer=False)
+    src = read_source(str(folder))
+    cfg = src.config
+    w = dict(src.weights)
+    for k in [k for k in w if k.endswith("embed_q.weight") and "un" not in k]:
+        p = k[: -len(".embed_q.weight")]
+        wk = w.pop(k).swapaxes(-1, -2)  # (H, nope, r)
+        wv = w.pop(f"{p}.unembed_out.weight")  # (H, v, r)
+        w[f"{p}.kv_b_proj.weight"] = mx.concatenate([wk, wv], axis=1).reshape(
+            -1, cfg["kv_lora_rank"]
+        )
+    for k in [k for k in w if ".switch_mlp." in k]:
+        stacked, head = w.pop(k), k.replace(".switch_mlp.", ".experts.{e}.")
+        for e in range(stacked.shape[0]):
+            w[head.format(e=e)] = stacked[e]
+    w = {k: np.array(v) for k, v in w.items()}
+    path = tiny.write_model(tmp_path / "hf", cfg, w, tokenizer=False)
+    stored = mx.load(str(path / "model.safetensors"))
+    assert "model.layers.1.self_attn.kv_b_proj.weight" in stored, list(stored)
+    hf = read_source(str(path))  # its canonical form: kv_b_proj split
+    x = mx.array([PROMPT])
+    want = build_model(src, "stock", dtype=mx.float32)[0](x)
+    from mlx_lm.utils import load_model
+
+    errs = {
+        "mlx-lm's load_model": rel(load_model(path)[0](x), want),
+        "flashnorm": rel(build_model(hf, "flashnorm", dtype=mx.float32)[0](x), want),
+    }
+    print(errs)
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def test_fold_twice_equals_fold_once_and_compat_loads_in_mlx_lm(source, tmp_path):
+    once, c1 = fold.fold_norms(source.weights, source.config)
+    twice, c2 = fold.fold_norms(once, c1)
+    assert twice is once and c2 == c1
+    left = [k for k in once if k.endswith("norm.weight")]
+    assert not left, left
+    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
+    print(errs)
+    assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def test_the_reference_sees_what_mla_must_get_right(tmp_path, monkeypatch):
+    """Each break, made on purpose, moves the logits far past the tolerance:
+    s left on the kv latent past its norm (where the norm cancels it), s
+    missing from the rotary key part, the router's s after the sigmoid."""
+    srcs = {n: _source(tmp_path, n) for n in NAMES}
+    x = mx.array([PROMPT * 2])
+    want = {n: build_model(s, "stock", dtype=mx.float32)[0](x) for n, s in srcs.items()}
+    A, G = deepseek_v3.Attention, deepseek_v3.GroupRouted
+
+    def err(name, patch):
+        with monkeypatch.context() as m:
+            patch(m)
+            flash, _ = build_model(srcs[name], "flashnorm", dtype=mx.float32)
+            return rel(flash(x), want[name])
+
+    real_latents = A.latents
+
+    def s_kept(self, xs, ms):  # s left on the kv latent after its norm
+        q, latent, k_pe = real_latents(self, xs, ms)
+        return q, (latent * mx.rsqrt(ms)[:, None]).astype(latent.dtype), k_pe
+
+    def k_pe_without_s(self, xs, ms):
+        q, latent, k_pe = real_latents(self, xs, ms)
+        return q, latent, (k_pe * mx.sqrt(ms)[:, None]).astype(k_pe.dtype)
+
+    def router_after(self, xs, ms):  # sigmoid(z) * s in place of sigmoid(s z)
+        w = mx.sigmoid(self.gate(xs)) * kernels.deferred_scale(ms, xs.dtype)
+        pick = w + self.gate.e_score_correction_bias  # one group: no group step
+        inds = mx.argpartition(-pick, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        scores = mx.take_along_axis(w, inds, axis=-1)
+        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+        return inds, scores * self.routed_scaling_factor
+
+    errs = {
+        "s on the latents": err(
+            "deepseek_v3",
+            lambda m: m.setattr(A, "latents", s_kept),
+        ),
+        "no s on k_pe": err(
+            "deepseek_v3", lambda m: m.setattr(A, "latents", k_pe_without_s)
+        ),
+        "the router's s after the sigmoid": err(
+            "kimi_k2", lambda m: m.setattr(G, "route", router_after)
+        ),
+    }
+    print(errs)
+    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+
+
+def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
+    """-q, both methods, on the YaRN config: projections and experts
+    quantized, the router left float as mlx-lm's -q leaves it; each --compat
+    checkpoint loads in mlx-lm, whose logits there equal ours. At 8 bits; no
+    ratio to stock's error is asserted (tiny random models: chaotic)."""
+    from mlx_lm.utils import load_model
+
+    source = _source(tmp_path, "deepseek_v3")
+    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    x = mx.array([PROMPT])
+    key = "model.layers.1.self_attn.q_b_proj.weight"
+    folded_w, _ = fold.fold_norms(source.weights, source.config)
+    rtn_w = mx.quantize(folded_w[key], group_size=32, bits=8)[0]
+    errs = {}
+    for method in ("rtn", "gptq"):
+        out = tmp_path / f"q8-{method}"
+        convert(
+            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
+        )
+        folded = read_source(str(out))
+        assert "model.layers.1.mlp.gate.scales" not in folded.weights, method
+        assert "model.layers.1.mlp.switch_mlp.gate_proj.scales" in folded.weights
+        same = mx.array_equal(folded.weights[key], rtn_w).item()
+        assert same == (method == "rtn"), (method, same)
+        ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+        theirs, _ = load_model(out)
+        assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
+        errs[method] = rel(ours(x), ref(x))
+    stock8, _ = build_model(source, "stock", dtype=mx.float32, quantize=(8, 32))
+    errs["stock q8"] = rel(stock8(x), ref(x))
+    print(errs)
+    assert all(e < 1.0 for e in errs.values()), errs
+
+
+def test_bench_counts_fewer_launches(tmp_path):
+    r = speed.run_bench(
+        _source(tmp_path, "deepseek_v3"), prompt_tokens=6, gen_tokens=3, trials=1
+    )
+    v = r["variants"]
+    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
+    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
+    print("launches per decode step:", gpu)
+    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+
+
+def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
+    """A 2-rank `mlx.launch` (tests/distributed_child.py) of FlashNorm on both
+    configs and stock on the YaRN one (MLA by heads, GLUs, experts and shared
+    experts by hidden columns; float32 and FlashNorm's 4-bit): each as one
+    process gives it, greedy tokens identical."""
+    import test_distributed
+
+    paths = {
+        n: str(tiny.make_deepseek_v3(tmp_path / n, n, tokenizer=False)) for n in NAMES
+    }
+    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
+    main = {"model": paths["deepseek_v3"], "mode": "flashnorm"}
+    cases.append({**main, "name": "stock", "mode": "stock"})
+    cases.append({**main, "name": "q4", "quantize": [4, 32]})
+    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
+    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
+    assert max(errs.values()) < tiny.f32_tol(1e-5), errs
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])
+def test_load_peak_is_stocks(tmp_path, quantized):
+    """Reading and building FlashNorm peaks within 3% of stock on the same
+    12-layer folder, float32 and mlx-lm's 4-bit as stored
+    (tests/test_load_memory.py's measure)."""
+    import test_load_memory
+    from mlx_lm.convert import convert as mlx_convert
+
+    over = dict(hidden_size=128, num_hidden_layers=12, vocab_size=2048)
+    path = tiny.make_deepseek_v3(
+        tmp_path / "f", "deepseek_v3", tokenizer=quantized, **over
+    )
+    if quantized:
+        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
+        path = tmp_path / "q"
+    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
+    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
