@@ -110,3 +110,39 @@ def test_a_folders_source_holds_nothing_once_its_model_is_gone(tmp_path):
     held = mx.get_active_memory() - base
     print(f"held by the source after its model: {held} B")
     assert held < 4096, held  # a few bytes of constants cached once a process
+
+
+# 32 thin layers at K-quant widths (rows a multiple of 256): one layer's
+# stacked q|k|v and gate|up, held beside the source's until shared, is ~2%.
+GGUF_CFG = dict(CFG, hidden_size=256, intermediate_size=512, vocab_size=1024)
+
+
+def _gguf_peak(path, mode: str) -> int:
+    """Peak memory of reading the GGUF `path` and building `mode` on it: a
+    GGUF is read whole, so the read is part of what a user's load costs."""
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    source = read_source(str(path), need_tokenizer=False)
+    model, _ = build_model(source, mode, dtype=mx.float32)
+    peak = mx.get_peak_memory() - base
+    del model, source
+    gc.collect()
+    return peak
+
+
+def test_gguf_q6_k_load_peak_is_stocks(tmp_path):
+    """An all-Q6_K GGUF (read as float32: MLX cannot hold its 16-weight
+    scales): FlashNorm's load peak at most 1.03x stock's. Folded, FlashNorm
+    held each weight twice (1.67x stock here); it runs them as stored, the
+    gains in its kernels, sharing the source's tensors (docs/design.md 2i)."""
+    qtype = "Q6_K"
+    pytest.importorskip("gguf")
+    from test_gguf_kquant import write_kquant_gguf
+
+    path, _ = write_kquant_gguf(tmp_path / "m.gguf", {}, qtype, cfg=GGUF_CFG)
+    stock = min(_gguf_peak(path, "stock") for _ in range(2))
+    flashnorm = min(_gguf_peak(path, "flashnorm") for _ in range(2))
+    print(f"{qtype} GGUF load peak: flashnorm {flashnorm} B, stock {stock} B")
+    assert flashnorm <= 1.03 * stock, (flashnorm / stock, flashnorm, stock)
