@@ -111,18 +111,17 @@ def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan
     # GGUF K-quants read as float (Q6_K, ...): --requantize rounds them to the
     # nearest MLX setting (kquant.py), as the quantized ones.
     floats = kquant.requantize_spec(config) if quantized_way == "requantize" else {}
-    if not is_quantized(weights) and not (
-        kquant.floats_of(config) and quantize is None and quantized_way == "stored"
-    ):
+    # A GGUF's Q6_K/Q3_K/Q2_K, read as float, are its quantized weights as
+    # stored: folded, a model would hold a second copy of each beside the
+    # source's (docs/design.md section 2i); `convert` folds them as before.
+    stored_floats = kquant.floats_of(config) and not (quantize or output)
+    if not is_quantized(weights) and not (stored_floats and quantized_way == "stored"):
         qspec = (
             uniform_qspec(weights, *quantize, config) if quantize else (floats or None)
         )
         return WeightPlan(weights, config, dtype, qspec)
     if quantize is None and quantized_way == "stored":
         # The file's own function and bytes, as the user asked: nothing to say.
-        # A GGUF's Q6_K/Q3_K/Q2_K, read as float, are its quantized weights as
-        # stored too: folded, the model would hold a second copy of each beside
-        # the source's (docs/design.md section 2i).
         return WeightPlan(weights, config, dtype, as_stored=True)
     requantize = quantized_way == "requantize"
     qspec = {**source_qspec(weights, config), **floats} if requantize else None
