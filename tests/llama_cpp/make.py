@@ -11,6 +11,9 @@ the token ids on stderr (two fprintf lines). The float files are not kept
 tensor's float32 values as read under Hugging Face names (Q/K rows in HF
 order; reading an F32 file is mx.load and a row permutation) is recorded, and
 the F32 files' checkpoints are `checkpoint` below, made again by the tests.
+Phi-3 (`phi3_checkpoint`, the same weights fused as Phi-3 ships them) is
+converted to F16, which holds the rounded weights exactly, and kept (~0.1 MB),
+with a Q4_K_M made from it the same way.
 
     python tests/llama_cpp/make.py LLAMA_CPP_DIR CONVERTER_PYTHON OUT_DIR
 
@@ -97,10 +100,63 @@ def checkpoint(out: Path, family: str, width: int) -> Path:
     return folder
 
 
+# Phi-3 (llama.cpp's `phi3`: fused attn_qkv, ffn_up holding gate|up): 3/4 of
+# each 32-wide head rotated; "phi3long" adds longrope factors (written as the
+# rope_factors_long/short tensors) with an original context of 8, so that
+# llama.cpp takes the long factors on its 15-token context, as mlx-lm always
+# does; tied, as Phi-4-mini. Converted to F16 (which holds the rounded
+# weights exactly: the file is the checkpoint) and kept, with a Q4_K_M.
+PHI3 = dict(
+    model_type="phi3",
+    hidden_size=64,
+    intermediate_size=128,
+    partial_rotary_factor=0.75,
+    max_position_embeddings=4096,
+    original_max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+_FACTORS = [1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0]  # 12
+PHI3_LONG = dict(
+    PHI3,
+    original_max_position_embeddings=8,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    rope_scaling=dict(type="longrope", short_factor=[1.0] * 12, long_factor=_FACTORS),
+)
+PHI3_QUANTS = ("Q4_K_M",)
+
+
+def phi3_checkpoint(out: Path, name: str) -> Path:
+    """A tiny Phi-3 in Hugging Face's layout: q|k|v and gate|up fused, as it ships."""
+    cfg = {**tiny.LLAMA_BASE, **BASE, **(PHI3_LONG if "long" in name else PHI3)}
+    cfg.pop("head_dim")  # Phi-3's is hidden / heads
+    w = tiny.llama_weights(cfg, seed=7 if "long" in name else 5)
+    p = "model.layers.0"
+    w[f"{p}.self_attn.qkv_proj.weight"] = np.concatenate(
+        [w.pop(f"{p}.self_attn.{n}_proj.weight") for n in "qkv"]
+    )
+    w[f"{p}.mlp.gate_up_proj.weight"] = np.concatenate(
+        [w.pop(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up")]
+    )
+    w = {k: coarse(v) for k, v in w.items() if "rotary_emb" not in k}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    cfg["architectures"] = ["Phi3ForCausalLM"]
+    # Not "phi3" in the folder (the file's general.name): llama.cpp then
+    # marks Phi-3's "</s>", which this byte vocabulary lacks (llama-vocab.cpp).
+    folder = out / f"hf-{name.replace('phi3', 'p3')}"
+    folder = tiny.write_model(folder, cfg, w, tokenizer=False)
+    tokenizer(folder)
+    # The converter reads a Phi-3 vocabulary from tokenizer.model unless GPT-2's.
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|im_end|>"})
+    )
+    return folder
+
+
 CONVERT = (
     "import sys; sys.path.insert(0, sys.argv[1]); import convert_hf_to_gguf as c; from conversion import base; "
     "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'; "
-    "sys.argv = ['convert', sys.argv[2], '--outtype', 'f32', '--outfile', sys.argv[3]]; "
+    "sys.argv = ['convert', sys.argv[2], '--outtype', (sys.argv[4:] or ['f32'])[0], '--outfile', sys.argv[3]]; "
     "c.main()"
 )
 
@@ -132,30 +188,35 @@ def main(llama_cpp: Path, python: str, out: Path) -> None:
             )
             record[f"{name}-F32"] = greedy(bin_dir, f32)
             for q in QUANTS:
-                qf = out / f"{name}-{q}.gguf"
-                subprocess.run(
-                    [str(bin_dir / "llama-quantize"), str(f32), str(qf), q],
-                    check=True,
-                    capture_output=True,
+                record[f"{name}-{q}-F32"] = quantized(
+                    bin_dir, f32, out, f"{name}-{q}", q
                 )
-                back = out / "work" / f"{name}-{q}-F32.gguf"
-                subprocess.run(
-                    [
-                        str(bin_dir / "llama-quantize"),
-                        "--allow-requantize",
-                        str(qf),
-                        str(back),
-                        "F32",
-                    ],
-                    check=True,
-                    capture_output=True,
-                )
-                record[f"{name}-{q}-F32"] = {
-                    **greedy(bin_dir, back),
-                    "sha256": hashes(back),
-                }
+    for name in ("phi3", "phi3long"):  # F16 files kept: they are the checkpoints
+        hf = phi3_checkpoint(out / "work", name)
+        f16 = out / f"{name}-F16.gguf"
+        subprocess.run(
+            [python, "-c", CONVERT, str(llama_cpp), str(hf), str(f16), "f16"],
+            check=True,
+        )
+        record[f"{name}-F16"] = greedy(bin_dir, f16)
+        for q in PHI3_QUANTS:
+            record[f"{name}-{q}-F32"] = quantized(bin_dir, f16, out, f"{name}-{q}", q)
     lines = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in record.items()]
     (out / "llama_cpp.json").write_text("{\n" + ",\n".join(lines) + "\n}\n")
+
+
+def quantized(bin_dir: Path, src: Path, out: Path, name: str, q: str) -> dict:
+    """llama-quantize `src` to out/NAME.gguf, dequantize that back to F32: its
+    llama-simple tokens and the sha256 of its tensors."""
+    quantize = str(bin_dir / "llama-quantize")
+    qf, back = out / f"{name}.gguf", out / "work" / f"{name}-F32.gguf"
+    subprocess.run([quantize, str(src), str(qf), q], check=True, capture_output=True)
+    subprocess.run(
+        [quantize, "--allow-requantize", str(qf), str(back), "F32"],
+        check=True,
+        capture_output=True,
+    )
+    return {**greedy(bin_dir, back), "sha256": hashes(back)}
 
 
 def hashes(gguf: Path) -> dict:
