@@ -14,6 +14,9 @@ each dequantized copy. Tiny Llama and Qwen3 checkpoints, one layer:
   (real K-quants);
 - "256": real K-quants in q|k|v and gate|up (Q4_K q, k with a Q6_K v: stacked
   in float), 128-wide attn_output and ffn_down (Q5_0/Q5_1/Q8_0).
+And Phi-3 (llama.cpp's `phi3`: fused attn_qkv, ffn_up holding gate|up, 3/4 of
+each head rotated; "phi3long" with longrope factors), converted to F16 (the
+checkpoint's values exactly: kept) and Q4_K_M.
 llama.cpp's quantized runs round the activations too (not a float
 reference); its dequantized F32 copies are: our --dequantize equals them
 weight for weight, and greedy token for token.
@@ -35,7 +38,7 @@ from flashnorm_mlx.quant import dequantize_weights
 
 HERE = Path(__file__).with_name("llama_cpp")
 LLAMA_CPP = json.loads((HERE / "llama_cpp.json").read_text())
-FILES = sorted(p.stem for p in HERE.glob("*.gguf"))  # llama128-Q4_K_M, ...
+FILES = sorted(p.stem for p in HERE.glob("*-Q*.gguf"))  # llama128-Q4_K_M, ...
 
 
 def _greedy(model, prompt, n: int):
@@ -112,3 +115,59 @@ def test_f32_tokens_are_llama_cpps(tmp_path, name):
         model, _ = build_model(source, mode, dtype=mx.float32)
         got = _greedy(model, want["prompt"], len(want["tokens"]))
         assert got == want["tokens"], f"{name} {mode}: {got} vs {want['tokens']}"
+
+
+@pytest.mark.parametrize("name", ["phi3", "phi3long"])
+def test_phi3_file_is_its_checkpoint_and_runs_as_llama_cpp(tmp_path, name):
+    """llama.cpp's F16 Phi-3 file holds the checkpoint it came from (made again
+    by make.py, seeded): the same tensors under Hugging Face's names, stock's
+    logits on it those of stock on the folder bit for bit (fused q|k|v and
+    gate|up, partial rotary, longrope), and FlashNorm's and stock's greedy
+    tokens llama.cpp's on the file."""
+    folder = _make().phi3_checkpoint(tmp_path, name)
+    hf = read_source(str(folder), need_tokenizer=False)
+    source = read_source(str(HERE / f"{name}-F16.gguf"), need_tokenizer=False)
+    assert sorted(source.weights) == sorted(hf.weights)
+    off = [
+        k
+        for k, v in hf.weights.items()
+        if not mx.array_equal(source.weights[k].astype(mx.float32), v).item()
+    ]
+    assert not off, off
+    want = LLAMA_CPP[f"{name}-F16"]
+    x = mx.array([want["prompt"] + want["tokens"]])
+    stock_hf, _ = build_model(hf, "stock", dtype=mx.float32)
+    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    diff = mx.abs(stock(x) - stock_hf(x)).max().item()
+    assert diff == 0.0, f"{name}: stock on the GGUF vs on the folder {diff:.3e}"
+    for mode in ("stock", "flashnorm"):
+        model, _ = build_model(source, mode, dtype=mx.float32)
+        got = _greedy(model, want["prompt"], len(want["tokens"]))
+        assert got == want["tokens"], f"{name} {mode}: {got} vs {want['tokens']}"
+
+
+def _patched(tmp_path, name: str, old: bytes, new: bytes, after: bytes = b""):
+    """The fixture `name` with its bytes `old` (at the first `after`) made `new`."""
+    data = (HERE / f"{name}.gguf").read_bytes()
+    at = data.index(old, data.index(after) if after else 0)
+    path = tmp_path / f"{name}.gguf"
+    path.write_bytes(data[:at] + new + data[at + len(old) :])
+    return path
+
+
+def test_phi3_files_not_held_exactly_are_refused_in_one_line(tmp_path):
+    """A longrope attention factor other than mlx-lm's for the file's contexts,
+    and q, k and v stored apart: one line each, naming what is not read."""
+    from flashnorm_mlx.errors import LoadError
+
+    key = b"phi3.rope.scaling.attn_factor"
+    two = np.float32(2.0).tobytes()  # the float32 after the key's type field
+    stored = np.float32(np.sqrt(1 + np.log(64 / 8) / np.log(8))).tobytes()
+    path = _patched(tmp_path, "phi3long-F16", stored, two, after=key)
+    with pytest.raises(LoadError, match="attn_factor 2 is not longrope's 1.41421"):
+        read_source(str(path), need_tokenizer=False)
+    apart = b"blk.0.attn_q.v.weight"  # as long as attn_qkv's name
+    path = _patched(tmp_path, "phi3-F16", b"blk.0.attn_qkv.weight", apart)
+    with pytest.raises(LoadError, match="with q, k and v apart is not read") as e:
+        read_source(str(path), need_tokenizer=False)
+    assert "\n" not in str(e.value)
