@@ -595,6 +595,7 @@ def test_gguf_families_come_from_each_arch_declaration():
         "lfm2moe": "lfm2_moe",
         "llama": "llama",
         "mistral3": "ministral3",  # its reader makes a file without YaRN mistral
+        "phi3": "phi3",  # its reader: fused q|k|v and gate|up, longrope
         "qwen2": "qwen2",
         "qwen3": "qwen3",
         "qwen35": "qwen3_5",  # its reader makes a file with experts qwen3_5_moe
