@@ -315,7 +315,7 @@ def test_q4_k_m_mix_runs_quantized_and_flashnorm_agrees(tmp_path, default):
     assert r["quantized"] and r["max_rel_logit_diff"] < tiny.f32_tol(), r
     assert r["greedy_match"] == 8, r
     note = comparison(source)["comparison_note"]  # what verify and bench say
-    assert "3 Q6_K tensors read as float16" in note and "not quantized" not in note
+    assert "3 Q6_K tensors read as float:" in note and "not quantized" not in note
     # --requantize: the Q6_K ones at 6 bits, each stacked q|k|v at one setting.
     notes = []
     model, _ = build_model(

@@ -90,7 +90,7 @@ def read_gguf(
     """(config, weights with Hugging Face names, TokenizerWrapper or None)."""
     path = Path(path)
     table = check_gguf(path)  # MLX's own reader segfaults on a corrupt table
-    floats = {}  # GGUF name -> K-quant type read as float16
+    floats = {}  # GGUF name -> K-quant type read as float32
     try:
         if gguf_kquant.needs_own_reader(table):  # MLX dequantizes or fails
             raw, meta, floats = gguf_kquant.read_file(path, table)

@@ -53,7 +53,7 @@ def needs_own_reader(table: List[GGUFTensor]) -> bool:
 
 def read_file(path: Path, table: List[GGUFTensor]) -> Tuple[dict, dict, dict]:
     """(tensors as `mx.load` names them, metadata as it gives them, GGUF name
-    -> type of each tensor read as float16 from a type MLX cannot hold)."""
+    -> type of each tensor read as float32 from a type MLX cannot hold)."""
     with open(path, "rb") as f:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             meta = _metadata(Reader(m, len(m)))
