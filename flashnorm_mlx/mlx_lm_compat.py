@@ -50,7 +50,10 @@ def stock_classes(config: dict):
     except ImportError as e:
         raise _changed("mlx_lm.utils._get_classes", e) from None
     model_cls, args_cls = _get_classes(config)
-    if config.get("model_type") == "gemma3_text":
+    shallow = config.get("num_hidden_layers", 0) < config.get(
+        "sliding_window_pattern", 6
+    )
+    if config.get("model_type") == "gemma3_text" and shallow:  # mlx-lm's own else
         model_cls = _gemma3_any_depth(model_cls)
     return model_cls, args_cls
 
