@@ -288,7 +288,7 @@ def test_unsupported_tokenizer_model_is_refused(tmp_path):
         tmp_path / "spm.gguf", cfg, tiny.llama_weights(cfg), tok_model="llama"
     )
     msg = _one_line_error(lambda: read_gguf(path))
-    assert "tokenizer model 'llama'" in msg, msg
+    assert "tokenizer model 'llama'" in msg and "with --tokenizer" in msg, msg
     config, _, tok = read_gguf(path, load_tokenizer=False)  # weights alone still load
     assert tok is None and config["model_type"] == "llama"
 

@@ -406,7 +406,8 @@ def _pre_tokenizer(meta: dict, path: Path):
     if model != "gpt2":
         raise LoadError(
             f"{path}: GGUF tokenizer model {model!r} is not supported "
-            "(flashnorm-mlx builds byte-level BPE 'gpt2' tokenizers)"
+            "(flashnorm-mlx builds byte-level BPE 'gpt2' tokenizers; give the "
+            "model's Hugging Face tokenizer with --tokenizer)"
         )
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
