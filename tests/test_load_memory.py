@@ -135,14 +135,14 @@ def _gguf_peak(path, mode: str) -> int:
 def test_gguf_q6_k_load_peak_is_stocks(tmp_path):
     """An all-Q6_K GGUF (read as float32: MLX cannot hold its 16-weight
     scales): FlashNorm's load peak at most 1.03x stock's. Folded, FlashNorm
-    held each weight twice (1.67x stock here: 86.4 MB, 51.8); it runs them as stored, the
-    gains in its kernels, sharing the source's tensors (docs/design.md 2i)."""
-    qtype = "Q6_K"
+    held each weight twice (1.67x stock here: 86.4 MB against 51.8); it runs
+    them as stored, the gains in its kernels, sharing the source's tensors
+    (docs/design.md 2i)."""
     pytest.importorskip("gguf")
     from test_gguf_kquant import write_kquant_gguf
 
-    path, _ = write_kquant_gguf(tmp_path / "m.gguf", {}, qtype, cfg=GGUF_CFG)
+    path, _ = write_kquant_gguf(tmp_path / "m.gguf", {}, "Q6_K", cfg=GGUF_CFG)
     stock = min(_gguf_peak(path, "stock") for _ in range(2))
     flashnorm = min(_gguf_peak(path, "flashnorm") for _ in range(2))
-    print(f"{qtype} GGUF load peak: flashnorm {flashnorm} B, stock {stock} B")
+    print(f"Q6_K GGUF load peak: flashnorm {flashnorm} B, stock {stock} B")
     assert flashnorm <= 1.03 * stock, (flashnorm / stock, flashnorm, stock)
