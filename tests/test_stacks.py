@@ -26,6 +26,9 @@ def _mixed(v_spec: dict, mlp_spec: dict) -> Source:
             out[k] = v
             continue
         spec = v_spec if ".v_proj" in m else mlp_spec if ".up_proj" in m else q
+        if spec is None:  # kept float, as a GGUF's Q6_K is read
+            out[k] = v
+            continue
         if spec is not q:
             q[m] = spec
         parts = mx.quantize(v, spec["group_size"], spec["bits"], mode=spec["mode"])
@@ -38,13 +41,16 @@ def _mixed(v_spec: dict, mlp_spec: dict) -> Source:
     "v_spec,way",
     [
         ({"group_size": 32, "bits": 8, "mode": "affine"}, "lifted"),
-        ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, "float"),
+        ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, "joined"),
+        (None, "joined"),
     ],
+    ids=["lifted", "mxfp4", "float"],
 )
 def test_mixed_stacks_run_in_flashnorm_as_stock(v_spec, way):
     """v at 8-bit group 32 beside 4-bit group 64 q and k (up at 6-bit group
     64 beside a 4-bit gate): q, k lifted to 8-bit group 32, the same weights;
-    an mxfp4 v: the stack in float. FlashNorm's tokens equal stock's."""
+    an mxfp4 or a float v: q, k and v run as stored, one matmul each
+    (models/joined.py). FlashNorm's tokens equal stock's."""
     mlp = {"group_size": 64, "bits": 6, "mode": "affine"}
     source = _mixed(v_spec, mlp)
     assert len(mixed_settings(source.weights, source.config)) == 4
@@ -53,10 +59,15 @@ def test_mixed_stacks_run_in_flashnorm_as_stock(v_spec, way):
     attn = flash.model.layers[0].self_attn.qkv_proj
     if way == "lifted":
         assert (attn.bits, attn.group_size) == (8, 32), (attn.bits, attn.group_size)
-    else:
-        assert type(attn).__name__ == "Linear", type(attn)
+    else:  # each member as the checkpoint holds it
+        kinds = [type(p).__name__ for p in attn.parts]
+        want = "QuantizedLinear" if v_spec else "Linear"
+        assert kinds == ["QuantizedLinear"] * 2 + [want], kinds
+        mode = getattr(attn.parts[2], "mode", "affine")
+        assert mode == (v_spec or {}).get("mode", "affine"), mode
     assert flash.model.layers[0].mlp.gate_up_proj.bits == 6
-    assert len(notes) == 1 and f"{'lifted' if way == 'lifted' else 'float'}" in notes[0]
+    said = "lifted" if way == "lifted" else "stacks mixing float and quantized"
+    assert len(notes) == 1 and said in notes[0], notes
     r = compare(source, PROMPT, horizon=8, dtype=mx.float32)
     print(f"{way}: FlashNorm vs stock {r['max_rel_logit_diff']:.3e}; {notes[0]}")
     assert r["max_rel_logit_diff"] < tiny.f32_tol(), r

@@ -89,7 +89,7 @@ def build_model(
             # mlx-lm's own model of a wrapper folder is its wrapper class.
             wrapper = source.wrapper if mode.is_mlx_lms else None
             model, config, as_is = _instantiate(
-                source.name, recipe, mode.ours, wrapper, notes
+                source.name, recipe, mode.ours, wrapper, notes, group is None
             )
             del recipe
             if by_mlx_lm:
@@ -164,18 +164,20 @@ def _share_rows(layer, prefix: str, pairs, weights: dict, as_is: Set[str]) -> No
             mx.eval([weights[k] for k in keys])
 
 
-def _instantiate(name: str, recipe: Recipe, ours: bool, wrapper=None, notes=None):
+def _instantiate(
+    name: str, recipe: Recipe, ours: bool, wrapper=None, notes=None, joinable=True
+):
     """(model, config, keys of the source tensors it takes unchanged) of our
     class (`ours`) or mlx-lm's on the recipe's tensors; weights that do not
     fit the config are one LoadError line. wrapper: a multimodal wrapper's
     config (stock: mlx-lm's wrapper class around the text model; the config
-    returned stays the text model's, which the rest of the build reads)."""
+    returned stays the text model's, which the rest of the build reads).
+    joinable: the model may run a mixed stack's members apart (not sharded)."""
     tensors, config = recipe.tensors(), recipe.config
-    if ours:  # a GGUF's Q4_K q|k stacked with a Q6_K v: float
-        tensors = gguf_kquant.float_pairs(tensors, config, recipe.out_dtype)
-        # A Q5_0 q|k with a Q8_0 v: one setting per stack (stacks.py).
+    if ours:  # a Q5_0 q|k with a Q8_0 v lifted to one setting, a Q4_K q|k
+        # with a Q6_K v (read as float) run as stored (stacks.py)
         tensors, config, added = stacks.common_settings(
-            tensors, config, recipe.out_dtype
+            tensors, config, recipe.out_dtype, join=joinable
         )
         if added and notes is not None:
             notes.append(stacks.note(added))

@@ -263,47 +263,6 @@ _BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "Q2_K": 84}
 _BLOCK_BYTES.update({"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34})
 
 
-# --- FlashNorm's stacked layers --------------------------------------------
-
-
-def mixed_pairs(weights: dict, config: dict) -> List[str]:
-    """Quantized modules stacked (q|k|v, gate|up) with a float one (a GGUF's
-    Q4_K q and k with its Q6_K v): FlashNorm's one matmul needs one format,
-    so they run in float too."""
-    if not any(k.endswith(".scales") for k in weights):
-        return []
-    from .. import models
-
-    arch, out = models.architecture(config), []
-    for i in range(int(config.get(arch.layers_key, 0))):
-        prefix = arch.layer.format(i=i)
-        for pair in arch.pairs:
-            parts = [f"{prefix}.{p}" for p in pair.parts]
-            quantized = [p for p in parts if f"{p}.scales" in weights]
-            if quantized and any(
-                f"{p}.weight" in weights for p in parts if p not in quantized
-            ):
-                out += quantized
-    return out
-
-
-def float_pairs(tensors: dict, config: dict, dtype: mx.Dtype) -> dict:
-    """`tensors` with `mixed_pairs` dequantized to `dtype` (the same function)."""
-    from ..quant import quant_params
-
-    out = dict(tensors)
-    for m in mixed_pairs(tensors, config):
-        q = quant_params(config, m)
-        packed = out.pop(f"{m}.weight")
-        scales, biases = (
-            out.pop(f"{m}.{s}").astype(dtype) for s in ("scales", "biases")
-        )
-        out[f"{m}.weight"] = mx.dequantize(
-            packed, scales, biases, group_size=q["group_size"], bits=q["bits"]
-        ).astype(dtype)
-    return out
-
-
 # --- what the user is told ---------------------------------------------------
 
 
@@ -342,14 +301,8 @@ def build_note(source, plan, mode, way: str, quantize) -> Optional[str]:
     floats = floats_of(source.config)
     if not floats or quantize or (way == "dequantize" and plan.note):
         return None
-    note = float_note(floats, source.weights, plan.dtype, way == "requantize")
-    stacked = mixed_pairs(source.weights, source.config) if plan.as_stored else []
-    if stacked and not mode.is_mlx_lms:
-        note += (
-            f"; FlashNorm stacks {len(stacked)} quantized tensors with them "
-            f"(q|k|v, gate|up), run in {str(plan.dtype).replace('mlx.core.', '')} too"
-        )
-    return note
+    # FlashNorm's stacks that hold them beside quantized tensors: stacks.note.
+    return float_note(floats, source.weights, plan.dtype, way == "requantize")
 
 
 def written_words(floats: dict, dtype: str) -> str:
