@@ -12,8 +12,9 @@ each dequantized copy. Tiny Llama and Qwen3 checkpoints, one layer:
   K-quant for Q4_0/Q5_0/Q5_1/Q8_0, so q, k and v differ (Q5_0 q, k with a Q8_0
   v: FlashNorm lifts q and k to 8 bits; loading/stacks.py), down 256 wide
   (real K-quants);
-- "256": real K-quants in q|k|v and gate|up (Q4_K q, k with a Q6_K v: stacked
-  in float), 128-wide attn_output and ffn_down (Q5_0/Q5_1/Q8_0).
+- "256": real K-quants in q|k|v and gate|up (Q4_K q, k with a Q6_K v, read
+  as float: FlashNorm runs the three as stored, models/joined.py), 128-wide
+  attn_output and ffn_down (Q5_0/Q5_1/Q8_0).
 And Phi-3 (llama.cpp's `phi3`: fused attn_qkv, ffn_up holding gate|up, 3/4 of
 each head rotated; "phi3long" with longrope factors), converted to F16 (the
 checkpoint's values exactly: kept) and Q4_K_M.
@@ -58,11 +59,15 @@ def test_llama_cpp_file_runs_in_both_modes_as_stock(name):
     source = read_source(str(HERE / f"{name}.gguf"))
     prompt = LLAMA_CPP[f"{name}-F32"]["prompt"]
     notes = []
-    build_model(source, "flashnorm", dtype=mx.float32, notes=notes)
+    flash, _ = build_model(source, "flashnorm", dtype=mx.float32, notes=notes)
     r = compare(source, prompt, horizon=8, dtype=mx.float32)
     print(f"{name}: FlashNorm vs stock {r['max_rel_logit_diff']:.3e}; {notes}")
     if "128" in name:  # q, k below v's bits: lifted, and said so in one line
         assert sum("lifted to the stack's bits" in n for n in notes) == 1, notes
+    if "256" in name and "phi3" not in name:  # float (Q6_K/Q3_K) beside K-quants
+        qkv = flash.model.layers[0].self_attn.qkv_proj  # q, k: run as stored
+        assert type(qkv).__name__ == "Joined", type(qkv)
+        assert sum("mixing float and quantized" in n for n in notes) == 1, notes
     assert r["quantized"] and r["max_rel_logit_diff"] < tiny.f32_tol(), r
     assert r["greedy_match"] == 8, r
 

@@ -146,3 +146,20 @@ def test_gguf_q6_k_load_peak_is_stocks(tmp_path):
     flashnorm = min(_gguf_peak(path, "flashnorm") for _ in range(2))
     print(f"Q6_K GGUF load peak: flashnorm {flashnorm} B, stock {stock} B")
     assert flashnorm <= 1.03 * stock, (flashnorm / stock, flashnorm, stock)
+
+
+def test_gguf_q4_k_m_mix_load_peak_is_stocks(tmp_path):
+    """A Q4_K_M-style GGUF, as llama-quantize writes real models' layers: a
+    Q6_K v (read as float32) beside Q4_K q and k in every layer. FlashNorm's
+    load peak at most 1.03x stock's: it runs such a stack's members as stored,
+    one matmul each (models/joined.py); stacked in float, q and k were held
+    dequantized beside the source's (docs/design.md 2i)."""
+    pytest.importorskip("gguf")
+    from test_gguf_kquant import write_kquant_gguf
+
+    v = {f"blk.{i}.attn_v": "Q6_K" for i in range(GGUF_CFG["num_hidden_layers"])}
+    path, _ = write_kquant_gguf(tmp_path / "m.gguf", v, "Q4_K", cfg=GGUF_CFG)
+    stock = min(_gguf_peak(path, "stock") for _ in range(2))
+    flashnorm = min(_gguf_peak(path, "flashnorm") for _ in range(2))
+    print(f"Q4_K_M-style GGUF load peak: flashnorm {flashnorm} B, stock {stock} B")
+    assert flashnorm <= 1.03 * stock, (flashnorm / stock, flashnorm, stock)
