@@ -14,9 +14,9 @@ from flashnorm_mlx.loading.stacks import mixed_settings
 PROMPT = [5, 17, 99, 3, 250, 42, 7]
 
 
-def _mixed(v_spec: dict, mlp_spec: dict) -> Source:
+def _mixed(v_spec: dict, mlp_spec: dict, over: dict) -> Source:
     """A tiny Llama at 4-bit group 64, v_proj and up_proj stored otherwise."""
-    cfg = dict(tiny.LLAMA_BASE, intermediate_size=128)  # groups of 64 divide it
+    cfg = dict(tiny.LLAMA_BASE, intermediate_size=128, **over)  # groups of 64
     w = {k: mx.array(v) for k, v in tiny.llama_weights(cfg, seed=5).items()}
     q = {"group_size": 64, "bits": 4, "mode": "affine"}
     out = {}
@@ -38,21 +38,22 @@ def _mixed(v_spec: dict, mlp_spec: dict) -> Source:
 
 
 @pytest.mark.parametrize(
-    "v_spec,way",
+    "v_spec,way,over",
     [
-        ({"group_size": 32, "bits": 8, "mode": "affine"}, "lifted"),
-        ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, "joined"),
-        (None, "joined"),
+        ({"group_size": 32, "bits": 8, "mode": "affine"}, "lifted", {}),
+        ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, "joined", {}),
+        (None, "joined", {}),
+        (None, "joined", tiny.LLAMA_CONFIGS["linear_bias"]),  # q|k|v biases
     ],
-    ids=["lifted", "mxfp4", "float"],
+    ids=["lifted", "mxfp4", "float", "float_bias"],
 )
-def test_mixed_stacks_run_in_flashnorm_as_stock(v_spec, way):
+def test_mixed_stacks_run_in_flashnorm_as_stock(v_spec, way, over):
     """v at 8-bit group 32 beside 4-bit group 64 q and k (up at 6-bit group
     64 beside a 4-bit gate): q, k lifted to 8-bit group 32, the same weights;
     an mxfp4 or a float v: q, k and v run as stored, one matmul each
     (models/joined.py). FlashNorm's tokens equal stock's."""
     mlp = {"group_size": 64, "bits": 6, "mode": "affine"}
-    source = _mixed(v_spec, mlp)
+    source = _mixed(v_spec, mlp, over)
     assert len(mixed_settings(source.weights, source.config)) == 4
     notes = []
     flash, _ = build_model(source, "flashnorm", dtype=mx.float32, notes=notes)
