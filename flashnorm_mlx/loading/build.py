@@ -74,7 +74,12 @@ def build_model(
     shapes = shapes_of(source_weights)
     try:
         plan = quant.plan_weights(
-            source_weights, source.config, dtype, quantize, quantized_way
+            source_weights,
+            source.config,
+            dtype,
+            quantize,
+            quantized_way,
+            read_whole=source.read_whole and source_weights is source.weights,
         )
         as_is: Set[str] = set()  # source tensors the model takes unchanged
         if mode.calibrated:  # the norm-removed speed bound, for `bench`

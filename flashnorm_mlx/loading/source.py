@@ -46,6 +46,8 @@ class Source:
     # A multimodal wrapper's own config, where `config` is its text model
     # (wrappers.py): stock builds mlx-lm's wrapper class from it.
     wrapper: Optional[dict] = None
+    # Read whole into memory (a GGUF): every tensor held for the source's life.
+    read_whole: bool = False
 
 
 # --- locating ----------------------------------------------------------------
@@ -122,7 +124,7 @@ def read_source(
         config, weights, tok = read_gguf(
             path, load_tokenizer=need_tokenizer and tokenizer is None
         )
-        src = Source(name, config, weights, tok)
+        src = Source(name, config, weights, tok, read_whole=True)
     else:
         src = _read_folder(path, name)
     # Values of the wrong type, sign or size: one line here, not a traceback

@@ -374,9 +374,9 @@ class TransformerBlock(DecoderBlock):
         xr = x2 = hs  # gains folded: every matmul reads the same row
         if "gain" in self.router or "pre_feedforward_layernorm_2" in self:
             x = h * pow2_prescale(ms).astype(h.dtype) if prescaled(h.dtype) else h
-            if "gain" in self.router:  # a quantized router as stored
+            if "gain" in self.router:  # a router as stored
                 xr = x * self.router.gain
-            if "pre_feedforward_layernorm_2" in self:  # quantized experts as stored
+            if "pre_feedforward_layernorm_2" in self:  # experts as stored
                 x2 = x * self.pre_feedforward_layernorm_2.gain()
         inds, weights = self.router(xr, ms)
         y2 = kernels.scaled(self.experts(x2, ms, inds, weights), ms)
@@ -488,7 +488,9 @@ class Model(Decoder):
                 if scale is None:
                     continue
                 gain = scale * root  # stock's router norm gain, in scale's dtype
-                if f"{p}.router.proj.scales" in weights:  # quantized: in the row
+                # Quantized, or any proj where the gains ride in the kernels
+                # (its row then carries the pre-FFN gain): in the row.
+                if f"{p}.router.proj.scales" in weights or self.norm_gains:
                     layer.router.gain = mx.zeros_like(gain)
                     weights[f"{p}.router.gain"] = gain
                 else:

@@ -82,19 +82,23 @@ def plan_weights(
     quantized_way: str = "stored",
     output: bool = False,
     q_method: str = "rtn",
+    read_whole: bool = False,
 ) -> WeightPlan:
     """The one decision (see the module docstring). quantized_way: how a quantized
     source is taken, one of QUANTIZED_WAYS. output=True: for a checkpoint to
     write (`convert`), whose dtype defaults to the source's. q_method: how we
     quantize, "rtn" or "gptq" (gptq.py); settings it cannot write are a
-    LoadError here, before any work."""
-    plan = _plan(weights, config, dtype, quantize, quantized_way, output)
+    LoadError here, before any work. read_whole: `weights` stay held for the
+    source's life (a GGUF): float ones are taken as stored too, not folded."""
+    plan = _plan(weights, config, dtype, quantize, quantized_way, output, read_whole)
     if q_method == "gptq" and plan.qspec:
         gptq.check_qspec(plan.qspec)
     return plan
 
 
-def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan:
+def _plan(
+    weights, config, dtype, quantize, quantized_way, output, read_whole=False
+) -> WeightPlan:
     if quantized_way not in QUANTIZED_WAYS:
         raise LoadError(
             f"unknown way {quantized_way!r} for a quantized source; choose from "
@@ -111,10 +115,12 @@ def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan
     # GGUF K-quants read as float (Q6_K, ...): --requantize rounds them to the
     # nearest MLX setting (kquant.py), as the quantized ones.
     floats = kquant.requantize_spec(config) if quantized_way == "requantize" else {}
-    # A GGUF's Q6_K/Q3_K/Q2_K, read as float, are its quantized weights as
-    # stored: folded, a model would hold a second copy of each beside the
-    # source's (docs/design.md section 2i); `convert` folds them as before.
-    stored_floats = kquant.floats_of(config) and not (quantize or output)
+    # A GGUF's float tensors (its F32/F16 ones, and its Q6_K/Q3_K/Q2_K read as
+    # float) are held by the source, read whole, for its life: folded, a model
+    # would hold a second copy of each beside them (docs/design.md section
+    # 2i). FlashNorm takes them as stored; `convert` folds them as before.
+    whole = kquant.floats_of(config) or read_whole
+    stored_floats = whole and not (quantize or output)
     if not is_quantized(weights) and not (stored_floats and quantized_way == "stored"):
         qspec = (
             uniform_qspec(weights, *quantize, config) if quantize else (floats or None)
