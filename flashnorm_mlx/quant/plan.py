@@ -10,6 +10,8 @@ A quantized source has three ways through FlashNorm (`QUANTIZED_WAYS`):
 - "requantize": dequantized, folded in float32, quantized again with the
   source's own settings (stock requantized alike): the folded weights'
   quantization, a slightly different function.
+A float source read whole and held for its life (a GGUF, `read_whole`) is taken
+"stored" too: folded, its model would hold each weight beside the source's.
 A float source is quantized only when asked (`quantize=(bits, group_size)`,
 which on a quantized source requantizes to those settings). Stock, nonorm and
 `convert` take the same path without or with the fold, so every variant is
