@@ -488,9 +488,7 @@ class Model(Decoder):
                 if scale is None:
                     continue
                 gain = scale * root  # stock's router norm gain, in scale's dtype
-                # Quantized, or any proj where the gains ride in the kernels
-                # (its row then carries the pre-FFN gain): in the row.
-                if f"{p}.router.proj.scales" in weights or self.norm_gains:
+                if f"{p}.router.proj.scales" in weights or self.norm_gains:  # row
                     layer.router.gain = mx.zeros_like(gain)
                     weights[f"{p}.router.gain"] = gain
                 else:
