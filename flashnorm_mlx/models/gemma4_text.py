@@ -280,7 +280,7 @@ class Attention(FusedAttention):
 
 class Router(nn.Module):
     """Stock's router with its norm's gain (scale * hidden**-0.5) folded into
-    proj at load (`Model.sanitize`); a quantized proj keeps it as `gain`, for
+    proj at load (`Model.sanitize`); a proj as stored keeps it as `gain`, for
     the row it reads. Its norm is of the same residual as the pre-FFN norm's,
     with the same epsilon: the block's s serves it (section 2m)."""
 
