@@ -32,7 +32,28 @@ def stock_classes(config: dict):
         from mlx_lm.utils import _get_classes
     except ImportError as e:
         raise _changed("mlx_lm.utils._get_classes", e) from None
-    return _get_classes(config)
+    model_cls, args_cls = _get_classes(config)
+    shallow = config.get("num_hidden_layers", 0) < config.get(
+        "sliding_window_pattern", 6
+    )
+    if config.get("model_type") == "gemma3_text" and shallow:  # mlx-lm's own else
+        model_cls = _gemma3_any_depth(model_cls)
+    return model_cls, args_cls
+
+
+def _gemma3_any_depth(model_cls):
+    """mlx-lm's gemma3_text reads its global mask from cache[pattern - 1],
+    an IndexError where the model has fewer layers (all sliding, as llama.cpp
+    runs them): the cache list padded with None, which no layer reads."""
+
+    class Model(model_cls):
+        def __call__(self, inputs, cache=None, input_embeddings=None):
+            n, p = len(self.model.layers), self.args.sliding_window_pattern
+            if n < p:
+                cache = list(cache or [None] * n) + [None] * (p - n)
+            return super().__call__(inputs, cache, input_embeddings)
+
+    return Model
 
 
 def hub_download(repo: str, allow_patterns):

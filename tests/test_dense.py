@@ -179,7 +179,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
 # --- what a family cannot do is declared in its ARCH and is one line -------------
 
 
-@pytest.mark.parametrize("arch", ["phi3", "smollm3"])
+@pytest.mark.parametrize("arch", ["nemotron_h", "smollm3"])
 def test_a_gguf_of_a_family_that_declares_none_is_one_line(tmp_path, arch, capsys):
     from flashnorm_mlx.cli import main
 

@@ -341,7 +341,7 @@ GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}
 NAMES = ("stock", "flashnorm")
 
 
-def write_gemma3_gguf(path, cfg, weights, shift=1.0):
+def write_gemma3_gguf(path, cfg, weights, shift=1.0, **meta_kw):
     """A gemma3 GGUF as llama.cpp's converter writes one: every norm weight
     stored as w + shift (its `norm_shift`, 1), no Q/K permutation, the
     sliding window in the metadata (a byte-level vocabulary, as test_gguf's)."""
@@ -360,6 +360,7 @@ def write_gemma3_gguf(path, cfg, weights, shift=1.0):
         tensors[f"{name}.{suffix}"] = mx.array(v)
     meta = tiny_metadata(cfg, arch="gemma3")
     meta["gemma3.attention.sliding_window"] = mx.array(6, dtype=mx.uint32)
+    meta.update({f"gemma3.{k}": v for k, v in meta_kw.items()})
     mx.save_gguf(str(path), tensors, meta)
     return path
 
@@ -393,6 +394,33 @@ def test_llama_cpp_gemma3_gguf_loads_as_its_hf_checkpoint(tmp_path):
     print(errs)
     assert max(errs[m] for m in NAMES) < tiny.f32_tol(), errs
     assert errs["unshifted file"] > 10 * tiny.f32_tol(), errs
+
+
+@pytest.mark.parametrize("layers,pattern", [(6, 3), (3, None)])
+def test_gemma3_gguf_pattern_and_any_depth(tmp_path, layers, pattern):
+    """The file's attention.sliding_window_pattern (3: every 3rd layer global)
+    is llama.cpp's, 6 where absent; a file of fewer layers than that (all
+    sliding) runs in stock too. Both modes equal stock on the Hugging Face
+    folder it came from, within float32 rounding."""
+    cfg = dict(
+        tiny.gemma3_config("gemma3_tied"),
+        num_hidden_layers=layers,
+        sliding_window_pattern=pattern or 6,
+        query_pre_attn_scalar=16,  # what llama.cpp derives: head_dim
+        rope_scaling={"type": "linear", "factor": 8.0},
+    )
+    w = tiny.gemma3_weights(cfg, seed=4)
+    hf = read_source(str(tiny.write_model(tmp_path / "hf", cfg, w)))
+    key = {}
+    if pattern:
+        key["attention.sliding_window_pattern"] = mx.array(pattern, dtype=mx.uint32)
+    src = read_source(str(write_gemma3_gguf(tmp_path / "g.gguf", cfg, w, **key)))
+    assert src.config["sliding_window_pattern"] == (pattern or 6), src.config
+    x = mx.array([PROMPT])
+    ref = build_model(hf, "stock", dtype=mx.float32)[0](x)
+    errs = {m: rel(build_model(src, m, dtype=mx.float32)[0](x), ref) for m in NAMES}
+    print(f"{layers} layers, pattern {pattern}: {errs}")
+    assert max(errs.values()) < tiny.f32_tol(), errs
 
 
 def test_gemma3_gguf_with_final_logit_softcapping_is_one_line(tmp_path, capsys):

@@ -154,16 +154,31 @@ def test_quantized_source_is_dequantized_folded_requantized(source):
     assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 8, r
 
 
-def test_mixed_quantization_across_fused_layers_is_one_clear_error(source):
-    """q/k/v stored with different bits cannot be stacked into qkv_proj."""
-    from flashnorm_mlx.loading import LoadError, Source
+def test_mixed_quantization_across_fused_layers_runs_lifted(source):
+    """q stored at 4 bits, k and v at 8 (a folded checkpoint): FlashNorm stacks
+    them as one 8-bit qkv_proj (loading/stacks.py), the same weights: its
+    logits equal those of the same checkpoint with q, k, v in float."""
+    from flashnorm_mlx.loading import Source
 
     _skip_if_not_quantizable(source)
     w, c = fold.fold_norms(source.weights, source.config)
+    floats = dict(w)
+    c = dict(c, quantization={"group_size": 32, "bits": 8, "mode": "affine"})
     for n, bits in (("q", 4), ("k", 8), ("v", 8)):
         m = f"model.layers.0.self_attn.{n}_proj"
         w[f"{m}.weight"], w[f"{m}.scales"], w[f"{m}.biases"] = mx.quantize(
             w[f"{m}.weight"], 32, bits
         )
-    with pytest.raises(LoadError, match="different quantization settings"):
-        build_model(Source("mixed", c, w), "flashnorm")
+        c["quantization"][m] = {"group_size": 32, "bits": bits, "mode": "affine"}
+        floats[f"{m}.weight"] = mx.dequantize(
+            w[f"{m}.weight"], w[f"{m}.scales"], w[f"{m}.biases"], 32, bits
+        )
+    notes = []
+    got, _ = build_model(Source("mixed", c, w), "flashnorm", mx.float32, notes=notes)
+    assert got.model.layers[0].self_attn.qkv_proj.bits == 8
+    assert len(notes) == 1 and "lifted" in notes[0], notes
+    plain = {k: v for k, v in c.items() if k != "quantization"}
+    want, _ = build_model(Source("float", plain, floats), "flashnorm", mx.float32)
+    x = mx.array([[5, 17, 99, 3, 250, 42, 7]])
+    err = (mx.abs(got(x) - want(x)).max() / mx.abs(want(x)).max()).item()
+    assert err < tiny.f32_tol(), f"lifted vs float q|k|v: {err:.3e}"

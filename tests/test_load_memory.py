@@ -110,3 +110,52 @@ def test_a_folders_source_holds_nothing_once_its_model_is_gone(tmp_path):
     held = mx.get_active_memory() - base
     print(f"held by the source after its model: {held} B")
     assert held < 4096, held  # a few bytes of constants cached once a process
+
+
+# 32 thin layers at K-quant widths (rows a multiple of 256): one layer's
+# stacked q|k|v and gate|up, held beside the source's until shared, is ~2%.
+GGUF_CFG = dict(CFG, hidden_size=256, intermediate_size=256, vocab_size=512)
+
+
+def _gguf_peak(path, mode: str) -> int:
+    """Peak memory of reading the GGUF `path` and building `mode` on it: a
+    GGUF is read whole, so the read is part of what a user's load costs."""
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    source = read_source(str(path), need_tokenizer=False)
+    model, _ = build_model(source, mode, dtype=mx.float32)
+    peak = mx.get_peak_memory() - base
+    del model, source
+    gc.collect()
+    return peak
+
+
+# Every layer's attn_v Q6_K beside Q4_K q and k: what llama-quantize's Q4_K_M
+# writes for many layers of a real model.
+_V_Q6_K = {f"blk.{i}.attn_v": "Q6_K" for i in range(GGUF_CFG["num_hidden_layers"])}
+
+
+@pytest.mark.parametrize(
+    "default,types",
+    [("Q6_K", {}), ("F32", {}), ("Q4_K", _V_Q6_K)],
+    ids=["q6_k", "f32", "q4_k_m_mix"],
+)
+def test_gguf_load_peak_is_stocks(tmp_path, default, types):
+    """FlashNorm's load peak on a 32-layer GGUF at most 1.03x stock's. A GGUF
+    is read whole and held: folding its float tensors (F32, or Q6_K read as
+    float32 since MLX cannot hold its 16-weight scales) held each weight
+    twice (1.67x stock here: 86.4 MB against 51.8), so FlashNorm runs them as
+    stored, the gains in its kernels, sharing the source's tensors. A Q6_K v
+    beside Q4_K q and k: stacked in float, q and k were held dequantized
+    beside the source's (2.34x: 30.8 MB against 13.2), so the three run as
+    stored, one matmul each (models/joined.py; docs/design.md 2i)."""
+    pytest.importorskip("gguf")
+    from test_gguf_kquant import write_kquant_gguf
+
+    path, _ = write_kquant_gguf(tmp_path / "m.gguf", types, default, cfg=GGUF_CFG)
+    stock = min(_gguf_peak(path, "stock") for _ in range(2))
+    flashnorm = min(_gguf_peak(path, "flashnorm") for _ in range(2))
+    print(f"{default} GGUF load peak: flashnorm {flashnorm} B, stock {stock} B")
+    assert flashnorm <= 1.03 * stock, (flashnorm / stock, flashnorm, stock)

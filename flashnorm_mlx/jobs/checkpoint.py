@@ -330,7 +330,11 @@ def _write_config(dst: Path, config: dict) -> None:
     from mlx_lm.utils import save_config
 
     # A GGUF's record of its float-read K-quants is the source's, not the output's.
-    config = {k: v for k, v in config.items() if k != gguf_kquant.CONFIG_KEY}
+    config = {
+        k: v
+        for k, v in config.items()
+        if k not in (gguf_kquant.CONFIG_KEY, gguf_kquant.FILE_DTYPE_KEY)
+    }
     config = wrappers.as_written(config)  # Llama 4's: the wrapper's form
     save_config(copy.deepcopy(config), dst / "config.json")
 

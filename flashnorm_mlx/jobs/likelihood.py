@@ -250,7 +250,7 @@ def _gptq_flashnorm(source: Source, kw, calibration, bar, stage, step, on_slow):
     """FlashNorm quantized by GPTQ on its folded weights: the checkpoint `convert`
     would write (loading/recipe.py, the one way GPTQ runs), from the same float weights
     and with the same settings stock's RTN gets, in the compute dtype."""
-    dtype = kw["dtype"] or quant.compute_dtype(source.weights)
+    dtype = kw["dtype"] or quant.compute_dtype(source.weights, source.config)
     weights, config = recipe.fold_checkpoint(
         source,
         dict(source.weights),

@@ -20,7 +20,7 @@ from .. import fold, models, quant
 from ..errors import LoadError
 from ..modes import FLASHNORM, Mode
 from ..parallel import sharding
-from . import gguf_kquant, nonorm, stock_fused
+from . import gguf_kquant, nonorm, stacks, stock_fused
 from .adapters import adapted_quantization
 from .recipe import Recipe
 from .shapes import config_name, mismatch, shapes_of
@@ -69,7 +69,12 @@ def build_model(
     shapes = shapes_of(source_weights)
     try:
         plan = quant.plan_weights(
-            source_weights, source.config, dtype, quantize, quantized_way
+            source_weights,
+            source.config,
+            dtype,
+            quantize,
+            quantized_way,
+            read_whole=source.read_whole and source_weights is source.weights,
         )
         as_is: Set[str] = set()  # source tensors the model takes unchanged
         if mode.calibrated:  # the norm-removed speed bound, for `bench`
@@ -83,7 +88,9 @@ def build_model(
             )
             # mlx-lm's own model of a wrapper folder is its wrapper class.
             wrapper = source.wrapper if mode.is_mlx_lms else None
-            model, config, as_is = _instantiate(source.name, recipe, mode.ours, wrapper)
+            model, config, as_is = _instantiate(
+                source.name, recipe, mode.ours, wrapper, notes, group is None
+            )
             del recipe
             if by_mlx_lm:
                 model, config = _mlx_lm_quantized(model, config, *by_mlx_lm)
@@ -157,15 +164,23 @@ def _share_rows(layer, prefix: str, pairs, weights: dict, as_is: Set[str]) -> No
             mx.eval([weights[k] for k in keys])
 
 
-def _instantiate(name: str, recipe: Recipe, ours: bool, wrapper=None):
+def _instantiate(
+    name: str, recipe: Recipe, ours: bool, wrapper=None, notes=None, joinable=True
+):
     """(model, config, keys of the source tensors it takes unchanged) of our
     class (`ours`) or mlx-lm's on the recipe's tensors; weights that do not
     fit the config are one LoadError line. wrapper: a multimodal wrapper's
     config (stock: mlx-lm's wrapper class around the text model; the config
-    returned stays the text model's, which the rest of the build reads)."""
+    returned stays the text model's, which the rest of the build reads).
+    joinable: the model may run a mixed stack's members apart (not sharded)."""
     tensors, config = recipe.tensors(), recipe.config
-    if ours:  # a GGUF's Q4_K q|k stacked with a Q6_K v: float
-        tensors = gguf_kquant.float_pairs(tensors, config, recipe.out_dtype)
+    if ours:  # a Q5_0 q|k with a Q8_0 v lifted to one setting, a Q4_K q|k
+        # with a Q6_K v (read as float) run as stored (stacks.py)
+        tensors, config, added = stacks.common_settings(
+            tensors, config, recipe.out_dtype, join=joinable
+        )
+        if added and notes is not None:
+            notes.append(stacks.note(added))
     as_is = {k for k, v in tensors.items() if recipe.src.get(k) is v}
     norm_gains = recipe.as_stored and not fold.is_folded(config) and ours
     built = config

@@ -90,7 +90,7 @@ def read_gguf(
     """(config, weights with Hugging Face names, TokenizerWrapper or None)."""
     path = Path(path)
     table = check_gguf(path)  # MLX's own reader segfaults on a corrupt table
-    floats = {}  # GGUF name -> K-quant type read as float16
+    floats = {}  # GGUF name -> K-quant type read as float32
     try:
         if gguf_kquant.needs_own_reader(table):  # MLX dequantizes or fails
             raw, meta, floats = gguf_kquant.read_file(path, table)
@@ -129,6 +129,8 @@ def read_gguf(
     if floats:
         mods = {rename(n).rpartition(".")[0]: t for n, t in floats.items() if rename(n)}
         config[gguf_kquant.CONFIG_KEY] = mods
+    if any(t.type_name in gguf_kquant.K_TYPES for t in table):  # read in float32
+        config[gguf_kquant.FILE_DTYPE_KEY] = "float16"
     tokenizer = None
     if load_tokenizer:
         try:
@@ -404,7 +406,8 @@ def _pre_tokenizer(meta: dict, path: Path):
     if model != "gpt2":
         raise LoadError(
             f"{path}: GGUF tokenizer model {model!r} is not supported "
-            "(flashnorm-mlx builds byte-level BPE 'gpt2' tokenizers)"
+            "(flashnorm-mlx builds byte-level BPE 'gpt2' tokenizers; give the "
+            "model's Hugging Face tokenizer with --tokenizer)"
         )
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:

@@ -6,8 +6,9 @@ What the file holds and what llama.cpp's code adds (docs/design.md section 2h):
 - `ffn_norm` is Gemma's pre-FFN norm, `post_attention_norm` and `post_ffw_norm`
   the sandwich norms (names: `ARCH.gguf` in models/gemma3.py);
 - its loader, not the file, sets the rest (llama-model.cpp, LLM_ARCH_GEMMA3):
-  with a sliding window in the file every 6th layer is global
-  (`set_swa_pattern(6)`), local layers use RoPE base 10000 unscaled, and the
+  with a sliding window in the file every n-th layer is global, n from
+  `attention.sliding_window_pattern` or 6 (`load_swa_pattern(ml, 6)`), local
+  layers use RoPE base `rope.freq_base_swa` or 10000 unscaled, and the
   attention scale is 1/sqrt(head_dim), but 1/sqrt(hidden/heads) for the 27B
   (62 layers). mlx-lm's `gemma3_text` takes the same as config values.
 """
@@ -53,10 +54,32 @@ def gemma3_config(meta: dict, config: dict, path: Path) -> dict:
     out["query_pre_attn_scalar"] = scalar
     out["rope_local_base_freq"] = LOCAL_ROPE_BASE
     # No window in the file: every layer global (a pattern of 1).
-    out["sliding_window_pattern"] = SWA_PATTERN if window > 0 else 1
+    out["sliding_window_pattern"] = _pattern(meta, layers, path) if window > 0 else 1
     if window > 0:
         out["sliding_window"] = window
+        local = _scalar(meta, "gemma3.rope.freq_base_swa", LOCAL_ROPE_BASE)
+        out["rope_local_base_freq"] = float(local)
     return out
+
+
+def _pattern(meta: dict, layers: int, path: Path) -> int:
+    """llama.cpp's `load_swa_pattern(ml, 6)`: the key as a number n (every
+    n-th layer global), or as one flag per layer (true: sliding), which must
+    be such a pattern here (mlx-lm's gemma3_text takes a number); 6 where
+    absent."""
+    v = meta.get("gemma3.attention.sliding_window_pattern")
+    if v is None:
+        return SWA_PATTERN
+    flags = v.tolist() if isinstance(v, mx.array) else v
+    if not isinstance(flags, list):
+        return int(flags)
+    n = next((i + 1 for i, f in enumerate(flags) if not f), layers + 1)
+    if [bool(f) for f in flags] != [i % n < n - 1 for i in range(layers)]:
+        raise LoadError(
+            f"{path}: gemma3.attention.sliding_window_pattern {flags} is not "
+            "every n-th layer global; mlx-lm's gemma3_text cannot run it"
+        )
+    return n
 
 
 def gemma3_weights(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:

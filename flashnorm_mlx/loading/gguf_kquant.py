@@ -6,10 +6,16 @@ Q3_K/Q5_K/Q5_0/Q5_1. A file holding any of them is read here instead, metadata
 and tensors in the form `mx.load` gives (numbers as 0-d arrays, block quants as
 MLX affine group-32 triples `.weight/.scales/.biases`):
 - Q4_K/Q5_K: w = (d*sc)*q - dmin*m per 32 weights, MLX's affine format at 4/5
-  bits (scale d*sc, bias -dmin*m, in float16): repacked, not dequantized;
+  bits (scale d*sc, bias -dmin*m, in float32, which holds them exactly):
+  repacked, not dequantized;
 - Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: 32-weight blocks, affine triples as `mx.load` makes;
 - Q6_K/Q3_K/Q2_K (16-weight scales, which MLX's smallest group of 32 cannot
-  hold): dequantized to float16, and listed so the user is told (`float_note`).
+  hold): dequantized to float32 (exact), and listed so the user is told
+  (`float_note`).
+The K-quants' float32 is cast once to the compute dtype when the model is
+built (float32 on the CPU: llama.cpp's dequantized values exactly; float16
+where the model computes in float16, as the file's own scales); the config's
+`kquant.FILE_DTYPE_KEY` keeps the file's float16 as its dtype.
 """
 
 import math
@@ -21,7 +27,12 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..quant.kquant import CONFIG_KEY, NEAREST_BITS, floats_of  # noqa: F401
+from ..quant.kquant import (  # noqa: F401
+    CONFIG_KEY,
+    FILE_DTYPE_KEY,
+    NEAREST_BITS,
+    floats_of,
+)
 from .checks import GGUF_VALUE, GGUFTensor, Reader
 
 QK_K = 256  # weights per K-quant super-block
@@ -33,6 +44,7 @@ FLOAT_TYPES = NEAREST_BITS
 # Stored bits per weight (block bytes * 8 / weights per block).
 BITS_PER_WEIGHT = {"Q6_K": 210 * 8 / 256, "Q3_K": 110 * 8 / 256, "Q2_K": 84 * 8 / 256}
 CHUNK = 1 << 20  # weights decoded at a time
+K_TYPES = {"Q4_K", "Q5_K", *FLOAT_TYPES}  # decoded in float32 (exact)
 
 
 def needs_own_reader(table: List[GGUFTensor]) -> bool:
@@ -41,7 +53,7 @@ def needs_own_reader(table: List[GGUFTensor]) -> bool:
 
 def read_file(path: Path, table: List[GGUFTensor]) -> Tuple[dict, dict, dict]:
     """(tensors as `mx.load` names them, metadata as it gives them, GGUF name
-    -> type of each tensor read as float16 from a type MLX cannot hold)."""
+    -> type of each tensor read as float32 from a type MLX cannot hold)."""
     with open(path, "rb") as f:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             meta = _metadata(Reader(m, len(m)))
@@ -109,14 +121,15 @@ def _decode(name: str, kind: str, raw: np.ndarray, shape: tuple) -> dict:
     out = None  # the tensor's arrays, filled chunk by chunk
     for i in range(0, rows, step):
         b = blocks[i : i + step].reshape(-1, _BLOCK_BYTES[kind])
+        # K-quants' products (d*sc, dmin*m, d*sc*q) need float32 to be exact;
+        # the other types' scales are the file's own float16.
+        exact = np.float32 if kind in K_TYPES else np.float16
         if kind in FLOAT_TYPES:
-            parts = [DEQUANTIZE[kind](b).astype(np.float16).reshape(-1, cols)]
+            parts = [DEQUANTIZE[kind](b).astype(exact).reshape(-1, cols)]
         else:
             q, scales, biases, bits = AFFINE[kind](b)
             parts = [pack(q.reshape(-1, cols), bits)]
-            parts += [
-                x.astype(np.float16).reshape(-1, cols // 32) for x in (scales, biases)
-            ]
+            parts += [x.astype(exact).reshape(-1, cols // 32) for x in (scales, biases)]
         if out is None:
             out = [np.empty((rows, p.shape[1]), p.dtype) for p in parts]
         for o, p in zip(out, parts):
@@ -250,47 +263,6 @@ _BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "Q2_K": 84}
 _BLOCK_BYTES.update({"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34})
 
 
-# --- FlashNorm's stacked layers --------------------------------------------
-
-
-def mixed_pairs(weights: dict, config: dict) -> List[str]:
-    """Quantized modules stacked (q|k|v, gate|up) with a float one (a GGUF's
-    Q4_K q and k with its Q6_K v): FlashNorm's one matmul needs one format,
-    so they run in float too."""
-    if not any(k.endswith(".scales") for k in weights):
-        return []
-    from .. import models
-
-    arch, out = models.architecture(config), []
-    for i in range(int(config.get(arch.layers_key, 0))):
-        prefix = arch.layer.format(i=i)
-        for pair in arch.pairs:
-            parts = [f"{prefix}.{p}" for p in pair.parts]
-            quantized = [p for p in parts if f"{p}.scales" in weights]
-            if quantized and any(
-                f"{p}.weight" in weights for p in parts if p not in quantized
-            ):
-                out += quantized
-    return out
-
-
-def float_pairs(tensors: dict, config: dict, dtype: mx.Dtype) -> dict:
-    """`tensors` with `mixed_pairs` dequantized to `dtype` (the same function)."""
-    from ..quant import quant_params
-
-    out = dict(tensors)
-    for m in mixed_pairs(tensors, config):
-        q = quant_params(config, m)
-        packed = out.pop(f"{m}.weight")
-        scales, biases = (
-            out.pop(f"{m}.{s}").astype(dtype) for s in ("scales", "biases")
-        )
-        out[f"{m}.weight"] = mx.dequantize(
-            packed, scales, biases, group_size=q["group_size"], bits=q["bits"]
-        ).astype(dtype)
-    return out
-
-
 # --- what the user is told ---------------------------------------------------
 
 
@@ -329,14 +301,8 @@ def build_note(source, plan, mode, way: str, quantize) -> Optional[str]:
     floats = floats_of(source.config)
     if not floats or quantize or (way == "dequantize" and plan.note):
         return None
-    note = float_note(floats, source.weights, plan.dtype, way == "requantize")
-    stacked = mixed_pairs(source.weights, source.config) if plan.as_stored else []
-    if stacked and not mode.is_mlx_lms:
-        note += (
-            f"; FlashNorm stacks {len(stacked)} quantized tensors with them "
-            f"(q|k|v, gate|up), run in {str(plan.dtype).replace('mlx.core.', '')} too"
-        )
-    return note
+    # FlashNorm's stacks that hold them beside quantized tensors: stacks.note.
+    return float_note(floats, source.weights, plan.dtype, way == "requantize")
 
 
 def written_words(floats: dict, dtype: str) -> str:

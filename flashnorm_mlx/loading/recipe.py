@@ -20,7 +20,7 @@ from .. import estimate, fold, models, quant
 from ..errors import LoadError
 from ..fold import Weights
 from ..progress import counter, progress_bar
-from ..quant import gptq
+from ..quant import gptq, kquant
 from .shapes import config_name, mismatch, shapes_of
 from .source import Source
 
@@ -52,6 +52,9 @@ class Recipe:
         self.as_stored = plan.as_stored
         self.out_dtype, self.qspec = plan.dtype, plan.qspec
         self._cast = not (output and self.as_stored)
+        # A GGUF's K-quants, read in float32, are written in the file's float16.
+        self._written = kquant.file_dtype(config) if not self._cast else None
+        self._float_read = set(kquant.floats_of(config) or ())
         covered = models.is_covered(config)
         self._arch = models.architecture(config) if covered else None
         self._uncast = self._arch.uncast if covered else ()
@@ -125,6 +128,15 @@ class Recipe:
             return v if v.dtype == self.out_dtype else v.astype(self.out_dtype)
         return v
 
+    def _stored(self, key: str, v: mx.array) -> mx.array:
+        """`_out`, but a GGUF's K-quants (scales and biases, float-read weights),
+        read in float32, written in the file's float16."""
+        module, _, suffix = key.rpartition(".")
+        narrow = suffix in ("scales", "biases") or module in self._float_read
+        if self._written and narrow and v.dtype == mx.float32:
+            return v.astype(self._written)
+        return self._out(v)
+
     def calibrate(self, tokenizer, calibration: "gptq.Calibration", advance=None):
         """GPTQ Hessians of every quantized linear, from stock's float32 model on
         calibration text (a full float copy of the model while it runs)."""
@@ -160,7 +172,7 @@ class Recipe:
             if k in self.src
         }
         if self.as_stored:
-            return {k: self._out(v) for k, v in part.items()}
+            return {k: self._stored(k, v) for k, v in part.items()}
         if f"{module}.scales" in part:
             part, _ = quant.dequantize_weights(part, self.src_config, mx.float32)
         part = fold.map_floats(part, lambda v: v.astype(mx.float32))

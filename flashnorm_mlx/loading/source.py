@@ -49,6 +49,8 @@ class Source:
     # A folder's weight files, checked once: a build reopens them for its own
     # handles (build._own_handles) where `weights` are what they hold.
     files: Tuple[str, ...] = ()
+    # Read whole into memory (a GGUF): every tensor held for the source's life.
+    read_whole: bool = False
 
 
 # --- locating ----------------------------------------------------------------
@@ -125,7 +127,7 @@ def read_source(
         config, weights, tok = read_gguf(
             path, load_tokenizer=need_tokenizer and tokenizer is None
         )
-        src = Source(name, config, weights, tok)
+        src = Source(name, config, weights, tok, read_whole=True)
     else:
         src = _read_folder(path, name)
     # Values of the wrong type, sign or size: one line here, not a traceback

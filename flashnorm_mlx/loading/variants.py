@@ -65,7 +65,7 @@ def comparison(source: Source, quantize=None, quantized_way: str = "stored") -> 
         # A GGUF's Q6_K & co. (16-weight scales) are float, not "not quantized".
         types = "/".join(sorted(set(floats.values())))
         out["comparison_note"] += (
-            f" ({len(floats)} {types} tensors read as float16: MLX's format "
+            f" ({len(floats)} {types} tensors read as float: MLX's format "
             "cannot hold them; --requantize rounds them to the nearest MLX setting)"
         )
     return out

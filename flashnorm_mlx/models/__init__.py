@@ -13,6 +13,7 @@ from typing import Optional, Union
 from ..errors import UnsupportedModel
 from ..modes import FLASHNORM, STOCK, Mode, mode_named
 from .arch import Architecture
+from .joined import join_like
 
 # config model_type -> module in flashnorm_mlx.models
 ARCHITECTURES = {
@@ -238,6 +239,7 @@ def instantiate(config: dict, weights: dict, ours: bool, norm_gains: bool = Fals
     model = model_cls(args, norm_gains=True) if norm_gains else model_cls(args)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
+    join_like(model, weights)  # stacks whose members run as stored
     quantize_like(model, weights)
     try:
         model.load_weights(list(weights.items()), strict=True)

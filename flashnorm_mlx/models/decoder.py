@@ -257,9 +257,8 @@ def fuse(weights, parts, fused, fused_bias):
         tensors = [weights.pop(f"{p}.{suffix}", None) for p in parts]
         if all(t is not None for t in tensors):
             if len({t.shape[1:] for t in tensors}) > 1:
-                raise ValueError(
-                    f"{', '.join(parts)} are stored with different quantization "
-                    "settings and cannot be fused; dequantize the checkpoint first"
+                raise ValueError(  # loading/stacks.py gives a stack one setting first
+                    f"{', '.join(parts)} reached the stack at different settings"
                 )
             weights[f"{fused}.{suffix}"] = mx.concatenate(tensors, axis=0)
     biases = [weights.pop(f"{p}.bias", None) for p in parts]

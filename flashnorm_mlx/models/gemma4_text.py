@@ -280,7 +280,7 @@ class Attention(FusedAttention):
 
 class Router(nn.Module):
     """Stock's router with its norm's gain (scale * hidden**-0.5) folded into
-    proj at load (`Model.sanitize`); a quantized proj keeps it as `gain`, for
+    proj at load (`Model.sanitize`); a proj as stored keeps it as `gain`, for
     the row it reads. Its norm is of the same residual as the pre-FFN norm's,
     with the same epsilon: the block's s serves it (section 2m)."""
 
@@ -374,9 +374,9 @@ class TransformerBlock(DecoderBlock):
         xr = x2 = hs  # gains folded: every matmul reads the same row
         if "gain" in self.router or "pre_feedforward_layernorm_2" in self:
             x = h * pow2_prescale(ms).astype(h.dtype) if prescaled(h.dtype) else h
-            if "gain" in self.router:  # a quantized router as stored
+            if "gain" in self.router:  # a router as stored
                 xr = x * self.router.gain
-            if "pre_feedforward_layernorm_2" in self:  # quantized experts as stored
+            if "pre_feedforward_layernorm_2" in self:  # experts as stored
                 x2 = x * self.pre_feedforward_layernorm_2.gain()
         inds, weights = self.router(xr, ms)
         y2 = kernels.scaled(self.experts(x2, ms, inds, weights), ms)
@@ -488,7 +488,7 @@ class Model(Decoder):
                 if scale is None:
                     continue
                 gain = scale * root  # stock's router norm gain, in scale's dtype
-                if f"{p}.router.proj.scales" in weights:  # quantized: in the row
+                if f"{p}.router.proj.scales" in weights or self.norm_gains:  # row
                     layer.router.gain = mx.zeros_like(gain)
                     weights[f"{p}.router.gain"] = gain
                 else:

@@ -19,7 +19,7 @@ from mlx_lm.models.phi3 import ModelArgs  # the config is stock's, field for fie
 from mlx_lm.models.rope_utils import SuScaledRoPE
 
 from . import llama
-from .arch import Architecture, NormPair
+from .arch import Architecture, Gguf, NormPair
 from .decoder import Decoder, DecoderBlock
 
 ARCH = Architecture(
@@ -35,7 +35,7 @@ ARCH = Architecture(
     tie_key="tie_word_embeddings",
     width_key="hidden_size",
     tie_default=False,
-    cannot=(("gguf", "llama.cpp's phi3 files are not read yet"),),
+    gguf=Gguf("phi3", "Phi3ForCausalLM", reader="gguf_phi3"),
 )
 
 

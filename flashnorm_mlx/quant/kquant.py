@@ -7,12 +7,22 @@ type MLX's format cannot hold (scales per 16 weights; docs/design.md 2i).
 
 from typing import Dict, Optional
 
+import mlx.core as mx
+
 from .. import models
 from .specs import affine_spec
 
 CONFIG_KEY = "gguf_float_tensors"
+# Set where K-quants were decoded in float32: the file's own dtype (float16),
+# the checkpoint's dtype for the compute default and for `convert`.
+FILE_DTYPE_KEY = "gguf_file_dtype"
 # GGML type -> the nearest MLX affine bits at group 32 (--requantize).
 NEAREST_BITS = {"Q6_K": 6, "Q3_K": 3, "Q2_K": 2}
+
+
+def file_dtype(config: Optional[dict]) -> Optional[mx.Dtype]:
+    name = (config or {}).get(FILE_DTYPE_KEY)
+    return getattr(mx, name) if name else None
 
 
 def floats_of(config: dict) -> Optional[dict]:

@@ -1,7 +1,9 @@
 """Float weights, quantization and compute dtype: one decision for load and convert,
 so every mode and `convert` run on the same weights. A quantized source is taken
 "stored", "dequantize"d or "requantize"d (`QUANTIZED_WAYS`; docs/design.md
-section 1).
+section 1). A float source read whole and held for its life (a GGUF,
+`read_whole`) is taken "stored" too: folded, its model would hold each weight
+beside the source's, so the gains ride in the kernels (docs/design.md 2i).
 """
 
 from dataclasses import dataclass
@@ -38,8 +40,12 @@ class WeightPlan:
     note: Optional[str] = None
 
 
-def source_dtype(weights: Weights) -> mx.Dtype:
-    """The dtype a checkpoint stores its float tensors in (scales for quantized ones)."""
+def source_dtype(weights: Weights, config: Optional[dict] = None) -> mx.Dtype:
+    """The dtype a checkpoint stores its float tensors in (scales for quantized
+    ones; a GGUF's float16 where its K-quants were read in float32)."""
+    given = kquant.file_dtype(config)
+    if given is not None:
+        return given
     for k, v in weights.items():
         if (k.endswith(".scales") or k.endswith(".weight")) and mx.issubdtype(
             v.dtype, mx.floating
@@ -49,10 +55,12 @@ def source_dtype(weights: Weights) -> mx.Dtype:
     return mx.float32
 
 
-def compute_dtype(weights: Weights) -> mx.Dtype:
+def compute_dtype(weights: Weights, config: Optional[dict] = None) -> mx.Dtype:
     """Default compute dtype: the checkpoint's, but float32 on MLX's CPU backend,
     whose float16/bfloat16 kernels are slow (quantized matmul ~30x/8x slower)."""
-    return mx.float32 if mx.default_device() == mx.cpu else source_dtype(weights)
+    if mx.default_device() == mx.cpu:
+        return mx.float32
+    return source_dtype(weights, config)
 
 
 def plan_weights(
@@ -63,25 +71,31 @@ def plan_weights(
     quantized_way: str = "stored",
     output: bool = False,
     q_method: str = "rtn",
+    read_whole: bool = False,
 ) -> WeightPlan:
     """The one decision (see the module docstring). quantized_way: how a quantized
     source is taken, one of QUANTIZED_WAYS. output=True: for a checkpoint to
     write (`convert`), whose dtype defaults to the source's. q_method: how we
     quantize, "rtn" or "gptq" (gptq.py); settings it cannot write are a
-    LoadError here, before any work."""
-    plan = _plan(weights, config, dtype, quantize, quantized_way, output)
+    LoadError here, before any work. read_whole: `weights` stay held for the
+    source's life (a GGUF): float ones are taken as stored too, not folded."""
+    plan = _plan(weights, config, dtype, quantize, quantized_way, output, read_whole)
     if q_method == "gptq" and plan.qspec:
         gptq.check_qspec(plan.qspec)
     return plan
 
 
-def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan:
+def _plan(
+    weights, config, dtype, quantize, quantized_way, output, read_whole=False
+) -> WeightPlan:
     if quantized_way not in QUANTIZED_WAYS:
         raise LoadError(
             f"unknown way {quantized_way!r} for a quantized source; choose from "
             f"{', '.join(QUANTIZED_WAYS)}"
         )
-    default = source_dtype(weights) if output else compute_dtype(weights)
+    default = (
+        source_dtype(weights, config) if output else compute_dtype(weights, config)
+    )
     given_dtype, dtype = dtype, dtype or default
     if fold.is_folded(config):
         return _plan_folded(
@@ -90,7 +104,13 @@ def _plan(weights, config, dtype, quantize, quantized_way, output) -> WeightPlan
     # GGUF K-quants read as float (Q6_K, ...): --requantize rounds them to the
     # nearest MLX setting (kquant.py), as the quantized ones.
     floats = kquant.requantize_spec(config) if quantized_way == "requantize" else {}
-    if not is_quantized(weights):
+    # A GGUF's float tensors (its F32/F16 ones, and its Q6_K/Q3_K/Q2_K read as
+    # float) are held by the source, read whole, for its life: folded, a model
+    # would hold a second copy of each beside them (docs/design.md section
+    # 2i). FlashNorm takes them as stored; `convert` folds them as before.
+    whole = kquant.floats_of(config) or read_whole
+    stored_floats = whole and not (quantize or output)
+    if not is_quantized(weights) and not (stored_floats and quantized_way == "stored"):
         qspec = (
             uniform_qspec(weights, *quantize, config) if quantize else (floats or None)
         )
@@ -175,7 +195,8 @@ def _float_note(weights, config, dtype) -> str:
     q = config.get("quantization") or {}
     name = str(dtype).replace("mlx.core.", "")
     # Stored bits per weight: the bits, plus a scale (and an affine bias) a group.
-    extra = 8 * source_dtype(weights).size * (2 if q_mode_of(q) == AFFINE else 1)
+    size = source_dtype(weights, config).size
+    extra = 8 * size * (2 if q_mode_of(q) == AFFINE else 1)
     stored = q.get("bits", 4) + extra / q.get("group_size", 64)
     times = 8 * dtype.size / stored
     return (

@@ -50,7 +50,8 @@ def q_settings(q: dict) -> dict:
 def dequantize_weights(
     weights: Weights, config: dict, dtype: mx.Dtype = mx.float32
 ) -> Tuple[Weights, dict]:
-    """Quantized (weight, scales, biases) triples -> float weights in `dtype`."""
+    """Quantized (weight, scales, biases) triples -> float weights in `dtype`,
+    computed in float32 from the stored scales and biases, then cast once."""
     out: Weights = {}
     for key, value in weights.items():
         if key.endswith(".scales") or key.endswith(".biases"):
@@ -60,10 +61,18 @@ def dequantize_weights(
             qp = quant_params(config, module)
             if qp is None:
                 raise FoldError(f"{module} is quantized but config has no quantization")
+            scales, biases = weights[f"{module}.scales"], weights.get(
+                f"{module}.biases"
+            )
+            # mx.dequantize computes in its scales' dtype: float16 scales would
+            # round every weight to float16 before the cast (affine only).
+            if mx.issubdtype(scales.dtype, mx.floating):
+                scales = scales.astype(mx.float32)
+                biases = None if biases is None else biases.astype(mx.float32)
             value = mx.dequantize(
                 value,
-                weights[f"{module}.scales"],
-                weights.get(f"{module}.biases"),
+                scales,
+                biases,
                 group_size=qp["group_size"],
                 bits=qp["bits"],
                 mode=q_mode_of(qp),
