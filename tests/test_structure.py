@@ -505,7 +505,7 @@ LONG_FUNCTIONS = {
     "serve/anthropic.py::_stream": 98,
     "cli/generate.py::main": 95,
     "loading/gguf_qwen35.py::qwen35_config": 95,
-    "loading/build.py::build_model": 92,
+    "loading/build.py::build_model": 89,
     "cli/verify.py::main": 91,
     "cli/bench.py::main": 87,
     "serve/schema.py::read_requests": 85,

@@ -100,11 +100,9 @@ def build_model(
         if why:
             raise LoadError(f"{source.name}: {why}") from None
         raise
-    if plan.note and notes is not None:
-        notes.append(plan.note)
     kquant = gguf_kquant.build_note(source, plan, mode, quantized_way, quantize)
-    if kquant and notes is not None:
-        notes.append(kquant)
+    if notes is not None:
+        notes.extend(note for note in (plan.note, kquant) if note)
     fused = mode.stacks
     # The caller's handles share the stacked rows only where the build read
     # them (GGUF, read whole): a folder's own fresh handles leave them lazy,
@@ -115,20 +113,24 @@ def build_model(
         arch = models.architecture(config) if covered else None
         sharding.shard_model(model, group, source.name, own=not covered, arch=arch)
     share = shared_handles and bool(as_is) and group is None and not fused
-    share = share and covered
-    arch = models.architecture(config) if share else None
-    # Layer by layer, so one layer's source and output tensors coexist at a
-    # time (a sharded rank's full tensors freed once cut), not the model's.
-    for i, layer in enumerate(getattr(model, "layers", [])):
-        mx.eval(layer.parameters())
-        if share:
-            pairs = arch.layer_pairs(config, i)
-            _share_rows(layer, arch.layer.format(i=i), pairs, source.weights, as_is)
+    _evaluate(model, config, source, as_is, share and covered)
     if fused:  # each rank's own rows, after sharding
         stacks = stock_fused.groups(models.architecture(config))
         stock_fused.fuse_projections(model, stacks)
     mx.eval(model.parameters())
     return engines.run_on(model, engine), config
+
+
+def _evaluate(model, config: dict, source: Source, as_is: Set[str], share: bool):
+    """Layer by layer, so one layer's source and output tensors coexist at a
+    time (a sharded rank's full tensors freed once cut), not the model's;
+    `share`: each layer's unchanged tensors are the source's own rows."""
+    arch = models.architecture(config) if share else None
+    for i, layer in enumerate(getattr(model, "layers", [])):
+        mx.eval(layer.parameters())
+        if share:
+            pairs = arch.layer_pairs(config, i)
+            _share_rows(layer, arch.layer.format(i=i), pairs, source.weights, as_is)
 
 
 def _mlx_lm_quantized(model, config: dict, bits: int, group_size: int):
