@@ -7,6 +7,12 @@ function as stock mlx-lm, fewer ops); every other mlx-lm family runs as stock.""
 
 __version__ = "0.1.0"
 
+# First, before anything imports mlx.core: the system's OpenBLAS where there is
+# one (blas.py; FLASHNORM_BLAS=off keeps MLX's bundled reference BLAS).
+from .blas import use_system_blas  # noqa: E402
+
+use_system_blas()
+
 from .errors import LoadError  # noqa: E402
 
 __all__ = [
