@@ -1,4 +1,4 @@
-"""The system's OpenBLAS under MLX's Linux CPU wheel (docs/design.md section 4f).
+"""The system's OpenBLAS under MLX's Linux CPU wheel (docs/design.md section 4g).
 
 mlx[cpu]'s libmlx.so takes cblas_sgemm, unversioned, from a bundled reference
 BLAS. A library loaded RTLD_GLOBAL before mlx.core is first imported comes first

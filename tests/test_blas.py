@@ -1,6 +1,6 @@
 """blas.py: which library MLX's float32 matmul binds cblas_sgemm to, read from
 the dynamic linker itself (LD_DEBUG=bindings) in a fresh process, with the
-system's OpenBLAS and with FLASHNORM_BLAS=off (docs/design.md section 4f)."""
+system's OpenBLAS and with FLASHNORM_BLAS=off (docs/design.md section 4g)."""
 
 import ctypes
 import os
