@@ -3,6 +3,7 @@ the dynamic linker itself (LD_DEBUG=bindings) in a fresh process, with the
 system's OpenBLAS and with FLASHNORM_BLAS=off (docs/design.md section 4g)."""
 
 import ctypes
+import ctypes.util
 import os
 import re
 import subprocess
@@ -19,18 +20,8 @@ PROGRAM = (
 )
 
 
-def _openblas_installed() -> bool:
-    for soname in blas.SONAMES:
-        try:
-            ctypes.CDLL(soname)  # RTLD_LOCAL: nothing here binds to it
-            return True
-        except OSError:
-            pass
-    return False
-
-
 needs_openblas = pytest.mark.skipif(
-    sys.platform != "linux" or not _openblas_installed(),
+    sys.platform != "linux" or not ctypes.util.find_library("openblas"),
     reason="no OpenBLAS on this machine (Debian: apt-get install libopenblas0-pthread)",
 )
 
