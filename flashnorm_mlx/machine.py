@@ -8,6 +8,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import blas
+
 
 def _sh(*cmd) -> Optional[str]:
     try:
@@ -45,6 +47,7 @@ def device_info() -> dict:
         "machine": platform.machine(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "blas": blas.name(),  # what the CPU's float32 matmuls run on (blas.py)
     }
     try:
         raw = mx.device_info()

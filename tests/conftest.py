@@ -22,6 +22,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["TMPDIR"] = str(_worker)
     tempfile.tempdir = None
 
+# Before any test module imports mlx.core: the system's OpenBLAS where there is
+# one (flashnorm_mlx/blas.py), so the suite runs on what the CLI runs on; one
+# thread per xdist worker, since the workers fill the cores already.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import flashnorm_mlx  # noqa: E402, F401
 
 # The suite in parts, each well under 10 minutes even where the whole suite is
 # slower (a CUDA build): `pytest -m kernels`, `-m models`, `-m tools`.

@@ -8,7 +8,7 @@ import pytest
 import tiny
 from mlx.utils import tree_flatten
 
-from flashnorm_mlx import dispatch
+from flashnorm_mlx import blas, dispatch
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.jobs import speed
 from flashnorm_mlx.loading import Source, build_model, nonorm, read_source
@@ -404,6 +404,9 @@ def test_cli_end_to_end_json(model_dir, tmp_path, capsys):
     assert "decode tok/s" in out and "nonorm" in out and "device:" in out, out
     assert "build ms" not in out, out  # --verbose's
     r = json.loads(path.read_text())
+    assert r["device"]["blas"] == blas.name(), r["device"]
+    if r["device"]["backend"] == "cpu":  # the header names the BLAS it ran on
+        assert f"BLAS {blas.name()}" in out, out
     assert [t["variant"] for t in r["trials"]] == ["stock", "nonorm", "nonorm", "stock"]
     assert (
         set(r["variants"]) == {"stock", "nonorm"} and "nonorm_vs_stock" in r["ratios"]

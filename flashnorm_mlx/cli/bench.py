@@ -103,10 +103,11 @@ def _table(result: dict):
     from rich import box
     from rich.table import Table
 
-    st = result["settings"]
+    st, device = result["settings"], result["device"]
+    on = f", BLAS {device['blas']}" if device.get("backend") == "cpu" else ""
     table = Table(
         title=f"{result['source']['name']}: prompt {st['prompt_tokens']}, "
-        f"generate {st['gen_tokens']}, {st['trials']} rounds",
+        f"generate {st['gen_tokens']}, {st['trials']} rounds{on}",
         box=box.SIMPLE_HEAD,
     )
     for col in ("variant", "engine", "prompt tok/s", "decode tok/s"):
