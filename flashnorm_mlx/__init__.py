@@ -5,20 +5,14 @@ Gemma 4, Qwen3-MoE, Mixtral, gpt-oss, GLM-4.5 and 4.6, DeepSeek V3 (Kimi K2),
 LFM2, LFM2-MoE, Nemotron-H (Nemotron 3) and Granite 4 language models (the same
 function as stock mlx-lm, fewer ops); every other mlx-lm family runs as stock."""
 
-<<<<<<< HEAD
-from .errors import LoadError
-from .version import __version__
-=======
-__version__ = "0.1.0"
-
 # First, before anything imports mlx.core: the system's OpenBLAS where there is
 # one (blas.py; FLASHNORM_BLAS=off keeps MLX's bundled reference BLAS).
-from .blas import use_system_blas  # noqa: E402
+from .blas import use_system_blas
 
 use_system_blas()
 
 from .errors import LoadError  # noqa: E402
->>>>>>> wt-blas60
+from .version import __version__  # noqa: E402
 
 __all__ = [
     "load",
