@@ -251,7 +251,7 @@ def test_perplexity_says_how_long_after_its_first_batch(llama_dir, threshold, ca
 def test_compare_says_how_long_after_its_first_variant(
     llama_dir, threshold, monkeypatch, capsys
 ):
-    from flashnorm_mlx.loading.variants import NAMES
+    from flashnorm_mlx.loading.rows import NAMES
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n/compare\n/quit\n"))
     assert main(["chat", str(llama_dir), "-m", "4"]) == 0

@@ -283,7 +283,7 @@ def test_a_serve_internal_in_cli_serve_is_found(line):
 # A mode is a record (flashnorm_mlx/modes.py) that code asks, never a name it
 # compares: its names are for flags, JSON and printing (docs/design.md section 1).
 MODE_NAMES = {"stock", "stock_fused", "nonorm", "flashnorm"}
-MODE_HOMES = {"flashnorm_mlx.modes", "flashnorm_mlx.loading.variants"}
+MODE_HOMES = {"flashnorm_mlx.modes", "flashnorm_mlx.loading.rows"}
 
 
 def _mode_name_compares(text: str) -> list:
@@ -398,7 +398,7 @@ def test_the_design_map_names_every_module_and_folder_of_the_package_root():
 # The commands (cli/<command>.py) and the library modules (or package) doing
 # each one's work, named for what they compute: the commands sit side by side
 # above the library, and what they share lives below them (engine, timing,
-# loading.variants, models, prompt_cache, decode_options).
+# loading.rows, models, prompt_cache, decode_options).
 COMMANDS = {
     "bench": ("jobs.speed", "jobs.speed_draft"),
     "cache_prompt": (),

@@ -17,7 +17,7 @@ from .mlx_lm_flags import KV_KEEP
 # which import MLX (tests/test_cli.py checks each against its source).
 DTYPE_NAMES = ("float16", "bfloat16", "float32")  # loading.DTYPES
 ENGINES = ("eager", "compiled")  # engine.ENGINES
-# loading.variants.NAMES: bench's and /compare's rows, the reference first
+# loading.rows.NAMES: bench's and /compare's rows, the reference first
 VARIANT_NAMES = ("mlx-lm", "stock", "stock_fused", "nonorm", "flashnorm")
 Q_METHODS = ("auto", "gptq", "rtn")  # quant.gptq.METHODS
 DEFAULT_Q_METHOD = "auto"  # quant.gptq.DEFAULT_METHOD

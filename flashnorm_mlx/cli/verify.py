@@ -36,7 +36,7 @@ def main(argv=None):
     from ..jobs.equivalence import compare, prompt_tokens
     from ..loading import read_source
     from ..loading.adapters import adapter_comparison
-    from ..loading.variants import comparison
+    from ..loading.rows import comparison
     from .common import StageLog, model_kwargs
 
     source = read_source(args.model, tokenizer=args.tokenizer)
