@@ -504,14 +504,9 @@ LONG_FUNCTIONS = {
     "jobs/speed.py::run_bench": 106,
     "serve/anthropic.py::_stream": 98,
     "cli/generate.py::main": 95,
-    "loading/gguf_qwen35.py::qwen35_config": 95,
     "loading/build.py::build_model": 89,
-    "cli/verify.py::main": 91,
     "cli/bench.py::main": 87,
-    "serve/schema.py::read_requests": 85,
-    "loading/recipe.py::fold_checkpoint": 84,
     "jobs/likelihood.py::perplexity": 81,
-    "cli/flags.py::add_model_args": 81,
 }
 
 
