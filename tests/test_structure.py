@@ -500,7 +500,6 @@ MAX_FUNCTION_LINES = 80  # the developers' guide: a function reads on one screen
 # shrink, and leaves the list once it is at most MAX_FUNCTION_LINES.
 LONG_FUNCTIONS = {
     "jobs/speed.py::run_bench": 106,
-    "serve/anthropic.py::_stream": 98,
     "cli/generate.py::main": 95,
     "loading/build.py::build_model": 89,
     "cli/bench.py::main": 87,
