@@ -501,7 +501,6 @@ MAX_FUNCTION_LINES = 80  # the developers' guide: a function reads on one screen
 LONG_FUNCTIONS = {
     "jobs/speed.py::run_bench": 106,
     "cli/generate.py::main": 95,
-    "loading/build.py::build_model": 89,
     "cli/bench.py::main": 87,
     "jobs/likelihood.py::perplexity": 81,
 }
