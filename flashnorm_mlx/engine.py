@@ -125,7 +125,7 @@ def _fit(cache: KVCache, need: int) -> None:
 class CompiledOnce:
     """`fn` compiled, its first call of each input signature run eagerly: a
     kernel's first-use check evaluates, which a trace must never do, so every
-    variant a shape uses is checked before that shape is traced."""
+    form a shape uses is checked before that shape is traced."""
 
     def __init__(self, fn):
         self.fn, self.compiled = fn, mx.compile(fn)

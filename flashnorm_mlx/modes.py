@@ -2,7 +2,7 @@
 each that says what is built: on which weights, by which class, and what is
 done to it after. build_model (loading/build.py) and the rest ask the record;
 nothing compares a mode's name. Rows of a run (mode x engine) are
-loading/variants.py's. No MLX here: the flags and models/ read it too.
+loading/rows.py's. No MLX here: the flags and models/ read it too.
 """
 
 from dataclasses import dataclass

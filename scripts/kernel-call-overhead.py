@@ -45,7 +45,7 @@ def wrappers(n: int) -> None:
     }
     print("wrappers: Python µs per call, a stand-in kernel (nothing runs)")
     # The stand-in kernel would fail its first-use check against the twin: the
-    # picker's own cost is measured apart (it checks each variant once).
+    # picker's own cost is measured apart (it checks each kernel form once).
     with K.picking(lambda op, kernel, ops: kernel):
         for name, fn in cases.items():
             fn()

@@ -178,7 +178,7 @@ def test_quantized_source_takes_the_adapter_in_float(llama, tmp_path):
     assert err < 1e-4
     from flashnorm_mlx.jobs.equivalence import compare
     from flashnorm_mlx.loading.adapters import adapter_comparison
-    from flashnorm_mlx.loading.variants import comparison
+    from flashnorm_mlx.loading.rows import comparison
 
     r = compare(q, PROMPT, horizon=4, dtype=mx.float32, adapter=str(adapter))
     how = adapter_comparison(q, comparison(q))

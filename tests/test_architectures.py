@@ -1,4 +1,4 @@
-"""Every architecture, every tiny config and RoPE variant its stock class supports:
+"""Every architecture, every tiny config and RoPE kind its stock class supports:
 one float32 check against stock mlx-lm, written once.
 
 Reference: stock mlx-lm's own class for the config's model_type on the same
@@ -28,7 +28,7 @@ ROPES = {
     "yarn": dict(rope_scaling=YARN),
     "traditional": dict(rope_traditional=True),
 }
-# (builder, tiny config, RoPE variants mlx-lm's class for it reads)
+# (builder, tiny config, RoPE kinds mlx-lm's class for it reads)
 ARCHS = {
     "llama": (tiny.make_llama, "gqa_untied", ROPES),
     "llama-bias": (tiny.make_llama, "linear_bias", ["plain", "yarn", "traditional"]),
@@ -47,7 +47,7 @@ CASES = [
 def _source(tmp_path, arch, rope):
     make, cfg, _ = ARCHS[arch]
     path = make(tmp_path, cfg, tokenizer=False)
-    if ROPES[rope]:  # the same weights, the RoPE variant in the config
+    if ROPES[rope]:  # the same weights, the RoPE kind in the config
         import json
 
         config = json.loads((path / "config.json").read_text())
@@ -90,7 +90,7 @@ def test_float32_matches_stock(tmp_path, arch, rope, monkeypatch):
     r = compare(source, PROMPT, horizon=STEPS, dtype=mx.float32)
     assert r["max_rel_logit_diff"] < tiny.f32_tol(), (arch, rope, r)
     assert r["greedy_match"] == STEPS, (arch, rope, r)
-    # The path this variant is meant to take, every layer, every step.
+    # The path this case is meant to take, every layer, every step.
     unfused = rope == "traditional"
     assert paths and set(paths) == {unfused}, (arch, rope, set(paths))
 

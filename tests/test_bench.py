@@ -12,7 +12,7 @@ from flashnorm_mlx import blas, dispatch
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.jobs import speed
 from flashnorm_mlx.loading import Source, build_model, nonorm, read_source
-from flashnorm_mlx.loading.variants import NAMES
+from flashnorm_mlx.loading.rows import NAMES
 from flashnorm_mlx.timing import time_generation
 
 P, G, N = 8, 4, 2

@@ -541,14 +541,14 @@ def test_the_flags_offer_the_librarys_names():
 
     from flashnorm_mlx import engine, loading, quant
     from flashnorm_mlx.cli import flags, mlx_lm_flags, serve
-    from flashnorm_mlx.loading import variants
+    from flashnorm_mlx.loading import rows
     from flashnorm_mlx.quant import gptq
     from flashnorm_mlx.serve import API_KEY_ENV, Settings
 
     assert flags.DTYPE_NAMES == tuple(loading.DTYPES)
     assert flags.RUN_MODES == loading.RUN_MODES
     assert flags.ENGINES == engine.ENGINES
-    assert flags.VARIANT_NAMES == variants.NAMES
+    assert flags.VARIANT_NAMES == rows.NAMES
     assert (flags.Q_METHODS, flags.DEFAULT_Q_METHOD) == (
         gptq.METHODS,
         gptq.DEFAULT_METHOD,
@@ -632,7 +632,7 @@ def test_serve_help_names_its_apis_and_the_kv_note_names_llama(capsys):
 
 def test_chat_help_names_every_compare_variant():
     from flashnorm_mlx.cli import chat
-    from flashnorm_mlx.loading.variants import NAMES
+    from flashnorm_mlx.loading.rows import NAMES
 
     page = " ".join(chat.HELP.split())
     for variant in NAMES:

@@ -243,7 +243,7 @@ def fake_kernels(monkeypatch):
     ids=["llama", "openelm"],
 )
 def test_kernels_survive_compilation(fake_kernels, tmp_path, make, cfg, capsys):
-    """Each shape's first step checks every kernel variant eagerly; the trace that
+    """Each shape's first step checks every kernel form eagerly; the trace that
     follows calls the kernels, never a twin in their place, and says nothing."""
     source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
     model, _ = build_model(source, "flashnorm", dtype=mx.float32, engine="compiled")
@@ -257,7 +257,7 @@ def test_kernels_survive_compilation(fake_kernels, tmp_path, make, cfg, capsys):
 
 
 def test_a_check_that_cannot_run_in_a_trace_switches_nothing_off(fake_kernels, capsys):
-    """Under tracing an unchecked variant runs its twin, for that call only: no
+    """Under tracing an unchecked form runs its twin, for that call only: no
     failure is recorded, and the next eager call checks and picks the kernel."""
     h, y = mx.ones((1, 1, 8)), mx.full((1, 1, 8), 0.5)
     traced = mx.compile(lambda h, y: K.residual(h, y, None, 1e-5))

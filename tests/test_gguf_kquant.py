@@ -19,7 +19,7 @@ from flashnorm_mlx.loading import build_model
 from flashnorm_mlx.loading import gguf_kquant as kq
 from flashnorm_mlx.loading import read_source
 from flashnorm_mlx.loading.gguf import read_gguf
-from flashnorm_mlx.loading.variants import comparison
+from flashnorm_mlx.loading.rows import comparison
 
 gguf = pytest.importorskip("gguf")
 QK = 256

@@ -45,7 +45,7 @@ DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
 TOL = {mx.float32: 2e-6, mx.float16: 1.5e-3, mx.bfloat16: 1.2e-2}
 
 # GQA ratio -> (Hq, Hkv, head_dim, rope_theta, rope_scaling): each ratio also
-# brings its own RoPE variant and a head_dim whose half is not a power of two.
+# brings its own RoPE kind and a head_dim whose half is not a power of two.
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -194,7 +194,7 @@ def test_qkv_epilogue_twin_matches_unfused_model_math(dtype, L, off, ratio, mode
     check_against(outs, reference(c), dtype, TOL[dtype], "twin vs reference")
 
 
-# RoPE variants the fused path does not reproduce (interleaved pairs): the
+# RoPE kinds the fused path does not reproduce (interleaved pairs): the
 # model's own module runs; and ones it does, forced through that path too.
 UNFUSED_ROPES = {
     "traditional": lambda h: nn.RoPE(h, traditional=True, base=10000.0),
@@ -417,14 +417,14 @@ def test_residual_norm_twin_vs_numpy(dtype, shape, gain):
     assert err < 3 * TOL[dtype], f"{dtype} {shape}: rel err {err:.3e}"
 
 
-def test_glu_activation_is_a_variant_and_unknown_ones_refuse():
-    """SiLU and GELU differ (so a variant mix-up shows), and a name outside
+def test_glu_activation_is_a_form_and_unknown_ones_refuse():
+    """SiLU and GELU differ (so a form mix-up shows), and a name outside
     ACTIVATIONS is an error, not SiLU."""
     gate_up, ms = glu_case(mx.float32, (1, 5, 64))
     silu = K.glu.deferred_glu_ops(gate_up, ms, "silu")
     gelu = K.glu.deferred_glu_ops(gate_up, ms, "gelu_tanh")
     assert rel_err(gelu, silu) > 0.05
-    assert K._common._variant((gate_up, ms, "silu")) != K._common._variant(
+    assert K._common._form((gate_up, ms, "silu")) != K._common._form(
         (gate_up, ms, "gelu_tanh")
     )
     with pytest.raises(ValueError, match="activation"):
@@ -606,11 +606,11 @@ def test_a_failing_kernel_falls_back_to_its_twin_with_one_line(
 
 
 @needs_cxx
-def test_a_working_kernel_is_checked_once_per_variant(
+def test_a_working_kernel_is_checked_once_per_form(
     host_kernels, fake_backend, monkeypatch, capsys
 ):
     """The host-compiled body passes its first-use check and runs from then on;
-    each variant (dtype, which inputs are given) is checked once."""
+    each form (dtype, which inputs are given) is checked once."""
     monkeypatch.setattr(K._common, "make_kernel", host_kernels.run)
     calls = []
     real = K.block_residual.residual_ops
@@ -634,23 +634,23 @@ BODIES = {
     "post_residual": K.post_norm.POST_RESIDUAL_BODY,
     "decode_attention": K.attention.DECODE_ATTENTION_BODY,
 }
-VARIANTS = [
+FORMS = [
     ("qkv_epilogue", dict(qk_norm=a, prescale=b, bias=c))
     for a in (0, 1)
     for b in (0, 1)
     for c in (0, 1)
     if not (a and c)
 ]
-VARIANTS += [("deferred_glu", dict(prescale=b)) for b in (0, 1)]
-VARIANTS += [("deferred_glu", dict(prescale=b, gelu=1)) for b in (0, 1)]
-VARIANTS += [("decode_attention", dict())]
-VARIANTS += [
+FORMS += [("deferred_glu", dict(prescale=b)) for b in (0, 1)]
+FORMS += [("deferred_glu", dict(prescale=b, gelu=1)) for b in (0, 1)]
+FORMS += [("decode_attention", dict())]
+FORMS += [
     ("residual", dict(has_y=y, scale_y=sy, prescale=p, norm=n, gain=g))
     for y, sy in ((0, 0), (1, 0), (1, 1))
     for p in (0, 1)
     for n, g in ((0, 0), (0, 1), (1, 0), (1, 1))
 ]
-VARIANTS += [
+FORMS += [
     ("post_residual", dict(scale_y=sy, prescale=p, norm=n, gain=g))
     for sy in (0, 1)
     for p in (0, 1)
@@ -659,7 +659,7 @@ VARIANTS += [
 ]
 
 
-@pytest.mark.parametrize("op,flags", VARIANTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("op,flags", FORMS, ids=lambda v: str(v))
 def test_metal_and_cuda_renderings_differ_only_in_prelude(op, flags):
     metal = K.render.render(BODIES[op], "metal", **flags)
     cuda = K.render.render(BODIES[op], "cuda", **flags)
@@ -775,7 +775,7 @@ def test_qkv_epilogue_kernel_matches_twin(dtype, L, off, ratio, mode):
 
 
 def elementwise_checks(dtype, shape):
-    """(op, args, tolerance per output) for every variant the models call."""
+    """(op, args, tolerance per output) for every form the models call."""
     gate_up, ms = glu_case(dtype, shape)
     yield "deferred_glu", (gate_up, ms), [2 * TOL[dtype]]
     yield "deferred_glu", (gate_up, ms, "gelu_tanh"), [2 * TOL[dtype]]
@@ -964,7 +964,7 @@ class HostKernels:
         self.workdir, self.specs, self.lib = workdir, {}, None
 
     def record(self, name, body, inputs, outputs, **flags):
-        """Recording pass: note the variant and its dtypes, return dummy outputs."""
+        """Recording pass: note the form and its dtypes, return dummy outputs."""
         names = list(inputs)
 
         def call(inputs=None, template=(), output_shapes=(), output_dtypes=(), **_):
@@ -996,9 +996,7 @@ class HostKernels:
         # The CUDA rendering minus its prelude: the very text the GPU compiles.
         rendered = K.render.render(spec.body, "cuda", **spec.flags)
         cuda_prelude, body = rendered.split(K.render.BODY_MARK)
-        defines = cuda_prelude[
-            len(K.render.PRELUDES["cuda"]) :
-        ]  # the variant's FN_ flags
+        defines = cuda_prelude[len(K.render.PRELUDES["cuda"]) :]  # the form's FN_ flags
         decls = []  # buffers: input i at 2i, its shape at 2i + 1, then the outputs
         for i, (n, dt) in enumerate(zip(spec.names, spec.in_dtypes)):
             c = CTYPES[dt]
@@ -1046,7 +1044,7 @@ class HostKernels:
             **_,
         ):
             key = self.key(name, body, names, flags, inputs, template, output_dtypes)
-            assert key in self.specs, f"{name} {flags}: variant not compiled"
+            assert key in self.specs, f"{name} {flags}: form not compiled"
             tmpl = dict(template)
             tx, gx = threadgroup[0], grid[0]
             nt, groups = min(tx, gx), -(-gx // tx)
@@ -1075,8 +1073,8 @@ class HostKernels:
         return call
 
 
-def record_all_variants(host, monkeypatch):
-    """One call per variant and dtype through the real wrappers, recording only."""
+def record_all_forms(host, monkeypatch):
+    """One call per form and dtype through the real wrappers, recording only."""
     monkeypatch.setattr(K._common, "make_kernel", host.record)
     for dtype in DTYPES.values():
         for mode in ("llama", "openelm", "qwen2"):
@@ -1100,7 +1098,7 @@ def host_kernels(tmp_path_factory):
         pytest.skip("no C++ compiler")
     host = HostKernels(tmp_path_factory.mktemp("host_kernels"))
     with pytest.MonkeyPatch.context() as mp:
-        record_all_variants(host, mp)
+        record_all_forms(host, mp)
     host.compile()
     return host
 

@@ -303,7 +303,7 @@ def test_nonorm_is_absent_in_one_line(source):
     with pytest.raises(UnsupportedModel) as e:
         build_model(source, "nonorm", dtype=mx.float32)
     assert "\n" not in str(e.value) and "embedding" in str(e.value), e.value
-    from flashnorm_mlx.loading.variants import absent
+    from flashnorm_mlx.loading.rows import absent
 
     assert set(absent(source.config)) == {"nonorm"}, absent(source.config)
 

@@ -22,10 +22,10 @@ def llama_dir(tmp_path_factory):
     return tiny.make_llama(tmp_path_factory.mktemp("m"), "gqa_untied")
 
 
-def _variant(base, tmp_path, config=None, drop=(), weights=None):
+def _altered(base, tmp_path, config=None, drop=(), weights=None):
     """A copy of `base` with config.json changed (`config`: key -> value, None
     removes the key) or its weights replaced."""
-    out = tmp_path / "variant"
+    out = tmp_path / "altered"
     shutil.copytree(base, out)
     cfg = json.loads((base / "config.json").read_text())
     for key, value in (config or {}).items():
@@ -91,7 +91,7 @@ def test_a_config_error_names_the_configs_fields(
     """Not transformers' `could not load the tokenizer (Class validation error
     ...)`: the field and its value, as config.json spells them."""
     change, says = CONFIG_ERRORS[what]
-    model = _variant(llama_dir, tmp_path, change)
+    model = _altered(llama_dir, tmp_path, change)
     argv = {
         "generate": ["generate", str(model), "-p", "hi", "-m", "1"],
         "convert": ["convert", str(model), "-o", str(tmp_path / "out")],
@@ -102,7 +102,7 @@ def test_a_config_error_names_the_configs_fields(
 
 
 def test_a_config_error_through_the_entry_point(llama_dir, tmp_path):
-    model = _variant(llama_dir, tmp_path, {"num_attention_heads": 5})
+    model = _altered(llama_dir, tmp_path, {"num_attention_heads": 5})
     r = subprocess.run(
         [sys.executable, "-m", "flashnorm_mlx", "chat", str(model)],
         input="hi\n",
@@ -143,7 +143,7 @@ def test_a_shape_error_names_the_checkpoints_tensor(
 ):
     cfg = json.loads((llama_dir / "config.json").read_text())
     shape = SHAPE_CASES[name]
-    model = _variant(llama_dir, tmp_path, weights=_reshaped(cfg, name, shape))
+    model = _altered(llama_dir, tmp_path, weights=_reshaped(cfg, name, shape))
     want = list(tiny.llama_weights(cfg)[name].shape)
     if mode == "convert":
         argv = ["convert", str(model), "-o", str(tmp_path / "out")]
@@ -163,7 +163,7 @@ def test_a_layer_count_that_does_not_fit_the_weights(
 ):
     """Two layers of weights, a config of 3 (a KeyError inside the fold before)
     or of 1: the first tensor missing or left over, by its name."""
-    model = _variant(llama_dir, tmp_path, {"num_hidden_layers": layers})
+    model = _altered(llama_dir, tmp_path, {"num_hidden_layers": layers})
     for mode in ("flashnorm", "stock"):
         argv = ["generate", str(model), "-p", "hi", "-m", "1", "--mode", mode]
         line = _one_error(argv, capsys)
@@ -184,7 +184,7 @@ def test_a_quantized_tensor_is_compared_unpacked(llama_dir, tmp_path, capsys):
             packed.update({k: w, f"{m}.scales": s, f"{m}.biases": b})
         else:
             packed[k] = v
-    model = _variant(llama_dir, tmp_path, weights=packed)
+    model = _altered(llama_dir, tmp_path, weights=packed)
     cfg["quantization"] = {"group_size": 32, "bits": 4}
     (model / "config.json").write_text(json.dumps(cfg))
     line = _one_error(["generate", str(model), "-p", "hi", "-m", "1"], capsys)
@@ -251,7 +251,7 @@ def test_perplexity_says_how_long_after_its_first_batch(llama_dir, threshold, ca
 def test_compare_says_how_long_after_its_first_variant(
     llama_dir, threshold, monkeypatch, capsys
 ):
-    from flashnorm_mlx.loading.variants import NAMES
+    from flashnorm_mlx.loading.rows import NAMES
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n/compare\n/quit\n"))
     assert main(["chat", str(llama_dir), "-m", "4"]) == 0

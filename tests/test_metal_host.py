@@ -7,7 +7,7 @@ which stands in for Metal, and runs it as Metal's dispatchThreads would: the
 threads of each group in ascending, then descending order (outputs that differ
 are a race), every buffer between poisoned guards (a write outside fails),
 threadgroup memory poisoned before each group, indices into fixed-size arrays
-bounds-checked. Every kernel variant runs through the real `<op>_kernel` wrappers
+bounds-checked. Every kernel form runs through the real `<op>_kernel` wrappers
 over test_kernels.py's grids, against its plain-MLX twin `<op>_ops`; all sources
 are recorded first and compiled in one build (`metal_host` fixture).
 
@@ -52,7 +52,7 @@ def rel_err_np(out, ref) -> float:
 # --- what runs: each yields (what was compared with what, error, tolerance) -------
 
 
-def _residual_variant(args) -> str:
+def _residual_form(args) -> str:
     y = "no y" if args[1] is None else "y * s(ms_y)" if args[2] is not None else "y"
     return y + (", gain" if len(args) > 4 else "")
 
@@ -60,7 +60,7 @@ def _residual_variant(args) -> str:
 def elementwise_errors(dtype, shape):
     """Every deferred_glu, residual and residual_norm call test_kernels'
     `elementwise_checks` makes, and the final norm with a gain after no y or a
-    plain y (the variants it leaves out): each output against its twin's."""
+    plain y (the forms it leaves out): each output against its twin's."""
     _, _, _, gain = TK.residual_case(dtype, shape)
     final_norms = [
         (
@@ -75,10 +75,10 @@ def elementwise_errors(dtype, shape):
         outs, refs = kernel(*args), twin(*args)
         if isinstance(outs, mx.array):
             outs, refs = [outs], [refs]
-        variant = "" if op == "deferred_glu" else f" ({_residual_variant(args)})"
+        form = "" if op == "deferred_glu" else f" ({_residual_form(args)})"
         for i, (out, ref, tol) in enumerate(zip(outs, refs, tols, strict=True)):
             assert (out.shape, out.dtype) == (ref.shape, ref.dtype), (op, i, out.shape)
-            what = f"{op}_kernel{variant} output {i} vs its twin {op}_ops"
+            what = f"{op}_kernel{form} output {i} vs its twin {op}_ops"
             yield what, TK.rel_err(out, ref), tol
 
 
@@ -165,7 +165,7 @@ def assert_within(errors, label):
     assert not bad, f"Metal rendering on the host, {label}:\n" + "\n".join(bad)
 
 
-# --- the harness: one build for every variant ---------------------------------------
+# --- the harness: one build for every form ---------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -217,16 +217,16 @@ def test_metal_simd_ops_match_numpy(metal_backend):
     assert_within(simd_errors(metal_backend), "the shim's simd ops")
 
 
-def _variant_name(op, flags):  # as _common._make_kernel names a kernel
+def _form_name(op, flags):  # as _common._make_kernel names a kernel
     tail = "".join(f"_{k}{int(v)}" for k, v in sorted(flags.items()))
     return f"flashnorm_{op}{tail}"
 
 
-def test_metal_every_variant_compiled_in_one_build(metal_host):
-    """Every render-time variant test_kernels knows (VARIANTS) has sources here,
+def test_metal_every_form_compiled_in_one_build(metal_host):
+    """Every render-time form test_kernels knows (FORMS) has sources here,
     200 or more in all, from one compiler run, run in both thread orders."""
     names = {s.kernel for s in metal_host.sources.values()} - {"metal_host_simd_probe"}
-    want = {_variant_name(op, flags) for op, flags in TK.VARIANTS}
+    want = {_form_name(op, flags) for op, flags in TK.FORMS}
     assert names == want, (sorted(want - names), sorted(names - want))
     assert len(metal_host.sources) >= 200, len(metal_host.sources)
     assert metal_host.builds == 1 and metal_host.orders == (MH.ASCENDING, MH.DESCENDING)

@@ -2,7 +2,7 @@
 compiles it: no GPU needed, only NVRTC and the CUDA headers from PyPI.
 
 What is compiled: every launch the real `<op>_kernel` wrappers make (recorded with
-test_kernels.py's `record_all_variants`, completed to every render-time variant
+test_kernels.py's `record_all_forms`, completed to every render-time form
 `#if FN_<FLAG>` in float32, float16 and bfloat16, plus the template ints of real
 model shapes), each wrapped in the source MLX 0.32.4 builds around a body
 (`build_kernel` in mlx/backend/cuda/custom_kernel.cpp: its default header, namespace
@@ -148,11 +148,11 @@ def mlx_cuda_source(launch: Launch) -> str:
     return "".join(out + [launch.source, CLOSE])
 
 
-# --- the launches: every variant the wrappers make, through the real code --------
+# --- the launches: every form the wrappers make, through the real code --------
 
 
 class Recorder:
-    """A `record_all_variants` host: the project's own `_make_kernel` (kernel name,
+    """A `record_all_forms` host: the project's own `_make_kernel` (kernel name,
     CUDA rendering) makes each kernel, with `mx.fast.cuda_kernel` replaced by
     `cuda_kernel` below, which notes each call as MLX would receive it."""
 
@@ -241,12 +241,12 @@ def _model_shape_calls(D, F, hq, hkv, h, mode, dtype, rotary=None):
 
 
 def record_launches(monkeypatch) -> dict:
-    """full source -> Launch for every variant: test_kernels' recording, then the
-    variants it leaves out (every residual and residual_norm input combination)
+    """full source -> Launch for every form: test_kernels' recording, then the
+    forms it leaves out (every residual and residual_norm input combination)
     and the real model shapes."""
     rec = Recorder()
     monkeypatch.setattr(mx.fast, "cuda_kernel", rec.cuda_kernel)
-    TK.record_all_variants(rec, monkeypatch)  # sets _common.make_kernel = rec.record
+    TK.record_all_forms(rec, monkeypatch)  # sets _common.make_kernel = rec.record
     for dtype in TK.DTYPES.values():
         h, y, ms_y, gain = TK.residual_case(dtype, (1, 2, 8))
         for yy, mm in ((None, None), (y, None), (y, ms_y)):
@@ -475,7 +475,7 @@ def compile_together(launches) -> dict:
 
 # Diagnostics in the kernel's own text read `<kernel>.cu(line): ...` (the program is
 # named after the kernel; MLX names it `<kernel>_<hash of source>.cu`). Every one
-# fails the check, an unused local of some variant (#177) too.
+# fails the check, an unused local of some form (#177) too.
 ALLOWED_WARNINGS = ()
 
 
@@ -499,7 +499,7 @@ def compiled():
 # --- the checks ------------------------------------------------------------------
 
 
-def test_every_render_time_variant_is_recorded():
+def test_every_render_time_form_is_recorded():
     """Every `#if FN_<FLAG>` combination of every body in every dtype it occurs in
     (the float16 pre-scale exists in float16 only, by `prescaled`)."""
     seen = {
@@ -507,7 +507,7 @@ def test_every_render_time_variant_is_recorded():
         for k in LAUNCHES.values()
     }
     want = set()
-    for op, flags in TK.VARIANTS:
+    for op, flags in TK.FORMS:
         for dtype in TK.DTYPES.values():
             if flags.get("prescale", K._common.prescaled(dtype)) == K._common.prescaled(
                 dtype
@@ -560,7 +560,7 @@ def test_a_broken_body_fails_to_compile(monkeypatch):
 
 
 @needs_nvrtc
-def test_a_break_in_one_variant_fails_only_that_variant(monkeypatch):
+def test_a_break_in_one_form_fails_only_that_form(monkeypatch):
     """The render-time flags reach the compiler: a typo inside `#if FN_PRESCALE`
     breaks the float16 kernel only."""
     body = K.glu.DEFERRED_GLU_BODY
@@ -579,7 +579,7 @@ def test_a_break_in_one_variant_fails_only_that_variant(monkeypatch):
     together = compile_together(launches)
     results = {k.dtype: together[k.kernel_name] for k in launches}
     assert set(results) == set(TK.DTYPES.values())
-    assert not results[mx.float16][0], "the float16 (pre-scaled) variant compiled"
+    assert not results[mx.float16][0], "the float16 (pre-scaled) form compiled"
     assert 'identifier "msr_typo" is undefined' in results[mx.float16][1]
     for dtype in (mx.float32, mx.bfloat16):
         assert results[dtype][0], results[dtype][1][-3000:]
@@ -587,7 +587,7 @@ def test_a_break_in_one_variant_fails_only_that_variant(monkeypatch):
 
 @needs_nvrtc
 def test_a_warning_in_a_shared_program_is_its_kernels_only(monkeypatch):
-    """In one program, GELU variants first: an unused local under `FN_GELU` (#177)
+    """In one program, GELU forms first: an unused local under `FN_GELU` (#177)
     is each GELU kernel's own warning, and no SiLU kernel's after them (their
     macros end with them: the body tests `defined(FN_GELU)`)."""
     body = K.glu.DEFERRED_GLU_BODY

@@ -108,8 +108,8 @@ def test_low_precision_no_worse_than_stock(source, dtype):
 def _scaled_residuals(source: Source, factor: float) -> Source:
     """The same function with every residual `factor` times larger.
 
-    Scaling the embedding scales all residuals (each block is scale-invariant
-    in its input up to eps); a shared head gets the unscaled copy as lm_head.
+    Scaling the embedding scales all residuals (each block ignores the scale of
+    its input up to eps); a shared head gets the unscaled copy as lm_head.
     """
     cfg, w = dict(source.config), dict(source.weights)
     key = "transformer.token_embeddings.weight"

@@ -476,6 +476,9 @@ def test_responses_function_call_items(server, model_dir):
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [i.type for i in done] == ["message", "function_call"], done
     assert json.loads(done[1].arguments) == {"city": "Paris"}, done
+    # A client that joins the deltas gets the same arguments (sent whole: one).
+    deltas = [e.delta for e in events if e.type.endswith("arguments.delta")]
+    assert json.loads("".join(deltas)) == {"city": "Paris"}, deltas
     # The call and its output go back as items.
     status, r2 = server.request(
         "POST",

@@ -17,7 +17,7 @@ from .mlx_lm_flags import KV_KEEP
 # which import MLX (tests/test_cli.py checks each against its source).
 DTYPE_NAMES = ("float16", "bfloat16", "float32")  # loading.DTYPES
 ENGINES = ("eager", "compiled")  # engine.ENGINES
-# loading.variants.NAMES: bench's and /compare's rows, the reference first
+# loading.rows.NAMES: bench's and /compare's rows, the reference first
 VARIANT_NAMES = ("mlx-lm", "stock", "stock_fused", "nonorm", "flashnorm")
 Q_METHODS = ("auto", "gptq", "rtn")  # quant.gptq.METHODS
 DEFAULT_Q_METHOD = "auto"  # quant.gptq.DEFAULT_METHOD
@@ -185,6 +185,30 @@ def add_model_args(
     (not for commands that run no decode step). explain_quantized: the long
     help of each way a quantized source runs (convert's); otherwise a few words
     each and a pointer to it."""
+    _add_source_args(parser)
+    if mode:
+        parser.add_argument(
+            "--mode",
+            choices=RUN_MODES,
+            default=None,  # flashnorm where it covers the model_type, else stock
+            help="flashnorm (ours; the default for the families it covers) or "
+            "stock (mlx-lm's own model class on the same weights; the default, "
+            "said in a note, for every other family mlx-lm loads)",
+        )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPE_NAMES),
+        default=None,
+        help="compute dtype (default: float32 on MLX's CPU backend, whose float16 "
+        "kernels are slow; the checkpoint's own dtype on Metal and CUDA)",
+    )
+    _add_quantize_args(parser, explain_quantized)
+    if engine:
+        add_engine_arg(parser)
+
+
+def _add_source_args(parser: argparse.ArgumentParser) -> None:
+    """MODEL (or --model) and --tokenizer: where the weights and tokenizer come from."""
     parser.add_argument(
         "model",
         nargs="?",
@@ -206,22 +230,12 @@ def add_model_args(
         help="tokenizer folder or repo id, for checkpoints that ship none (OpenELM) "
         "(default: the model's own)",
     )
-    if mode:
-        parser.add_argument(
-            "--mode",
-            choices=RUN_MODES,
-            default=None,  # flashnorm where it covers the model_type, else stock
-            help="flashnorm (ours; the default for the families it covers) or "
-            "stock (mlx-lm's own model class on the same weights; the default, "
-            "said in a note, for every other family mlx-lm loads)",
-        )
-    parser.add_argument(
-        "--dtype",
-        choices=list(DTYPE_NAMES),
-        default=None,
-        help="compute dtype (default: float32 on MLX's CPU backend, whose float16 "
-        "kernels are slow; the checkpoint's own dtype on Metal and CUDA)",
-    )
+
+
+def _add_quantize_args(
+    parser: argparse.ArgumentParser, explain_quantized: bool
+) -> None:
+    """-q and its settings, and the ways a quantized source runs (one of them)."""
     parser.add_argument(
         "-q",
         "--quantize",
@@ -254,8 +268,6 @@ def add_model_args(
             flag, dest="quantized_way", action="store_const", const=way, help=text
         )
     parser.set_defaults(quantized_way="stored")
-    if engine:
-        add_engine_arg(parser)
 
 
 def add_engine_arg(parser: argparse.ArgumentParser, default_text: str = "") -> None:

@@ -36,22 +36,12 @@ def main(argv=None):
     from ..jobs.equivalence import compare, prompt_tokens
     from ..loading import read_source
     from ..loading.adapters import adapter_comparison
-    from ..loading.variants import comparison
+    from ..loading.rows import comparison
     from .common import StageLog, model_kwargs
 
     source = read_source(args.model, tokenizer=args.tokenizer)
     if not models.is_covered(source.config):  # stock is the reference itself
-        how = comparison(source)
-        if args.json:
-            mt = source.config.get("model_type")
-            print(json.dumps({"model": source.name, "model_type": mt, **how}))
-        else:  # one line: what verify would compare is one model
-            print(
-                f"nothing to compare: FlashNorm does not cover model_type "
-                f"{source.config.get('model_type')!r} yet, so flashnorm-mlx runs "
-                "it as stock, mlx-lm's own class: the very reference verify "
-                "compares FlashNorm with"
-            )
+        _say_nothing_to_compare(source, comparison(source), args.json)
         return 0
     tokens = prompt_tokens(source, args.prompt)
     if not tokens:
@@ -72,7 +62,27 @@ def main(argv=None):
     r.update(how)
     if args.json:
         print(json.dumps(r))
-        return 0 if r["passed"] else 1
+    else:
+        _print_report(r)
+    return 0 if r["passed"] else 1
+
+
+def _say_nothing_to_compare(source, how: dict, as_json: bool) -> None:
+    """A model FlashNorm does not cover: stock is the reference itself."""
+    if as_json:
+        mt = source.config.get("model_type")
+        print(json.dumps({"model": source.name, "model_type": mt, **how}))
+    else:  # one line: what verify would compare is one model
+        print(
+            f"nothing to compare: FlashNorm does not cover model_type "
+            f"{source.config.get('model_type')!r} yet, so flashnorm-mlx runs "
+            "it as stock, mlx-lm's own class: the very reference verify "
+            "compares FlashNorm with"
+        )
+
+
+def _print_report(r: dict) -> None:
+    """compare's result as a table, the comparison, and the verdict last."""
     from rich.console import Console
     from rich.table import Table
 
@@ -116,4 +126,3 @@ def main(argv=None):
             markup=False,
         )
     console.print(r["verdict"], markup=False)  # the last line: PASS or FAIL
-    return 0 if r["passed"] else 1

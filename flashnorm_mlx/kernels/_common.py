@@ -58,7 +58,7 @@ def _enabled(env: str, op: Optional[str]) -> bool:
 def pick(op: str, kernel, ops):
     """The picker: `kernel` where a Metal or CUDA backend runs it now, else `ops`.
 
-    A kernel is checked against its twin at the first use of each variant
+    A kernel is checked against its twin at the first use of each form
     (`_first_use_checked`); one that fails is not picked again on that backend.
     """
     if _CHOOSER.choose is not None:  # within `picking`
@@ -81,15 +81,15 @@ def failures() -> List[str]:
     return list(FAILED.values())
 
 
-def _variant(args) -> tuple:
-    """What selects a kernel variant: dtypes and which optional inputs are given."""
+def _form(args) -> tuple:
+    """What selects a kernel's form: dtypes and which optional inputs are given."""
     key = []
     for a in args:
         if isinstance(a, mx.array):
             key.append(a.dtype)
         elif a is None or isinstance(a, (int, float)):
             key.append(a is None)
-        elif isinstance(a, str):  # a named variant (the GLU's activation)
+        elif isinstance(a, str):  # a named form (the GLU's activation)
             key.append(a)
         else:  # an Epilogue: its form (optional inputs, rotated dims)
             key.append(a.form())
@@ -98,14 +98,14 @@ def _variant(args) -> tuple:
 
 @functools.lru_cache(maxsize=64)
 def _first_use_checked(op: str, b: str, kernel, ops):
-    """`kernel`, run once per variant beside `ops` on the same inputs first: if it
+    """`kernel`, run once per form beside `ops` on the same inputs first: if it
     fails to compile, raises or disagrees, the twin's result is used, and the
     twin from then on, with one line on stderr naming the op, backend, error."""
     seen = set()
 
     @functools.wraps(kernel)
     def run(*args, **kwargs):
-        key = _variant(args)
+        key = _form(args)
         if key in seen:
             return kernel(*args, **kwargs)
         if _TRACING:
@@ -166,7 +166,7 @@ def is_tracing() -> bool:
 def tracing():
     """Within: calls may be traced by `mx.compile`, so no first-use check runs
     (it would evaluate). The compiled decode step runs each shape eagerly once
-    first, so every variant it uses is checked before it is traced."""
+    first, so every form it uses is checked before it is traced."""
     global _TRACING
     saved, _TRACING = _TRACING, True
     try:
@@ -200,9 +200,9 @@ _CHOOSER = _Chooser()
 def _make_kernel(name: str, backend_name: str, body: str, inputs, outputs, flags):
     source = render(body, backend_name, **dict(flags))
     make = mx.fast.metal_kernel if backend_name == "metal" else mx.fast.cuda_kernel
-    variant = "".join(f"_{k}{int(v)}" for k, v in flags)
+    form = "".join(f"_{k}{int(v)}" for k, v in flags)
     return make(
-        name=f"flashnorm_{name}{variant}",
+        name=f"flashnorm_{name}{form}",
         input_names=list(inputs),
         output_names=list(outputs),
         source=source,
@@ -223,7 +223,7 @@ def make_kernel(name: str, body: str, inputs, outputs, **flags):
 def kernel_inputs(*pairs) -> Tuple[Tuple[str, ...], List[mx.array]]:
     """A kernel's input names and arrays from one list of (name, array) pairs, so
     the two cannot fall out of order; a pair whose array is None is left out
-    (the kernel variant without that input). The names key the launch plan."""
+    (the kernel's form without that input). The names key the launch plan."""
     names, arrays = [], []
     for name, a in pairs:  # a plain loop: every op call of a step pays for it
         if a is not None:

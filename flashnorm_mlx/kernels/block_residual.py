@@ -143,7 +143,7 @@ def _residual_plan(shape, dtype, inputs, norm, make_kernel, backend):
     too, so tests that swap either get fresh plans."""
     D = shape[-1]
     nt = min(256, max(32, _common.next_pow2(D) // 4))
-    # inputs: the names `_residual_call` gives, which say the variant.
+    # inputs: the names `_residual_call` gives, which say the form.
     has_y, scale_y, has_gain = ("y" in inputs), ("ms_y" in inputs), ("gain" in inputs)
     if norm:
         outputs = {"out": (shape, dtype)}

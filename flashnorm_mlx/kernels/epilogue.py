@@ -294,7 +294,7 @@ class Epilogue:
         return None if self.angles is None else self.angles.dims
 
     def form(self) -> tuple:
-        """What selects a kernel variant beside the dtypes (the first-use check's
+        """What selects a kernel's form beside the dtypes (the first-use check's
         key): which optional inputs are given, and the rotated dims."""
         nones = (self.bias is None, self.q_gain is None, self.angles is None)
         return (*nones, self.rope_dims)
@@ -391,7 +391,7 @@ def qkv_epilogue_unfused(
     qkv: mx.array, ms: mx.array, offset: Offset, e: Epilogue
 ) -> Tuple[mx.array, mx.array, mx.array]:
     """The same outputs through the model's own RoPE module `e.rope`, for the
-    variants the fused path does not reproduce (interleaved pairs, a module
+    RoPE kinds the fused path does not reproduce (interleaved pairs, a module
     `rope_angles` does not know): RoPE(y * g) with the QK-norm gain applied first."""
 
     def rope(y):
@@ -491,7 +491,7 @@ def _epilogue_plan(
 
 
 def qkv_epilogue(qkv: mx.array, ms: mx.array, offset: Offset, e: Epilogue):
-    if e.angles is None:  # a RoPE variant only the model's module computes
+    if e.angles is None:  # a RoPE kind only the model's module computes
         return qkv_epilogue_unfused(qkv, ms, offset, e)
     fn = _common.pick("qkv_epilogue", qkv_epilogue_kernel, qkv_epilogue_ops)
     return fn(qkv, ms, offset, e)

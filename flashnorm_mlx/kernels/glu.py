@@ -2,7 +2,7 @@
 
 act is the architecture's (`Architecture.activation`): SiLU (Llama, Qwen,
 OpenELM) or GELU with the tanh approximation (Gemma: mlx's `nn.gelu_approx`),
-one render-time variant of the kernel each.
+one render-time form of the kernel each.
 """
 
 import functools

@@ -138,7 +138,7 @@ def post_residual_norm_ops(h, y, ms_y, post_gain, eps, gain=None) -> mx.array:
 
 @functools.lru_cache(maxsize=512)
 def _plan(shape, dtype, inputs, norm, make_kernel, backend):
-    # inputs: the names `_call` gives, which say the variant.
+    # inputs: the names `_call` gives, which say the form.
     scale_y, has_gain = "ms_y" in inputs, "gain" in inputs
     D = shape[-1]
     nt = min(256, max(32, _common.next_pow2(D) // 4))

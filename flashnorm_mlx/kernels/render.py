@@ -2,7 +2,7 @@
 
 A body is written in a small dialect: FN_* macros for thread indices, shared
 memory, barriers and math, `T` for the output type, and `#if FN_<FLAG>` for
-render-time variants. `render` puts a per-backend prelude that defines those
+render-time forms. `render` puts a per-backend prelude that defines those
 macros in front of the body; the result is the `source` of
 `mx.fast.metal_kernel` or `mx.fast.cuda_kernel`. All kernel arithmetic is
 float32; outputs take the input dtype.

@@ -5,8 +5,8 @@ every mode runs on the same weights (docs/design.md section 5a).
 
 from ..errors import LoadError
 from .build import DTYPES, bits_per_weight, build_model, model_dtype, weight_bytes
+from .rows import MODES, RUN_MODES, VARIANTS, Mode, Variant
 from .source import Source, read_source
-from .variants import MODES, RUN_MODES, VARIANTS, Mode, Variant
 
 __all__ = [
     "DTYPES",

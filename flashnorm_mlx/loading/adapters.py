@@ -152,7 +152,7 @@ def adapted_quantization(
 
 
 def adapter_comparison(source, how: dict) -> dict:
-    """verify's comparison words with an adapter (`how`: variants.comparison's
+    """verify's comparison words with an adapter (`how`: rows.comparison's
     for the base source): FlashNorm adapted here against mlx-lm's own adapted
     model, and what else the differences hold."""
     head = (

@@ -49,17 +49,7 @@ def build_model(
     layer by layer (ShardError where it cannot be split). `engine`: "eager" or
     "compiled" (engine.py; None: `engine.default()`), the same for every mode.
     """
-    mode = models.run_mode(source.config, mode)  # a Mode, or a caller's name
-    if mode.needs_cover:  # a family may not run every mode (ARCH.cannot)
-        mt = source.config["model_type"]
-        models.architecture(source.config).require(mode.name, mt)
-    try:
-        engine = engines.resolve(engine)
-    except ValueError as e:
-        raise LoadError(str(e)) from None
-    covered = models.is_covered(source.config)
-    if not covered:  # the compiled step is traced for the classes it knows
-        engine = "eager"  # (models.stock_note says so)
+    mode, engine, covered = _settle(source.config, mode, engine)
     # A folder's weights opened again for this build: what it evaluates is freed
     # once in the model, where the caller's Source would keep every source tensor.
     source_weights = _own_handles(source)
@@ -76,24 +66,12 @@ def build_model(
             quantized_way,
             read_whole=source.read_whole and source_weights is source.weights,
         )
-        as_is: Set[str] = set()  # source tensors the model takes unchanged
-        if mode.calibrated:  # the norm-removed speed bound, for `bench`
-            model, config = nonorm.build_nonorm(plan)  # calibrated whole, then split
-        else:  # on the tensors `convert` would write, computed lazily (recipe.py)
-            by_mlx_lm = quantize if not covered and plan.qspec else None
-            if by_mlx_lm:  # -q on a family FlashNorm does not cover: mlx-lm's own
-                plan = dataclasses.replace(plan, qspec=None)
-            recipe = Recipe(
-                source_weights, source.config, plan, keep_norms=not mode.ours
-            )
-            # mlx-lm's own model of a wrapper folder is its wrapper class.
-            wrapper = source.wrapper if mode.is_mlx_lms else None
-            model, config, as_is = _instantiate(
-                source.name, recipe, mode.ours, wrapper, notes, group is None
-            )
-            del recipe
-            if by_mlx_lm:
-                model, config = _mlx_lm_quantized(model, config, *by_mlx_lm)
+        by_mlx_lm = quantize if not covered and plan.qspec else None
+        if by_mlx_lm:  # -q on a family FlashNorm does not cover: mlx-lm's own
+            plan = dataclasses.replace(plan, qspec=None)
+        model, config, as_is = _construct(
+            source, source_weights, plan, mode, notes, group, by_mlx_lm
+        )
     except (LoadError, ValueError, KeyError, IndexError):
         # Weights that do not fit the config: named as the checkpoint names them.
         why = mismatch(shapes, source.config, config_name(source))
@@ -119,6 +97,41 @@ def build_model(
         stock_fused.fuse_projections(model, stacks)
     mx.eval(model.parameters())
     return engines.run_on(model, engine), config
+
+
+def _settle(config: dict, mode, engine: Optional[str]) -> Tuple[Mode, str, bool]:
+    """(the Mode, the engine, whether FlashNorm covers the model) of a build:
+    a library caller's mode name made a Mode, a family's refusals said, and
+    the eager engine for a model FlashNorm does not cover."""
+    mode = models.run_mode(config, mode)  # a Mode, or a caller's name
+    if mode.needs_cover:  # a family may not run every mode (ARCH.cannot)
+        models.architecture(config).require(mode.name, config["model_type"])
+    try:
+        engine = engines.resolve(engine)
+    except ValueError as e:
+        raise LoadError(str(e)) from None
+    covered = models.is_covered(config)
+    if not covered:  # the compiled step is traced for the classes it knows
+        engine = "eager"  # (models.stock_note says so)
+    return mode, engine, covered
+
+
+def _construct(source, source_weights, plan, mode: Mode, notes, group, by_mlx_lm):
+    """(model, config, the source tensors it takes unchanged) of `mode`, its
+    weights still lazy: nonorm calibrated whole, every other mode on the
+    tensors `convert` would write (recipe.py)."""
+    if mode.calibrated:  # the norm-removed speed bound, for `bench`
+        return (*nonorm.build_nonorm(plan), set())  # calibrated whole, then split
+    recipe = Recipe(source_weights, source.config, plan, keep_norms=not mode.ours)
+    # mlx-lm's own model of a wrapper folder is its wrapper class.
+    wrapper = source.wrapper if mode.is_mlx_lms else None
+    model, config, as_is = _instantiate(
+        source.name, recipe, mode.ours, wrapper, notes, group is None
+    )
+    del recipe
+    if by_mlx_lm:
+        model, config = _mlx_lm_quantized(model, config, *by_mlx_lm)
+    return model, config, as_is
 
 
 def _evaluate(model, config: dict, source: Source, as_is: Set[str], share: bool):

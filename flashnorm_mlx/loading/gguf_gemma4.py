@@ -136,76 +136,20 @@ def gemma4_config(meta: dict, raw: dict, weights: dict, path: Path, arch: str) -
     """mlx-lm's gemma4_text config of the file (Gemma4Model.set_gguf_parameters)."""
     a = arch
     n = int(meta_required(meta, f"{a}.block_count", path))
-    hidden = int(meta_required(meta, f"{a}.embedding_length", path))
-    swa = meta_required(meta, f"{a}.attention.sliding_window_pattern", path)
-    if not isinstance(swa, list) or len(swa) != n:
-        raise LoadError(f"{path}: attention.sliding_window_pattern is not {n} flags")
-    types = ["sliding_attention" if s else "full_attention" for s in swa]
+    types = _layer_types(meta, a, n, path)
     head = int(meta_required(meta, f"{a}.attention.key_length_swa", path))
     head_full = int(meta_required(meta, f"{a}.attention.key_length", path))
-    for key, want in (
-        ("attention.value_length_swa", head),
-        ("attention.value_length", head_full),
-        ("rope.dimension_count_swa", head),  # mlx-lm rotates all of a sliding head
-        ("rope.dimension_count", head_full),
-    ):
-        got = int(meta_value(meta, f"{a}.{key}", want))
-        if got != want:
-            raise LoadError(f"{path}: {key} {got} is not {want}; not mlx-lm's gemma4")
-    kv = _per_layer(
-        meta_required(meta, f"{a}.attention.head_count_kv", path),
-        n,
-        "head_count_kv",
-        path,
-    )
+    _check_head_dims(meta, a, head, head_full, path)
     shared = int(meta_value(meta, f"{a}.attention.shared_kv_layers", 0) or 0)
-    first_shared = n - shared
-    kv_layers = range(first_shared)
-    # K = V global layers: k without v (the converter writes none; the graph
-    # takes k as v). mlx-lm's attention_k_eq_v is one flag for every global layer.
-    k_eq_v = {
-        f"model.layers.{i}.self_attn.v_proj.weight" not in weights
-        and f"model.layers.{i}.self_attn.qkv_proj.weight" not in weights
-        for i in kv_layers
-        if types[i] == "full_attention"
-    }
-    if len(k_eq_v) > 1:
-        raise LoadError(f"{path}: some global layers have a v projection, some not")
-    k_eq_v = bool(k_eq_v and k_eq_v.pop())
-    by_type = {t: {kv[i] for i in range(n) if types[i] == t} for t in set(types)}
-    if any(len(counts) > 1 for counts in by_type.values()):
-        raise LoadError(f"{path}: head_count_kv differs between layers of one type")
-    swa_kv = by_type.get("sliding_attention") or by_type["full_attention"]
-    kv_swa, kv_full = min(swa_kv), min(by_type.get("full_attention") or swa_kv)
-    if kv_full != kv_swa and not k_eq_v:  # mlx-lm: only K = V layers have their own
-        raise LoadError(
-            f"{path}: global layers with {kv_full} KV heads, sliding ones {kv_swa}, "
-            "without K = V: not mlx-lm's gemma4"
-        )
-    if shared and (
-        first_shared < 2
-        or types[first_shared - 1] != "full_attention"
-        or types[first_shared - 2] != "sliding_attention"
-    ):
-        raise LoadError(  # llama.cpp's reuse: layer first_shared - 1 or - 2
-            f"{path}: KV-shared layers after a {types[first_shared - 1]} layer reuse "
-            "other layers in llama.cpp than in mlx-lm"
-        )
-    ff = _per_layer(
-        meta_required(meta, f"{a}.feed_forward_length", path),
-        n,
-        "feed_forward_length",
-        path,
-    )
-    double = [2 * ff[0] if i >= first_shared > 0 else ff[0] for i in range(n)]
-    if ff != [ff[0]] * n and ff != double:
-        raise LoadError(f"{path}: feed_forward_length {ff} is not mlx-lm's gemma4's")
+    _check_shared(types, n - shared, shared, path)
+    kv_swa, kv_full, k_eq_v = _kv_heads(meta, a, types, weights, n - shared, path)
+    ff = _feed_forward(meta, a, n, n - shared, path)
     softcap = meta_value(meta, f"{a}.final_logit_softcapping")
     per_layer = int(meta_value(meta, f"{a}.embedding_length_per_layer_input", 0) or 0)
     config = {
         "model_type": "gemma4_text",
         "architectures": ["Gemma4ForCausalLM"],
-        "hidden_size": hidden,
+        "hidden_size": int(meta_required(meta, f"{a}.embedding_length", path)),
         "num_hidden_layers": n,
         "intermediate_size": ff[0],
         # The KV-shared layers' width doubled (or the file has none).
@@ -228,21 +172,7 @@ def gemma4_config(meta: dict, raw: dict, weights: dict, path: Path, arch: str) -
             meta_required(meta, f"{a}.attention.sliding_window", path)
         ),
         "layer_types": types,
-        "rope_parameters": {
-            "full_attention": {
-                "partial_rotary_factor": _partial_rotary(raw, head_full, path),
-                "rope_theta": meta_f32(
-                    meta_required(meta, f"{a}.rope.freq_base", path)
-                ),
-                "rope_type": "proportional",
-            },
-            "sliding_attention": {
-                "rope_theta": meta_f32(
-                    meta_value(meta, f"{a}.rope.freq_base_swa", 10000.0)
-                ),
-                "rope_type": "default",
-            },
-        },
+        "rope_parameters": _rope_parameters(meta, a, raw, head_full, path),
         "max_position_embeddings": int(meta_value(meta, f"{a}.context_length", 131072)),
         # Written only where set (Gemma3Model): mlx-lm's default is 30, not none.
         "final_logit_softcapping": meta_f32(softcap) if softcap else None,
@@ -256,19 +186,127 @@ def gemma4_config(meta: dict, raw: dict, weights: dict, path: Path, arch: str) -
         tid = meta_value(meta, f"tokenizer.ggml.{name}_token_id")
         if tid is not None:
             config[key] = int(tid)
+    config.update(_expert_fields(meta, a, weights, n, path))
+    return config
+
+
+def _layer_types(meta: dict, a: str, n: int, path: Path) -> List[str]:
+    """Each layer's attention, from the file's sliding-window flags."""
+    swa = meta_required(meta, f"{a}.attention.sliding_window_pattern", path)
+    if not isinstance(swa, list) or len(swa) != n:
+        raise LoadError(f"{path}: attention.sliding_window_pattern is not {n} flags")
+    return ["sliding_attention" if s else "full_attention" for s in swa]
+
+
+def _check_head_dims(meta: dict, a: str, head: int, head_full: int, path: Path):
+    """Values as wide as keys, and RoPE over the whole head: mlx-lm's gemma4
+    has no field for anything else."""
+    for key, want in (
+        ("attention.value_length_swa", head),
+        ("attention.value_length", head_full),
+        ("rope.dimension_count_swa", head),  # mlx-lm rotates all of a sliding head
+        ("rope.dimension_count", head_full),
+    ):
+        got = int(meta_value(meta, f"{a}.{key}", want))
+        if got != want:
+            raise LoadError(f"{path}: {key} {got} is not {want}; not mlx-lm's gemma4")
+
+
+def _check_shared(types: List[str], first_shared: int, shared: int, path: Path):
+    """KV-shared layers reuse the last sliding and global layers before them
+    in mlx-lm; llama.cpp reuses layer first_shared - 1 or - 2: they must agree."""
+    if shared and (
+        first_shared < 2
+        or types[first_shared - 1] != "full_attention"
+        or types[first_shared - 2] != "sliding_attention"
+    ):
+        raise LoadError(
+            f"{path}: KV-shared layers after a {types[first_shared - 1]} layer reuse "
+            "other layers in llama.cpp than in mlx-lm"
+        )
+
+
+def _kv_heads(meta, a: str, types, weights: dict, first_shared: int, path: Path):
+    """(sliding layers' KV heads, global layers' KV heads, K = V) as mlx-lm's
+    gemma4 holds them: one count per layer type."""
+    n = len(types)
+    kv = _per_layer(
+        meta_required(meta, f"{a}.attention.head_count_kv", path),
+        n,
+        "head_count_kv",
+        path,
+    )
+    # K = V global layers: k without v (the converter writes none; the graph
+    # takes k as v). mlx-lm's attention_k_eq_v is one flag for every global layer.
+    k_eq_v = {
+        f"model.layers.{i}.self_attn.v_proj.weight" not in weights
+        and f"model.layers.{i}.self_attn.qkv_proj.weight" not in weights
+        for i in range(first_shared)
+        if types[i] == "full_attention"
+    }
+    if len(k_eq_v) > 1:
+        raise LoadError(f"{path}: some global layers have a v projection, some not")
+    k_eq_v = bool(k_eq_v and k_eq_v.pop())
+    by_type = {t: {kv[i] for i in range(n) if types[i] == t} for t in set(types)}
+    if any(len(counts) > 1 for counts in by_type.values()):
+        raise LoadError(f"{path}: head_count_kv differs between layers of one type")
+    swa_kv = by_type.get("sliding_attention") or by_type["full_attention"]
+    kv_swa, kv_full = min(swa_kv), min(by_type.get("full_attention") or swa_kv)
+    if kv_full != kv_swa and not k_eq_v:  # mlx-lm: only K = V layers have their own
+        raise LoadError(
+            f"{path}: global layers with {kv_full} KV heads, sliding ones {kv_swa}, "
+            "without K = V: not mlx-lm's gemma4"
+        )
+    return kv_swa, kv_full, k_eq_v
+
+
+def _feed_forward(meta: dict, a: str, n: int, first_shared: int, path: Path):
+    """Each layer's MLP width: one width, or the KV-shared layers' doubled."""
+    ff = _per_layer(
+        meta_required(meta, f"{a}.feed_forward_length", path),
+        n,
+        "feed_forward_length",
+        path,
+    )
+    double = [2 * ff[0] if i >= first_shared > 0 else ff[0] for i in range(n)]
+    if ff != [ff[0]] * n and ff != double:
+        raise LoadError(f"{path}: feed_forward_length {ff} is not mlx-lm's gemma4's")
+    return ff
+
+
+def _rope_parameters(meta: dict, a: str, raw: dict, head_full: int, path: Path):
+    """mlx-lm's per-layer-type RoPE: proportional and partial on the global
+    layers, the default on the sliding ones."""
+    return {
+        "full_attention": {
+            "partial_rotary_factor": _partial_rotary(raw, head_full, path),
+            "rope_theta": meta_f32(meta_required(meta, f"{a}.rope.freq_base", path)),
+            "rope_type": "proportional",
+        },
+        "sliding_attention": {
+            "rope_theta": meta_f32(
+                meta_value(meta, f"{a}.rope.freq_base_swa", 10000.0)
+            ),
+            "rope_type": "default",
+        },
+    }
+
+
+def _expert_fields(meta: dict, a: str, weights: dict, n: int, path: Path) -> dict:
+    """The MoE block's fields where every layer has a router; {} where none has."""
     routers = [f"model.layers.{i}.router.proj.weight" in weights for i in range(n)]
     if any(routers) and not all(routers):
         raise LoadError(f"{path}: experts in some layers only: not mlx-lm's gemma4")
-    if all(routers):
-        config.update(
-            enable_moe_block=True,
-            num_experts=int(meta_required(meta, f"{a}.expert_count", path)),
-            top_k_experts=int(meta_required(meta, f"{a}.expert_used_count", path)),
-            moe_intermediate_size=int(
-                meta_required(meta, f"{a}.expert_feed_forward_length", path)
-            ),
-        )
-    return config
+    if not all(routers):
+        return {}
+    return dict(
+        enable_moe_block=True,
+        num_experts=int(meta_required(meta, f"{a}.expert_count", path)),
+        top_k_experts=int(meta_required(meta, f"{a}.expert_used_count", path)),
+        moe_intermediate_size=int(
+            meta_required(meta, f"{a}.expert_feed_forward_length", path)
+        ),
+    )
 
 
 def _partial_rotary(raw: dict, head_full: int, path: Path) -> float:

@@ -143,14 +143,7 @@ def qwen35_config(meta: dict, raw: dict, path: Path, arch: str) -> dict:
     if kind not in ("none", None):
         raise LoadError(f"{path}: {a} with RoPE scaling {kind!r} is not supported")
     interval = int(meta_value(meta, f"{a}.full_attention_interval", 4))
-    recurrent = meta_value(meta, f"{a}.attention.recurrent_layers")
-    if recurrent is not None:  # mlx-lm's layers attend every interval-th only
-        want = [bool((i + 1) % interval) for i in range(layers)]
-        if [bool(r) for r in recurrent[:layers]] != want:
-            raise LoadError(
-                f"{path}: its recurrent layers are not every layer but each "
-                f"{interval}th, the only pattern mlx-lm's {a} runs"
-            )
+    _check_layer_pattern(meta, path, a, layers, interval)
     experts = int(meta_value(meta, f"{a}.expert_count", 0) or 0)
     config = {
         "model_type": "qwen3_5_moe" if experts else "qwen3_5",
@@ -189,32 +182,9 @@ def qwen35_config(meta: dict, raw: dict, path: Path, arch: str) -> dict:
         )
     theta = meta_f32(meta_value(meta, f"{a}.rope.freq_base", 10000.0))
     if experts:
-        config.update(
-            num_experts=experts,
-            num_experts_per_tok=int(
-                meta_required(meta, f"{a}.expert_used_count", path)
-            ),
-            moe_intermediate_size=int(
-                meta_required(meta, f"{a}.expert_feed_forward_length", path)
-            ),
-            shared_expert_intermediate_size=int(
-                meta_value(meta, f"{a}.expert_shared_feed_forward_length", 0) or 0
-            ),
-            norm_topk_prob=True,  # llama.cpp's graph renormalizes
-            decoder_sparse_step=1,
-        )
+        config.update(_expert_fields(meta, path, a, experts))
     if a == "qwen3next":
-        dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in raw]
-        config.update(
-            model_type="qwen3_next",
-            rope_theta=theta,
-            partial_rotary_factor=rope_dim / head_dim,
-            mlp_only_layers=dense if experts else [],
-        )
-        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            config.setdefault(key, 0)
-        config.setdefault("shared_expert_intermediate_size", 0)
-        config.setdefault("decoder_sparse_step", 1)
+        _as_qwen3_next(config, raw, layers, theta, rope_dim / head_dim)
     else:
         rope = {"type": "default", "rope_theta": theta}
         rope["partial_rotary_factor"] = rope_dim / head_dim
@@ -223,6 +193,53 @@ def qwen35_config(meta: dict, raw: dict, path: Path, arch: str) -> dict:
             rope["mrope_section"] = [int(s) for s in sections[:3]]
         config["rope_parameters"] = rope
     return config
+
+
+def _check_layer_pattern(meta: dict, path: Path, a: str, layers: int, interval: int):
+    """mlx-lm's layers attend every interval-th only: a file whose recurrent
+    layers say otherwise is refused, not run wrong."""
+    recurrent = meta_value(meta, f"{a}.attention.recurrent_layers")
+    if recurrent is None:
+        return
+    want = [bool((i + 1) % interval) for i in range(layers)]
+    if [bool(r) for r in recurrent[:layers]] != want:
+        raise LoadError(
+            f"{path}: its recurrent layers are not every layer but each "
+            f"{interval}th, the only pattern mlx-lm's {a} runs"
+        )
+
+
+def _expert_fields(meta: dict, path: Path, a: str, experts: int) -> dict:
+    """The MoE block's config fields of a file with `experts` experts."""
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(meta_required(meta, f"{a}.expert_used_count", path)),
+        moe_intermediate_size=int(
+            meta_required(meta, f"{a}.expert_feed_forward_length", path)
+        ),
+        shared_expert_intermediate_size=int(
+            meta_value(meta, f"{a}.expert_shared_feed_forward_length", 0) or 0
+        ),
+        norm_topk_prob=True,  # llama.cpp's graph renormalizes
+        decoder_sparse_step=1,
+    )
+
+
+def _as_qwen3_next(config: dict, raw: dict, layers: int, theta, partial: float):
+    """`config` made qwen3_next's: its flat RoPE fields, its dense layers, and
+    the MoE fields mlx-lm's class requires even where the file has no experts."""
+    experts = config.get("num_experts", 0)
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in raw]
+    config.update(
+        model_type="qwen3_next",
+        rope_theta=theta,
+        partial_rotary_factor=partial,
+        mlp_only_layers=dense if experts else [],
+    )
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        config.setdefault(key, 0)
+    config.setdefault("shared_expert_intermediate_size", 0)
+    config.setdefault("decoder_sparse_step", 1)
 
 
 # --- weight transforms (each dict -> dict) -----------------------------------

@@ -278,6 +278,30 @@ def fold_checkpoint(
     stage = on_stage or (lambda text: None)
     step = on_step or (lambda text: None)
     q_method = gptq.resolve(q_method)
+    recipe = _recipe(source, weights, dtype, quantize, quantized_way, compat, q_method)
+    slow = None  # GPTQ's column loop is minutes where RTN is seconds on the CPU
+    if q_method == "gptq" and recipe.qspec and mx.default_device() == mx.cpu:
+        slow = _Slow(on_slow)
+    if q_method == "gptq" and recipe.qspec:
+        _calibrate(recipe, source, calibration, bar, progress, step, stage, slow)
+    recipe.drop_calibration_source()  # source tensors go as modules are done
+    # Nothing is folded in a quantized checkpoint kept as stored: it is copied.
+    verb = "copying" if recipe.as_stored else "folding"
+    with _bar(bar, progress, f"[bold]{verb}[/] {{task.description}}") as b:
+        if slow:
+            on_layer = slow.layers(on_layer)
+        done = _compute(recipe, b, on_layer, chunk_elements, step)
+    groups = len(layer_groups(recipe.order))
+    if recipe.as_stored:
+        stage(f"copied {groups} layer groups as stored")
+    else:
+        stage(f"folded{' and quantized' if recipe.qspec else ''} {groups} layer groups")
+    return done, recipe.config
+
+
+def _recipe(source, weights, dtype, quantize, quantized_way, compat, q_method):
+    """The fold's Recipe for `weights`, once they are known to fit the config and
+    the flags to fit the source."""
     # Before any work: weights that do not fit the config would fold into a
     # checkpoint nothing can load (builds ask only once they fail, build.py).
     why = mismatch(shapes_of(weights), source.config, config_name(source))
@@ -293,42 +317,25 @@ def fold_checkpoint(
             "fold it and choose a dtype"
         )
     recipe = Recipe(weights, source.config, plan, compat=compat, output=True)
-    del plan  # the recipe releases source tensors as modules are done
     if recipe.qspec:  # until calibration says otherwise: round-to-nearest
         recipe.config[fold.MARKER]["quantization_method"] = {"method": "rtn"}
-    slow = None  # GPTQ's column loop is minutes where RTN is seconds on the CPU
-    if q_method == "gptq" and recipe.qspec and mx.default_device() == mx.cpu:
-        slow = _Slow(on_slow)
-    if q_method == "gptq" and recipe.qspec:
-        with _bar(
-            bar, progress, "[bold]calibrating GPTQ on[/] {task.description}"
-        ) as b:
-            n = calibration.num_seqs
-            task = b.add_task("text windows", total=n)
-            advance = counter(
-                b, task, n, step, "calibrating GPTQ: {done}/{total} windows"
-            )
-            advance(0)
-            if slow:
-                advance = slow.watch(advance, n, "calibration windows")
-            recipe.calibrate(source.tokenizer, calibration, advance)
-            stage(
-                f"calibrated GPTQ on {calibration.num_seqs} windows of "
-                f"{calibration.seq_len} tokens"
-            )
-    recipe.drop_calibration_source()  # source tensors go as modules are done
-    # Nothing is folded in a quantized checkpoint kept as stored: it is copied.
-    verb = "copying" if recipe.as_stored else "folding"
-    with _bar(bar, progress, f"[bold]{verb}[/] {{task.description}}") as b:
+    return recipe
+
+
+def _calibrate(recipe, source, calibration, bar, progress, step, stage, slow):
+    """GPTQ's calibration pass over `calibration` windows, with its bar."""
+    with _bar(bar, progress, "[bold]calibrating GPTQ on[/] {task.description}") as b:
+        n = calibration.num_seqs
+        task = b.add_task("text windows", total=n)
+        advance = counter(b, task, n, step, "calibrating GPTQ: {done}/{total} windows")
+        advance(0)
         if slow:
-            on_layer = slow.layers(on_layer)
-        done = _compute(recipe, b, on_layer, chunk_elements, step)
-    groups = len(layer_groups(recipe.order))
-    if recipe.as_stored:
-        stage(f"copied {groups} layer groups as stored")
-    else:
-        stage(f"folded{' and quantized' if recipe.qspec else ''} {groups} layer groups")
-    return done, recipe.config
+            advance = slow.watch(advance, n, "calibration windows")
+        recipe.calibrate(source.tokenizer, calibration, advance)
+        stage(
+            f"calibrated GPTQ on {calibration.num_seqs} windows of "
+            f"{calibration.seq_len} tokens"
+        )
 
 
 class _Slow:

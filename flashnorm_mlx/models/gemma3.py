@@ -9,7 +9,7 @@ What differs from Llama (docs/design.md section 2h), each read from `ARCH`:
   before the residual add (`post_norms`). Those cannot fold: each is one
   `kernels.post_residual` launch (norm, gain, residual add, the next norm's
   statistics), where Llama's `residual` would run anyway;
-- a GELU (tanh) GLU (`activation`), the `deferred_glu` kernel's variant;
+- a GELU (tanh) GLU (`activation`), the `deferred_glu` kernel's GELU form;
 - embeddings times sqrt(hidden) (`embed_scale`), rounded to bfloat16 first as
   mlx-lm does; a tied head;
 - local layers (sliding window, RoPE base rope_local_base_freq) and global

@@ -76,7 +76,7 @@ class Attention(FusedAttention):
         self.o_proj = nn.Linear(self.n_heads * h, args.hidden_size, bias=o_bias)
         self.rope = self.make_rope(args, h)
         # RoPE angles, rotated dims and input factor for the fused epilogue ("_":
-        # not a parameter); None where it cannot reproduce this RoPE variant.
+        # not a parameter); None where it cannot reproduce this RoPE kind.
         self._angles = kernels.rope_angles(self.rope, h)
 
     def make_rope(self, args, h: int) -> nn.Module:

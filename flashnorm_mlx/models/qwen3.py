@@ -6,7 +6,7 @@ there: q' = RoPE(gq * q / sqrt(mean(q^2) + eps * ms)) / sqrt(h) with q = x @ Wq*
 k' likewise, v' = (x @ Wv*) * s. `kernels.qkv_epilogue` does it in one pass with
 the gains (and 1/sqrt(h)) in the RoPE rotation (models/gains.py), YaRN's
 input factor and partial rotary dims included, or through the model's own
-RoPE module for variants the fused pass does not reproduce (docs/design.md
+RoPE module for kinds the fused pass does not reproduce (docs/design.md
 section 3d). Everything else is models/llama.py.
 """
 

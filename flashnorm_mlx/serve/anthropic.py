@@ -305,92 +305,68 @@ def _stream(reply, events, message: dict, request) -> None:
         "output_tokens": 0,
         "cache_read_input_tokens": request.cached,
     }
-    send_event(
-        reply,
-        "message_start",
-        {"type": "message_start", "message": {**message, "usage": usage}},
-    )
-    index, open_kind = -1, None
-
-    def close():
-        nonlocal open_kind
-        if open_kind == "thinking":  # Anthropic signs a thought before its stop
-            delta = {"type": "signature_delta", "signature": ""}
-            send_event(
-                reply,
-                "content_block_delta",
-                {"type": "content_block_delta", "index": index, "delta": delta},
-            )
-        if open_kind:
-            send_event(
-                reply,
-                "content_block_stop",
-                {"type": "content_block_stop", "index": index},
-            )
-            open_kind = None
-
+    out = _Blocks(reply)
+    out.event("message_start", message={**message, "usage": usage})
     try:
         for what, value in chain(first, events):
             if what in BLOCKS:
-                kind, key, delta_type = BLOCKS[what]
-                if open_kind != kind:
-                    close()
-                    index += 1
-                    open_kind = kind
-                    send_event(
-                        reply,
-                        "content_block_start",
-                        {
-                            "type": "content_block_start",
-                            "index": index,
-                            "content_block": _block(kind),
-                        },
-                    )
-                delta = {"type": delta_type, key: value}
-                send_event(
-                    reply,
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": index, "delta": delta},
-                )
+                out.piece(*BLOCKS[what], value)
             elif what == "call":
-                close()
-                index += 1
-                use = _tool_use(value)
-                send_event(
-                    reply,
-                    "content_block_start",
-                    {
-                        "type": "content_block_start",
-                        "index": index,
-                        "content_block": {**use, "input": {}},
-                    },
-                )
-                delta = {
-                    "type": "input_json_delta",
-                    "partial_json": json.dumps(use["input"]),
-                }
-                send_event(
-                    reply,
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": index, "delta": delta},
-                )
-                send_event(
-                    reply,
-                    "content_block_stop",
-                    {"type": "content_block_stop", "index": index},
-                )
+                out.call(value)
             else:
-                close()
-                reason, hit = _stop(value)
-                send_event(
-                    reply,
-                    "message_delta",
-                    {
-                        "type": "message_delta",
-                        "delta": {"stop_reason": reason, "stop_sequence": hit},
-                        "usage": _usage(value),  # the final counts, all of them
-                    },
-                )
-                send_event(reply, "message_stop", {"type": "message_stop"})
+                out.finish(value)
     except RequestError as e:
         send_event(reply, "error", error_body(e))
+
+
+class _Blocks:
+    """One streamed message: its content blocks numbered in order, a text or
+    thinking block open while its pieces arrive."""
+
+    def __init__(self, reply):
+        self.reply = reply
+        self.index, self.open_kind = -1, None
+
+    def event(self, kind: str, **data):
+        send_event(self.reply, kind, {"type": kind, **data})
+
+    def piece(self, kind: str, key: str, delta_type: str, value: str):
+        if self.open_kind != kind:
+            self._close()
+            self.open_kind = kind
+            self._start(_block(kind))
+        self._delta({"type": delta_type, key: value})
+
+    def call(self, value):
+        """A tool_use block, sent whole."""
+        self._close()
+        use = _tool_use(value)
+        self._start({**use, "input": {}})
+        self._delta(
+            {"type": "input_json_delta", "partial_json": json.dumps(use["input"])}
+        )
+        self.event("content_block_stop", index=self.index)
+
+    def finish(self, value):
+        self._close()
+        reason, hit = _stop(value)
+        self.event(
+            "message_delta",
+            delta={"stop_reason": reason, "stop_sequence": hit},
+            usage=_usage(value),  # the final counts, all of them
+        )
+        self.event("message_stop")
+
+    def _start(self, block: dict):
+        self.index += 1
+        self.event("content_block_start", index=self.index, content_block=block)
+
+    def _delta(self, delta: dict):
+        self.event("content_block_delta", index=self.index, delta=delta)
+
+    def _close(self):
+        if self.open_kind == "thinking":  # Anthropic signs a thought before its stop
+            self._delta({"type": "signature_delta", "signature": ""})
+        if self.open_kind:
+            self.event("content_block_stop", index=self.index)
+            self.open_kind = None

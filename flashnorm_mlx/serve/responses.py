@@ -301,107 +301,119 @@ def _stream(reply, body, events, rid, request) -> None:
     before a function_call item (each whole), then response.completed."""
     first = next(events)  # errors before the first piece are still a JSON error
     reply.start_events()
-    seq = iter(range(1 << 30))
-
-    def event(kind, **data):
-        send_event(reply, kind, {"type": kind, "sequence_number": next(seq), **data})
-
+    out = _Events(reply)
     started = _response(body, rid, request.model, "in_progress", [], request.warning)
-    event("response.created", response=started)
-    event("response.in_progress", response=started)
-    output, msg, rs = [], {}, {}  # the open message's, thought's place and text
-
-    def open_reasoning():
-        rs.update(item_id=new_id("rs_"), output_index=len(output), content_index=0)
-        output.append(_reasoning(rs["item_id"], "", "in_progress"))
-        event(
-            "response.output_item.added", output_index=len(output) - 1, item=output[-1]
-        )
-
-    def close_reasoning():
-        if not rs:
-            return
-        at, text = _at(rs), rs.get("text", "")
-        event("response.reasoning_text.done", **at, text=text)
-        output[at["output_index"]] = _reasoning(at["item_id"], text)
-        event(
-            "response.output_item.done",
-            output_index=at["output_index"],
-            item=output[at["output_index"]],
-        )
-        rs.clear()
-
-    def open_message():
-        msg.update(item_id=new_id("msg_"), output_index=len(output), content_index=0)
-        output.append(_message(msg["item_id"], "", "in_progress"))
-        event(
-            "response.output_item.added", output_index=len(output) - 1, item=output[-1]
-        )
-        event("response.content_part.added", **_at(msg), part=_part(""))
-
-    def close_message():
-        if not msg:
-            return
-        at, text = _at(msg), msg.get("text", "")
-        event("response.output_text.done", **at, text=text, logprobs=[])
-        event("response.content_part.done", **at, part=_part(text))
-        output[at["output_index"]] = _message(at["item_id"], text)
-        event(
-            "response.output_item.done",
-            output_index=at["output_index"],
-            item=output[at["output_index"]],
-        )
-        msg.clear()
-
+    out.event("response.created", response=started)
+    out.event("response.in_progress", response=started)
     try:
         for what, value in chain(first, events):
             if what == "thought":
-                if not rs:
-                    open_reasoning()
-                rs["text"] = rs.get("text", "") + value
-                event("response.reasoning_text.delta", **_at(rs), delta=value)
+                out.thought(value)
             elif what == "text":
-                close_reasoning()
-                if not msg:
-                    open_message()
-                msg["text"] = msg.get("text", "") + value
-                event(
-                    "response.output_text.delta", **_at(msg), delta=value, logprobs=[]
-                )
+                out.text(value)
             elif what == "call":
-                close_reasoning()
-                close_message()
-                item, i = _call(value), len(output)
-                opened = {**item, "arguments": "", "status": "in_progress"}
-                event("response.output_item.added", output_index=i, item=opened)
-                args = dict(item_id=item["id"], output_index=i)
-                event(
-                    "response.function_call_arguments.delta",
-                    **args,
-                    delta=item["arguments"],
-                )
-                event(
-                    "response.function_call_arguments.done",
-                    **args,
-                    arguments=item["arguments"],
-                )
-                event("response.output_item.done", output_index=i, item=item)
-                output.append(item)
+                out.call(value)
             else:
-                close_reasoning()
-                if not output or (
-                    len(output) == 1 and output[0]["type"] == "reasoning"
-                ):
-                    open_message()
-                close_message()
-                done = _finished(body, rid, request, output, value)
-                incomplete = done["status"] == "incomplete"
-                event(
-                    "response.incomplete" if incomplete else "response.completed",
-                    response=done,
-                )
+                out.finish(body, rid, request, value)
     except RequestError as e:
-        event("error", code=e.code, message=e.message, param=e.param)
+        out.event("error", code=e.code, message=e.message, param=e.param)
+
+
+class _Events:
+    """One streamed response: its numbered events, its output items, and the
+    reasoning and message items open while their text arrives."""
+
+    def __init__(self, reply):
+        self.reply = reply
+        self.seq = iter(range(1 << 30))
+        self.output: list = []
+        self.msg: dict = {}  # the open message's place and text
+        self.rs: dict = {}  # the open reasoning's
+
+    def event(self, kind, **data):
+        data = {"type": kind, "sequence_number": next(self.seq), **data}
+        send_event(self.reply, kind, data)
+
+    def thought(self, value: str):
+        if not self.rs:
+            self._open(self.rs, "rs_", _reasoning)
+        self.rs["text"] = self.rs.get("text", "") + value
+        self.event("response.reasoning_text.delta", **_at(self.rs), delta=value)
+
+    def text(self, value: str):
+        self._close_reasoning()
+        if not self.msg:
+            self._open_message()
+        self.msg["text"] = self.msg.get("text", "") + value
+        self.event(
+            "response.output_text.delta", **_at(self.msg), delta=value, logprobs=[]
+        )
+
+    def call(self, value):
+        """A function_call item, sent whole: the open items closed first."""
+        self._close_reasoning()
+        self._close_message()
+        item, i = _call(value), len(self.output)
+        opened = {**item, "arguments": "", "status": "in_progress"}
+        self.event("response.output_item.added", output_index=i, item=opened)
+        args = dict(item_id=item["id"], output_index=i)
+        delta, whole = "response.function_call_arguments", item["arguments"]
+        self.event(f"{delta}.delta", **args, delta=whole)
+        self.event(f"{delta}.done", **args, arguments=whole)
+        self.event("response.output_item.done", output_index=i, item=item)
+        self.output.append(item)
+
+    def finish(self, body, rid, request, value):
+        """The last event: a message item even where no text came."""
+        self._close_reasoning()
+        output = self.output
+        if not output or (len(output) == 1 and output[0]["type"] == "reasoning"):
+            self._open_message()
+        self._close_message()
+        done = _finished(body, rid, request, output, value)
+        incomplete = done["status"] == "incomplete"
+        self.event(
+            "response.incomplete" if incomplete else "response.completed",
+            response=done,
+        )
+
+    def _open(self, place: dict, prefix: str, item):
+        place.update(
+            item_id=new_id(prefix), output_index=len(self.output), content_index=0
+        )
+        self.output.append(item(place["item_id"], "", "in_progress"))
+        self.event(
+            "response.output_item.added",
+            output_index=len(self.output) - 1,
+            item=self.output[-1],
+        )
+
+    def _open_message(self):
+        self._open(self.msg, "msg_", _message)
+        self.event("response.content_part.added", **_at(self.msg), part=_part(""))
+
+    def _close_reasoning(self):
+        if not self.rs:
+            return
+        at, text = _at(self.rs), self.rs.get("text", "")
+        self.event("response.reasoning_text.done", **at, text=text)
+        self._done(at, _reasoning(at["item_id"], text))
+        self.rs.clear()
+
+    def _close_message(self):
+        if not self.msg:
+            return
+        at, text = _at(self.msg), self.msg.get("text", "")
+        self.event("response.output_text.done", **at, text=text, logprobs=[])
+        self.event("response.content_part.done", **at, part=_part(text))
+        self._done(at, _message(at["item_id"], text))
+        self.msg.clear()
+
+    def _done(self, at: dict, item: dict):
+        self.output[at["output_index"]] = item
+        self.event(
+            "response.output_item.done", output_index=at["output_index"], item=item
+        )
 
 
 def _at(msg: dict) -> dict:

@@ -328,30 +328,14 @@ def read_requests(
     the context length); a RequestError names the first bad one. An unseeded
     body draws one seed (draw_seed) for all its prompts."""
     _refuse_unsupported(kind, body)
-    got: Dict[str, Any] = {}
-    for f in FIELDS:
-        if kind in f.kinds:
-            value = _read(body, f, settings)
-            if value is not None or (f.key or f.name) not in got:
-                got[f.key or f.name] = value
+    got = _fields(kind, body, settings)
     include_usage = _read(
         got["stream_options"],
         Field("include_usage", _is_bool, "true or false", default=False),
         settings,
     )
     stop = got["stop"]
-    if kind == "chat":
-        top = got["top_logprobs"]
-        if top is not None and not got["logprobs"]:
-            raise RequestError(
-                "'top_logprobs' needs 'logprobs': true",
-                param="top_logprobs",
-                code="invalid_value",
-            )
-        top = (top or 0) if got["logprobs"] else None
-    else:
-        top = got["logprobs"]
-        top = (0 if top else None) if _is_bool(top) else top
+    top = _top_logprobs(kind, got)
     if got["max_tokens"] == 0 and not got.get("echo"):
         raise RequestError(
             "'max_tokens' must be an integer >= 1 (0 only with 'echo': true)",
@@ -359,18 +343,8 @@ def read_requests(
             code="invalid_value",
         )
     processors = _processors(got)
-    if got["stream"] and len(prompts) > 1:
-        raise RequestError(
-            "a stream takes one prompt", param="prompt", code="invalid_value"
-        )
+    _check_prompts(got, prompts, processors, vocab_size)
     n = got["n"]
-    bias = (processors or {}).get("logit_bias", {})
-    if bias and not all(0 <= t < vocab_size for t in bias):
-        raise RequestError(
-            f"'logit_bias' token ids must be in [0, {vocab_size})",
-            param="logit_bias",
-            code="invalid_value",
-        )
     seed = got["seed"] if got["seed"] is not None else draw_seed()
     return [
         Request(
@@ -396,6 +370,49 @@ def read_requests(
         for prompt in prompts
         for i in range(n)  # a prompt's n choices, next to each other
     ]
+
+
+def _fields(kind: str, body: dict, settings: Settings) -> Dict[str, Any]:
+    """{key: value} of every FIELDS entry `kind` reads, each checked alone."""
+    got: Dict[str, Any] = {}
+    for f in FIELDS:
+        if kind in f.kinds:
+            value = _read(body, f, settings)
+            if value is not None or (f.key or f.name) not in got:
+                got[f.key or f.name] = value
+    return got
+
+
+def _top_logprobs(kind: str, got: dict) -> Optional[int]:
+    """How many top logprobs a token carries (None: no logprobs): chat's
+    logprobs/top_logprobs pair, or text's logprobs count (true as 0)."""
+    if kind == "chat":
+        top = got["top_logprobs"]
+        if top is not None and not got["logprobs"]:
+            raise RequestError(
+                "'top_logprobs' needs 'logprobs': true",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+        return (top or 0) if got["logprobs"] else None
+    top = got["logprobs"]
+    return (0 if top else None) if _is_bool(top) else top
+
+
+def _check_prompts(got: dict, prompts, processors, vocab_size: int) -> None:
+    """What the fields ask of the prompts and the vocabulary: a stream takes
+    one prompt, and logit_bias names token ids the model has."""
+    if got["stream"] and len(prompts) > 1:
+        raise RequestError(
+            "a stream takes one prompt", param="prompt", code="invalid_value"
+        )
+    bias = (processors or {}).get("logit_bias", {})
+    if bias and not all(0 <= t < vocab_size for t in bias):
+        raise RequestError(
+            f"'logit_bias' token ids must be in [0, {vocab_size})",
+            param="logit_bias",
+            code="invalid_value",
+        )
 
 
 def choice_seed(seed: int, i: int) -> int:

@@ -51,7 +51,7 @@ def _schema_grammar(schema: dict, param: str) -> str:
         raise _bad(f"'{param}' schema cannot be used: {e}", param, "invalid_schema")
 
 
-def strict_tools(body: dict, tools: Optional[List[dict]]) -> List[dict]:
+def strict_tools(tools: Optional[List[dict]]) -> List[dict]:
     """The tools with `strict: true` (on the tool or its function)."""
     return [
         t
@@ -89,7 +89,7 @@ def constrain(service, body: dict, tools, requests: List[Request]) -> None:
     grammar = format_grammar(body.get("response_format"))
     param = "response_format"
     forced = forced_tools(body, tools)
-    strict = forced or strict_tools(body, tools)
+    strict = forced or strict_tools(tools)
     if strict:
         if grammar is not None:
             raise _bad("'response_format' and tool calls cannot be combined", param)
