@@ -217,7 +217,7 @@ NONORM = (
 
 
 class CompareRows:
-    """/compare: bench's rows (loading/variants.py), mlx-lm then the four
+    """/compare: bench's rows (loading/rows.py), mlx-lm then the four
     modes on the chat's engine, built on the same source and settings (once,
     on first use; the chat's own model, of Mode `mode`, is its row), each
     regenerating the last reply: its decode speed and its text. The prompt is
@@ -238,7 +238,7 @@ class CompareRows:
     def __call__(self, session) -> str:
         from .. import estimate
         from ..loading import build_model
-        from ..loading.variants import BY_NAME, NAMES, absent
+        from ..loading.rows import BY_NAME, NAMES, absent
 
         n = len(session.last_reply_ids)
         if n < 2:

@@ -64,7 +64,7 @@ def main(argv=None):
     from .. import models
     from ..jobs.likelihood import load_text, perplexity
     from ..loading import read_source
-    from ..loading.variants import comparison
+    from ..loading.rows import comparison
     from ..quant import gptq
     from .common import (
         StageLog,

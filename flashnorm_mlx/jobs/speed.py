@@ -1,6 +1,6 @@
 """Decode and prompt tokens/sec of mlx-lm, stock, FlashNorm and the norm-removed bound.
 
-Measured as docs/design.md section 4 says: every variant (loading/variants.py:
+Measured as docs/design.md section 4 says: every variant (loading/rows.py:
 a mode on an engine) is built from one `Source` (same weights, dtype,
 quantization), runs the same random prompt (fixed seed) through mlx-lm's own
 `generate_step` for exactly G tokens (it never stops at end-of-sequence), gets
@@ -28,7 +28,7 @@ from .. import estimate, kernels, models, quant
 from ..errors import BenchError
 from ..loading import Source, build_model, gguf_kquant, model_dtype, weight_bytes
 from ..loading.nonorm import rms_norm_paths
-from ..loading.variants import BY_NAME, NAMES, REFERENCE, STOCK, absent, comparison
+from ..loading.rows import BY_NAME, NAMES, REFERENCE, STOCK, absent, comparison
 from ..machine import device_info, versions
 from ..models import covered_words, is_covered, model_classes
 from ..parallel import distributed
@@ -334,7 +334,7 @@ def run_bench(
     on_slow: estimate.Say = None,
 ) -> dict:
     """Build every variant from `source` (None: every one it can run, see
-    `variants.absent`), warm each up, time `trials` rounds.
+    `rows.absent`), warm each up, time `trials` rounds.
 
     Returns {"settings", "device", "versions", "source", "variants" (per-variant
     summary), "ratios", "headroom", "trials" (every timed run)}.
