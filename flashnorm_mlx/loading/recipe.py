@@ -63,7 +63,14 @@ class Recipe:
         self._hinv: Weights = {}
         self.as_stored = plan.as_stored
         self.out_dtype, self.qspec = plan.dtype, plan.qspec
-        self._cast = not (output and self.as_stored)
+        # Stored quantized tensors are never cast (mlx-lm's load casts nothing):
+        # activations follow mlx-lm's promotion, at least the plan's dtype.
+        self._cast = not self.as_stored
+        self.act_dtype = plan.dtype
+        if self.as_stored:
+            self.act_dtype = quant.activation_dtype(weights, plan.dtype)
+        # Stored norms loaded widened to it (exact), so stock's promote alike.
+        self._widen = self.as_stored and not output
         covered = models.is_covered(config)
         self._arch = models.architecture(config) if covered else None
         self._uncast = self._arch.uncast if covered else ()
@@ -120,13 +127,7 @@ class Recipe:
             k[: -len(".weight")] for k in self.order if _is_matrix(k, out[k])
         ]
         self.small = {
-            k: (
-                out[k]
-                if self._uncast and k.endswith(self._uncast)
-                else self._out(out[k])
-            )
-            for k in self.order
-            if not _is_matrix(k, out[k])
+            k: self._small(k, out[k]) for k in self.order if not _is_matrix(k, out[k])
         }
 
     def _out(self, v: mx.array) -> mx.array:
@@ -136,6 +137,13 @@ class Recipe:
         if self._cast and mx.issubdtype(v.dtype, mx.floating):
             return v if v.dtype == self.out_dtype else v.astype(self.out_dtype)
         return v
+
+    def _small(self, k: str, v: mx.array) -> mx.array:
+        if self._uncast and k.endswith(self._uncast):
+            return v
+        if self._widen and quant.is_norm(k, v) and v.dtype != self.act_dtype:
+            return v.astype(self.act_dtype)
+        return self._out(v)
 
     def calibrate(self, tokenizer, calibration: "gptq.Calibration", advance=None):
         """GPTQ Hessians of every quantized linear, from stock's float32 model on
