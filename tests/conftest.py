@@ -160,7 +160,10 @@ SLOW = {
         "test_cached_prompt_gives_the_whole_prompt_s_text",  # 4 s
     ),
     "test_qwen.py": ("test_low_precision_finite_and_close",),  # 5 s
-    "test_real_model.py": ("test_verify_dequantized_float32_matches_stock",),  # 42 s
+    "test_real_model.py": (
+        "test_verify_dequantized_float32_matches_stock",  # 42 s
+        "test_seeded_text_is_mlx_lms_on_the_embedded_model",  # 38 s (mlx-lm's load)
+    ),
     "test_serve.py": (
         "test_a_long_generation_does_not_starve_a_short_one",  # 5 s
         "test_batched_answers_equal_each_alone_and_report_batch_max",  # 40 s
@@ -286,7 +289,7 @@ FILE_S = {  # summed --durations=0, 2 workers, quiet, fresh clone, 2026-11-28
     "test_decoding.py": 31,
     "test_serve_guard.py": 29,
     "test_serve_load.py": 26,
-    "test_real_model.py": 26,
+    "test_real_model.py": 64,  # + the seeded mlx-lm test (38 s), 2026-12-06
     "test_gemma3.py": 21,
     "test_cli.py": 20,
     "test_structured.py": 19,
