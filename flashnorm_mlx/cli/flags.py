@@ -209,7 +209,9 @@ def add_model_args(
         choices=list(DTYPE_NAMES),
         default=None,
         help="compute dtype (default: float32 on MLX's CPU backend, whose float16 "
-        "kernels are slow; the checkpoint's own dtype on Metal and CUDA)",
+        "kernels are slow; the checkpoint's own dtype on Metal and CUDA); "
+        "quantized weights run as stored are not cast, and their activations "
+        "take mlx-lm's dtype (the norms' promotion), at least this one",
     )
     parser.add_argument(
         "-q",
