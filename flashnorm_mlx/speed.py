@@ -41,6 +41,8 @@ from .timing import (
     time_generation,
 )
 
+HOST_STEPS = 32  # decode steps of the host-time pass (after the rounds)
+
 DECODE_BYTES_NOTE = (
     "bytes of parameters one decode step reads: every linear (packed weights, "
     "scales, biases) and norm gain; the input embedding table only when it is "
@@ -373,21 +375,23 @@ def run_bench(
         first = {}
         for v in variants:
             step(f"warm-up {v}")
+            t0 = time.perf_counter()
             first[v] = first_steps(models[v], prompt)  # an eager step, then a trace
             t1 = time.perf_counter()
             warm = time_generation(models[v], prompt, gen_tokens, **timing)
-            if v == variants[0]:  # what is left: the warm-ups, then every round
-                left = len(variants) - 1 + trials * len(variants)
-                piece = f"a generation of {prompt_tokens}+{gen_tokens} tokens"
-                seconds = time.perf_counter() - t1
-                estimate.tell(on_slow, estimate.projection(piece, seconds, left))
+            t2 = time.perf_counter()
             info[v].update(check_logits(models[v], prompt.tolist() + warm["tokens"]))
+            if v == variants[0]:  # every pass left, from this variant's
+                line = _left_line(
+                    v, variants, trials, gen_tokens, warm, t2 - t1, t2 - t0
+                )
+                estimate.tell(on_slow, line)
         records = _timed_rounds(
             models, variants, prompt, gen_tokens, trials, timing, step
         )
         for v in variants:  # after the rounds, so it cannot disturb them
             step(f"host time {v}")
-            info[v].update(step_times(models[v], prompt, min(gen_tokens, 32)))
+            info[v].update(step_times(models[v], prompt, min(gen_tokens, HOST_STEPS)))
             settled = info[v]["host_build_ms"] + info[v]["eval_ms"]
             info[v]["compile_ms"] = sum(max(0.0, t * 1e3 - settled) for t in first[v])
     step.finish()
@@ -421,6 +425,20 @@ def run_bench(
     why = sorted(set(missing.values()))  # one reason for all of them
     result.update(absent=missing, notes=why + result["notes"])
     return result
+
+
+def _left_line(v, variants, trials, gen_tokens, warm, gen_s, done_s):
+    """The projection of every pass left after `v`'s warm-up (done_s: its
+    first steps, a generation of gen_s and the logits check): the other
+    variants' warm-ups, the timed rounds, and each variant's host-time pass
+    (a prefill and up to HOST_STEPS decode steps, priced from the
+    generation's own prompt and decode times)."""
+    n = len(variants)
+    tps = warm["decode_tps"]
+    step_s = 1 / tps if tps == tps and tps > 0 else warm["decode_s"]
+    host_s = warm["prompt_s"] + min(gen_tokens, HOST_STEPS) * step_s
+    left_s = (n - 1) * done_s + trials * n * gen_s + n * host_s
+    return estimate.projection(f"the warm-up of {v}", done_s, left_s / done_s)
 
 
 # The ratios bench reports by name (section 4c): (key, variant, base).
