@@ -158,6 +158,8 @@ SLOW = {
     "test_openelm.py": ("test_low_precision_no_worse_than_stock",),  # 13 s
     "test_prompt_cache.py": (
         "test_cached_prompt_gives_the_whole_prompt_s_text",  # 4 s
+        # mlx-lm's cache_prompt and generate (a process): 10 s
+        "test_mlx_lm_s_own_cache_file_continues_as_mlx_lm_s_generate",
     ),
     "test_qwen.py": ("test_low_precision_finite_and_close",),  # 5 s
     "test_real_model.py": (
