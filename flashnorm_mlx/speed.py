@@ -382,8 +382,9 @@ def run_bench(
             t2 = time.perf_counter()
             info[v].update(check_logits(models[v], prompt.tolist() + warm["tokens"]))
             if v == variants[0]:  # every pass left, from this variant's
+                done_s = time.perf_counter() - t0  # first steps, generation, check
                 line = _left_line(
-                    v, variants, trials, gen_tokens, warm, t2 - t1, t2 - t0
+                    v, variants, trials, gen_tokens, warm, t2 - t1, done_s
                 )
                 estimate.tell(on_slow, line)
         records = _timed_rounds(
