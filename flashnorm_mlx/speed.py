@@ -34,14 +34,14 @@ from .models import covered_words, is_covered, model_classes
 from .parallel import distributed
 from .timing import (
     HOST_NOTE,
+    HOST_STEPS,
     first_steps,
+    passes_left,
     round_ratios,
     spread,
     step_times,
     time_generation,
 )
-
-HOST_STEPS = 32  # decode steps of the host-time pass (after the rounds)
 
 DECODE_BYTES_NOTE = (
     "bytes of parameters one decode step reads: every linear (packed weights, "
@@ -381,11 +381,12 @@ def run_bench(
             warm = time_generation(models[v], prompt, gen_tokens, **timing)
             t2 = time.perf_counter()
             info[v].update(check_logits(models[v], prompt.tolist() + warm["tokens"]))
-            if v == variants[0]:  # every pass left, from this variant's
-                done_s = time.perf_counter() - t0  # first steps, generation, check
-                line = _left_line(
-                    v, variants, trials, gen_tokens, warm, t2 - t1, done_s
+            if v == variants[0]:  # every pass left, priced from this warm-up's
+                done = time.perf_counter() - t0
+                left = passes_left(
+                    len(variants), trials, gen_tokens, warm, t2 - t1, done
                 )
+                line = estimate.projection(f"the warm-up of {v}", done, left / done)
                 estimate.tell(on_slow, line)
         records = _timed_rounds(
             models, variants, prompt, gen_tokens, trials, timing, step
@@ -426,20 +427,6 @@ def run_bench(
     why = sorted(set(missing.values()))  # one reason for all of them
     result.update(absent=missing, notes=why + result["notes"])
     return result
-
-
-def _left_line(v, variants, trials, gen_tokens, warm, gen_s, done_s):
-    """The projection of every pass left after `v`'s warm-up (done_s: its
-    first steps, a generation of gen_s and the logits check): the other
-    variants' warm-ups, the timed rounds, and each variant's host-time pass
-    (a prefill and up to HOST_STEPS decode steps, priced from the
-    generation's own prompt and decode times)."""
-    n = len(variants)
-    tps = warm["decode_tps"]
-    step_s = 1 / tps if tps == tps and tps > 0 else warm["decode_s"]
-    host_s = warm["prompt_s"] + min(gen_tokens, HOST_STEPS) * step_s
-    left_s = (n - 1) * done_s + trials * n * gen_s + n * host_s
-    return estimate.projection(f"the warm-up of {v}", done_s, left_s / done_s)
 
 
 # The ratios bench reports by name (section 4c): (key, variant, base).

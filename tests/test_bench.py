@@ -512,20 +512,18 @@ def test_openelm_variants(tmp_path):
     assert v["flashnorm"]["logits_finite"], v["flashnorm"]
 
 
-def test_the_estimate_prices_every_pass_left(monkeypatch):
+def test_the_estimate_prices_every_pass_left():
     """Issue 60 item 2: after the first variant's warm-up (6 s: first steps,
     a 4.1 s generation, the logits check), 4 variants and 1 round leave 3
     warm-ups (18 s), 4 timed generations (16.4 s) and 4 host-time passes
     (a 1 s prompt and 32 steps at 10 tok/s: 16.8 s): 51 s, where counting
     generations alone said 29 s."""
-    from flashnorm_mlx import estimate
+    from flashnorm_mlx.timing import passes_left
 
-    monkeypatch.setenv(estimate.SLOW_ENV, "0")
     warm = {"prompt_s": 1.0, "decode_s": 3.1, "decode_tps": 10.0}
-    line = speed._left_line("mlx-lm", ["a", "b", "c", "d"], 1, 32, warm, 4.1, 6.0)
-    print(line)
-    assert "about 51 s more" in line, line
-    assert "the warm-up of mlx-lm took 6.0 s" in line, line
+    left = passes_left(4, 1, 32, warm, 4.1, 6.0)
+    print(f"{left:.2f} s left")
+    assert left == pytest.approx(18 + 16.4 + 16.8), left
 
 
 def test_the_host_pass_is_one_line_without_verbose(result):

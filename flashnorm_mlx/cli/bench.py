@@ -192,7 +192,7 @@ def _noise(ratio: dict) -> str:
 def host_line(result: dict) -> str:
     """The host-time pass in one line (its table is --verbose's): each
     variant's median host build and eval ms per decode step."""
-    from ..speed import HOST_STEPS
+    from ..timing import HOST_STEPS
 
     parts = [
         f"{v} {s['host_build_ms']:.2f} + {s['eval_ms']:.1f}"
