@@ -1,7 +1,9 @@
 """Prompt-cache files: a prompt's KV cache saved once and reused, in mlx-lm's
 format. A file is taken only by the model, mode and weights it was made with,
-so a reply from a cache is the reply the same command gives without it
-(docs/design.md section 5d).
+so a reply from a cache is the reply the same command gives without it. A file
+mlx-lm's own cache_prompt made holds stock's K and V, which FlashNorm caches
+too: it runs in either mode, with --mode stock where a layer holds recurrent
+state (docs/design.md section 5d).
 """
 
 import json
@@ -158,12 +160,7 @@ def read(path, model_arg: Optional[str], mode: Mode, adapter=None):
             f"{path} was made with another model ({meta['model']}), not "
             f"{want['model']}"
         )
-    if MODE not in meta:  # mlx-lm's cache_prompt: none of our keys
-        if not mode.is_mlx_lms:
-            raise LoadError(
-                f"{path} was made by mlx-lm's cache_prompt, whose model is "
-                "stock's: run it with --mode stock"
-            )
+    if MODE not in meta:  # mlx-lm's cache_prompt: stock's K/V, any mode (fit)
         return cache, meta
     for key, what in ((MODE, "--mode"), (ADAPTER, "adapter")):
         if meta.get(key, "") != want[key]:
@@ -200,11 +197,29 @@ def check_kv_flags(path, cache: list, kv_bits, kv_group_size: int) -> None:
         )
 
 
-def fit(path, cache: list, meta: dict, model: nn.Module) -> Optional[List[int]]:
+# What a layer caches where it holds keys and values (stock's, in FlashNorm too).
+_KV_KINDS = {"KVCache", "RotatingKVCache", "QuantizedKVCache", "ChunkedKVCache"}
+
+
+def fit(
+    path, cache: list, meta: dict, model: nn.Module, mode: Optional[Mode] = None
+) -> Optional[List[int]]:
     """Check a read file against the built model (weights, layers, dtype);
-    returns its token ids (None for an mlx-lm file, which has none)."""
+    returns its token ids (None for an mlx-lm file, which has none). An
+    mlx-lm file runs in FlashNorm where every layer caches keys and values:
+    FlashNorm caches stock's (the deferred 1/RMS reaches k and v first)."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    if MODE not in meta and mode is not None and not mode.is_mlx_lms:
+        other = sorted({type(c).__name__ for c in make_prompt_cache(model)})
+        other = [k for k in other if k not in _KV_KINDS]
+        if other:
+            raise LoadError(
+                f"{path} was made by mlx-lm's cache_prompt; FlashNorm takes "
+                f"such a file where every layer caches keys and values, and "
+                f"this model's {', '.join(other)} layers hold recurrent state: "
+                "run it with --mode stock"
+            )
     words = weights_words(model)
     if WEIGHTS in meta and meta[WEIGHTS] != words:
         raise LoadError(

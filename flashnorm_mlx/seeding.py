@@ -29,7 +29,7 @@ def seed_as_mlx_lm(
 
     mx.random.seed(seed)
     try:
-        _replay_build(source.folder, source.config, adapter_path)
+        _replay_build(source.folder, source.config, adapter_path, source.weights)
         if draft is not None:  # a folder (mlx-lm loads no GGUF draft)
             from .loading.source import resolve
 
@@ -41,19 +41,29 @@ def seed_as_mlx_lm(
 
 
 def _replay_build(
-    folder: Optional[Path], config: dict, adapter_path: Optional[str]
+    folder: Optional[Path], config: dict, adapter_path: Optional[str], weights=None
 ) -> None:
     """mlx-lm's `load(MODEL, adapter_path=...)` up to its weights, lazily: its
     `load_model` on the folder (the class, quantized as the checkpoint says),
     then `load_adapters` (LoRA layers), each drawing as they do in mlx-lm."""
+    import mlx.nn as nn
     from mlx_lm.utils import load_adapters, load_model
 
     from .mlx_lm_compat import stock_classes
 
     if folder is not None and glob.glob(str(folder / "model*.safetensors")):
         model, _ = load_model(folder, lazy=True)
-    else:  # a GGUF: the class mlx-lm has for its config, in float
+    else:  # a GGUF: mlx-lm's class for its config, quantized as load_model
         model_class, args_class = stock_classes(config)
         model = model_class(args_class.from_dict(config))
+        q, weights = config.get("quantization"), weights or {}
+        if q:  # each QuantizedLinear draws its initial weight too
+            nn.quantize(
+                model,
+                group_size=q["group_size"],
+                bits=q["bits"],
+                mode=q.get("mode", "affine"),
+                class_predicate=lambda p, m: f"{p}.scales" in weights,
+            )
     if adapter_path is not None:
         load_adapters(model, adapter_path)

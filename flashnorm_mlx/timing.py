@@ -110,6 +110,21 @@ def step_times(model: nn.Module, prompt: mx.array, steps: int) -> dict:
     }
 
 
+HOST_STEPS = 32  # decode steps of bench's host-time pass (after the rounds)
+
+
+def passes_left(n, trials, gen_tokens, warm, gen_s, done_s) -> float:
+    """Seconds of bench's passes left after the first of `n` variants warmed
+    up (done_s: its first steps, a generation of gen_s, the logits check):
+    the other warm-ups, the timed rounds, and each variant's host-time pass
+    (a prefill and up to HOST_STEPS decode steps, priced from the
+    generation's own prompt and decode times; `warm`: time_generation's)."""
+    tps = warm["decode_tps"]
+    step_s = 1 / tps if tps == tps and tps > 0 else warm["decode_s"]
+    host_s = warm["prompt_s"] + min(gen_tokens, HOST_STEPS) * step_s
+    return (n - 1) * done_s + trials * n * gen_s + n * host_s
+
+
 def first_steps(model: nn.Module, prompt: mx.array, steps: int = 3) -> List[float]:
     """Seconds (build + eval) of a fresh model's first decode steps: where a
     compiled engine runs a shape eagerly once and then traces it."""

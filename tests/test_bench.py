@@ -514,3 +514,36 @@ def test_openelm_variants(tmp_path):
         "flashnorm"
     ]
     assert v["flashnorm"]["logits_finite"], v["flashnorm"]
+
+
+def test_the_estimate_prices_every_pass_left():
+    """Issue 60 item 2: after the first variant's warm-up (6 s: first steps,
+    a 4.1 s generation, the logits check), 4 variants and 1 round leave 3
+    warm-ups (18 s), 4 timed generations (16.4 s) and 4 host-time passes
+    (a 1 s prompt and 32 steps at 10 tok/s: 16.8 s): 51 s, where counting
+    generations alone said 29 s."""
+    from flashnorm_mlx.timing import passes_left
+
+    warm = {"prompt_s": 1.0, "decode_s": 3.1, "decode_tps": 10.0}
+    left = passes_left(4, 1, 32, warm, 4.1, 6.0)
+    print(f"{left:.2f} s left")
+    assert left == pytest.approx(18 + 16.4 + 16.8), left
+
+
+def test_the_host_pass_is_one_line_without_verbose(result):
+    """Issue 60 item 2: the host-time pass (seconds of the run) is shown
+    without --verbose, one line (wrapped at 100 columns), every variant."""
+    from rich.console import Console
+
+    from flashnorm_mlx.cli.bench import host_line, render
+
+    line = host_line(result)
+    assert "\n" not in line and line.count("host pass (") == 1, line
+    for v, s in result["variants"].items():
+        assert f"{v} {s['host_build_ms']:.2f} + {s['eval_ms']:.1f}" in line, line
+    console = Console(width=100, record=True, file=open("/dev/null", "w"))
+    render(result, console, verbose=False)
+    text = " ".join(console.export_text().split())
+    print(text)
+    assert " ".join(line.split()) in text, (line, text)
+    assert "per decode step " not in text.replace(line, "")  # --verbose's table

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -288,10 +289,21 @@ def test_verify_defaults_to_the_stored_weights_and_says_so(quantized_dir, capsys
     assert "comparison (stored)" in capsys.readouterr().out
 
 
-def test_verify_in_float16_scores_both_against_stock_float32(quantized_dir, capsys):
+def test_verify_in_float16_scores_both_against_stock_float32(
+    quantized_dir, tmp_path, capsys
+):
     """Two noisy runs compared with each other mislead: float16 FlashNorm and
-    float16 stock are each compared with float32 stock on the same weights."""
-    args = ["verify", str(quantized_dir), "--json", "-g", "4", "--dtype", "float16"]
+    float16 stock are each compared with float32 stock on the same weights.
+    The checkpoint stores float16 (norms too): float32 norms would promote
+    the activations to float32, as mlx-lm's do (tests/test_dtype_rule.py)."""
+    import mlx.core as mx
+
+    half = tmp_path / "half"
+    shutil.copytree(quantized_dir, half)
+    w = mx.load(str(half / "model.safetensors"))
+    floats = {k: v.astype(mx.float16) for k, v in w.items() if v.dtype == mx.float32}
+    mx.save_safetensors(str(half / "model.safetensors"), {**w, **floats})
+    args = ["verify", str(half), "--json", "-g", "4", "--dtype", "float16"]
     assert main(args) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["dtype"] == "float16" and r["comparison"] == "stored", r

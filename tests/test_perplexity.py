@@ -187,3 +187,22 @@ def test_cli_q_says_auto_chose_rtn_on_the_cpu(model_dir, data_file, capsys):
     assert (gptq.AUTO_RTN_NOTE in err) == want, err
     assert main([*argv, "--q-method", "rtn"]) == 0
     assert gptq.AUTO_RTN_NOTE not in " ".join(capsys.readouterr().err.split())
+
+
+def test_cli_default_size_is_the_machines(model_dir, data_file, capsys):
+    """Issue 60 item 2: with no --seq-len/--num-seqs the run is sized for the
+    backend (on MLX's CPU backend 4 windows of 32 tokens: 39 s on the
+    embedded model, 2-core CPU under load, where 16 x 256 took 16 minutes);
+    a flag given is kept."""
+    from flashnorm_mlx.cli.perplexity import CPU_SIZE, GPU_SIZE
+
+    on_cpu = mx.default_device() == mx.cpu
+    seq_len, num_seqs = CPU_SIZE if on_cpu else GPU_SIZE
+    argv = ["perplexity", str(model_dir), "--data", str(data_file), "--json"]
+    assert main([*argv, "--mode", "stock"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["seq_len"], r["num_seqs"]) == (seq_len, num_seqs), r
+    assert seq_len * num_seqs <= (128 if on_cpu else 4096), (seq_len, num_seqs)
+    assert main([*argv, "--mode", "stock", "--num-seqs", "2"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["seq_len"], r["num_seqs"]) == (seq_len, 2), r

@@ -45,3 +45,31 @@ def test_verify_dequantized_float32_matches_stock():
     assert r["max_rel_logit_diff"] <= tiny.f32_tol(), r
     assert r["greedy_match"] == 32, r
     assert r["stock_finite"] and r["flashnorm_finite"], r
+
+
+@pytest.fixture(scope="module")
+def gguf_folder(tmp_path_factory):
+    """The embedded GGUF's tensors as read (4-bit, float16 scales, float32
+    norms), in a folder mlx-lm's own `load` reads: mlx-lm loads no GGUF."""
+    import json
+
+    source = read_source(None)
+    out = tmp_path_factory.mktemp("gguf_folder")
+    mx.save_safetensors(str(out / "model.safetensors"), dict(source.weights))
+    (out / "config.json").write_text(json.dumps(source.config))
+    source.tokenizer.save_pretrained(str(out))
+    return out
+
+
+def test_seeded_text_is_mlx_lms_on_the_embedded_model(gguf_folder, capsys):
+    """Issue 60 item 4: mlx-lm runs these tensors in float32 activations on
+    float16-rounded embeddings; so does the default (FlashNorm), for the same
+    seed (stock's the same: tests/test_dtype_rule.py on a tiny model)."""
+    mode = "flashnorm"
+    from test_mlx_lm_habits import mlx_lm, ours
+
+    argv = ["--temp", "0.8", "--seed", "7", "-m", "8", "-p", QUESTION]
+    want = mlx_lm("--model", str(gguf_folder), *argv)
+    got = ours(capsys, "--mode", mode, *argv)  # the embedded GGUF itself
+    print(f"mlx-lm: {want!r}\nours ({mode}): {got!r}")
+    assert got == want

@@ -190,6 +190,22 @@ def _noise(ratio: dict) -> str:
     return "within noise, " if ratio["within_noise"] else ""
 
 
+def host_line(result: dict) -> str:
+    """The host-time pass in one line (its table is --verbose's): each
+    variant's median host build and eval ms per decode step."""
+    from ..timing import HOST_STEPS
+
+    parts = [
+        f"{v} {s['host_build_ms']:.2f} + {s['eval_ms']:.1f}"
+        for v, s in result["variants"].items()
+    ]
+    steps = min(result["settings"]["gen_tokens"], HOST_STEPS)
+    return (
+        f"host pass ({steps} decode steps after the rounds), build + eval ms per "
+        f"step: {', '.join(parts)}"
+    )
+
+
 def _print_lines(result: dict, console) -> None:
     from rich.markup import escape
 
@@ -200,6 +216,7 @@ def _print_lines(result: dict, console) -> None:
     for key, words in RATIO_LINES:
         if key in ratios:
             console.print(f"{words}: {ratio_line(ratios[key])}")
+    console.print(host_line(result), markup=False)
     h = result["headroom"]
     if h.get("share") is not None:
         console.print(

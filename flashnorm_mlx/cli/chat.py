@@ -472,7 +472,7 @@ def main(argv=None):
     except ChatError as e:
         raise UserError(f"{source.name}: {e}") from None
     if saved is not None:
-        ids = prompt_cache.fit(args.prompt_cache_file, *saved, model)
+        ids = prompt_cache.fit(args.prompt_cache_file, *saved, model, mode)
         if ids is None:
             raise UserError(
                 f"{args.prompt_cache_file} has no token ids (mlx-lm's cache_prompt "

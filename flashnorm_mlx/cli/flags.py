@@ -56,8 +56,8 @@ VALUE_RULES = {
     "seed": (seed_ok, SEED_NEED),
     "horizon": (lambda v: v >= 1, "at least 1"),
     "prefill_step_size": (lambda v: v >= 1, "at least 1"),
-    "seq_len": (lambda v: v >= 2, "at least 2"),
-    "num_seqs": (lambda v: v >= 0, "at least 0 (0: all of the text)"),
+    "seq_len": (lambda v: v is None or v >= 2, "at least 2"),
+    "num_seqs": (lambda v: v is None or v >= 0, "at least 0 (0: all of the text)"),
     "batch_size": (lambda v: v >= 1, "at least 1"),
     "max_context": (lambda v: v is None or v >= 2, "at least 2"),
     "calib_seqs": (lambda v: v >= 1, "at least 1"),
@@ -200,7 +200,9 @@ def add_model_args(
         choices=list(DTYPE_NAMES),
         default=None,
         help="compute dtype (default: float32 on MLX's CPU backend, whose float16 "
-        "kernels are slow; the checkpoint's own dtype on Metal and CUDA)",
+        "kernels are slow; the checkpoint's own dtype on Metal and CUDA); "
+        "quantized weights run as stored are not cast, and their activations "
+        "take mlx-lm's dtype (the norms' promotion), at least this one",
     )
     _add_quantize_args(parser, explain_quantized)
     if engine:

@@ -106,7 +106,7 @@ def main(argv=None):
         )
     model, config = build_for_sampling(args, source, mode)
     if cache is not None:
-        prompt_cache.fit(args.prompt_cache_file, cache, meta, model)
+        prompt_cache.fit(args.prompt_cache_file, cache, meta, model, mode)
         prompt_cache.check_kv_flags(
             args.prompt_cache_file, cache, args.kv_bits, args.kv_group_size
         )

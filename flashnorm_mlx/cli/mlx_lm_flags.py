@@ -216,8 +216,8 @@ def add_prompt_cache_args(parser: argparse.ArgumentParser) -> None:
         type=_existing("a file", "no such file"),
         default=None,
         help="A file containing saved KV caches to avoid recomputing them "
-        "(made by `flashnorm-mlx cache-prompt`, or mlx-lm's cache_prompt for "
-        "--mode stock)",
+        "(made by `flashnorm-mlx cache-prompt`, or mlx-lm's cache_prompt: "
+        "either mode, --mode stock for a model with recurrent layers)",
     )
 
 

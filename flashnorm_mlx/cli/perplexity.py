@@ -15,6 +15,19 @@ from .flags import (
     run_main,
 )
 
+# (--seq-len, --num-seqs) by default: the CPU's run about a minute on the
+# embedded model (2-core CPU: ~8 tokens/s a side), a GPU's the fuller one.
+CPU_SIZE, GPU_SIZE = (32, 4), (256, 16)
+
+
+def default_size(seq_len, num_seqs, on_cpu: bool):
+    """(seq_len, num_seqs) with the machine's defaults where not given."""
+    size = CPU_SIZE if on_cpu else GPU_SIZE
+    return (
+        size[0] if seq_len is None else seq_len,
+        size[1] if num_seqs is None else num_seqs,
+    )
+
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = Parser(
@@ -29,9 +42,22 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help="UTF-8 text file (default: the pydoc topics that ship with Python)",
     )
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    # Sized for the machine: MLX's CPU backend scores ~8 tokens/s a side on the
+    # embedded model, so 16 x 256 took 16 minutes there (issue 60).
     p.add_argument(
-        "--num-seqs", type=int, default=16, help="windows to score (0: all of the text)"
+        "--seq-len",
+        type=int,
+        default=None,
+        help=f"tokens per window (default: {CPU_SIZE[0]} on MLX's CPU backend, "
+        f"{GPU_SIZE[0]} on Metal and CUDA)",
+    )
+    p.add_argument(
+        "--num-seqs",
+        type=int,
+        default=None,
+        help=f"windows to score, 0: all of the text (default: {CPU_SIZE[1]} on "
+        f"MLX's CPU backend, about a minute for the embedded model; {GPU_SIZE[1]} "
+        "on Metal and CUDA)",
     )
     p.add_argument(
         "-b", "--batch-size", type=int, default=4, help="windows per forward"
@@ -61,6 +87,8 @@ def main(argv=None):
     if args.data is not None and not Path(args.data).expanduser().is_file():
         parser.error(f"--data: no such data file: {args.data}")  # before MLX loads
     # MLX and mlx-lm (seconds) once the flags are good.
+    import mlx.core as mx
+
     from .. import models
     from ..jobs.likelihood import load_text, perplexity
     from ..loading import read_source
@@ -75,6 +103,8 @@ def main(argv=None):
         say_slow,
     )
 
+    on_cpu = mx.default_device() == mx.cpu
+    args.seq_len, args.num_seqs = default_size(args.seq_len, args.num_seqs, on_cpu)
     try:
         text = load_text(args.data)
     except LoadError as e:  # a flag's file: flashnorm-mlx perplexity: error:

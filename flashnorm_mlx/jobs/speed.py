@@ -34,7 +34,9 @@ from ..models import covered_words, is_covered, model_classes
 from ..parallel import distributed
 from ..timing import (
     HOST_NOTE,
+    HOST_STEPS,
     first_steps,
+    passes_left,
     round_ratios,
     spread,
     step_times,
@@ -373,21 +375,25 @@ def run_bench(
         first = {}
         for v in variants:
             step(f"warm-up {v}")
+            t0 = time.perf_counter()
             first[v] = first_steps(models[v], prompt)  # an eager step, then a trace
             t1 = time.perf_counter()
             warm = time_generation(models[v], prompt, gen_tokens, **timing)
-            if v == variants[0]:  # what is left: the warm-ups, then every round
-                left = len(variants) - 1 + trials * len(variants)
-                piece = f"a generation of {prompt_tokens}+{gen_tokens} tokens"
-                seconds = time.perf_counter() - t1
-                estimate.tell(on_slow, estimate.projection(piece, seconds, left))
+            t2 = time.perf_counter()
             info[v].update(check_logits(models[v], prompt.tolist() + warm["tokens"]))
+            if v == variants[0]:  # every pass left, priced from this warm-up's
+                done = time.perf_counter() - t0
+                left = passes_left(
+                    len(variants), trials, gen_tokens, warm, t2 - t1, done
+                )
+                line = estimate.projection(f"the warm-up of {v}", done, left / done)
+                estimate.tell(on_slow, line)
         records = _timed_rounds(
             models, variants, prompt, gen_tokens, trials, timing, step
         )
         for v in variants:  # after the rounds, so it cannot disturb them
             step(f"host time {v}")
-            info[v].update(step_times(models[v], prompt, min(gen_tokens, 32)))
+            info[v].update(step_times(models[v], prompt, min(gen_tokens, HOST_STEPS)))
             settled = info[v]["host_build_ms"] + info[v]["eval_ms"]
             info[v]["compile_ms"] = sum(max(0.0, t * 1e3 - settled) for t in first[v])
     step.finish()

@@ -70,7 +70,7 @@ def build_model(
         if by_mlx_lm:  # -q on a family FlashNorm does not cover: mlx-lm's own
             plan = dataclasses.replace(plan, qspec=None)
         model, config, as_is = _construct(
-            source, source_weights, plan, mode, notes, group, by_mlx_lm
+            source, source_weights, plan, mode, notes, group, by_mlx_lm, dtype
         )
     except (LoadError, ValueError, KeyError, IndexError):
         # Weights that do not fit the config: named as the checkpoint names them.
@@ -116,10 +116,13 @@ def _settle(config: dict, mode, engine: Optional[str]) -> Tuple[Mode, str, bool]
     return mode, engine, covered
 
 
-def _construct(source, source_weights, plan, mode: Mode, notes, group, by_mlx_lm):
+def _construct(
+    source, source_weights, plan, mode: Mode, notes, group, by_mlx_lm, dtype
+):
     """(model, config, the source tensors it takes unchanged) of `mode`, its
     weights still lazy: nonorm calibrated whole, every other mode on the
-    tensors `convert` would write (recipe.py)."""
+    tensors `convert` would write (recipe.py), its activations in mlx-lm's
+    dtype (`dtype`: the one asked)."""
     if mode.calibrated:  # the norm-removed speed bound, for `bench`
         return (*nonorm.build_nonorm(plan), set())  # calibrated whole, then split
     recipe = Recipe(source_weights, source.config, plan, keep_norms=not mode.ours)
@@ -128,6 +131,8 @@ def _construct(source, source_weights, plan, mode: Mode, notes, group, by_mlx_lm
     model, config, as_is = _instantiate(
         source.name, recipe, mode.ours, wrapper, notes, group is None
     )
+    _set_activations(model, recipe.act_dtype, mode.ours)
+    _dtype_notes(notes, dtype, plan, recipe.act_dtype)
     del recipe
     if by_mlx_lm:
         model, config = _mlx_lm_quantized(model, config, *by_mlx_lm)
@@ -234,8 +239,41 @@ def _own_handles(source: Source) -> dict:
     return fresh if same else source.weights
 
 
+def _set_activations(model: nn.Module, dtype: mx.Dtype, ours: bool) -> None:
+    """Our embeddings cast to `dtype`, the dtype stock's first norm promotes
+    them to (its norms were loaded in it); the model records it for
+    `model_dtype`."""
+    model.__dict__["_act_dtype"] = dtype
+    if ours:
+        for _, m in model.named_modules():
+            if hasattr(type(m), "act_dtype"):
+                m.act_dtype = dtype
+
+
+def _dtype_notes(notes, given, plan, act: mx.Dtype) -> None:
+    """One line where --dtype was not what the activations run in (stored
+    quantized weights are not cast), and one where they run slow here."""
+    if notes is None:
+        return
+    name = str(act).replace("mlx.core.", "")
+    if given is not None and plan.as_stored and given != act:
+        notes.append(
+            f"--dtype {str(given).replace('mlx.core.', '')}: the stored quantized "
+            f"weights and norms are not cast, so activations run in {name}, as "
+            "mlx-lm's do on this checkpoint (--dequantize or --requantize to "
+            "choose the weights' dtype)"
+        )
+    slow = quant.slow_note(act)
+    if slow and slow not in notes:
+        notes.append(slow)
+
+
 def model_dtype(model: nn.Module) -> str:
-    """The compute dtype: quantization scales' dtype, else the first float weight's."""
+    """The compute dtype: the activations' where loading set it, else the
+    quantization scales' dtype, else the first float weight's."""
+    act = model.__dict__.get("_act_dtype")
+    if act is not None:
+        return str(act).replace("mlx.core.", "")
     params = tree_flatten(model.parameters())
     floats = [(k, v) for k, v in params if mx.issubdtype(v.dtype, mx.floating)]
     scales = [v for k, v in floats if k.endswith(".scales")]

@@ -51,9 +51,18 @@ class Recipe:
         self._hinv: Weights = {}
         self.as_stored = plan.as_stored
         self.out_dtype, self.qspec = plan.dtype, plan.qspec
-        self._cast = not (output and self.as_stored)
-        # A GGUF's K-quants, read in float32, are written in the file's float16.
-        self._written = kquant.file_dtype(config) if not self._cast else None
+        # Stored quantized tensors are never cast (mlx-lm's load casts nothing):
+        # activations follow mlx-lm's promotion, at least the plan's dtype.
+        self._cast = not self.as_stored
+        self.act_dtype = plan.dtype
+        if self.as_stored:
+            self.act_dtype = quant.activation_dtype(weights, plan.dtype)
+        # Stored norms loaded widened to it (exact), so stock's promote alike.
+        self._widen = self.as_stored and not output
+        # A GGUF's K-quants, read in float32: written in the file's float16,
+        # loaded in the activations' dtype (docs/design.md section 2i).
+        file_dtype = kquant.file_dtype(config)
+        self._written = file_dtype if output or not file_dtype else self.act_dtype
         self._float_read = set(kquant.floats_of(config) or ())
         covered = models.is_covered(config)
         self._arch = models.architecture(config) if covered else None
@@ -111,13 +120,7 @@ class Recipe:
             k[: -len(".weight")] for k in self.order if _is_matrix(k, out[k])
         ]
         self.small = {
-            k: (
-                out[k]
-                if self._uncast and k.endswith(self._uncast)
-                else self._out(out[k])
-            )
-            for k in self.order
-            if not _is_matrix(k, out[k])
+            k: self._small(k, out[k]) for k in self.order if not _is_matrix(k, out[k])
         }
 
     def _out(self, v: mx.array) -> mx.array:
@@ -130,11 +133,18 @@ class Recipe:
 
     def _stored(self, key: str, v: mx.array) -> mx.array:
         """`_out`, but a GGUF's K-quants (scales and biases, float-read weights),
-        read in float32, written in the file's float16."""
+        read in float32, written in the file's float16 (loaded: `_written`)."""
         module, _, suffix = key.rpartition(".")
         narrow = suffix in ("scales", "biases") or module in self._float_read
-        if self._written and narrow and v.dtype == mx.float32:
+        if narrow and v.dtype == mx.float32 and self._written not in (None, v.dtype):
             return v.astype(self._written)
+        return self._out(v)
+
+    def _small(self, k: str, v: mx.array) -> mx.array:
+        if self._uncast and k.endswith(self._uncast):
+            return v
+        if self._widen and quant.is_norm(k, v) and v.dtype != self.act_dtype:
+            return v.astype(self.act_dtype)
         return self._out(v)
 
     def calibrate(self, tokenizer, calibration: "gptq.Calibration", advance=None):

@@ -90,6 +90,9 @@ class DecoderModel(nn.Module):
 
     # mlx-lm's Gemma 3 rounds sqrt(width) to bfloat16 first; Gemma 4 does not.
     ROUND_EMBED_SCALE = True
+    # The dtype stock's first norm promotes the embeddings to (loading sets it
+    # on stored weights: docs/design.md section 1); None: the embeddings'.
+    act_dtype = None
 
     def __init__(self, args, arch: Architecture, layers: List[Block], norm_gains):
         super().__init__()
@@ -124,6 +127,8 @@ class DecoderModel(nn.Module):
             if self.ROUND_EMBED_SCALE:
                 scale = mx.array(scale, mx.bfloat16).astype(h.dtype)
             h = h * scale
+        if self.act_dtype is not None and h.dtype != self.act_dtype:
+            h = h.astype(self.act_dtype)
         return h
 
     def final_gain(self):

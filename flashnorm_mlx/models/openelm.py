@@ -135,6 +135,8 @@ class TransformerBlock(Block):
 
 
 class OpenELMModel(nn.Module):
+    act_dtype = None  # as decoder.DecoderModel's: stock's promoted dtype
+
     def __init__(self, args: ModelArgs, norm_gains: bool = False):
         super().__init__()
         self.args = args
@@ -149,6 +151,8 @@ class OpenELMModel(nn.Module):
 
     def __call__(self, inputs, cache=None):
         h = self.token_embeddings(inputs)
+        if self.act_dtype is not None and h.dtype != self.act_dtype:
+            h = h.astype(self.act_dtype)
         cache = cache or [None] * len(self.layers)
         mask = create_attention_mask(h, cache[0])
         gain = self.norm.weight if "norm" in self else None

@@ -11,12 +11,15 @@
 from .plan import (
     QUANTIZED_WAYS,
     WeightPlan,
+    activation_dtype,
     compute_dtype,
     describe,
     has_norm_gains,
+    is_norm,
     mark_norm_gains,
     plan_weights,
     requantizes,
+    slow_note,
     source_dtype,
 )
 from .specs import (
@@ -35,11 +38,13 @@ from .specs import (
 __all__ = [
     "QUANTIZED_WAYS",
     "WeightPlan",
+    "activation_dtype",
     "affine_spec",
     "compute_dtype",
     "dequantize_weights",
     "describe",
     "has_norm_gains",
+    "is_norm",
     "is_quantized",
     "mark_norm_gains",
     "plan_weights",
@@ -48,6 +53,7 @@ __all__ = [
     "quantize_weights",
     "q_settings",
     "requantizes",
+    "slow_note",
     "rtn",
     "source_dtype",
     "source_qspec",

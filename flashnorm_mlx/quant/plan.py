@@ -63,6 +63,43 @@ def compute_dtype(weights: Weights, config: Optional[dict] = None) -> mx.Dtype:
     return source_dtype(weights, config)
 
 
+def is_norm(key: str, value: mx.array) -> bool:
+    """A norm's gain tensor (1-D, named *norm*.weight): what mlx-lm's norms
+    multiply by, so what promotes its activations' dtype."""
+    return value.ndim == 1 and "norm" in key and key.endswith(".weight")
+
+
+def activation_dtype(weights: Weights, dtype: mx.Dtype) -> mx.Dtype:
+    """mlx-lm's activation dtype on stored weights, at least `dtype`.
+
+    mlx-lm's load casts nothing: its activations start in the embedding's
+    dtype (its scales' when quantized) and the first norm promotes them with
+    its gain's (mx.fast.rms_norm, like a matmul, returns the promoted dtype),
+    so float16 weights with float32 norms run in float32 (docs/design.md
+    section 1). `dtype` (--dtype, or the backend's default) joins the promotion:
+    float32 on a CPU stays float32, and widening is exact."""
+    out = dtype
+    for k, v in weights.items():
+        if not mx.issubdtype(v.dtype, mx.floating):
+            continue
+        if is_norm(k, v) or "embed" in k:
+            # MLX's promotion, read off a lazy add (nothing is computed).
+            out = (mx.zeros((), out) + mx.zeros((), v.dtype)).dtype
+    return out
+
+
+def slow_note(dtype: mx.Dtype) -> Optional[str]:
+    """One line where activations in `dtype` are slow on this backend."""
+    if mx.default_device() != mx.cpu or dtype not in (mx.float16, mx.bfloat16):
+        return None
+    name = str(dtype).replace("mlx.core.", "")
+    return (
+        f"activations run in {name}, which MLX's CPU backend computes many times "
+        "slower than float32 (a 4-bit matmul ~35x); --dtype float32 is the fast "
+        "choice here"
+    )
+
+
 def plan_weights(
     weights: Weights,
     config: dict,
