@@ -169,7 +169,9 @@ def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
     x = mx.array([PROMPT])
     a, b = stock(x), fused(x)
     rel = (mx.abs(a - b).max() / mx.abs(a).max()).item()
-    assert rel < 1e-5, rel
+    # OpenBLAS (blas.py) blocks a stacked matmul unlike its parts: float32
+    # rounding (up to 1.1e-5 seen), where a wrong stack is off by O(1).
+    assert rel < tiny.f32_tol(), rel
     nbytes = lambda m: sum(v.nbytes for _, v in tree_flatten(m.parameters()))
     assert nbytes(fused) == nbytes(stock)
     stacked = [n for n, m in fused.named_modules() if type(m).__name__ == "Stacked"]

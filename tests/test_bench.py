@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 
 from flashnorm_mlx import blas, dispatch
 from flashnorm_mlx.cli import main
-from flashnorm_mlx.jobs import speed
+from flashnorm_mlx.jobs import speed, speed_report
 from flashnorm_mlx.loading import Source, build_model, nonorm, read_source
 from flashnorm_mlx.loading.rows import NAMES
 from flashnorm_mlx.timing import time_generation
@@ -189,17 +189,17 @@ def test_a_kernel_that_fell_back_is_in_the_notes_and_json(result, monkeypatch):
     assert result["kernel_failures"] == [], result["kernel_failures"]
     line = "the residual kernel failed its first-use check on cuda (boom); ..."
     monkeypatch.setattr(_common, "FAILED", {("residual", "cuda"): line})
-    assert line in speed._notes(result["device"], result["variants"])
+    assert line in speed_report.notes(result["device"], result["variants"])
 
 
 def test_headroom_share_only_outside_the_noise():
     """A share of a gap the rounds' spread includes is a percentage of noise
     (this CPU once printed -221%): none is given, and the note says why."""
-    h = speed._headroom(_summary(10.0, 11.0, 12.0), _bound([1.15, 1.2, 1.25]))
+    h = speed_report.headroom(_summary(10.0, 11.0, 12.0), _bound([1.15, 1.2, 1.25]))
     assert h["share"] == 0.5 and "note" not in h, h
-    h = speed._headroom(_summary(10.60, 10.0, 10.61), _bound([0.97, 1.0, 1.04]))
+    h = speed_report.headroom(_summary(10.60, 10.0, 10.61), _bound([0.97, 1.0, 1.04]))
     assert h["share"] is None and "within noise" in h["note"], h
-    h = speed._headroom(_summary(10.0, 10.0, 9.0), _bound([0.85, 0.9, 0.95]))
+    h = speed_report.headroom(_summary(10.0, 10.0, 9.0), _bound([0.85, 0.9, 0.95]))
     assert h["share"] is None and "slower than stock" in h["note"], h
 
 
@@ -209,10 +209,10 @@ def test_one_round_gives_no_headroom_share():
     the note says why."""
     bound = _bound([1.3])
     bound["nonorm_vs_stock"]["decode"]["rounds"] = 1
-    h = speed._headroom(_summary(10.0, 8.0, 13.0), bound)
+    h = speed_report.headroom(_summary(10.0, 8.0, 13.0), bound)
     assert h["share"] is None and "one round" in h["note"], h
     bound["nonorm_vs_stock"]["decode"]["rounds"] = 3  # the same numbers, 3 rounds
-    assert speed._headroom(_summary(10.0, 8.0, 13.0), bound)["share"] < 0
+    assert speed_report.headroom(_summary(10.0, 8.0, 13.0), bound)["share"] < 0
 
 
 def test_launches_per_token_reported_and_flashnorm_fewest_on_a_gpu(result):

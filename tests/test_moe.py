@@ -343,7 +343,9 @@ def test_stock_fused_stacks_each_experts_gate_and_up_and_is_stock(
     errs = [rel(fused(x, cache=cf), stock(x, cache=cs))]
     t = mx.array([[7]])
     errs.append(rel(fused(t, cache=cf), stock(t, cache=cs)))
-    assert max(errs) < 1e-6, errs
+    # OpenBLAS (blas.py) blocks the stacked matmuls unlike their parts: float32
+    # rounding (up to 1.2e-5 seen; 1e-6 on the reference BLAS).
+    assert max(errs) < tiny.f32_tol(), errs
 
 
 def test_bench_counts_fewer_launches_and_nonorm_runs(source):

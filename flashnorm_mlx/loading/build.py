@@ -223,9 +223,9 @@ def _own_handles(source: Source) -> dict:
     opened again, lazily, for one build alone: the tensors it reads (to fold,
     stack or cut a shard from) are then freed once used, where `source`'s own
     (shared) handles would keep them. Anything else (GGUF, which mx.load reads
-    whole; weights not as the files hold them): `source`'s."""
-    if not source.files or source.adapter is not None:  # not the files'
-        return source.weights
+    whole; weights not as the files hold them, `folder=None`): `source`'s."""
+    if source.folder is None or not source.files or source.adapter is not None:
+        return source.weights  # not the files'
     try:
         fresh = source_weights(
             source.config, open_weights(source.files), source.wrapper
