@@ -10,7 +10,8 @@ import pytest
 import tiny
 from test_mlx_lm_habits import SAMPLING, mlx_lm, ours
 
-from flashnorm_mlx.loading import load, model_dtype
+from flashnorm_mlx import load
+from flashnorm_mlx.loading import model_dtype
 from flashnorm_mlx.quant import slow_note
 
 

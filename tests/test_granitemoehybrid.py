@@ -267,7 +267,11 @@ def test_load_peak_is_stocks(tmp_path, quantized):
     if quantized:
         mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
         path = tmp_path / "q"
-    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    # The least of 5 builds: MLX's CPU allocator leaves 0-4% over a build's
+    # parameters, differently each time (1.034x once in a loaded run of 3).
+    peaks = {
+        m: test_load_memory._peak(path, m, False, 5) for m in ("stock", "flashnorm")
+    }
     print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
 

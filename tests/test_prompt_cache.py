@@ -127,12 +127,13 @@ def test_mlx_lm_s_own_cache_file_continues_as_mlx_lm_s_generate(
 def test_an_mlx_lm_file_with_recurrent_layers_asks_for_stock(tmp_path):
     """Where a layer holds recurrent state (LFM2's convolutions), FlashNorm
     does not take an mlx-lm file: one line naming --mode stock."""
-    from flashnorm_mlx import prompt_cache
-    from flashnorm_mlx.loading import LoadError, load
+    from flashnorm_mlx import load, prompt_cache
+    from flashnorm_mlx.loading import LoadError
+    from flashnorm_mlx.modes import FLASHNORM
 
     model, _ = load(str(tiny.make_lfm2(tmp_path / "lfm2")), dtype=mx.float32)
     with pytest.raises(LoadError) as e:
-        prompt_cache.fit("f.safetensors", [], {"model": "m"}, model, "flashnorm")
+        prompt_cache.fit("f.safetensors", [], {"model": "m"}, model, FLASHNORM)
     line = str(e.value)
     print(line)
     assert "recurrent state" in line and "--mode stock" in line, line

@@ -122,7 +122,11 @@ def test_verify_float32_and_stock_quantized_as_stored(source, stock_q4, engine):
     r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
     assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
     r = compare(stock_q4, PROMPT, horizon=32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    # Rounding grown over 32 steps: OpenBLAS (blas.py) sums the float32 matmuls
+    # in another order than the reference BLAS (1.08e-4 seen there, under 1e-4
+    # without it); a break is off by 1e-2 or more.
+    assert r["max_rel_logit_diff"] < tiny.f32_tol(2e-4), r
+    assert r["greedy_match"] == 32, r
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])

@@ -53,7 +53,7 @@ class Recipe:
         self.out_dtype, self.qspec = plan.dtype, plan.qspec
         # Stored quantized tensors are never cast (mlx-lm's load casts nothing):
         # activations follow mlx-lm's promotion, at least the plan's dtype.
-        self._cast = not self.as_stored
+        self._cast = not self.as_stored or (plan.cast_stored and not output)
         self.act_dtype = plan.dtype
         if self.as_stored:
             self.act_dtype = quant.activation_dtype(weights, plan.dtype)
@@ -136,8 +136,14 @@ class Recipe:
         read in float32, written in the file's float16 (loaded: `_written`)."""
         module, _, suffix = key.rpartition(".")
         narrow = suffix in ("scales", "biases") or module in self._float_read
-        if narrow and v.dtype == mx.float32 and self._written not in (None, v.dtype):
-            return v.astype(self._written)
+        written = self._written
+        if (
+            narrow
+            and v.dtype == mx.float32
+            and written is not None
+            and written != v.dtype
+        ):
+            return v.astype(written)
         return self._out(v)
 
     def _small(self, k: str, v: mx.array) -> mx.array:

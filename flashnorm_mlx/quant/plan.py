@@ -29,7 +29,9 @@ class WeightPlan:
     quantized ones; config: without a quantization block unless
     `as_stored`;
     qspec: module -> {"bits", "group_size", q_mode} to quantize after the fold,
-    or None; note: one line for the user when the choice is not the obvious one.
+    or None; note: one line for the user when the choice is not the obvious one;
+    cast_stored: stored tensors cast to `dtype` all the same (a GGUF: llama.cpp
+    computes in float32 from its float16 scales, exact when widened).
     """
 
     weights: Weights
@@ -38,6 +40,7 @@ class WeightPlan:
     qspec: Optional[dict] = None
     as_stored: bool = False
     note: Optional[str] = None
+    cast_stored: bool = False
 
 
 def source_dtype(weights: Weights, config: Optional[dict] = None) -> mx.Dtype:
@@ -154,7 +157,9 @@ def _plan(
         return WeightPlan(weights, config, dtype, qspec)
     if quantize is None and quantized_way == "stored":
         # The file's own function and bytes, as the user asked: nothing to say.
-        return WeightPlan(weights, config, dtype, as_stored=True)
+        return WeightPlan(
+            weights, config, dtype, as_stored=True, cast_stored=bool(whole)
+        )
     requantize = quantized_way == "requantize"
     qspec = {**source_qspec(weights, config), **floats} if requantize else None
     if floats:  # one setting per stacked q|k|v, gate|up
