@@ -13,7 +13,7 @@ import sys
 from typing import Optional
 
 # Sonames of OpenBLAS's 32-bit-integer builds, cblas_* unprefixed: Debian and
-# Ubuntu (any threading variant, by alternatives), Fedora's pthread and OpenMP.
+# Ubuntu (any threading build, by alternatives), Fedora's pthread and OpenMP.
 SONAMES = ("libopenblas.so.0", "libopenblasp.so.0", "libopenblaso.so.0")
 OFF = ("off", "0", "no", "false", "reference")
 
