@@ -33,6 +33,16 @@ SOONER = (
     "chat.PREFILL_NOTICE_S = 0.5\n"
 )
 AS_MAIN = "import runpy\nrunpy.run_module('flashnorm_mlx', run_name='__main__')"
+# Ctrl-C as a terminal gives it: SIGINT at Python's default, not blocked. A
+# child inherits an ignored or blocked SIGINT from the process that starts it;
+# in one whole-suite run (2026-12-06) every Ctrl-C test's child ran to its end
+# (rc 0) as such a child would, though each passes alone and after the serve
+# files: the worker's state, whatever set it, is not a user's terminal.
+DEFAULT_SIGINT = (
+    "import signal\n"
+    "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])\n"
+)
 
 
 class Run:
@@ -43,7 +53,7 @@ class Run:
     def __init__(self, *args, importtime=False, stdin=subprocess.DEVNULL, setup=""):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         flags = ["-X", "importtime"] if importtime else []
-        main = ["-c", setup + AS_MAIN] if setup else ["-m", "flashnorm_mlx"]
+        main = ["-c", DEFAULT_SIGINT + setup + AS_MAIN]
         self.start = time.perf_counter()
         self.proc = subprocess.Popen(
             [sys.executable, *flags, *main, *args],
