@@ -1,9 +1,9 @@
 """Build stock, FlashNorm or nonorm models on one checkpoint's weights.
 
-`build_model` builds any mode on a `Source` (source.py), `load` reads and
-builds. Weights, dtype and quantization are decided once by
-`quant.plan_weights`, shared with `convert` and nonorm; every mode but
-nonorm is built on the tensors `recipe.Recipe` makes, the ones `convert` writes.
+`build_model` builds any mode on a `Source` (source.py). Weights, dtype and
+quantization are decided once by `quant.plan_weights`, shared with `convert`
+and nonorm; every mode but nonorm is built on the tensors `recipe.Recipe`
+makes, the ones `convert` writes.
 """
 
 import contextlib

@@ -51,8 +51,9 @@ class Recipe:
         self._hinv: Weights = {}
         self.as_stored = plan.as_stored
         self.out_dtype, self.qspec = plan.dtype, plan.qspec
-        # Stored quantized tensors are never cast (mlx-lm's load casts nothing):
-        # activations follow mlx-lm's promotion, at least the plan's dtype.
+        # Stored quantized tensors are not cast (mlx-lm's load casts nothing):
+        # activations follow mlx-lm's promotion, at least the plan's dtype. A
+        # GGUF's are (`cast_stored`: llama.cpp computes in float32).
         self._cast = not self.as_stored or (plan.cast_stored and not output)
         self.act_dtype = plan.dtype
         if self.as_stored:
