@@ -21,7 +21,6 @@ from test_glm4_moe import _differ, _picks  # GLM's grouped router, the same
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold, kernels
-from flashnorm_mlx.jobs import speed
 from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
@@ -280,14 +279,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
 
 
 def test_bench_counts_fewer_launches(tmp_path):
-    r = speed.run_bench(
-        _source(tmp_path, "deepseek_v3"), prompt_tokens=6, gen_tokens=3, trials=1
-    )
-    v = r["variants"]
-    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
-    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
-    print("launches per decode step:", gpu)
-    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+    tiny.bench_launches(_source(tmp_path, "deepseek_v3"))
 
 
 def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):

@@ -324,14 +324,7 @@ def test_the_wrapper_is_read_as_its_text_model_and_stock_is_mlx_lms(tmp_path):
 
 
 def test_bench_counts_fewer_launches(source):
-    from flashnorm_mlx.jobs import speed
-
-    r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
-    v = r["variants"]
-    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
-    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
-    print("launches per decode step:", gpu)
-    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+    tiny.bench_launches(source)
 
 
 @pytest.fixture(scope="module")

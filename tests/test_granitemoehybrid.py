@@ -21,7 +21,6 @@ from mlx_lm.generate import generate_step
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold
-from flashnorm_mlx.jobs import speed
 from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
@@ -243,12 +242,7 @@ def test_convert_q_loads_in_mlx_lm(tmp_path, method):
 
 
 def test_bench_counts_fewer_launches(source):
-    r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
-    v = r["variants"]
-    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
-    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
-    print(source.config["num_local_experts"], "launches per decode step:", gpu)
-    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+    tiny.bench_launches(source, str(source.config["num_local_experts"]))
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])

@@ -21,7 +21,6 @@ from mlx_lm.generate import generate_step
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold, kernels
-from flashnorm_mlx.jobs import speed
 from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
@@ -156,14 +155,7 @@ def test_fold_twice_and_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
 
 
 def test_bench_counts_fewer_launches(tmp_path):
-    r = speed.run_bench(
-        _source(tmp_path, "llama4_text"), prompt_tokens=6, gen_tokens=3, trials=1
-    )
-    v = r["variants"]
-    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
-    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
-    print("launches per decode step:", gpu)
-    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+    tiny.bench_launches(_source(tmp_path, "llama4_text"))
 
 
 def test_two_rank_tensor_parallel_matches_one_process(tmp_path):
@@ -374,14 +366,7 @@ def test_moe_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
 
 
 def test_moe_bench_counts_fewer_launches(tmp_path):
-    r = speed.run_bench(
-        _moe_source(tmp_path, "llama4"), prompt_tokens=6, gen_tokens=3, trials=1
-    )
-    v = r["variants"]
-    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
-    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
-    print("launches per decode step:", gpu)
-    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+    tiny.bench_launches(_moe_source(tmp_path, "llama4"))
 
 
 def test_moe_two_rank_tensor_parallel_matches_one_process(tmp_path):

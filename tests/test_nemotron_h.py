@@ -22,7 +22,6 @@ from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold
 from flashnorm_mlx.errors import ShardError
-from flashnorm_mlx.jobs import speed
 from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
@@ -295,14 +294,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bench_counts_fewer_launches(tmp_path, name):
-    r = speed.run_bench(
-        _source(tmp_path, name), prompt_tokens=6, gen_tokens=3, trials=1
-    )
-    v = r["variants"]
-    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
-    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
-    print(name, "launches per decode step:", gpu)
-    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+    tiny.bench_launches(_source(tmp_path, name), name)
 
 
 @pytest.mark.slow

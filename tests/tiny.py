@@ -583,6 +583,22 @@ def stock_float32_error() -> float:
     return (mx.abs(here - ref).max() / mx.abs(ref).max()).item()
 
 
+def bench_launches(source, label: str = "") -> dict:
+    """bench's quickest run on `source` (6 prompt tokens, 3 decoded, one round),
+    as every family's test runs it: every row's logits finite, and FlashNorm
+    launching fewer kernels a decode step (the GPU model: each mx.fast op and
+    kernel one launch) than stock and stock_fused. Returns bench's result."""
+    from flashnorm_mlx.jobs import speed
+
+    r = speed.run_bench(source, prompt_tokens=6, gen_tokens=3, trials=1)
+    v = r["variants"]
+    assert all(v[n]["logits_finite"] and v[n]["all_trials_finite"] for n in v), v
+    gpu = {n: v[n]["dispatches_per_token_gpu_model"] for n in v}
+    print(label, "launches per decode step:", gpu)
+    assert gpu["flashnorm"] < min(gpu["stock"], gpu["stock_fused"]), gpu
+    return r
+
+
 def shard_tol() -> float:
     """Two ranks against one process, float32: each rank's matmuls are half as
     wide, and an optimized BLAS (OpenBLAS, blas.py) blocks them otherwise, so
