@@ -296,9 +296,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     main = {"model": paths["deepseek_v3"], "mode": "flashnorm"}
     cases.append({**main, "name": "stock", "mode": "stock"})
     cases.append({**main, "name": "q4", "quantize": [4, 32]})
-    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
-    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
-    assert max(errs.values()) < tiny.shard_tol(), errs
+    test_distributed.ranks_match_one_process(cases, tmp_path)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])

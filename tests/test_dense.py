@@ -171,9 +171,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
         for fam, path in paths.items()
         for mode in ("flashnorm", "stock")
     ]
-    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
-    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
-    assert max(errs.values()) < tiny.shard_tol(), errs
+    test_distributed.ranks_match_one_process(cases, tmp_path)
 
 
 # --- what a family cannot do is declared in its ARCH and is one line -------------

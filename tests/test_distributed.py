@@ -229,6 +229,14 @@ def launch2(args, env=None, stdin=None):
     return launch(2, args, env, stdin)
 
 
+def ranks_match_one_process(cases, tmp_path) -> None:
+    """`two_ranks_and_one` on `cases`: each within float32 rounding of one
+    process (tiny.shard_tol), as every family's tensor-parallel test asks."""
+    _, _, errs, secs = two_ranks_and_one(cases, tmp_path)
+    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
+    assert max(errs.values()) < tiny.shard_tol(), errs
+
+
 def two_ranks_and_one(cases, tmp_path):
     """Every case (tests/distributed_child.py's) built over a 2-rank launch and
     in this one process: (the launch's arrays, {name: (logits, tokens)} of one

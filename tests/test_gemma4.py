@@ -414,9 +414,7 @@ def test_two_rank_tensor_parallel_matches_one_process(tmp_path):
         cases.append({"name": name, "model": path, "mode": "flashnorm"})
         q4 = {"name": f"{name}-q4", "model": path, "mode": "flashnorm"}
         cases.append({**q4, "quantize": [4, 32]})
-    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
-    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
-    assert max(errs.values()) < tiny.shard_tol(), errs
+    test_distributed.ranks_match_one_process(cases, tmp_path)
 
 
 # =============================================================================

@@ -285,9 +285,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
             cases.append({"name": f"{name}-{mode}", "model": str(path), "mode": mode})
         q4 = {"mode": "flashnorm", "quantize": [4, 32]}
         cases.append({"name": f"{name}-q4", "model": str(path), **q4})
-    _, _, errs, secs = test_distributed.two_ranks_and_one(cases, tmp_path)
-    print(f"2 ranks in {secs:.1f} s; vs one process {errs}")
-    assert max(errs.values()) < tiny.shard_tol(), errs
+    test_distributed.ranks_match_one_process(cases, tmp_path)
 
 
 def test_mamba_layers_alone_and_low_precision(tmp_path):
