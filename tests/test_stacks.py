@@ -73,3 +73,30 @@ def test_mixed_stacks_run_in_flashnorm_as_stock(v_spec, way, over):
     print(f"{way}: FlashNorm vs stock {r['max_rel_logit_diff']:.3e}; {notes[0]}")
     assert r["max_rel_logit_diff"] < tiny.f32_tol(), r
     assert r["greedy_match"] == 8, r
+
+
+def test_a_mixed_stack_that_cannot_be_joined_is_dequantized_in_float():
+    """Where the model may not hold a Joined (a sharded build cuts stacked
+    rows), a float v beside 4-bit q and k makes every member float: the
+    stored function, reference mx.dequantize in float32 of each member."""
+    from flashnorm_mlx.loading.stacks import common_settings, note
+
+    source = _mixed(None, {"group_size": 64, "bits": 6, "mode": "affine"}, {})
+    before = dict(source.weights)
+    tensors, config, added = common_settings(
+        source.weights, source.config, mx.float32, join=False
+    )
+    q = config["quantization"]
+    for m in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"):
+        assert f"{m}.scales" not in tensors and m not in q, m
+        want = mx.dequantize(
+            before[f"{m}.weight"],
+            before[f"{m}.scales"].astype(mx.float32),
+            before[f"{m}.biases"].astype(mx.float32),
+            group_size=64,
+            bits=4,
+        )
+        got = tensors[f"{m}.weight"]
+        assert got.dtype == mx.float32 and mx.array_equal(got, want).item(), m
+    assert added["float"] > 0 and added["joined"] == 0, added
+    assert "dequantized into a float stack" in note(added), note(added)
