@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import models
 from ..limits import AFFINE, q_mode_of
-from ..quant import affine_spec, quant_params
+from ..quant import affine_spec, dequantize_weights, quant_params
 from .gguf_kquant import pack
 
 
@@ -85,8 +85,10 @@ def common_settings(
                 added["joined"] += 1
                 added["avoided"] += floated
                 continue
-            for p, s in specs.items():
-                tensors.update(_dequantized(tensors, p, s, dtype))
+            for p in specs:  # quant/specs.py's float32 dequantization
+                part = {f"{p}.{a}": tensors.pop(f"{p}.{a}", None) for a in _ARRAYS}
+                part = {k: v for k, v in part.items() if v is not None}
+                tensors.update(dequantize_weights(part, config, dtype)[0])
                 q.pop(p, None)
             added["float"] += floated
             added["members"] += len(specs)
@@ -165,23 +167,6 @@ def _lifted(tensors: dict, module: str, spec: dict, bits: int, group: int) -> di
         f"{module}.scales": mx.repeat(scales, times, axis=-1),
         f"{module}.biases": mx.repeat(biases, times, axis=-1),
     }
-
-
-def _dequantized(tensors: dict, module: str, spec: dict, dtype: mx.Dtype) -> dict:
-    keys = [f"{module}.{k}" for k in _ARRAYS]
-    packed, scales, biases = (tensors.pop(k, None) for k in keys)
-    if mx.issubdtype(scales.dtype, mx.floating):  # float32 math (quant/specs.py)
-        scales = scales.astype(mx.float32)
-        biases = None if biases is None else biases.astype(mx.float32)
-    w = mx.dequantize(
-        packed,
-        scales,
-        biases,
-        group_size=spec["group_size"],
-        bits=spec["bits"],
-        mode=q_mode_of(spec),
-    )
-    return {f"{module}.weight": w.astype(dtype)}
 
 
 def note(added: Dict[str, int]) -> str:
