@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import List, Optional
 
 from .flags import VARIANT_NAMES, Parser, add_model_args, run_main
 from .mlx_lm_flags import add_adapter_args, add_draft_args
@@ -261,23 +262,42 @@ def _print_lines(result: dict, console) -> None:
 @run_main
 def main(argv=None):
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    # MLX and mlx-lm (seconds) once argparse is content: bench's own checks need them.
-    from ..errors import BenchError
-    from ..jobs.speed import run_bench, validate
-    from ..loading import read_source
-    from ..parallel import distributed
-    from .common import StageLog, join_launch, model_kwargs
-
     if args.draft_model:  # speed_draft.py: the model alone against with the draft
         return _draft_main(parser, args)
-    variants = None  # every row the model can run
+    # MLX and mlx-lm (seconds) once argparse is content: bench's own checks need them.
+    from ..loading import read_source
+    from ..parallel import distributed
+    from .common import join_launch
+
+    variants = _checked_rows(parser, args)
+    join_launch(args, sampling=False)  # mlx.launch with several ranks: tensor parallel
+    source = read_source(
+        args.model, need_tokenizer=False, adapter_path=args.adapter_path
+    )
+    result = _run_under_bar(args, source, variants)
+    if args.json and distributed.is_main_rank():  # one writer per launch
+        write_json(args.json, result)
+    out = Console()
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(width=100)  # piped or redirected: the table's own width
+    render(result, out, args.verbose)
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _checked_rows(parser, args) -> Optional[List[str]]:
+    """--variants as a list (None: every row the model can run), the flags
+    checked before the (slow) read: flashnorm-mlx bench: error:, exit 2."""
+    from ..errors import BenchError
+    from ..jobs.speed import validate
+
+    variants = None
     if args.variants is not None:
         variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    # Flags checked before the (slow) read: flashnorm-mlx bench: error:, exit 2.
     try:
         validate(
             VARIANT_NAMES if variants is None else variants,
@@ -290,25 +310,26 @@ def main(argv=None):
         parser.error(str(e))
     if args.json and not Path(args.json).expanduser().parent.is_dir():
         parser.error(f"--json: no such folder: {Path(args.json).expanduser().parent}")
-    join_launch(args, sampling=False)  # mlx.launch with several ranks: tensor parallel
-    source = read_source(
-        args.model, need_tokenizer=False, adapter_path=args.adapter_path
-    )
+    return variants
+
+
+def _run_under_bar(args, source, variants):
+    """run_bench with a live bar on a terminal; elsewhere StageLog's lines say
+    where it is (a stopped bar would add a blank line, before Ctrl-C's too)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..jobs.speed import run_bench
+    from ..parallel import distributed
+    from .common import StageLog, model_kwargs
 
     err = Console(stderr=True)
+    columns = (TextColumn("{task.description:<24}"), BarColumn())
+    columns += (TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
     with Progress(
-        TextColumn("{task.description:<24}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-        # Elsewhere StageLog's lines say where it is; a stopped bar would add a
-        # blank line (before Ctrl-C's, too).
-        disable=not err.is_terminal,
+        *columns, console=err, transient=True, disable=not err.is_terminal
     ) as bar:
         task = bar.add_task("reading", total=None)
-
         log, previous = StageLog("bench"), []
 
         def say(line):  # above the live bar, where there is one
@@ -325,7 +346,7 @@ def main(argv=None):
                 log(f"{previous[0]}: done, step {done}/{total}")
             previous[:] = [desc]
 
-        result = run_bench(
+        return run_bench(
             source,
             variants,
             args.prompt_tokens,
@@ -337,15 +358,6 @@ def main(argv=None):
             on_slow=say if distributed.is_main_rank() else None,
             **model_kwargs(args),
         )
-    if args.json and distributed.is_main_rank():  # one writer per launch
-        write_json(args.json, result)
-    out = Console()
-    if not out.is_terminal and "COLUMNS" not in os.environ:
-        out = Console(width=100)  # piped or redirected: the table's own width
-    render(result, out, args.verbose)
-    if args.json:
-        print(f"wrote {args.json}")
-    return 0
 
 
 def _draft_main(parser, args) -> int:

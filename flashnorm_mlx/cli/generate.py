@@ -75,14 +75,7 @@ def _json_grammar(args):
 def main(argv=None):
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    prompt = (
-        sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
-    )
-    if not prompt.strip():  # the model would answer an empty message
-        parser.error("-p/--prompt is empty (-p TEXT, or -p - to read stdin)")
-    if args.prompt_cache_file is not None and args.draft_model:
-        # The file holds the model's layers only; the draft would start empty.
-        parser.error("--prompt-cache-file and --draft-model cannot be used together")
+    prompt = _checked_prompt(parser, args)
     # MLX and mlx-lm (seconds) once the flags are good.
     from mlx_lm import stream_generate
 
@@ -133,13 +126,7 @@ def main(argv=None):
     )
     sampler = make_sampler(args, tokenizer)
     if grammar is not None:  # the mask after any other processor (grammar.py)
-        from ..errors import UserError
-        from ..grammar import GrammarError, Grammars
-
-        try:
-            mask = Grammars(tokenizer).processor(grammar, args.max_tokens)
-        except GrammarError as e:
-            raise UserError(f"--json-schema {args.json_schema}: {e}") from None
+        mask = _grammar_mask(args, tokenizer, grammar)
         kwargs["logits_processors"] = (kwargs.get("logits_processors") or []) + [mask]
     last = None
     responses = stream_generate(
@@ -156,8 +143,38 @@ def main(argv=None):
         if tally is not None:
             tally.add(last.from_draft)
     print()
-    if not args.verbose:  # mlx-lm's --verbose False: the reply alone
-        return 0
+    if args.verbose:  # mlx-lm's --verbose False: the reply alone
+        _print_stats(last, tally)
+    return 0
+
+
+def _checked_prompt(parser, args) -> str:
+    """-p's text (-p -: stdin; a typed \\n a newline), refused where empty;
+    flags that cannot go together refused before the model loads."""
+    prompt = (
+        sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
+    )
+    if not prompt.strip():  # the model would answer an empty message
+        parser.error("-p/--prompt is empty (-p TEXT, or -p - to read stdin)")
+    if args.prompt_cache_file is not None and args.draft_model:
+        # The file holds the model's layers only; the draft would start empty.
+        parser.error("--prompt-cache-file and --draft-model cannot be used together")
+    return prompt
+
+
+def _grammar_mask(args, tokenizer, grammar: str):
+    """The logits processor that holds the reply to --json/--json-schema."""
+    from ..errors import UserError
+    from ..grammar import GrammarError, Grammars
+
+    try:
+        return Grammars(tokenizer).processor(grammar, args.max_tokens)
+    except GrammarError as e:
+        raise UserError(f"--json-schema {args.json_schema}: {e}") from None
+
+
+def _print_stats(last, tally) -> None:
+    """mlx-lm's --verbose lines after the reply (and the draft's tally)."""
     print("=" * 10)
     print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
     print(
@@ -166,4 +183,3 @@ def main(argv=None):
     if tally is not None:
         print(tally.line())
     print(f"Peak memory: {last.peak_memory:.3f} GB")
-    return 0

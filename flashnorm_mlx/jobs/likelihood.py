@@ -158,11 +158,19 @@ def perplexity(
             stage(f"{mode}: {data.shape[0]}/{data.shape[0]} windows scored")
             del model
     if len(nll) == 2:
-        result["diff_rel"] = (result["flashnorm"] - result["stock"]) / result["stock"]
-        diff = nll["flashnorm"] - nll["stock"]
-        result["max_token_nll_diff"] = float(np.abs(diff).max())
-        result["diff_rel_ci95"] = _ratio_ci(diff.reshape(data.shape[0], -1))
+        result.update(_difference(result, nll, int(data.shape[0])))
     return result
+
+
+def _difference(result: dict, nll: Dict[str, np.ndarray], windows: int) -> dict:
+    """FlashNorm's against stock's: the relative difference of their
+    perplexities, the largest per-token NLL difference, and its 95% interval."""
+    diff = nll["flashnorm"] - nll["stock"]
+    return {
+        "diff_rel": (result["flashnorm"] - result["stock"]) / result["stock"],
+        "max_token_nll_diff": float(np.abs(diff).max()),
+        "diff_rel_ci95": _ratio_ci(diff.reshape(windows, -1)),
+    }
 
 
 def _data(source, modes, text, tokens, seq_len, num_seqs) -> mx.array:

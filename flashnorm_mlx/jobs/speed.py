@@ -260,16 +260,7 @@ def run_bench(
     left would take more than `estimate.threshold()`.
     """
     missing = absent(source.config)  # rows the family cannot run, or lacks
-    asked = [v for v in variants or () if v in missing]
-    if asked and is_covered(source.config):  # a mode the family cannot
-        raise BenchError(f"--variants {asked[0]}: {missing[asked[0]]}")
-    if asked:
-        raise BenchError(
-            f"--variants {asked[0]}: FlashNorm does not cover model_type "
-            f"{source.config.get('model_type')!r} yet (it covers "
-            f"{covered_words()}); bench runs mlx-lm and stock on it"
-        )
-    variants = list(variants or [v for v in NAMES if v not in missing])
+    variants = _rows_to_run(source.config, variants, missing)
     validate(variants, prompt_tokens, gen_tokens, trials, engine)
     engine = engines.resolve(engine)
     step = _Steps(progress, len(variants) * (3 + trials))
@@ -310,7 +301,32 @@ def run_bench(
         "quantized": quantized_way,
         "engine": engine,
     }
-    src = {
+    src = _source_record(source, checksum, checksum_s, quantize, quantized_way)
+    covered = is_covered(source.config)
+    result = report(settings, src, info, records, covered=covered)
+    why = sorted(set(missing.values()))  # one reason for all of them
+    result.update(absent=missing, notes=why + result["notes"])
+    return result
+
+
+def _rows_to_run(config: dict, variants, missing: dict) -> List[str]:
+    """The rows asked (None: every one the model can run); a BenchError names
+    a row the family cannot run, or FlashNorm's of a family it does not cover."""
+    asked = [v for v in variants or () if v in missing]
+    if asked and is_covered(config):  # a mode the family cannot
+        raise BenchError(f"--variants {asked[0]}: {missing[asked[0]]}")
+    if asked:
+        raise BenchError(
+            f"--variants {asked[0]}: FlashNorm does not cover model_type "
+            f"{config.get('model_type')!r} yet (it covers "
+            f"{covered_words()}); bench runs mlx-lm and stock on it"
+        )
+    return list(variants or [v for v in NAMES if v not in missing])
+
+
+def _source_record(source, checksum, checksum_s, quantize, quantized_way) -> dict:
+    """What the report says of the weights every row ran on."""
+    return {
         "name": source.name,
         "model_type": source.config.get("model_type"),
         "checksum": checksum,
@@ -321,8 +337,3 @@ def run_bench(
         "float_kquants": gguf_kquant.floats_of(source.config),
         **comparison(source, quantize, quantized_way),
     }
-    covered = is_covered(source.config)
-    result = report(settings, src, info, records, covered=covered)
-    why = sorted(set(missing.values()))  # one reason for all of them
-    result.update(absent=missing, notes=why + result["notes"])
-    return result
