@@ -1,10 +1,10 @@
 """Read a llama.cpp GGUF file as a Hugging Face-style checkpoint of a family whose
 `ARCH.gguf` (models/arch.py) declares how: llama.cpp's architecture name, the
 layer names beyond Llama's, biases, Q/K permutation; a mixture-of-experts'
-names are on `ARCH.moe` (gguf_moe.py). Gemma 3's hyperparameters: gguf_gemma3.py.
-A family whose files need more (Qwen3.5, Qwen3-Next, LFM2, Ministral 3, Gemma 4)
-names the module that reads them whole (`Gguf.reader`: gguf_qwen35.py,
-gguf_lfm2.py, gguf_ministral3.py, gguf_gemma4.py; docs/design.md section 2n).
+names are on `ARCH.moe` (gguf_moe.py). A family whose files need more (Gemma 3,
+Qwen3.5, Qwen3-Next, LFM2, Ministral 3, Gemma 4) names the module that reads
+them whole (`Gguf.reader`: gguf_gemma3.py, gguf_qwen35.py, gguf_lfm2.py,
+gguf_ministral3.py, gguf_gemma4.py; docs/design.md section 2n).
 
 `mx.load(path, return_metadata=True)` gives the tensors (Q4_0/Q4_1/Q8_0 as MLX
 affine group-32 triples `.weight/.scales/.biases`, F32/F16 as plain arrays)
@@ -29,7 +29,7 @@ import numpy as np
 from .. import quant
 from ..errors import LoadError
 from ..models.arch import Architecture
-from . import gguf_gemma3, gguf_kquant, gguf_moe, gguf_names
+from . import gguf_kquant, gguf_moe, gguf_names
 from .checks import check_gguf
 from .gguf_names import hf_name  # noqa: F401 (tests read names through here)
 from .gguf_rope import llama3_scaling
@@ -115,11 +115,7 @@ def read_gguf(
             config, weights, rename = reader.read(meta, raw, path, arch, family)
         else:
             config = gguf_config(meta, raw, path, arch, model_type, family)
-            if arch == "gemma3":
-                config = gguf_gemma3.gemma3_config(meta, config, path)
             weights = hf_weights(raw, config, path, family)
-            if arch == "gemma3":
-                weights = gguf_gemma3.gemma3_weights(weights)
     except (TypeError, ValueError, IndexError, KeyError, ZeroDivisionError) as e:
         # Metadata of the wrong kind (a string where a count belongs, ...).
         raise LoadError(f"{path}: unusable GGUF metadata ({_first_line(e)})") from None

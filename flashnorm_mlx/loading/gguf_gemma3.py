@@ -14,16 +14,31 @@ What the file holds and what llama.cpp's code adds (docs/design.md section 2h):
 """
 
 from pathlib import Path
-from typing import Dict
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
 from ..errors import LoadError
+from ..models.arch import Architecture
+from . import gguf_names
+from .gguf import gguf_config, hf_weights
 
 MODEL_TYPE = "gemma3_text"
 SWA_PATTERN = 6  # llama.cpp's set_swa_pattern(6)
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa
 LAYERS_27B = 62  # the one size whose attention scale is 1/sqrt(hidden/heads)
+
+
+def read(
+    meta: dict, raw: Dict[str, mx.array], path: Path, arch: str, family: Architecture
+) -> Tuple[dict, Dict[str, mx.array], Callable[[str], Optional[str]]]:
+    """(config, weights under Hugging Face's names, GGUF name -> our name):
+    Llama's reading (gguf.py), then Gemma 3's config and norms."""
+    llama_style = gguf_config(meta, raw, path, arch, MODEL_TYPE, family)
+    config = gemma3_config(meta, llama_style, path)
+    weights = gemma3_weights(hf_weights(raw, config, path, family))
+    names = gguf_names.layer_names(family)
+    return config, weights, lambda n: gguf_names.hf_name(n, names)
 
 
 def _scalar(meta: dict, key: str, default=None):

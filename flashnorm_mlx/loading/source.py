@@ -139,11 +139,9 @@ def read_source(
     where = path / "config.json" if path.is_dir() else f"{path} (metadata)"
     covered = models.is_covered(src.config)
     try:
-        arg_classes = [models.stock_model_classes(src.config)[1]]
+        arg_classes = models.config_classes(src.config)
     except ValueError as e:
         raise LoadError(f"{where}: {e}") from None
-    if covered:
-        arg_classes.append(models.model_classes(src.config, True)[1])
     if src.wrapper is not None:
         where = f"{where} text_config"
     check_config(src.config, str(where), arg_classes, ranges=covered)

@@ -45,6 +45,11 @@ ARCHITECTURES = {
 }
 
 
+def _family_file(model_type: str) -> ModuleType:
+    """models/<file>.py of a model_type in ARCHITECTURES."""
+    return importlib.import_module(f"{__name__}.{ARCHITECTURES[model_type]}")
+
+
 def is_covered(config: dict) -> bool:
     """Whether FlashNorm folds this config: a model file for its model_type
     that folds every part of it (`uncovered_why`). Any other config mlx-lm
@@ -58,8 +63,7 @@ def uncovered_why(config: dict) -> Optional[str]:
     mt = config.get("model_type")
     if mt not in ARCHITECTURES:
         return None
-    module = importlib.import_module(f"{__name__}.{ARCHITECTURES[mt]}")
-    check = getattr(module, "uncovered", None)
+    check = getattr(_family_file(mt), "uncovered", None)
     return check(config) if check else None
 
 
@@ -72,6 +76,15 @@ def check_runnable(config: dict) -> None:
     model_type nor mlx-lm has a class for it."""
     if not is_covered(config):
         stock_model_classes(config)
+
+
+def config_classes(config: dict) -> list:
+    """The ModelArgs classes that read `config`, in the order their fields'
+    types count: mlx-lm's (UnsupportedModel, one line, where it has none), then
+    ours where FlashNorm covers the family."""
+    covered = is_covered(config)
+    ours = [_family_file(config["model_type"]).ModelArgs] if covered else []
+    return [stock_model_classes(config)[1]] + ours
 
 
 def stock_model_classes(config: dict):
@@ -155,7 +168,7 @@ def model_module(config: dict) -> ModuleType:
     if mt not in ARCHITECTURES or uncovered_why(config):
         check_runnable(config)
         raise not_covered(config)
-    return importlib.import_module(f"{__name__}.{ARCHITECTURES[mt]}")
+    return _family_file(mt)
 
 
 # Config keys that give a model's trained context length, in order of preference.
@@ -183,7 +196,7 @@ def architecture(config: dict) -> Architecture:
     {"model_type": ...}); building ours on a config is `model_module`'s."""
     mt = config.get("model_type")
     if mt in ARCHITECTURES:
-        return importlib.import_module(f"{__name__}.{ARCHITECTURES[mt]}").ARCH
+        return _family_file(mt).ARCH
     return model_module(config).ARCH
 
 

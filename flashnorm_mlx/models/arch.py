@@ -219,9 +219,9 @@ class Gguf:
     the layer tensors (GGUF name -> our module) the family adds to, or renames
     in, llama.cpp's Llama names; `biases` the modules whose bias every layer
     has; `permuted`: llama.cpp permuted Q/K rows for interleaved RoPE (Llama).
-    A hybrid family's files are read whole by `reader`, a module of
-    flashnorm_mlx.loading (its `read`), and `also` names more llama.cpp
-    architectures that module reads (Qwen3.5's qwen35moe)."""
+    A family whose files need more than that is read whole by `reader`, a
+    module of flashnorm_mlx.loading (its `read`), and `also` names more
+    llama.cpp architectures that module reads (Qwen3.5's qwen35moe)."""
 
     arch: str
     hf: str

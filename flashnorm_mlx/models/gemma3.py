@@ -65,6 +65,7 @@ ARCH = Architecture(
     gguf=Gguf(
         "gemma3",
         "Gemma3ForCausalLM",
+        reader="gguf_gemma3",  # its norms stored as 1 + w, its loader's settings
         names=(
             ("attn_q_norm", "self_attn.q_norm"),
             ("attn_k_norm", "self_attn.k_norm"),
