@@ -181,7 +181,6 @@ def gguf_config(
 ) -> dict:
     """A Hugging Face config.json dict from `<arch>.*` metadata."""
     a = arch
-    moe = gguf_moe.moe_config(meta, a, path, family)  # {}: the file has no experts
     n_heads = int(meta_required(meta, f"{a}.attention.head_count", path))
     n_kv = int(meta_value(meta, f"{a}.attention.head_count_kv", n_heads))
     hidden = int(meta_required(meta, f"{a}.embedding_length", path))
@@ -220,7 +219,6 @@ def gguf_config(
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "mlp_bias": "blk.0.ffn_up.bias" in tensors,
     }
-    config.update(moe)
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
         tid = meta_value(meta, f"tokenizer.ggml.{name}_token_id")
         if tid is not None:
@@ -228,6 +226,7 @@ def gguf_config(
     scaling = _rope_scaling(meta, tensors, config, path, a)
     if scaling:
         config["rope_scaling"] = scaling
+    config.update(gguf_moe.moe_config(meta, a, path, family))  # {}: no experts
     return config
 
 
