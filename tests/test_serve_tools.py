@@ -12,8 +12,8 @@ import pytest
 import tiny
 from serve_process import Server
 
+from flashnorm_mlx.serve.chat import read_chat
 from flashnorm_mlx.serve.schema import RequestError
-from flashnorm_mlx.serve.tools import read_tools, tools_ignored
 from flashnorm_mlx.thinking import ReplySplit
 
 # The reply, one added token each: words, then a json_tools call split over
@@ -308,6 +308,7 @@ def test_an_unclosed_call_at_the_end_is_still_parsed(tokenizer):
 
 class _NoTools:
     chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    has_chat_template = True
     has_tool_calling = False
 
 
@@ -315,20 +316,41 @@ class _ToolsNoParser(_NoTools):
     chat_template = "{{ tools | tojson }}{% for m in messages %}{% endfor %}"
 
 
+def _chat(tokenizer, **fields):
+    return read_chat({"messages": ASK, **fields}, tokenizer)
+
+
 def test_models_whose_template_renders_tools_without_a_parser_refuse_them():
     with pytest.raises(RequestError) as e:
-        read_tools({"tools": TOOLS}, _ToolsNoParser())
+        _chat(_ToolsNoParser(), tools=TOOLS)
     assert "no parser" in e.value.message and e.value.status == 400, e.value.message
-    assert read_tools({"tools": TOOLS, "tool_choice": "none"}, _ToolsNoParser()) is None
-    assert read_tools({}, _ToolsNoParser()) is None
+    assert _chat(_ToolsNoParser(), tools=TOOLS, tool_choice="none").tools is None
+    assert _chat(_ToolsNoParser()).tools is None
 
 
 def test_tools_to_a_template_without_them_are_dropped_with_a_warning():
     """As mlx_lm.server: answered without them (agents send tools every turn)."""
-    assert read_tools({"tools": TOOLS}, _NoTools()) is None
-    assert "ignored" in tools_ignored({"tools": TOOLS}, _NoTools())
-    assert tools_ignored({"tools": TOOLS}, _ToolsNoParser()) is None
-    assert tools_ignored({}, _NoTools()) is None
+    chat = _chat(_NoTools(), tools=TOOLS)
+    assert chat.tools is None and "ignored" in chat.warning, chat
+    assert _chat(_ToolsNoParser(), tools=TOOLS, tool_choice="none").warning is None
+    assert _chat(_NoTools()).warning is None
+
+
+def test_tool_choice_forces_the_tools_it_names(tokenizer):
+    """The Chat record's forced tools: all for "required", the one named;
+    a name not in `tools` is the 400 it always was (message, param, code)."""
+    other = {"type": "function", "function": {"name": "t"}}
+    tools = [other, *TOOLS]
+    assert _chat(tokenizer, tools=tools).forced is None
+    assert _chat(tokenizer, tools=tools, tool_choice="required").forced == tools
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chat = _chat(tokenizer, tools=tools, tool_choice=named, parallel_tool_calls=True)
+    assert chat.forced == TOOLS and chat.parallel is True, chat
+    with pytest.raises(RequestError) as e:
+        _chat(tokenizer, tools=tools, tool_choice={**named, "function": {"name": "f"}})
+    got = (e.value.message, e.value.param, e.value.code, e.value.status)
+    want = "'tool_choice' names 'f', which is not in 'tools'"
+    assert got == (want, "tool_choice", "invalid_value", 400), got
 
 
 # --- strict tools: the call's arguments held to the parameters (#47) -----------

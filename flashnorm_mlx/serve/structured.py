@@ -8,8 +8,8 @@ import json
 from typing import List, Optional
 
 from ..grammar import GrammarError, json_grammar, tool_call_grammar
+from .chat import Chat
 from .schema import Request, RequestError
-from .tools import forced_tools
 
 OVERRUN = 48  # at most, past max_tokens, to close JSON the budget cut short
 
@@ -82,20 +82,22 @@ def tools_grammar(tokenizer, tools: List[dict], special, **how) -> str:
         raise _bad(f"'tools' parameters cannot be used: {e}", "tools", "invalid_schema")
 
 
-def constrain(service, body: dict, tools, requests: List[Request]) -> None:
+def constrain(
+    service, requests: List[Request], fmt, chat: Optional[Chat] = None
+) -> None:
     """Give each request its own grammar processor, where the body asks for
-    one (response_format; strict tools; tool_choice "required" or named,
-    docs/serve.md "Tools")."""
-    grammar = format_grammar(body.get("response_format"))
+    one (fmt: its response_format; a chat's strict tools, or those its
+    tool_choice forces, docs/serve.md "Tools")."""
+    grammar = format_grammar(fmt)
     param = "response_format"
-    forced = forced_tools(body, tools)
-    strict = forced or strict_tools(tools)
+    forced = chat.forced if chat is not None else None
+    strict = forced or strict_tools(chat.tools if chat is not None else None)
     if strict:
         if grammar is not None:
             raise _bad("'response_format' and tool calls cannot be combined", param)
         # A forced call is one unless the body says parallel_tool_calls true
         # (docs/serve.md "Tools"); else one where it says false.
-        parallel = body.get("parallel_tool_calls")
+        parallel = chat.parallel
         once = parallel is False or (bool(forced) and parallel is not True)
         how = dict(required=bool(forced), once=once)
         grammar = tools_grammar(
