@@ -12,7 +12,7 @@ import pytest
 import tiny
 from serve_process import Server
 
-from flashnorm_mlx.serve.chat import read_chat
+from flashnorm_mlx.serve.chat_body import read_chat
 from flashnorm_mlx.serve.schema import RequestError
 from flashnorm_mlx.thinking import ReplySplit
 

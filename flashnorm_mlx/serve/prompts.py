@@ -1,5 +1,5 @@
 """A completions request's prompts as token ids (a chat's messages are
-read by chat.py)."""
+read by chat_body.py)."""
 
 from typing import Callable, List
 

@@ -13,7 +13,7 @@ from typing import Callable, Dict, Tuple
 
 from ..mlx_lm_compat import inner_tokenizer
 from . import anthropic, responses
-from .chat import chat_messages
+from .chat_body import chat_messages
 from .compare import compare
 from .schema import RequestError
 

@@ -10,7 +10,7 @@ from typing import Callable, Iterator, List, Optional
 from ..thinking import starts_in_thought
 from .auth import current_scope
 from .bounds import REQUEST_CONTEXTS, Budget, bytes_per_token, check_fits
-from .chat import Chat, read_chat
+from .chat_body import Chat, read_chat
 from .log import log
 from .prompts import read_prompts
 from .scheduler import Worker
@@ -108,7 +108,7 @@ class Service:
         self, kind: str, body: dict, key_scope: Optional[str] = None
     ) -> List[Request]:
         """The Requests of a /v1/chat/completions ("chat") or /v1/completions
-        ("text") body: a chat's fields read once (chat.py), its prompts as
+        ("text") body: a chat's fields read once (chat_body.py), its prompts as
         token ids, then one Request per prompt (a completions request may
         hold several), made by schema.py."""
         chat = self.read_chat(body) if kind == "chat" else None
@@ -136,7 +136,7 @@ class Service:
         return requests
 
     def read_chat(self, body: dict) -> Chat:
-        """A chat body's fields (chat.read_chat), its messages counted first."""
+        """A chat body's fields (chat_body.read_chat), its messages counted first."""
         self.fits_messages(body)  # before 500,000 of them are copied
         return read_chat(body, self.tokenizer)
 
