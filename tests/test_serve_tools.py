@@ -7,6 +7,7 @@ greedy decoding walks the script and then ends on <|im_end|>. The reference
 is the script itself: what it says in text and in the tool call."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import tiny
@@ -274,6 +275,23 @@ def test_bad_tool_fields_are_400(server, extra, param):
     assert status == 400 and r["error"]["param"] == param, r
 
 
+def test_tool_grammars_that_cannot_be_made_are_400(server):
+    """structured.constrain: a grammar for strict tools and response_format
+    at once, and tool parameters llguidance cannot compile (with the
+    request's grammar processor)."""
+    strict = {**TOOLS[0], "strict": True}
+    bad = {"type": "object", "if": {"type": "object"}, "then": {}}
+    uncompiled = {**strict, "function": {**TOOLS[0]["function"], "parameters": bad}}
+    for extra, param, said in (
+        ({"response_format": {"type": "json_object"}}, "response_format", "combined"),
+        ({"tools": [uncompiled]}, "tools", "'tools' cannot be used"),
+    ):
+        body = {"messages": ASK, "tools": [strict], "max_tokens": 1, **extra}
+        status, r = server.request("POST", "/v1/chat/completions", body)
+        assert status == 400 and r["error"]["param"] == param, r
+        assert said in r["error"]["message"], r
+
+
 # --- the pieces, in-process: no server ----------------------------------------
 
 
@@ -334,6 +352,18 @@ def test_tools_to_a_template_without_them_are_dropped_with_a_warning():
     assert chat.tools is None and "ignored" in chat.warning, chat
     assert _chat(_ToolsNoParser(), tools=TOOLS, tool_choice="none").warning is None
     assert _chat(_NoTools()).warning is None
+
+
+def test_forced_tools_need_a_json_tool_call_format():
+    from types import SimpleNamespace
+
+    from flashnorm_mlx.serve.structured import constrain
+
+    chat = _chat(_NoTools(), tools=TOOLS)
+    forced = replace(chat, tools=TOOLS, forced=TOOLS)  # as a template with tools
+    with pytest.raises(RequestError) as e:
+        constrain(SimpleNamespace(tokenizer=_NoTools()), [], None, forced)
+    assert (e.value.param, e.value.code) == ("tools", "unsupported_parameter"), e
 
 
 def test_tool_choice_forces_the_tools_it_names(tokenizer):

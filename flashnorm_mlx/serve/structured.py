@@ -71,16 +71,16 @@ def _check_json_tools(tokenizer) -> None:
 
 def _grammar(tokenizer, schema, tools, special, **how) -> str:
     """The one grammar a request is held to: its tools' calls (how:
-    tool_call_grammar's required and once) or its response_format's JSON."""
+    tool_call_grammar's required and once; their parameters are compiled
+    with the processor) or its response_format's JSON."""
+    if tools:
+        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        return tool_call_grammar(tools, start, end, special, **how)
     try:
-        if tools:
-            start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-            return tool_call_grammar(tools, start, end, special, **how)
         return json_grammar(schema)
     except GrammarError as e:
-        what = "'tools' parameters" if tools else "'response_format' schema"
-        param = "tools" if tools else "response_format"
-        raise _bad(f"{what} cannot be used: {e}", param, "invalid_schema")
+        param = "response_format"
+        raise _bad(f"'{param}' schema cannot be used: {e}", param, "invalid_schema")
 
 
 def constrain(
