@@ -132,6 +132,7 @@ class Service:
         for r in requests:
             if chat is not None:
                 r.warning, r.tools = chat.warning, chat.tools
+                r.parallel_tool_calls = chat.parallel
                 r.thought = starts_in_thought(self.tokenizer, r.prompt)
         return requests
 
