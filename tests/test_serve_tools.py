@@ -632,12 +632,24 @@ def test_a_named_tool_is_the_one_called_and_parallel_false_gives_one(server):
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(tokenizer):
-    """Without a grammar (auto, not strict), the reply is cut to one call."""
+    """Without a grammar (auto, not strict), the reply is cut to one call:
+    Service.parse carries the body's parallel_tool_calls (its Chat record)
+    to the Request that reply_split reads. No worker: parse only."""
+    from flashnorm_mlx.serve.bounds import bytes_per_token
+    from flashnorm_mlx.serve.schema import Settings
+    from flashnorm_mlx.serve.service import Service
+    from flashnorm_mlx.serve.split import reply_split
+
+    settings = Settings(max_context=512)
+    service = Service(None, "m", "flashnorm", settings, worker=lambda *a: None)
+    service.tokenizer, service.vocab_size = tokenizer, tiny.VOCAB
+    service.bytes_per_token = bytes_per_token(tokenizer)
     text = "".join(SCRIPT) + "".join(SCRIPT[1:])
-    for most, n in ((None, 2), (1, 1)):
-        split = ReplySplit(tokenizer, TOOLS, streaming=False, thought=False, most=most)
-        _, content, calls = split.feed(text, final=True)
-        assert content == SCRIPT[0] and len(calls) == n, (most, calls)
+    for parallel, n in ((None, 2), (True, 2), (False, 1)):
+        body = {"messages": ASK, "tools": TOOLS, "parallel_tool_calls": parallel}
+        (request,) = service.parse("chat", body)
+        _, content, calls = reply_split(service, request, False).feed(text, True)
+        assert content == SCRIPT[0] and len(calls) == n, (parallel, calls)
 
 
 def test_forced_tools_on_the_anthropic_and_responses_routes(server):
