@@ -7,13 +7,14 @@ greedy decoding walks the script and then ends on <|im_end|>. The reference
 is the script itself: what it says in text and in the tool call."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import tiny
 from serve_process import Server
 
+from flashnorm_mlx.serve.chat_body import read_chat
 from flashnorm_mlx.serve.schema import RequestError
-from flashnorm_mlx.serve.tools import read_tools, tools_ignored
 from flashnorm_mlx.thinking import ReplySplit
 
 # The reply, one added token each: words, then a json_tools call split over
@@ -274,6 +275,23 @@ def test_bad_tool_fields_are_400(server, extra, param):
     assert status == 400 and r["error"]["param"] == param, r
 
 
+def test_tool_grammars_that_cannot_be_made_are_400(server):
+    """structured.constrain: a grammar for strict tools and response_format
+    at once, and tool parameters llguidance cannot compile (with the
+    request's grammar processor)."""
+    strict = {**TOOLS[0], "strict": True}
+    bad = {"type": "object", "if": {"type": "object"}, "then": {}}
+    uncompiled = {**strict, "function": {**TOOLS[0]["function"], "parameters": bad}}
+    for extra, param, said in (
+        ({"response_format": {"type": "json_object"}}, "response_format", "combined"),
+        ({"tools": [uncompiled]}, "tools", "'tools' cannot be used"),
+    ):
+        body = {"messages": ASK, "tools": [strict], "max_tokens": 1, **extra}
+        status, r = server.request("POST", "/v1/chat/completions", body)
+        assert status == 400 and r["error"]["param"] == param, r
+        assert said in r["error"]["message"], r
+
+
 # --- the pieces, in-process: no server ----------------------------------------
 
 
@@ -308,6 +326,7 @@ def test_an_unclosed_call_at_the_end_is_still_parsed(tokenizer):
 
 class _NoTools:
     chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    has_chat_template = True
     has_tool_calling = False
 
 
@@ -315,20 +334,53 @@ class _ToolsNoParser(_NoTools):
     chat_template = "{{ tools | tojson }}{% for m in messages %}{% endfor %}"
 
 
+def _chat(tokenizer, **fields):
+    return read_chat({"messages": ASK, **fields}, tokenizer)
+
+
 def test_models_whose_template_renders_tools_without_a_parser_refuse_them():
     with pytest.raises(RequestError) as e:
-        read_tools({"tools": TOOLS}, _ToolsNoParser())
+        _chat(_ToolsNoParser(), tools=TOOLS)
     assert "no parser" in e.value.message and e.value.status == 400, e.value.message
-    assert read_tools({"tools": TOOLS, "tool_choice": "none"}, _ToolsNoParser()) is None
-    assert read_tools({}, _ToolsNoParser()) is None
+    assert _chat(_ToolsNoParser(), tools=TOOLS, tool_choice="none").tools is None
+    assert _chat(_ToolsNoParser()).tools is None
 
 
 def test_tools_to_a_template_without_them_are_dropped_with_a_warning():
     """As mlx_lm.server: answered without them (agents send tools every turn)."""
-    assert read_tools({"tools": TOOLS}, _NoTools()) is None
-    assert "ignored" in tools_ignored({"tools": TOOLS}, _NoTools())
-    assert tools_ignored({"tools": TOOLS}, _ToolsNoParser()) is None
-    assert tools_ignored({}, _NoTools()) is None
+    chat = _chat(_NoTools(), tools=TOOLS)
+    assert chat.tools is None and "ignored" in chat.warning, chat
+    assert _chat(_ToolsNoParser(), tools=TOOLS, tool_choice="none").warning is None
+    assert _chat(_NoTools()).warning is None
+
+
+def test_forced_tools_need_a_json_tool_call_format():
+    from types import SimpleNamespace
+
+    from flashnorm_mlx.serve.structured import constrain
+
+    chat = _chat(_NoTools(), tools=TOOLS)
+    forced = replace(chat, tools=TOOLS, forced=TOOLS)  # as a template with tools
+    with pytest.raises(RequestError) as e:
+        constrain(SimpleNamespace(tokenizer=_NoTools()), [], None, forced)
+    assert (e.value.param, e.value.code) == ("tools", "unsupported_parameter"), e
+
+
+def test_tool_choice_forces_the_tools_it_names(tokenizer):
+    """The Chat record's forced tools: all for "required", the one named;
+    a name not in `tools` is the 400 it always was (message, param, code)."""
+    other = {"type": "function", "function": {"name": "t"}}
+    tools = [other, *TOOLS]
+    assert _chat(tokenizer, tools=tools).forced is None
+    assert _chat(tokenizer, tools=tools, tool_choice="required").forced == tools
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chat = _chat(tokenizer, tools=tools, tool_choice=named, parallel_tool_calls=True)
+    assert chat.forced == TOOLS and chat.parallel is True, chat
+    with pytest.raises(RequestError) as e:
+        _chat(tokenizer, tools=tools, tool_choice={**named, "function": {"name": "f"}})
+    got = (e.value.message, e.value.param, e.value.code, e.value.status)
+    want = "'tool_choice' names 'f', which is not in 'tools'"
+    assert got == (want, "tool_choice", "invalid_value", 400), got
 
 
 # --- strict tools: the call's arguments held to the parameters (#47) -----------
@@ -580,12 +632,24 @@ def test_a_named_tool_is_the_one_called_and_parallel_false_gives_one(server):
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(tokenizer):
-    """Without a grammar (auto, not strict), the reply is cut to one call."""
+    """Without a grammar (auto, not strict), the reply is cut to one call:
+    Service.parse carries the body's parallel_tool_calls (its Chat record)
+    to the Request that reply_split reads. No worker: parse only."""
+    from flashnorm_mlx.serve.bounds import bytes_per_token
+    from flashnorm_mlx.serve.schema import Settings
+    from flashnorm_mlx.serve.service import Service
+    from flashnorm_mlx.serve.split import reply_split
+
+    settings = Settings(max_context=512)
+    service = Service(None, "m", "flashnorm", settings, worker=lambda *a: None)
+    service.tokenizer, service.vocab_size = tokenizer, tiny.VOCAB
+    service.bytes_per_token = bytes_per_token(tokenizer)
     text = "".join(SCRIPT) + "".join(SCRIPT[1:])
-    for most, n in ((None, 2), (1, 1)):
-        split = ReplySplit(tokenizer, TOOLS, streaming=False, thought=False, most=most)
-        _, content, calls = split.feed(text, final=True)
-        assert content == SCRIPT[0] and len(calls) == n, (most, calls)
+    for parallel, n in ((None, 2), (True, 2), (False, 1)):
+        body = {"messages": ASK, "tools": TOOLS, "parallel_tool_calls": parallel}
+        (request,) = service.parse("chat", body)
+        _, content, calls = reply_split(service, request, False).feed(text, True)
+        assert content == SCRIPT[0] and len(calls) == n, (parallel, calls)
 
 
 def test_forced_tools_on_the_anthropic_and_responses_routes(server):

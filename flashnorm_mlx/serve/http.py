@@ -314,9 +314,7 @@ class Handler(ReadsRequests, BaseHTTPRequestHandler):
         with self.service.submitted(kind, body, self.key_scope) as requests:
             # split.py: a chat reply's thought and tool calls cut out of its
             # text, one ReplySplit per choice (None: nothing to cut).
-            self._splits = [
-                reply_split(self.service, r, body, r.stream) for r in requests
-            ]
+            self._splits = [reply_split(self.service, r, r.stream) for r in requests]
             self._requests = requests
             try:
                 if requests[0].stream:

@@ -36,7 +36,7 @@ def chat_reply(reply, chat: dict) -> Iterator[Tuple[str, object]]:
     service = reply.service
     with service.submitted("chat", {**chat, "stream": True}) as requests:
         (request,) = requests
-        split = reply_split(service, request, chat, streaming=False)
+        split = reply_split(service, request, streaming=False)
         yield "request", request
         while True:
             what, value = reply.next_event(request)

@@ -13,10 +13,9 @@ from typing import Callable, Dict, Tuple
 
 from ..mlx_lm_compat import inner_tokenizer
 from . import anthropic, responses
+from .chat_body import chat_messages
 from .compare import compare
-from .prompts import read_messages
 from .schema import RequestError
-from .tools import with_tool_history
 
 # The page's files (package data, flashnorm_mlx/serve/web): name -> MIME type.
 PAGE_FILES = {
@@ -86,7 +85,7 @@ def tokenize(reply) -> None:
     add_special = _flag(body, "add_special_tokens", True)
     if "messages" in body:  # bounded as the chat route bounds them (bounds.py)
         s.fits_messages(body)
-        messages = with_tool_history(read_messages(body), body)
+        messages = chat_messages(body)
         s.fits([m["content"] for m in messages], "messages", items=len(messages))
     elif isinstance(body.get("prompt"), str):
         s.fits([body["prompt"]], "prompt")

@@ -301,7 +301,8 @@ class Request:
     overrun: int = 0  # tokens past max_tokens a constrained reply may take to close
     warning: Optional[str] = None  # said in the answer's "warning" field
     thought: bool = False  # the reply begins inside a thought (split.py)
-    tools: Optional[List[dict]] = None  # a chat's tools, read once (tools.read_tools)
+    tools: Optional[List[dict]] = None  # a chat's tools, read once (chat_body.Chat)
+    parallel_tool_calls: Optional[bool] = None  # a chat's, from the same Chat
     choices: int = 1  # n: choices of this prompt (usage counts its prompt once)
     cached: int = 0  # prompt tokens read from the prompt cache (set at its start)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])

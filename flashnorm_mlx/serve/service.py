@@ -10,11 +10,12 @@ from typing import Callable, Iterator, List, Optional
 from ..thinking import starts_in_thought
 from .auth import current_scope
 from .bounds import REQUEST_CONTEXTS, Budget, bytes_per_token, check_fits
-from .prompts import read_messages, read_prompts, read_template_kwargs
+from .chat_body import Chat, read_chat
+from .log import log
+from .prompts import read_prompts
 from .scheduler import Worker
 from .schema import Request, RequestError, Settings, read_requests
 from .structured import constrain
-from .tools import read_tools, tools_ignored, with_tool_history
 
 
 class Service:
@@ -107,9 +108,11 @@ class Service:
         self, kind: str, body: dict, key_scope: Optional[str] = None
     ) -> List[Request]:
         """The Requests of a /v1/chat/completions ("chat") or /v1/completions
-        ("text") body: its prompts as token ids, then one Request per prompt
-        (a completions request may hold several), made by schema.py."""
-        prompts, param, tools = self._prompts(kind, body)
+        ("text") body: a chat's fields read once (chat_body.py), its prompts as
+        token ids, then one Request per prompt (a completions request may
+        hold several), made by schema.py."""
+        chat = self.read_chat(body) if kind == "chat" else None
+        prompts, param = self._prompts(body, chat)
         model = body.get("model")  # echoed, as mlx_lm.server does
         requests = read_requests(
             kind,
@@ -122,17 +125,26 @@ class Service:
             draw_seed=self._draw_seed,
             key_scope=key_scope,
         )
-        constrain(self, body, tools, requests)  # response_format, strict tools
-        ignored = tools_ignored(body, self.tokenizer) if kind == "chat" else None
+        # response_format (both routes); a chat's strict or forced tools.
+        constrain(self, requests, body.get("response_format"), chat)
+        if chat is not None and chat.warning:
+            log(f"warning: {chat.warning}", "WARNING")
         for r in requests:
-            r.warning, r.tools = ignored, tools
-            r.thought = kind == "chat" and starts_in_thought(self.tokenizer, r.prompt)
+            if chat is not None:
+                r.warning, r.tools = chat.warning, chat.tools
+                r.parallel_tool_calls = chat.parallel
+                r.thought = starts_in_thought(self.tokenizer, r.prompt)
         return requests
+
+    def read_chat(self, body: dict) -> Chat:
+        """A chat body's fields (chat_body.read_chat), its messages counted first."""
+        self.fits_messages(body)  # before 500,000 of them are copied
+        return read_chat(body, self.tokenizer)
 
     def chat_prompt(self, body: dict) -> List[int]:
         """The token ids a chat body's messages render to (its tools and
         template arguments too), as parse() would run them."""
-        return self._prompts("chat", body)[0][0]
+        return self._render(self.read_chat(body))
 
     def fits(self, texts: List[str], param: str, each: int = 0, items=0) -> None:
         """400 before tokenizing for texts that cannot fit the context
@@ -169,38 +181,31 @@ class Service:
         with self._seeds_lock:
             return self._seeds.getrandbits(63)
 
-    def _prompts(self, kind: str, body: dict):
-        """(token id lists, the field they came from, a chat's tools: read
-        here, once) of a request body."""
-        if kind == "chat":
-            self.fits_messages(body)  # before 500,000 of them are copied
-            messages = read_messages(body)
-            if not getattr(self.tokenizer, "has_chat_template", False):
-                raise RequestError(
-                    "this model has no chat template; use /v1/completions",
-                    param="messages",
-                )
-            tools = read_tools(body, self.tokenizer)  # 400 where the model cannot
-            # mlx_lm.server's per-request template arguments, over --chat-template-args.
-            extra = read_template_kwargs(body)
-            extra.update({"tools": tools} if tools else {}, add_generation_prompt=True)
-            # Earlier calls stay whatever tools and tool_choice say: agents
-            # drop tools to force a final answer (docs/serve.md, "Tools").
-            messages = with_tool_history(messages, body)
-            contents = [m["content"] for m in messages]
-            self.fits(contents, "messages", items=len(messages))
-            with self.tokenizer_lock:
-                try:
-                    ids = self.tokenizer.apply_chat_template(messages, **extra)
-                except Exception as e:  # the template's own refusals (jinja)
-                    raise RequestError(
-                        f"the chat template refused the messages: {e}",
-                        param="messages",
-                    ) from None
-            return [[int(i) for i in ids]], "messages", tools
+    def _prompts(self, body: dict, chat: Optional[Chat]):
+        """(token id lists, the field they came from) of a request body: a
+        chat's one rendered prompt, or a completions request's prompts."""
+        if chat is not None:
+            return [self._render(chat)], "messages"
         prompt = body.get("prompt")
         texts = [prompt] if isinstance(prompt, str) else prompt
         if isinstance(texts, list):
             self.fits([p for p in texts if isinstance(p, str)], "prompt", 1)
         prompts = read_prompts(body, self.encoder("prompt"), self.vocab_size)
-        return prompts, "prompt", None
+        return prompts, "prompt"
+
+    def _render(self, chat: Chat) -> List[int]:
+        """The chat template's token ids for a chat's messages, tools and
+        template arguments (mlx_lm.server's, over --chat-template-args)."""
+        messages, tools = chat.messages, chat.tools
+        extra = {**chat.template_kwargs, **({"tools": tools} if tools else {})}
+        extra["add_generation_prompt"] = True
+        self.fits([m["content"] for m in messages], "messages", items=len(messages))
+        with self.tokenizer_lock:
+            try:
+                ids = self.tokenizer.apply_chat_template(messages, **extra)
+            except Exception as e:  # the template's own refusals (jinja)
+                raise RequestError(
+                    f"the chat template refused the messages: {e}",
+                    param="messages",
+                ) from None
+        return [int(i) for i in ids]

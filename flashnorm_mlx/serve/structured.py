@@ -8,8 +8,8 @@ import json
 from typing import List, Optional
 
 from ..grammar import GrammarError, json_grammar, tool_call_grammar
+from .chat_body import Chat
 from .schema import Request, RequestError
-from .tools import forced_tools
 
 OVERRUN = 48  # at most, past max_tokens, to close JSON the budget cut short
 
@@ -18,15 +18,17 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> RequestError:
     return RequestError(message, param=param, code=code)
 
 
-def format_grammar(fmt, param: str = "response_format") -> Optional[str]:
-    """The grammar of OpenAI's response_format (None: plain text)."""
-    if fmt is None:
-        return None
+TEXT = "text"  # format_schema's answer for plain text: no grammar
+
+
+def format_schema(fmt, param: str = "response_format"):
+    """What OpenAI's response_format asks for: TEXT, None (any JSON object)
+    or a JSON schema (a dict); a 400 for any other shape."""
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
+    if fmt is None or kind == "text":
+        return TEXT
     if kind == "json_object":
-        return json_grammar(None)
+        return None
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
@@ -35,20 +37,13 @@ def format_grammar(fmt, param: str = "response_format") -> Optional[str]:
                 '{"json_schema": {"name", "schema": {...}}}',
                 param,
             )
-        return _schema_grammar(spec["schema"], param)
+        return spec["schema"]
     raise _bad(
         f'\'{param}\' must be {{"type": "text"}}, {{"type": "json_object"}} or '
         f'{{"type": "json_schema", "json_schema": {{...}}}}, not '
         f"{json.dumps(fmt)[:80]}",
         param,
     )
-
-
-def _schema_grammar(schema: dict, param: str) -> str:
-    try:
-        return json_grammar(schema)
-    except GrammarError as e:
-        raise _bad(f"'{param}' schema cannot be used: {e}", param, "invalid_schema")
 
 
 def strict_tools(tools: Optional[List[dict]]) -> List[dict]:
@@ -60,10 +55,8 @@ def strict_tools(tools: Optional[List[dict]]) -> List[dict]:
     ]
 
 
-def tools_grammar(tokenizer, tools: List[dict], special, **how) -> str:
-    """The grammar that holds a reply's tool calls to the tools' parameters
-    (how: tool_call_grammar's required and once); a 400 where the model's
-    tool-call format is not JSON."""
+def _check_json_tools(tokenizer) -> None:
+    """A 400 where the model's tool-call format is not JSON between markers."""
     parser = getattr(tokenizer, "tool_parser", None)
     module = getattr(parser, "__module__", "") or ""
     if not module.endswith("json_tools"):
@@ -74,36 +67,48 @@ def tools_grammar(tokenizer, tools: List[dict], special, **how) -> str:
             "tools",
             "unsupported_parameter",
         )
+
+
+def _grammar(tokenizer, schema, tools, special, **how) -> str:
+    """The one grammar a request is held to: its tools' calls (how:
+    tool_call_grammar's required and once; their parameters are compiled
+    with the processor) or its response_format's JSON."""
+    if tools:
+        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        return tool_call_grammar(tools, start, end, special, **how)
     try:
-        return tool_call_grammar(
-            tools, tokenizer.tool_call_start, tokenizer.tool_call_end, special, **how
-        )
+        return json_grammar(schema)
     except GrammarError as e:
-        raise _bad(f"'tools' parameters cannot be used: {e}", "tools", "invalid_schema")
+        param = "response_format"
+        raise _bad(f"'{param}' schema cannot be used: {e}", param, "invalid_schema")
 
 
-def constrain(service, body: dict, tools, requests: List[Request]) -> None:
+def constrain(
+    service, requests: List[Request], fmt, chat: Optional[Chat] = None
+) -> None:
     """Give each request its own grammar processor, where the body asks for
-    one (response_format; strict tools; tool_choice "required" or named,
-    docs/serve.md "Tools")."""
-    grammar = format_grammar(body.get("response_format"))
-    param = "response_format"
-    forced = forced_tools(body, tools)
-    strict = forced or strict_tools(tools)
-    if strict:
-        if grammar is not None:
-            raise _bad("'response_format' and tool calls cannot be combined", param)
-        # A forced call is one unless the body says parallel_tool_calls true
-        # (docs/serve.md "Tools"); else one where it says false.
-        parallel = body.get("parallel_tool_calls")
-        once = parallel is False or (bool(forced) and parallel is not True)
-        how = dict(required=bool(forced), once=once)
-        grammar = tools_grammar(
-            service.tokenizer, strict, service.grammars.special, **how
+    one (fmt: its response_format; a chat's strict tools, or those its
+    tool_choice forces, docs/serve.md "Tools"): what is asked is checked
+    first, then the one grammar compiled."""
+    schema = format_schema(fmt)
+    forced = chat.forced if chat is not None else None
+    strict = forced or strict_tools(chat.tools if chat is not None else None)
+    if strict and schema is not TEXT:
+        raise _bad(
+            "'response_format' and tool calls cannot be combined", "response_format"
         )
-        param = "tools"
-    if grammar is None:
+    if strict:
+        _check_json_tools(service.tokenizer)
+    elif schema is TEXT:
         return
+    # A forced call is one unless the body says parallel_tool_calls true
+    # (docs/serve.md "Tools"); else one where it says false.
+    parallel = chat.parallel if chat is not None else None
+    once = parallel is False or (bool(forced) and parallel is not True)
+    how = dict(required=bool(forced), once=once)
+    special = service.grammars.special
+    grammar = _grammar(service.tokenizer, schema, strict, special, **how)
+    param = "tools" if strict else "response_format"
     for r in requests:
         # Keys the schema requires may be unwritten at max_tokens: the reply
         # may run OVERRUN more to write them and close (docs/serve.md).
