@@ -2,7 +2,7 @@
 
 `cases SIZE cases.json out.npz`: build every case sharded over the launch's
 group (SIZE ranks); rank 0 saves what it computed. Each case: {"name",
-"model" (None: the embedded SmolLM2), "mode", optional "quantize": [bits,
+"model" (None: the embedded SmolLM2), "mode" (a modes.MODES name), optional "quantize": [bits,
 group], optional "layers": the model's first blocks only}; saved per case: float32 logits of the prompt TOKENS and of DECODE
 greedy steps through the KV cache, and those greedy tokens. The parent
 compares them with one process on the same weights.
@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import MODES
 from flashnorm_mlx.parallel import distributed
 
 TOKENS = [5, 17, 99, 3, 250, 42, 7, 7, 180, 64, 11, 2]
@@ -40,7 +41,7 @@ def run_case(case: dict, group):
         source = first_layers(source, case["layers"])
     quantize = tuple(case["quantize"]) if case.get("quantize") else None
     model, _ = build_model(
-        source, case["mode"], dtype=mx.float32, quantize=quantize, group=group
+        source, MODES[case["mode"]], dtype=mx.float32, quantize=quantize, group=group
     )
     cache = make_prompt_cache(model)
     out = model(mx.array(TOKENS)[None], cache=cache)[0].astype(mx.float32)

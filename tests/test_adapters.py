@@ -13,6 +13,7 @@ from tiny import PROMPT
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.adapters import apply_adapter
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 
 def make_adapter(model_dir, out, kind="lora", seed=1, num_layers=2):
@@ -92,11 +93,11 @@ def test_adapter_matches_mlx_lm_load_with_adapter_path(tmp_path, kind, name):
     ref = load_adapters(load_model(model_dir)[0], str(adapter))
     ref.eval()
     plain = read_source(str(model_dir), need_tokenizer=False)
-    base, _ = build_model(plain, "stock", dtype=mx.float32)
+    base, _ = build_model(plain, STOCK, dtype=mx.float32)
     source = read_source(
         str(model_dir), need_tokenizer=False, adapter_path=str(adapter)
     )
-    ours, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    ours, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     x = mx.array([PROMPT])
     want, got, unadapted = ref(x), ours(x), base(x)
     # The adapter changes the function (else the test proves nothing) ...
@@ -167,10 +168,10 @@ def test_quantized_source_takes_the_adapter_in_float(llama, tmp_path):
     q = tiny.quantized(read_source(str(llama)), bits=8, group_size=32)
     src = apply_adapter(q, adapter)
     notes = []
-    ours, _ = build_model(src, "flashnorm", dtype=mx.float32, notes=notes)
+    ours, _ = build_model(src, FLASHNORM, dtype=mx.float32, notes=notes)
     assert any("runs in float" in n for n in notes), notes
     assert not any("Quantized" in type(m).__name__ for _, m in ours.named_modules())
-    stock, _ = build_model(q, "stock", dtype=mx.float32)
+    stock, _ = build_model(q, STOCK, dtype=mx.float32)
     ref = load_adapters(stock, str(adapter))  # mlx-lm's: 8-bit base + LoRA layers
     x = mx.array([PROMPT])
     err = _rel(ref(x), ours(x))
@@ -187,7 +188,7 @@ def test_quantized_source_takes_the_adapter_in_float(llama, tmp_path):
     assert how["comparison"] == "adapter" and "dequantized" in how["comparison_note"]
     notes = []
     requant, _ = build_model(
-        src, "flashnorm", dtype=mx.float32, quantized_way="requantize", notes=notes
+        src, FLASHNORM, dtype=mx.float32, quantized_way="requantize", notes=notes
     )
     assert any("quantized again" in n for n in notes), notes
     bits = {m.bits for _, m in requant.named_modules() if hasattr(m, "bits")}
@@ -200,7 +201,7 @@ def test_convert_with_adapter_writes_the_adapted_function(llama, tmp_path, capsy
     argv = ["convert", str(llama), "-o", str(out), "--adapter-path", str(adapter)]
     assert main(argv) == 0
     ref, _ = _reference(llama, adapter)
-    folded, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
+    folded, _ = build_model(read_source(str(out)), FLASHNORM, dtype=mx.float32)
     x = mx.array([PROMPT])
     err = _rel(ref(x), folded(x))
     print(f"converted with adapter vs mlx-lm adapted: {err:.2e}")

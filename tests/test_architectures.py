@@ -17,6 +17,7 @@ from tiny import PROMPT
 from flashnorm_mlx import kernels, models
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, STOCK, STOCK_FUSED
 
 STEPS = 12
 
@@ -105,8 +106,8 @@ def test_scaled_and_unfused_rope_low_precision_close_to_float32_stock(
     """YaRN's input factor through the fused epilogue, interleaved RoPE through
     the model's own module: float16 and bfloat16 near float32 stock."""
     source = _source(tmp_path, arch, rope)
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
-    flash, _ = build_model(source, "flashnorm", dtype=dtype)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=dtype)
     x = mx.array([PROMPT])
     r, f = ref(x), flash(x).astype(mx.float32)
     err = (mx.abs(f - r).max() / mx.abs(r).max()).item()
@@ -164,8 +165,8 @@ def test_stock_fused_is_stocks_function(tmp_path, make, cfg, quantized):
     source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
     if quantized:
         source = tiny.quantized(source)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
-    fused, _ = build_model(source, "stock_fused", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
+    fused, _ = build_model(source, STOCK_FUSED, dtype=mx.float32)
     x = mx.array([PROMPT])
     a, b = stock(x), fused(x)
     rel = (mx.abs(a - b).max() / mx.abs(a).max()).item()

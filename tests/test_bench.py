@@ -13,6 +13,7 @@ from flashnorm_mlx.cli import main
 from flashnorm_mlx.jobs import speed, speed_report
 from flashnorm_mlx.loading import Source, build_model, nonorm, read_source
 from flashnorm_mlx.loading.rows import NAMES
+from flashnorm_mlx.modes import NONORM, STOCK
 from flashnorm_mlx.timing import time_generation
 
 P, G, N = 8, 4, 2
@@ -263,8 +264,8 @@ def test_decode_bytes_count_the_head_not_the_gathered_table(result, source):
 def test_nonorm_is_stock_with_zero_norm_ops(source, monkeypatch):
     from mlx_lm.models.llama import Model
 
-    stock, _ = build_model(source, "stock")
-    model, config = build_model(source, "nonorm")
+    stock, _ = build_model(source, STOCK)
+    model, config = build_model(source, NONORM)
     assert type(model) is Model
     assert nonorm.rms_norm_paths(model) == []
     assert not any("norm" in k for k in dict(tree_flatten(model.parameters())))
@@ -291,18 +292,18 @@ def _residuals_scaled(src: Source, scale: float) -> Source:
 def test_nonorm_finite_with_residuals_scaled(source, dtype, scale):
     big = _residuals_scaled(source, scale)
     tokens = mx.array([list(range(3, 40))])
-    stock, _ = build_model(big, "stock", dtype=dtype)
+    stock, _ = build_model(big, STOCK, dtype=dtype)
     ref = stock(tokens).astype(mx.float32)
     assert mx.isfinite(ref).all().item()
 
     # Norms removed without the calibration constants: inf in fp16, huge otherwise.
-    naive, _ = build_model(big, "stock", dtype=dtype)
+    naive, _ = build_model(big, STOCK, dtype=dtype)
     nonorm.strip_norms(naive)
     out_naive = naive(tokens).astype(mx.float32)
     peak_naive = mx.abs(out_naive).max().item()
     assert not mx.isfinite(out_naive).all().item() or peak_naive > 1e6, peak_naive
 
-    model, _ = build_model(big, "nonorm", dtype=dtype)
+    model, _ = build_model(big, NONORM, dtype=dtype)
     out = model(tokens).astype(mx.float32)
     peak, peak_ref = mx.abs(out).max().item(), mx.abs(ref).max().item()
     assert mx.isfinite(out).all().item() and peak < 10 * peak_ref, (peak, peak_ref)
@@ -318,8 +319,8 @@ def test_nonorm_from_a_quantized_source(source):
     tokens = mx.array([list(range(5, 25))])
     for dequantize in (False, True):
         how = "dequantize" if dequantize else "stored"
-        model, config = build_model(qsrc, "nonorm", quantized_way=how)
-        stock, _ = build_model(qsrc, "stock", quantized_way=how)
+        model, config = build_model(qsrc, NONORM, quantized_way=how)
+        stock, _ = build_model(qsrc, STOCK, quantized_way=how)
         qlayers = {
             type(model.model.layers[0].self_attn.q_proj).__name__,
             type(stock.model.layers[0].self_attn.q_proj).__name__,
@@ -338,7 +339,7 @@ def test_nonorm_unties_a_tied_head(tmp_path):
         str(tiny.make_llama(tmp_path, "mha_tied", tokenizer=False)),
         need_tokenizer=False,
     )
-    model, config = build_model(src, "nonorm", quantize=(4, 32))
+    model, config = build_model(src, NONORM, quantize=(4, 32))
     assert config["tie_word_embeddings"] is False and "lm_head" in model, config
     assert type(model.lm_head).__name__ == "QuantizedLinear"
     assert nonorm.rms_norm_paths(model) == []
@@ -346,7 +347,7 @@ def test_nonorm_unties_a_tied_head(tmp_path):
 
 
 def test_fold_constants_is_pure(source):
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     w = stock.sanitize(dict(source.weights))
     before = {k: v for k, v in w.items()}
     cfg_before = json.dumps(source.config, sort_keys=True)
@@ -374,7 +375,7 @@ def test_exactly_g_tokens_even_when_eos_is_sampled(model_dir, source):
     from mlx_lm.utils import load_tokenizer
 
     eos = next(iter(load_tokenizer(model_dir).eos_token_ids))
-    model, _ = build_model(source, "stock")
+    model, _ = build_model(source, STOCK)
     prompt = mx.array(speed.prompt_ids(source.config, P, 0))
     t = time_generation(model, prompt, 7, sampler=lambda lp: mx.array([eos]))
     assert t["generated_tokens"] == 7 and t["tokens"] == [eos] * 7, t

@@ -21,6 +21,7 @@ from mlx_lm import stream_generate
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.jobs.conversation import ChatSession, ContextOverflow, common_prefix
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 STATS = re.compile(r"^(\d+) tokens, [\d.]+ tok/s \| prompt (\d+) tokens.* GB.*$", re.M)
 SYSTEM = "You are a terse assistant."
@@ -39,7 +40,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def loaded(model_dir):
     source = read_source(str(model_dir))
-    model, _ = build_model(source, "flashnorm")
+    model, _ = build_model(source, FLASHNORM)
     return model, source.tokenizer
 
 
@@ -381,7 +382,7 @@ def test_compare_regenerates_the_last_reply_on_the_same_prompt(model_dir, loaded
         [user("Hello")], add_generation_prompt=True
     )
     source = read_source(str(model_dir))
-    stock, _ = build_model(source, "stock")
+    stock, _ = build_model(source, STOCK)
     r = compare_decode_speed({"flashnorm": model, "stock": stock}, prompt, len(reply))
     for name, t in r.items():
         # Greedy on the same prompt: the same tokens as the chat's reply (float

@@ -13,6 +13,7 @@ from flashnorm_mlx import fold, quant
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.loading import LoadError, Source, build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 PROMPT = [tiny.PROMPT]  # a batch of one
 QUANT = {"float": None, "4bit_gs32": (4, 32), "4bit_gs64": (4, 64)}
@@ -62,7 +63,7 @@ def _load_converted(out: Path, monkeypatch, **kw):
 
     with monkeypatch.context() as m:
         m.setattr(fold, "fold_norms", no_fold)
-        model, config = build_model(read_source(str(out)), "flashnorm", **kw)
+        model, config = build_model(read_source(str(out)), FLASHNORM, **kw)
     return model, config
 
 
@@ -89,11 +90,11 @@ def _check_converted(src: Path, out: Path, q, monkeypatch):
     _assert_loaded_as_stored(model, out)
 
     source = read_source(str(src))
-    ref, _ = build_model(source, "flashnorm", quantize=q)
+    ref, _ = build_model(source, FLASHNORM, quantize=q)
     x = mx.array(PROMPT)
     got, want_logits = model(x), ref(x)
     if q is None:
-        stock, _ = build_model(source, "stock")
+        stock, _ = build_model(source, STOCK)
         err, err_stock = _rel(got, want_logits), _rel(got, stock(x))
         assert err < tiny.f32_tol(1e-5) and err_stock < tiny.f32_tol(1e-5), (
             err,
@@ -356,7 +357,7 @@ def test_sharded_output_and_dtype(llama_dir, tmp_path, monkeypatch):
     model, _ = _load_converted(out, monkeypatch, dtype=mx.bfloat16)
     _assert_loaded_as_stored(model, out)
     assert model.model.embed_tokens.weight.dtype == mx.bfloat16
-    ref, _ = build_model(read_source(str(llama_dir)), "flashnorm", dtype=mx.bfloat16)
+    ref, _ = build_model(read_source(str(llama_dir)), FLASHNORM, dtype=mx.bfloat16)
     err = mx.abs(model(mx.array(PROMPT)) - ref(mx.array(PROMPT))).max().item()
     assert err == 0.0, err
 
@@ -421,7 +422,7 @@ def test_quantized_source_matches_in_memory(llama_dir, tmp_path, how, monkeypatc
     convert(src, out, progress=False, chunk_elements=1000, q_method="rtn", **how)
     model, config = _load_converted(out, monkeypatch)
     _assert_loaded_as_stored(model, out)
-    ref, ref_config = build_model(src, "flashnorm", dtype=mx.float32, **how)
+    ref, ref_config = build_model(src, FLASHNORM, dtype=mx.float32, **how)
     ours = dict(tree_flatten(model.parameters()))
     theirs = dict(tree_flatten(ref.parameters()))
     assert sorted(ours) == sorted(theirs)
@@ -448,8 +449,8 @@ def test_quantized_source_is_written_as_stored(llama_dir, tmp_path, capsys):
     changed = [k for k in files if not mx.array_equal(files[k], src.weights[k]).item()]
     assert not changed and all(files[k].dtype == src.weights[k].dtype for k in files)
     x = mx.array(PROMPT)
-    ours, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
-    ref, _ = build_model(src, "flashnorm", dtype=mx.float32)
+    ours, _ = build_model(read_source(str(out)), FLASHNORM, dtype=mx.float32)
+    ref, _ = build_model(src, FLASHNORM, dtype=mx.float32)
     assert mx.array_equal(ours(x), ref(x)).item()
     stock, _ = load_model(out)
     assert _rel(ours(x), stock(x)) < 1e-4, _rel(ours(x), stock(x))
@@ -493,8 +494,8 @@ def test_a_folded_4bit_checkpoint_says_how_it_runs(llama_dir, tmp_path, capsys):
     # The float run is the stored 4-bit function: logits equal to running it 4-bit.
     src = read_source(str(out))
     x = mx.array(PROMPT)
-    f, _ = build_model(src, "flashnorm", dtype=mx.float32, quantized_way="dequantize")
-    q, _ = build_model(src, "flashnorm", dtype=mx.float32)
+    f, _ = build_model(src, FLASHNORM, dtype=mx.float32, quantized_way="dequantize")
+    q, _ = build_model(src, FLASHNORM, dtype=mx.float32)
     assert _rel(f(x), q(x)) < 1e-5, _rel(f(x), q(x))
 
 

@@ -25,6 +25,7 @@ from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import deepseek_v3
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 NAMES = list(tiny.DEEPSEEK_V3_CONFIGS)
 
@@ -56,8 +57,8 @@ def greedy(model, n=64):
 def test_layers_and_no_norm_gain_left(source):
     """Dense and sparse layers where stock has them (first_k_dense_replace,
     moe_layer_freq); folded, no norm gain is left, the latent norms' neither."""
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    model, _ = build_model(source, FLASHNORM, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     ours = [type(l.mlp).__name__ == "GroupRouted" for l in model.layers]
     theirs = [type(l.mlp).__name__ == "DeepseekV3MoE" for l in stock.layers]
     assert ours == theirs and any(ours) and not all(ours), (ours, theirs)
@@ -83,11 +84,11 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
 ):
     src = stock_q4 if quantized else source
     dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
     want = greedy(stock)
     got = {}
     for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, "flashnorm", dtype=dtype, engine=engine)
+        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
         if quantized:
             proj = flash.layers[1].self_attn.q_kv_a_proj
             assert type(proj).__name__ == "QuantizedLinear", type(proj)
@@ -103,7 +104,7 @@ def test_every_tokens_experts_are_stocks_at_every_step(source, stock_q4, quantiz
     steps; they vary with the token, and the bias changes some."""
     src = stock_q4 if quantized else source
     dtype = None if quantized else mx.float32
-    ls, lf = (_picks(src, mode, dtype) for mode in ("stock", "flashnorm"))
+    ls, lf = (_picks(src, mode, dtype) for mode in (STOCK, FLASHNORM))
     assert ls and set(ls) == set(lf), (ls, lf)
     assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls  # prompt + steps
     bad = _differ(ls, lf)
@@ -112,7 +113,7 @@ def test_every_tokens_experts_are_stocks_at_every_step(source, stock_q4, quantiz
     first = next(iter(ls.values()))[0].reshape(-1, k).tolist()
     assert len({tuple(p) for p in first}) >= 3, first  # routing reads the input
     if not quantized:
-        moved = _differ(ls, _picks(src, "stock", dtype, unbiased=True))
+        moved = _differ(ls, _picks(src, STOCK, dtype, unbiased=True))
         assert moved, "the correction bias changes no pick"
 
 
@@ -137,7 +138,7 @@ def test_what_is_not_folded_runs_as_stock():
 def test_the_correction_bias_stays_float32_in_bfloat16_as_stocks(source):
     """mlx-lm keeps `e_score_correction_bias` float32 whatever the dtype: built
     in bfloat16, ours and stock hold it float32, every weight else bfloat16."""
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(source, mode, dtype=mx.bfloat16)
         dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
         bias = {k: d for k, d in dtypes.items() if "e_score" in k}
@@ -173,12 +174,12 @@ def test_hugging_face_kv_b_proj_and_per_expert_files(tmp_path):
     assert "model.layers.1.self_attn.kv_b_proj.weight" in stored, list(stored)
     hf = read_source(str(path))  # its canonical form: kv_b_proj split
     x = mx.array([PROMPT])
-    want = build_model(src, "stock", dtype=mx.float32)[0](x)
+    want = build_model(src, STOCK, dtype=mx.float32)[0](x)
     from mlx_lm.utils import load_model
 
     errs = {
         "mlx-lm's load_model": rel(load_model(path)[0](x), want),
-        "flashnorm": rel(build_model(hf, "flashnorm", dtype=mx.float32)[0](x), want),
+        "flashnorm": rel(build_model(hf, FLASHNORM, dtype=mx.float32)[0](x), want),
     }
     print(errs)
     assert max(errs.values()) < tiny.f32_tol(), errs
@@ -201,13 +202,13 @@ def test_the_reference_sees_what_mla_must_get_right(tmp_path, monkeypatch):
     missing from the rotary key part, the router's s after the sigmoid."""
     srcs = {n: _source(tmp_path, n) for n in NAMES}
     x = mx.array([PROMPT * 2])
-    want = {n: build_model(s, "stock", dtype=mx.float32)[0](x) for n, s in srcs.items()}
+    want = {n: build_model(s, STOCK, dtype=mx.float32)[0](x) for n, s in srcs.items()}
     A, G = deepseek_v3.Attention, deepseek_v3.GroupRouted
 
     def err(name, patch):
         with monkeypatch.context() as m:
             patch(m)
-            flash, _ = build_model(srcs[name], "flashnorm", dtype=mx.float32)
+            flash, _ = build_model(srcs[name], FLASHNORM, dtype=mx.float32)
             return rel(flash(x), want[name])
 
     real_latents = A.latents
@@ -252,7 +253,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
     from mlx_lm.utils import load_model
 
     source = _source(tmp_path, "deepseek_v3")
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     key = "model.layers.1.self_attn.q_b_proj.weight"
     folded_w, _ = fold.fold_norms(source.weights, source.config)
@@ -268,11 +269,11 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
         assert "model.layers.1.mlp.switch_mlp.gate_proj.scales" in folded.weights
         same = mx.array_equal(folded.weights[key], rtn_w).item()
         assert same == (method == "rtn"), (method, same)
-        ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+        ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
         theirs, _ = load_model(out)
         assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
         errs[method] = rel(ours(x), ref(x))
-    stock8, _ = build_model(source, "stock", dtype=mx.float32, quantize=(8, 32))
+    stock8, _ = build_model(source, STOCK, dtype=mx.float32, quantize=(8, 32))
     errs["stock q8"] = rel(stock8(x), ref(x))
     print(errs)
     assert all(e < 1.0 for e in errs.values()), errs
@@ -314,6 +315,6 @@ def test_load_peak_is_stocks(tmp_path, quantized):
     if quantized:
         mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
         path = tmp_path / "q"
-    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
     print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks

@@ -22,6 +22,7 @@ from flashnorm_mlx.errors import LoadError, UnsupportedModel
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import phi3, smollm3
+from flashnorm_mlx.modes import FLASHNORM, NONORM, STOCK
 
 EVERY = pytest.mark.parametrize("make,cfg", tiny.every_config("phi3", "smollm3"))
 # Which path each config's attention takes: the model's own RoPE module (True)
@@ -60,11 +61,11 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
     source = _source(tmp_path, make, cfg)
     src = tiny.quantized(source) if quantized else source
     dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
     want = greedy(stock)
     got = {}
     for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, "flashnorm", dtype=dtype, engine=engine)
+        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
         if quantized:
             qkv = flash.layers[0].self_attn.qkv_proj
             assert type(qkv).__name__ == "QuantizedLinear", type(qkv)
@@ -100,10 +101,10 @@ def test_the_reference_sees_what_phi3_and_smollm3_must_get_right(tmp_path, monke
     x = mx.array([PROMPT])
 
     def err(source, patch):
-        ref, _ = build_model(source, "stock", dtype=mx.float32)
+        ref, _ = build_model(source, STOCK, dtype=mx.float32)
         with monkeypatch.context() as m:
             patch(m)
-            flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+            flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
             return rel(flash(x), ref(x))
 
     long = _source(tmp_path, tiny.make_phi3, "phi3_longrope")
@@ -143,7 +144,7 @@ def test_the_reference_sees_what_phi3_and_smollm3_must_get_right(tmp_path, monke
 
 def test_smollm3_nope_layers_are_those_stock_reads(tmp_path):
     for cfg, want in (("smollm3", [1, 1, 1, 0]), ("smollm3_listed", [0, 1, 0])):
-        model, _ = build_model(_source(tmp_path, tiny.make_smollm3, cfg), "flashnorm")
+        model, _ = build_model(_source(tmp_path, tiny.make_smollm3, cfg), FLASHNORM)
         got = [int(l.self_attn._angles.inv_freq.any().item()) for l in model.layers]
         assert got == want, (cfg, got)
 
@@ -202,10 +203,10 @@ def test_a_mode_a_family_declares_it_cannot_run_is_one_error(tmp_path, monkeypat
         phi3, "ARCH", dataclasses.replace(phi3.ARCH, cannot=(("nonorm", why),))
     )
     with pytest.raises(UnsupportedModel) as e:
-        build_model(source, "nonorm")
+        build_model(source, NONORM)
     assert str(e.value) == f"phi3 has no nonorm: {why}", e.value
     assert isinstance(e.value, LoadError)
-    build_model(source, "stock")  # mlx-lm's class runs whatever the contract says
+    build_model(source, STOCK)  # mlx-lm's class runs whatever the contract says
 
 
 @pytest.mark.parametrize(

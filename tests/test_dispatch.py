@@ -16,6 +16,7 @@ import tiny
 
 from flashnorm_mlx import dispatch, kernels
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, NONORM, STOCK, STOCK_FUSED
 
 # One FlashNorm block: qkv matmul, qkv_epilogue, 2 cache writes, attention,
 # o_proj, residual, gate|up matmul, deferred_glu, down matmul, residual.
@@ -72,7 +73,7 @@ EXACT = [name for name in MODELS if "sliding" not in name]
 @pytest.mark.parametrize("name", EXACT)
 def test_flashnorm_step_launches_11_per_block(sources, name, dtype):
     src = sources[name]
-    got = gpu_count(src, "flashnorm", dtype)
+    got = gpu_count(src, FLASHNORM, dtype)
     want = PER_BLOCK * layers(src) + PER_STEP
     assert got["dispatches"] == want, (
         f"{name} {dtype}: {got['dispatches']} launches per decode step, "
@@ -84,9 +85,10 @@ def test_flashnorm_step_launches_11_per_block(sources, name, dtype):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("name", MODELS)
 def test_flashnorm_launches_fewer_than_nonorm_and_stock(sources, name, dtype):
-    counts = {m: gpu_count(sources[name], m, dtype) for m in ("stock", "nonorm")}
-    fn = gpu_count(sources[name], "flashnorm", dtype)["dispatches"]
-    st, nn_ = counts["stock"]["dispatches"], counts["nonorm"]["dispatches"]
+    st, nn_, fn = (
+        gpu_count(sources[name], m, dtype)["dispatches"]
+        for m in (STOCK, NONORM, FLASHNORM)
+    )
     assert fn < nn_ < st, (name, dtype, {"flashnorm": fn, "nonorm": nn_, "stock": st})
 
 
@@ -94,8 +96,8 @@ def test_flashnorm_launches_fewer_than_nonorm_and_stock(sources, name, dtype):
 def test_stock_fused_saves_three_launches_a_block(sources, name):
     """q|k|v and gate|up as one matmul each: 5 matmuls become 2, the rest stock's."""
     src = sources[name]
-    st = gpu_count(src, "stock", mx.float32)["dispatches"]
-    fu = gpu_count(src, "stock_fused", mx.float32)["dispatches"]
+    st = gpu_count(src, STOCK, mx.float32)["dispatches"]
+    fu = gpu_count(src, STOCK_FUSED, mx.float32)["dispatches"]
     assert fu == st - 3 * layers(src), (name, st, fu)
 
 
@@ -116,7 +118,7 @@ def test_stored_quantized_step_launches_11_per_block(name, dtype, tmp_path):
     arch, cfg = STORED[name]
     make = getattr(tiny, f"make_{arch}")
     src = tiny.quantized(read_source(str(make(tmp_path, cfg, tokenizer=False))))
-    model, config = build_model(src, "flashnorm", dtype=dtype)
+    model, config = build_model(src, FLASHNORM, dtype=dtype)
     assert config["flashnorm"]["norm_gains"] == "kernels", config["flashnorm"]
     with dispatch.gpu_like():
         got = dispatch.count_dispatches(model)
@@ -124,7 +126,7 @@ def test_stored_quantized_step_launches_11_per_block(name, dtype, tmp_path):
     # dequantizes: 3 launches more than a float one (stock's alike).
     want = PER_BLOCK * layers(src) + PER_STEP + 3
     assert got["dispatches"] == want, (name, dtype, got["by_primitive"])
-    stock = gpu_count(src, "stock", dtype)["dispatches"]
+    stock = gpu_count(src, STOCK, dtype)["dispatches"]
     assert got["dispatches"] < stock, (got["dispatches"], stock)
 
 
@@ -157,7 +159,7 @@ def test_each_kernel_and_fast_op_counts_as_one_launch():
 def test_counts_on_this_build_see_the_real_graph(sources):
     """Without gpu_like the count is this build's own graph: on a CPU build
     mx.fast ops and kernel twins decompose, so it exceeds the GPU model."""
-    model, _ = build_model(sources["llama-untied"], "stock", dtype=mx.float32)
+    model, _ = build_model(sources["llama-untied"], STOCK, dtype=mx.float32)
     here = dispatch.count_dispatches(model)
     with dispatch.gpu_like():
         gpu = dispatch.count_dispatches(model)

@@ -28,6 +28,7 @@ import pytest
 import tiny
 
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, NONORM, STOCK
 from flashnorm_mlx.parallel import sharding
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -509,24 +510,24 @@ def test_layouts_that_cannot_be_split_are_one_clear_error(tmp_path):
     """Fewer query heads than ranks: every rank needs one."""
     path = _llama(tmp_path / "two", num_attention_heads=2, num_key_value_heads=1)
     source = read_source(str(path))
-    for mode in ("flashnorm", "stock", "nonorm"):
+    for mode in (FLASHNORM, STOCK, NONORM):
         with pytest.raises(sharding.ShardError, match="2 query heads.*at most 2"):
             build_model(source, mode, dtype=mx.float32, group=_Rank(0, 3))
     oe = read_source(str(tiny.make_openelm(tmp_path / "oe")))  # 4, 6, 8 query heads
     with pytest.raises(sharding.ShardError, match="layer 0.*4 query heads"):
-        build_model(oe, "flashnorm", dtype=mx.float32, group=_Rank(0, 5))
+        build_model(oe, FLASHNORM, dtype=mx.float32, group=_Rank(0, 5))
 
 
 def test_quantization_groups_that_do_not_split_are_one_clear_error(tmp_path):
     # down_proj reads 32 columns: one 32-group, and each of 2 ranks needs one.
     source = read_source(str(_llama(tmp_path / "m", intermediate_size=32)))
     with pytest.raises(sharding.ShardError, match="down_proj.*1 quantization gr"):
-        build_model(source, "flashnorm", quantize=(4, 32), group=_Rank(0))
+        build_model(source, FLASHNORM, quantize=(4, 32), group=_Rank(0))
     # head_dim 16, 4:2 over 3 ranks: query heads 1|1|2, o_proj cut at column 16.
     cfg = dict(tiny.qwen_config("qwen3_tied"), num_attention_heads=4)
     qwen = read_source(str(tiny.write_model(tmp_path / "q4", cfg, _qwen3(cfg))))
     with pytest.raises(sharding.ShardError, match="o_proj.*groups of 32"):
-        build_model(qwen, "flashnorm", quantize=(4, 32), group=_Rank(0, 3))
+        build_model(qwen, FLASHNORM, quantize=(4, 32), group=_Rank(0, 3))
 
 
 def _qwen3(cfg):
@@ -554,9 +555,9 @@ def test_each_rank_holds_whole_groups(tmp_path, n):
     whole layer; o_proj's columns and the FFN's hidden columns are cut alike."""
     cfg = dict(tiny.llama_config("odd_sizes"), attention_bias=True, mlp_bias=True)
     source = read_source(str(tiny.write_model(tmp_path, cfg, tiny.llama_weights(cfg))))
-    whole = build_model(source, "flashnorm", dtype=mx.float32)[0].layers[1]
+    whole = build_model(source, FLASHNORM, dtype=mx.float32)[0].layers[1]
     ranks = [
-        build_model(source, "flashnorm", dtype=mx.float32, group=_Rank(r, n))[0]
+        build_model(source, FLASHNORM, dtype=mx.float32, group=_Rank(r, n))[0]
         for r in range(n)
     ]
     ranks = [m.layers[1] for m in ranks]
@@ -608,10 +609,10 @@ def test_shard_model_lets_ours_shard_themselves_and_splits_mlx_lms_by_layers(
     calls = []
     monkeypatch.setattr(sharding, "shard_layers", lambda *a: calls.append("layers"))
     group = type("Group", (), {"size": lambda self: 2})()
-    ours, _ = build_model(source, "flashnorm", dtype=mx.float32, engine="eager")
+    ours, _ = build_model(source, FLASHNORM, dtype=mx.float32, engine="eager")
     monkeypatch.setattr(type(ours), "shard", lambda self, g: calls.append("own"))
     sharding.shard_model(ours, group)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     sharding.shard_model(stock, group)
     assert calls == ["own", "layers"], calls
 

@@ -21,6 +21,7 @@ from flashnorm_mlx import kernels as K
 from flashnorm_mlx.jobs.conversation import ChatSession
 from flashnorm_mlx.loading import MODES, build_model, read_source
 from flashnorm_mlx.models.blocks import Block
+from flashnorm_mlx.modes import FLASHNORM, NONORM, STOCK, STOCK_FUSED
 
 ENGINE = {True: "compiled", False: "eager"}
 EVERY_CONFIG = pytest.mark.parametrize("make,cfg", tiny.every_config())
@@ -54,8 +55,8 @@ def compiled_ran(model) -> bool:
 
 
 def both(source, dtype=mx.float32):
-    on, _ = build_model(source, "flashnorm", dtype=dtype, engine="compiled")
-    off, _ = build_model(source, "flashnorm", dtype=dtype, engine="eager")
+    on, _ = build_model(source, FLASHNORM, dtype=dtype, engine="compiled")
+    off, _ = build_model(source, FLASHNORM, dtype=dtype, engine="eager")
     assert engine.is_compiled(on) and not engine.is_compiled(off)
     return on, off
 
@@ -66,9 +67,12 @@ def test_compiled_by_default_where_a_gpu_runs_the_model(tmp_path, monkeypatch, b
     it (the host sets the pace there), and none does on the CPU."""
     source = read_source(str(tiny.make_llama(tmp_path, tokenizer=False)))
     monkeypatch.setattr(K, "gpu_backend", lambda: backend)
-    compiled = {mode: engine.engine_of(build_model(source, mode)[0]) for mode in MODES}
+    compiled = {
+        name: engine.engine_of(build_model(source, mode)[0])
+        for name, mode in MODES.items()
+    }
     want = "compiled" if backend else "eager"
-    assert compiled == {mode: want for mode in MODES}, compiled
+    assert compiled == {name: want for name in MODES}, compiled
 
 
 # Families no compiled function serves yet: recurrent states (ArraysCache) are
@@ -159,10 +163,10 @@ def test_every_mode_on_the_compiled_engine_is_mlx_lm(tmp_path, make, cfg):
     greedy tokens over 32 cached steps; stock within 1e-5 (float32, relative) of
     mlx-lm's logits, and mlx-lm's own class ran the whole compiled step."""
     source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
-    mlx_lm, _ = build_model(source, "stock", dtype=mx.float32, engine="eager")
+    mlx_lm, _ = build_model(source, STOCK, dtype=mx.float32, engine="eager")
     tokens = greedy(mlx_lm, PROMPT, 32)
     want = _teacher_forced(mlx_lm, PROMPT, tokens[:-1])
-    for mode in ("stock", "stock_fused", "flashnorm"):
+    for mode in (STOCK, STOCK_FUSED, FLASHNORM):
         model, _ = build_model(source, mode, dtype=mx.float32, engine="compiled")
         assert engine.is_compiled(model), mode
         got = _teacher_forced(model, PROMPT, tokens[:-1])
@@ -170,7 +174,7 @@ def test_every_mode_on_the_compiled_engine_is_mlx_lm(tmp_path, make, cfg):
         print(f"{cfg} {mode}: compiled vs mlx-lm rel {rel:.2e}")
         assert mx.argmax(got, axis=-1).tolist() == tokens, (mode, cfg)
         assert greedy(model, PROMPT, 32) == tokens, (mode, cfg)
-        if mode == "stock":
+        if mode is STOCK:
             assert rel < 1e-5, rel
         # No whole step on other caches, nor on windows kept in the mask
         # (mlx-lm's mistral3 wrapper: sliding layers on plain KVCaches).
@@ -246,7 +250,7 @@ def test_kernels_survive_compilation(fake_kernels, tmp_path, make, cfg, capsys):
     """Each shape's first step checks every kernel form eagerly; the trace that
     follows calls the kernels, never a twin in their place, and says nothing."""
     source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32, engine="compiled")
+    model, _ = build_model(source, FLASHNORM, dtype=mx.float32, engine="compiled")
     greedy(model, PROMPT, 6)
     traced = {op for op, tracing in fake_kernels["kernel"] if tracing}
     twins_traced = {op for op, tracing in fake_kernels["twin"] if tracing}
@@ -280,7 +284,7 @@ def test_a_dropped_compiled_model_frees_at_once(tmp_path, cfg):
     import weakref
 
     source = read_source(str(tiny.make_llama(tmp_path, cfg, tokenizer=False)))
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32, engine="compiled")
+    model, _ = build_model(source, FLASHNORM, dtype=mx.float32, engine="compiled")
     greedy(model, PROMPT, 4)
     assert compiled_ran(model)
     ref = weakref.ref(model)
@@ -302,7 +306,7 @@ def _attention_without_sdpa(q, k, v, offset, scale=1.0):
     return (mx.softmax(s, axis=-1) @ v.astype(mx.float32)).astype(q.dtype)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES.values(), ids=str)
 @pytest.mark.parametrize(
     "make,cfg",
     [
@@ -333,7 +337,7 @@ def test_every_mode_traces_one_decode_attention_per_layer(
     monkeypatch.setattr(K.attention, "decode_attention_kernel", kernel)
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded_sdpa)
     source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
-    reference, _ = build_model(source, "stock", dtype=mx.float32, engine="eager")
+    reference, _ = build_model(source, STOCK, dtype=mx.float32, engine="eager")
     want = greedy(reference, PROMPT, 5)
     model, _ = build_model(source, mode, dtype=mx.float32, engine="compiled")
     attn.clear(), sdpa.clear()
@@ -344,5 +348,5 @@ def test_every_mode_traces_one_decode_attention_per_layer(
     assert attn.count(True) == layers, (mode, attn, layers)
     assert traced_sdpa == [], f"{mode}: MLX attention in the trace {traced_sdpa}"
     assert model._decode_step.run.seen, mode
-    if mode != "nonorm":  # the bound is not stock's function
+    if mode is not NONORM:  # the bound is not stock's function
         assert got == want, (mode, got, want)

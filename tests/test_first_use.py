@@ -16,7 +16,7 @@ from flashnorm_mlx.cli import chat as chat_cli
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.jobs.conversation import ChatSession
 from flashnorm_mlx.loading import build_model, read_source
-from flashnorm_mlx.modes import FLASHNORM
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,8 +145,8 @@ def test_one_prefill_then_each_variant_decodes_what_a_full_run_decodes(model_dir
     from flashnorm_mlx.timing import time_generation
 
     source = read_source(str(model_dir))
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    model, _ = build_model(source, FLASHNORM, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     session = ChatSession(model, source.tokenizer, max_tokens=8)
     session.send("Tell me about the fox")
     prompt, n = session.last_prompt_ids, len(session.last_reply_ids)

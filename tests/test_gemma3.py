@@ -25,6 +25,7 @@ from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import Source, build_model, read_source
 from flashnorm_mlx.models import gemma3
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 
 @pytest.fixture(scope="module", params=list(tiny.GEMMA3_CONFIGS))
@@ -40,8 +41,8 @@ def tied(tmp_path_factory):
 
 
 def test_classes_and_what_is_left_of_the_norms(source):
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     assert type(stock).__module__ == "mlx_lm.models.gemma3_text"
     assert type(flash).__module__ == "flashnorm_mlx.models.gemma3"
     names = {n for n, _ in flash.named_modules()}
@@ -68,8 +69,8 @@ def test_classes_and_what_is_left_of_the_norms(source):
 def test_prompt_and_32_cached_steps_across_the_window_match_stock(source):
     """Directly: prefill 12 tokens (window 6), then 32 decode steps on stock's
     greedy tokens; every float32 logit row within 1e-4 relative."""
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     cs, cf = make_prompt_cache(stock), make_prompt_cache(flash)
     a, b = stock(mx.array([PROMPT]), cache=cs), flash(mx.array([PROMPT]), cache=cf)
     errs = [rel(b, a)]
@@ -134,8 +135,8 @@ def greedy(model, n=64):
 def test_64_greedy_tokens_identical_to_stock(tied, quantized):
     src = tiny.quantized(tied) if quantized else tied
     dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, "stock", dtype=dtype)
-    flash, _ = build_model(src, "flashnorm", dtype=dtype)
+    stock, _ = build_model(src, STOCK, dtype=dtype)
+    flash, _ = build_model(src, FLASHNORM, dtype=dtype)
     if quantized:
         qkv = flash.layers[0].self_attn.qkv_proj
         assert type(qkv).__name__ == "QuantizedLinear", type(qkv)
@@ -150,14 +151,14 @@ def test_the_reference_sees_what_gemma_must_get_right(source, monkeypatch):
     and the logits move far beyond the tolerance."""
     from flashnorm_mlx.kernels import post_norm
 
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     ref = stock(x)
 
     def broken(patch):
         with monkeypatch.context() as m:
             patch(m)
-            flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+            flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
             return rel(flash(x), ref)
 
     errs = {
@@ -187,15 +188,15 @@ def test_the_reference_sees_what_gemma_must_get_right(source, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
 def test_low_precision_finite_and_close(source, dtype):
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     r = ref(x)
     err = {}
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(source, mode, dtype=dtype)
         out = model(x)
         assert mx.isfinite(out).all().item(), mode
-        err[mode] = rel(out, r)
+        err[mode.name] = rel(out, r)
     tol = {mx.float16: 0.03, mx.bfloat16: 0.12}[dtype]  # as for Llama (test_llama)
     assert err["flashnorm"] < tol, err
 
@@ -220,12 +221,12 @@ def test_float16_large_activations_at_least_as_safe_as_stock(source):
         source.name, source.config, {**source.weights, key: mx.full((64,), 31.0)}
     )
     finite = {}
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(big, mode, dtype=mx.float16)
         cache = make_prompt_cache(model)
         # A copy each: mlx-lm's Gemma scales its input embeddings in place.
         out = model(None, cache=cache, input_embeddings=mx.array(h))
-        finite[mode] = mx.isfinite(out).all().item()
+        finite[mode.name] = mx.isfinite(out).all().item()
     assert finite["stock"], "the case must be one stock survives"
     assert finite["flashnorm"], finite
 
@@ -247,14 +248,14 @@ def test_fold_twice_equals_fold_once_and_compat_writes_unit_gains(tied):
 
 def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
     errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     # Without --compat: `--mode stock` restores the unit gains (w = 0) itself.
     plain = tmp_path / "folded"
     convert(source, plain, progress=False)
     folded = read_source(str(plain))
     assert "model.layers.0.input_layernorm.weight" not in folded.weights
-    stock_on_folded, _ = build_model(folded, "stock", dtype=mx.float32)
+    stock_on_folded, _ = build_model(folded, STOCK, dtype=mx.float32)
     errs["stock on folded"] = rel(stock_on_folded(x), ref(x))
     assert max(errs.values()) < tiny.f32_tol(), errs
 
@@ -262,7 +263,7 @@ def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
 def test_convert_quantized_runs(tied, tmp_path):
     out = tmp_path / "q4"
     convert(tied, out, quantize=(4, 32), progress=False, q_method="gptq")
-    model, _ = build_model(read_source(str(out)), "flashnorm")
+    model, _ = build_model(read_source(str(out)), FLASHNORM)
     assert type(model.layers[0].mlp.gate_up_proj).__name__ == "QuantizedLinear"
     assert mx.isfinite(model(mx.array([PROMPT]))).all().item()
 
@@ -297,7 +298,7 @@ def test_post_norm_kernel_is_picked_and_its_launch_counted(tied):
         calls.append(op)
         return ops
 
-    flash, _ = build_model(tied, "flashnorm", dtype=mx.float32)
+    flash, _ = build_model(tied, FLASHNORM, dtype=mx.float32)
     with kernels.picking(choose):
         flash(mx.array([PROMPT]))
     layers = tied.config["num_hidden_layers"]
@@ -338,7 +339,7 @@ def _gguf_names() -> dict:
 
 GGUF_NAMES = _gguf_names()
 GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}
-NAMES = ("stock", "flashnorm")
+BOTH = (STOCK, FLASHNORM)
 
 
 def write_gemma3_gguf(path, cfg, weights, shift=1.0, **meta_kw):
@@ -385,14 +386,14 @@ def test_llama_cpp_gemma3_gguf_loads_as_its_hf_checkpoint(tmp_path):
     assert c["model_type"] == "gemma3_text" and c["sliding_window_pattern"] == 6
     assert c["query_pre_attn_scalar"] == 16 and c["rope_local_base_freq"] == 10000
     x = mx.array([PROMPT])
-    ref = build_model(hf, "stock", dtype=mx.float32)[0](x)
-    errs = {m: rel(build_model(src, m, dtype=mx.float32)[0](x), ref) for m in NAMES}
+    ref = build_model(hf, STOCK, dtype=mx.float32)[0](x)
+    errs = {m.name: rel(build_model(src, m, dtype=mx.float32)[0](x), ref) for m in BOTH}
     r = compare(src, PROMPT, horizon=32, dtype=mx.float32)
     assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
     raw = read_source(str(write_gemma3_gguf(tmp_path / "w.gguf", cfg, w, shift=0.0)))
-    errs["unshifted file"] = rel(build_model(raw, "stock", dtype=mx.float32)[0](x), ref)
+    errs["unshifted file"] = rel(build_model(raw, STOCK, dtype=mx.float32)[0](x), ref)
     print(errs)
-    assert max(errs[m] for m in NAMES) < tiny.f32_tol(), errs
+    assert max(errs[m.name] for m in BOTH) < tiny.f32_tol(), errs
     assert errs["unshifted file"] > 10 * tiny.f32_tol(), errs
 
 
@@ -417,8 +418,8 @@ def test_gemma3_gguf_pattern_and_any_depth(tmp_path, layers, pattern):
     src = read_source(str(write_gemma3_gguf(tmp_path / "g.gguf", cfg, w, **key)))
     assert src.config["sliding_window_pattern"] == (pattern or 6), src.config
     x = mx.array([PROMPT])
-    ref = build_model(hf, "stock", dtype=mx.float32)[0](x)
-    errs = {m: rel(build_model(src, m, dtype=mx.float32)[0](x), ref) for m in NAMES}
+    ref = build_model(hf, STOCK, dtype=mx.float32)[0](x)
+    errs = {m.name: rel(build_model(src, m, dtype=mx.float32)[0](x), ref) for m in BOTH}
     print(f"{layers} layers, pattern {pattern}: {errs}")
     assert max(errs.values()) < tiny.f32_tol(), errs
 

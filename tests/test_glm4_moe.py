@@ -25,6 +25,7 @@ from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import glm4_moe
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 NAMES = list(tiny.GLM4_MOE_CONFIGS)
 
@@ -56,8 +57,8 @@ def greedy(model, n=64):
 def test_layers_and_no_norm_gain_left(source):
     """Dense and sparse layers where stock has them; folded, no input or
     post-attention gain is left, only the QK-norms' (read by the epilogue)."""
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    model, _ = build_model(source, FLASHNORM, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     ours = [type(l.mlp).__name__ == "GroupRouted" for l in model.layers]
     theirs = [type(l.mlp).__name__ == "MoE" for l in stock.layers]
     assert ours == theirs and any(ours) and not all(ours), (ours, theirs)
@@ -82,11 +83,11 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
 ):
     src = stock_q4 if quantized else source
     dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
     want = greedy(stock)
     got = {}
     for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, "flashnorm", dtype=dtype, engine=engine)
+        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
         if quantized:
             proj = flash.layers[1].self_attn.qkv_proj
             assert type(proj).__name__ == "QuantizedLinear", type(proj)
@@ -135,7 +136,7 @@ def test_every_tokens_experts_are_stocks_at_every_step(source, stock_q4, quantiz
     steps; they vary with the token, and the bias changes some."""
     src = stock_q4 if quantized else source
     dtype = None if quantized else mx.float32
-    ls, lf = (_picks(src, mode, dtype) for mode in ("stock", "flashnorm"))
+    ls, lf = (_picks(src, mode, dtype) for mode in (STOCK, FLASHNORM))
     assert ls and set(ls) == set(lf), (ls, lf)
     assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls  # prompt + steps
     bad = _differ(ls, lf)
@@ -144,7 +145,7 @@ def test_every_tokens_experts_are_stocks_at_every_step(source, stock_q4, quantiz
     first = next(iter(ls.values()))[0].reshape(-1, k).tolist()
     assert len({tuple(p) for p in first}) >= 3, first  # routing reads the input
     if not quantized:
-        moved = _differ(ls, _picks(src, "stock", dtype, unbiased=True))
+        moved = _differ(ls, _picks(src, STOCK, dtype, unbiased=True))
         assert moved, "the correction bias changes no pick"
 
 
@@ -160,7 +161,7 @@ def test_the_correction_bias_stays_float32_in_bfloat16_as_stocks(source):
     """mlx-lm keeps `e_score_correction_bias` float32 whatever the dtype (its
     cast_predicate; rounded to bfloat16 it would move picks): built in
     bfloat16, ours and stock hold it float32, every weight else bfloat16."""
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(source, mode, dtype=mx.bfloat16)
         dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
         bias = {k: d for k, d in dtypes.items() if "e_score" in k}
@@ -177,8 +178,8 @@ def test_hugging_face_files_read_as_mlx_lm_reads_them(source):
     theirs, _ = load_model(source.folder)
     x = mx.array([PROMPT])
     errs = {
-        mode: rel(build_model(source, mode, dtype=mx.float32)[0](x), theirs(x))
-        for mode in ("stock", "flashnorm")
+        mode.name: rel(build_model(source, mode, dtype=mx.float32)[0](x), theirs(x))
+        for mode in (STOCK, FLASHNORM)
     }
     print(errs)
     assert max(errs.values()) < tiny.f32_tol(), errs
@@ -203,13 +204,13 @@ def test_the_reference_sees_what_glm_must_get_right(tmp_path, monkeypatch):
     as b where the QK-norm form needs b / s."""
     srcs = {n: _source(tmp_path, n) for n in NAMES}
     x = mx.array([PROMPT * 2])
-    want = {n: build_model(s, "stock", dtype=mx.float32)[0](x) for n, s in srcs.items()}
+    want = {n: build_model(s, STOCK, dtype=mx.float32)[0](x) for n, s in srcs.items()}
     G = glm4_moe.GroupRouted
 
     def err(name, patch):
         with monkeypatch.context() as m:
             patch(m)
-            flash, _ = build_model(srcs[name], "flashnorm", dtype=mx.float32)
+            flash, _ = build_model(srcs[name], FLASHNORM, dtype=mx.float32)
             return rel(flash(x), want[name])
 
     def router_after(self, xs, ms):  # sigmoid(z) * s in place of sigmoid(s z)
@@ -267,7 +268,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
     from mlx_lm.utils import load_model
 
     source = _source(tmp_path, "glm4_moe")
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     key = "model.layers.1.self_attn.q_proj.weight"
     folded_w, _ = fold.fold_norms(source.weights, source.config)
@@ -283,11 +284,11 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
         assert "model.layers.1.mlp.switch_mlp.gate_proj.scales" in folded.weights
         same = mx.array_equal(folded.weights[key], rtn_w).item()
         assert same == (method == "rtn"), (method, same)
-        ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+        ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
         theirs, _ = load_model(out)
         assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
         errs[method] = rel(ours(x), ref(x))
-    stock8, _ = build_model(source, "stock", dtype=mx.float32, quantize=(8, 32))
+    stock8, _ = build_model(source, STOCK, dtype=mx.float32, quantize=(8, 32))
     errs["stock q8"] = rel(stock8(x), ref(x))
     print(errs)
     assert all(e < 1.0 for e in errs.values()), errs
@@ -327,6 +328,6 @@ def test_load_peak_is_stocks(tmp_path, quantized):
     if quantized:
         mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
         path = tmp_path / "q"
-    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
     print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks

@@ -8,6 +8,7 @@ import tiny
 
 from flashnorm_mlx.jobs.likelihood import perplexity
 from flashnorm_mlx.loading import Source, build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 from flashnorm_mlx.quant import gptq
 from flashnorm_mlx.texts import calibration_text, default_text
 
@@ -79,15 +80,15 @@ def _gptq_model(source, **kw):
         **kw,
     )
     converted = Source(source.name, config, weights, source.tokenizer)
-    return build_model(converted, "flashnorm", dtype=mx.float32)[0]
+    return build_model(converted, FLASHNORM, dtype=mx.float32)[0]
 
 
 def test_fold_aware_gptq_closer_to_float_than_rtn(source):
     """FlashNorm 4-bit g32 by GPTQ vs by RTN, both against the float stock model
     on text the calibration never saw."""
     tokens = mx.array([source.tokenizer.encode(default_text()[:400])[:64]])
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
-    rtn, _ = build_model(source, "flashnorm", dtype=mx.float32, quantize=(4, 32))
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
+    rtn, _ = build_model(source, FLASHNORM, dtype=mx.float32, quantize=(4, 32))
     model = _gptq_model(source)
     kinds = {type(m).__name__ for _, m in model.named_modules()}
     assert "QuantizedLinear" in kinds and "Linear" not in kinds, kinds
@@ -176,7 +177,7 @@ def test_convert_gptq_is_recorded_deterministic_and_runs_in_stock_mlx_lm(
     # --compat: stock mlx-lm loads the GPTQ checkpoint and computes what ours does.
     x = mx.array([[5, 17, 99, 3, 250, 42]])
     stock, _ = load_model(a)
-    ours, _ = build_model(read_source(str(a)), "flashnorm", dtype=mx.float32)
+    ours, _ = build_model(read_source(str(a)), FLASHNORM, dtype=mx.float32)
     rel = (mx.abs(stock(x) - ours(x)).max() / mx.abs(ours(x)).max()).item()
     assert rel < tiny.f32_tol(1e-5), rel
 
@@ -247,4 +248,4 @@ def test_a_linear_no_group_divides_stays_float_beside_gptq(tmp_path):
     assert f"{name}.scales" not in gw and gw[f"{name}.weight"].dtype == mx.float32
     assert mx.array_equal(gw[f"{name}.weight"], rw[f"{name}.weight"]).item()
     assert "model.layers.0.mlp.up_proj.scales" in gw  # the others are quantized
-    build_model(Source("gptq", gc, gw, src.tokenizer), "flashnorm", dtype=mx.float32)
+    build_model(Source("gptq", gc, gw, src.tokenizer), FLASHNORM, dtype=mx.float32)

@@ -25,6 +25,7 @@ from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import granitemoehybrid as granite
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 NAMES = list(tiny.GRANITE4_CONFIGS)
 
@@ -58,8 +59,8 @@ def test_layers_as_stocks_and_no_pre_linear_norm_gain_left(source):
     parameter: the layer norms in their linears, the gated norms in out_proj,
     the final norm in an untied head (a tied head is the embedding: its gain
     stays, times 1 / (embedding_multiplier * logits_scaling))."""
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    model, _ = build_model(source, FLASHNORM, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     kinds = ["mamba" if l.RECURRENT else "attention" for l in model.layers]
     assert kinds == [l.layer_type for l in stock.layers]
     norms = [k for k, _ in tree_flatten(model.parameters()) if "norm" in k]
@@ -85,8 +86,8 @@ def test_64_greedy_tokens_identical_to_stock(source, stock_q4, quantized):
     the quantized scales)."""
     src = stock_q4 if quantized else source
     dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
-    flash, _ = build_model(src, "flashnorm", dtype=dtype, engine="eager")
+    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
+    flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine="eager")
     if quantized:
         proj = flash.layers[0].mamba.in_proj
         assert type(proj).__name__ == "QuantizedLinear", type(proj)
@@ -104,14 +105,14 @@ def test_every_tokens_experts_are_stocks_at_every_step(tmp_path):
 
     src = _source(tmp_path, "granitemoehybrid")
     logs, logits = {}, {}
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(src, mode, dtype=mx.float32, engine="eager")
-        logits[mode] = model(mx.array([PROMPT * 3]))  # 36 rows x 2: sorted
-        logs[mode] = {}
+        logits[mode.name] = model(mx.array([PROMPT * 3]))  # 36 rows x 2: sorted
+        logs[mode.name] = {}
         for i, layer in enumerate(model.layers):
             moe = layer.block_sparse_moe
-            logs[mode][i] = []
-            moe.switch_mlp = Picks(moe.switch_mlp, logs[mode][i])
+            logs[mode.name][i] = []
+            moe.switch_mlp = Picks(moe.switch_mlp, logs[mode.name][i])
         greedy(model, 32)
     ls, lf = logs["stock"], logs["flashnorm"]
     assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls
@@ -135,11 +136,11 @@ def test_the_reference_sees_what_granite_must_get_right(tmp_path, monkeypatch):
     out_proj. On the MoE config (no in_proj bias: undoing s is a division)."""
     src = _source(tmp_path, "granitemoehybrid")
     x = mx.array([PROMPT * 2])
-    want = build_model(src, "stock", dtype=mx.float32)[0](x)
+    want = build_model(src, STOCK, dtype=mx.float32)[0](x)
     box = {}
 
     def err(built=lambda model: None):
-        flash, _ = build_model(src, "flashnorm", dtype=mx.float32)
+        flash, _ = build_model(src, FLASHNORM, dtype=mx.float32)
         built(flash)
         return rel(flash(x), want)
 
@@ -222,7 +223,7 @@ def test_convert_q_loads_in_mlx_lm(tmp_path, method):
     from mlx_lm.utils import load_model
 
     source = _source(tmp_path, "granitemoehybrid")
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     key = "model.layers.0.mamba.in_proj.weight"
     folded_w, _ = fold.fold_norms(source.weights, source.config)
@@ -230,7 +231,7 @@ def test_convert_q_loads_in_mlx_lm(tmp_path, method):
     out = tmp_path / f"q8-{method}"
     convert(source, out, quantize=(8, 32), q_method=method, compat=True, progress=False)
     folded = read_source(str(out))
-    ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+    ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
     assert type(ours.layers[0].mamba.in_proj).__name__ == "QuantizedLinear"
     same = mx.array_equal(folded.weights[key], rtn_w).item()
     assert same == (method == "rtn"), (method, same)
@@ -264,7 +265,7 @@ def test_load_peak_is_stocks(tmp_path, quantized):
     # The least of 5 builds: MLX's CPU allocator leaves 0-4% over a build's
     # parameters, differently each time (1.034x once in a loaded run of 3).
     peaks = {
-        m: test_load_memory._peak(path, m, False, 5) for m in ("stock", "flashnorm")
+        m.name: test_load_memory._peak(path, m, False, 5) for m in (STOCK, FLASHNORM)
     }
     print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
@@ -295,15 +296,15 @@ def test_mamba_layers_alone_and_low_precision(tmp_path):
     over = dict(layer_types=["mamba"] * 3, num_hidden_layers=3)
     src = _source(tmp_path, "granitemoehybrid", **over)
     x = mx.array([PROMPT])
-    want = build_model(src, "stock", dtype=mx.float32)[0](x)
-    assert rel(build_model(src, "flashnorm", dtype=mx.float32)[0](x), want) < 1e-4
+    want = build_model(src, STOCK, dtype=mx.float32)[0](x)
+    assert rel(build_model(src, FLASHNORM, dtype=mx.float32)[0](x), want) < 1e-4
     dense = _source(tmp_path, "granitemoehybrid_dense")  # gather_mm: float32 on CPU
     x = mx.array([PROMPT * 4])
-    ref = build_model(dense, "stock", dtype=mx.float32)[0](x)
+    ref = build_model(dense, STOCK, dtype=mx.float32)[0](x)
     for dtype in (mx.bfloat16,):  # float16 alike, 1.7e-2 vs 1.6e-2 (2r)
         errs = {
-            m: rel(build_model(dense, m, dtype=dtype)[0](x), ref)
-            for m in ("stock", "flashnorm")
+            m.name: rel(build_model(dense, m, dtype=dtype)[0](x), ref)
+            for m in (STOCK, FLASHNORM)
         }
         print(dtype, errs)
         assert errs["flashnorm"] <= 1.5 * errs["stock"], (dtype, errs)

@@ -12,6 +12,7 @@ import tiny
 
 from flashnorm_mlx import kernels as K
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 
 class Recorder:
@@ -149,9 +150,9 @@ def test_epilogue_gains_follow_weights_and_stay_per_model(tmp_path):
     twins' RoPE-with-gain factors live on each attention's `Epilogue`)."""
     source = read_source(str(tiny.make_qwen(tmp_path, "qwen3_untied")))
     flash_a, flash_b = (
-        build_model(source, "flashnorm", dtype=mx.float32)[0] for _ in "ab"
+        build_model(source, FLASHNORM, dtype=mx.float32)[0] for _ in "ab"
     )
-    stock_a, stock_b = (build_model(source, "stock", dtype=mx.float32)[0] for _ in "ab")
+    stock_a, stock_b = (build_model(source, STOCK, dtype=mx.float32)[0] for _ in "ab")
     factor = mx.random.uniform(
         0.3, 3.0, (flash_a.layers[0].self_attn.q_norm.weight.size,)
     )

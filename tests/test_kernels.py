@@ -28,6 +28,7 @@ from mlx_lm.models.rope_utils import SuScaledRoPE, initialize_rope
 
 from flashnorm_mlx import kernels as K
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM
 
 HAS_GPU_KERNELS = mx.metal.is_available() or mx.cuda.is_available()
 needs_backend = pytest.mark.skipif(
@@ -1244,7 +1245,7 @@ def test_decode_attention_takes_the_twin_where_the_kernel_does_not_apply(
 def test_llama_attention_uses_the_epilogue_biased_or_not(name, tmp_path, monkeypatch):
     """Every layer's q/k/v go through one epilogue call; a q|k|v bias rides in it."""
     source = read_source(str(tiny.make_llama(tmp_path, name, tokenizer=False)))
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    model, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     calls = []
     real = K.qkv_epilogue
     monkeypatch.setattr(K, "qkv_epilogue", lambda *a: calls.append(a[-1]) or real(*a))
@@ -1279,7 +1280,7 @@ def test_model_with_every_kernel_body_matches_twins(
     source = read_source(str(make(tmp_path, cfg, tokenizer=False)))
     # Uncompiled: the host C++ bodies read their inputs into numpy, which a
     # trace cannot (test_decode.py checks the kernels inside a compiled step).
-    model, _ = build_model(source, "flashnorm", dtype=dtype, engine="eager")
+    model, _ = build_model(source, FLASHNORM, dtype=dtype, engine="eager")
     prompt = mx.array([[5, 17, 99, 3, 250, 42, 7]])
     logits = {}
     for env in ("1", "0"):

@@ -32,6 +32,7 @@ from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import lfm2, lfm2_moe
+from flashnorm_mlx.modes import FLASHNORM, NONORM, STOCK
 
 MAKERS = {
     **{c: tiny.make_lfm2 for c in tiny.LFM2_CONFIGS},
@@ -78,8 +79,8 @@ def test_layers_and_what_is_left_of_the_norms(source):
     """Layer kinds and feed-forwards as stock's; folded, no operator or FFN
     norm gain is left, only the QK-norm gains the epilogue reads and the final
     norm's (the head is the embedding)."""
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    model, _ = build_model(source, FLASHNORM, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     kinds = [type(l).__name__ for l in model.layers]
     assert [not l.is_attention_layer for l in stock.layers] == [
         k == "ConvBlock" for k in kinds
@@ -110,11 +111,11 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
 ):
     src = stock_q4 if quantized else source
     dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
     want = greedy(stock)
     got = {}
     for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, "flashnorm", dtype=dtype, engine=engine)
+        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
         if quantized:
             mixer = flash.layers[1][
                 "conv" if "conv" in flash.layers[1] else "self_attn"
@@ -151,9 +152,9 @@ def test_every_tokens_experts_are_stocks_at_every_step(
         src = read_source(str(moe_folder))
     dtype = None if quantized else mx.float32
     logs = {}
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(src, mode, dtype=dtype, engine="eager")
-        logs[mode] = record_picks(model)
+        logs[mode.name] = record_picks(model)
         greedy(model, 32)
     ls, lf = logs["stock"], logs["flashnorm"]
     assert ls and set(ls) == set(lf), (ls, lf)
@@ -177,8 +178,8 @@ def test_hugging_face_files_read_as_mlx_lm_reads_them(source):
     theirs, _ = load_model(source.folder)
     x = mx.array([PROMPT])
     errs = {
-        mode: rel(build_model(source, mode, dtype=mx.float32)[0](x), theirs(x))
-        for mode in ("stock", "flashnorm")
+        mode.name: rel(build_model(source, mode, dtype=mx.float32)[0](x), theirs(x))
+        for mode in (STOCK, FLASHNORM)
     }
     assert max(errs.values()) < tiny.f32_tol(), errs
 
@@ -191,13 +192,13 @@ def test_the_reference_sees_what_lfm2_must_get_right(tmp_path, monkeypatch):
     expert bias in the experts' weights."""
     srcs = {n: _source(tmp_path, n) for n in ("lfm2", "lfm2_bias", "lfm2_moe")}
     x = mx.array([PROMPT * 2])
-    want = {n: build_model(s, "stock", dtype=mx.float32)[0](x) for n, s in srcs.items()}
+    want = {n: build_model(s, STOCK, dtype=mx.float32)[0](x) for n, s in srcs.items()}
     real = lfm2.ShortConv.gated
 
     def err(name, patch, built=lambda model: None):
         with monkeypatch.context() as m:
             patch(m)
-            flash, _ = build_model(srcs[name], "flashnorm", dtype=mx.float32)
+            flash, _ = build_model(srcs[name], FLASHNORM, dtype=mx.float32)
             built(flash)
             return rel(flash(x), want[name])
 
@@ -300,7 +301,7 @@ def test_nonorm_is_absent_in_one_line(source):
     linear to fold into, so nonorm is refused in one line and bench lists it
     absent with that reason."""
     with pytest.raises(UnsupportedModel) as e:
-        build_model(source, "nonorm", dtype=mx.float32)
+        build_model(source, NONORM, dtype=mx.float32)
     assert "\n" not in str(e.value) and "embedding" in str(e.value), e.value
     from flashnorm_mlx.loading.rows import absent
 
@@ -317,7 +318,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path, name):
     from mlx_lm.utils import load_model
 
     source = _source(tmp_path, name)
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     key = "model.layers.1.conv.in_proj.weight"
     if key not in source.weights:
@@ -331,7 +332,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path, name):
             source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
         )
         folded = read_source(str(out))
-        ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+        ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
         quantized = [
             n for n, m in ours.named_modules() if type(m).__name__ == "QuantizedLinear"
         ]
@@ -341,7 +342,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path, name):
         theirs, _ = load_model(out)
         assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
         errs[method] = rel(ours(x), ref(x))
-    stock8, _ = build_model(source, "stock", dtype=mx.float32, quantize=(8, 32))
+    stock8, _ = build_model(source, STOCK, dtype=mx.float32, quantize=(8, 32))
     errs["stock q8"] = rel(stock8(x), ref(x))
     print(name, errs)
     assert all(e < 1.0 for e in errs.values()), errs
@@ -396,7 +397,7 @@ def test_load_peak_is_stocks(tmp_path, name, quantized):
     if quantized:
         mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
         path = tmp_path / "q"
-    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
     print(f"{name} load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
 

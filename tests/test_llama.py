@@ -11,6 +11,7 @@ from tiny import PROMPT
 from flashnorm_mlx import fold, quant
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 
 @pytest.fixture(scope="module", params=list(tiny.LLAMA_CONFIGS))
@@ -20,8 +21,8 @@ def source(request, tmp_path_factory):
 
 
 def test_stock_is_mlx_lm_and_flashnorm_has_no_norm_gains(source):
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     assert type(stock).__module__ == "mlx_lm.models.llama"
     assert type(flash).__module__ == "flashnorm_mlx.models.llama"
     # Only the final norm's gain of a tied head survives (nothing to fold it into).
@@ -40,9 +41,9 @@ LOW_PRECISION_TOL = {mx.float16: 0.03, mx.bfloat16: 0.12}
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
 def test_low_precision_close_to_float32_stock(source, dtype):
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=dtype)
-    flash, _ = build_model(source, "flashnorm", dtype=dtype)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=dtype)
+    flash, _ = build_model(source, FLASHNORM, dtype=dtype)
     x = mx.array([PROMPT])
     r = ref(x)
     scale = mx.abs(r).max().item()
@@ -62,13 +63,13 @@ def test_no_inf_nan_with_residuals_scaled_by_1000(source, dtype):
         source.name, source.config, {**source.weights, key: source.weights[key] * 1000}
     )
     x = mx.array([PROMPT])
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(scaled, mode, dtype=dtype)
         cache = make_prompt_cache(model)
         out = model(x, cache=cache)
         out2 = model(mx.array([[9]]), cache=cache)
         finite = bool(mx.isfinite(out).all()) and bool(mx.isfinite(out2).all())
-        if mode == "stock":
+        if mode is STOCK:
             stock_finite = finite
         else:
             assert (
@@ -99,21 +100,21 @@ def test_saved_folded_checkpoint_loads_without_second_fold(
     tiny.write_model(tmp_path, c, {k: v for k, v in w.items()}, tokenizer=False)
     assert json.loads((tmp_path / "config.json").read_text())[fold.MARKER]["folded"]
 
-    expected, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    expected, _ = build_model(source, FLASHNORM, dtype=mx.float32)
 
     def no_fold(*a, **k):
         raise AssertionError("a folded checkpoint was folded again")
 
     monkeypatch.setattr(fold, "fold_norms", no_fold)
-    loaded, _ = build_model(read_source(str(tmp_path)), "flashnorm", dtype=mx.float32)
+    loaded, _ = build_model(read_source(str(tmp_path)), FLASHNORM, dtype=mx.float32)
     stock_on_folded, _ = build_model(
-        read_source(str(tmp_path)), "stock", dtype=mx.float32
+        read_source(str(tmp_path)), STOCK, dtype=mx.float32
     )
     x = mx.array([PROMPT])
     diff = mx.abs(loaded(x) - expected(x)).max().item()
     assert diff == 0.0, diff
     # Stock mlx-lm on the folded weights (unit gains restored) is the same function.
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     rel = (mx.abs(stock_on_folded(x) - ref(x)).max() / mx.abs(ref(x)).max()).item()
     assert rel < tiny.f32_tol(), rel
 
@@ -144,10 +145,10 @@ def test_quantized_source_is_dequantized_folded_requantized(source):
     deq_w, deq_c = quant.dequantize_weights(qsrc.weights, qsrc.config)
     fsrc = Source("f", deq_c, deq_w)
     x = mx.array([PROMPT])
-    a, _ = build_model(qsrc, "flashnorm", quantized_way="requantize")
-    b, _ = build_model(fsrc, "flashnorm", dtype=mx.float32, quantize=(4, 32))
+    a, _ = build_model(qsrc, FLASHNORM, quantized_way="requantize")
+    b, _ = build_model(fsrc, FLASHNORM, dtype=mx.float32, quantize=(4, 32))
     assert mx.array_equal(a(x), b(x)), mx.abs(a(x) - b(x)).max().item()
-    s, _ = build_model(qsrc, "stock")
+    s, _ = build_model(qsrc, STOCK)
     assert type(s.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
     # Exact mode: dequantize and run float; matches stock on the dequantized weights.
     r = compare(qsrc, PROMPT, horizon=8, dtype=mx.float32, quantized_way="dequantize")
@@ -174,11 +175,11 @@ def test_mixed_quantization_across_fused_layers_runs_lifted(source):
             w[f"{m}.weight"], w[f"{m}.scales"], w[f"{m}.biases"], 32, bits
         )
     notes = []
-    got, _ = build_model(Source("mixed", c, w), "flashnorm", mx.float32, notes=notes)
+    got, _ = build_model(Source("mixed", c, w), FLASHNORM, mx.float32, notes=notes)
     assert got.model.layers[0].self_attn.qkv_proj.bits == 8
     assert len(notes) == 1 and "lifted" in notes[0], notes
     plain = {k: v for k, v in c.items() if k != "quantization"}
-    want, _ = build_model(Source("float", plain, floats), "flashnorm", mx.float32)
+    want, _ = build_model(Source("float", plain, floats), FLASHNORM, mx.float32)
     x = mx.array([[5, 17, 99, 3, 250, 42, 7]])
     err = (mx.abs(got(x) - want(x)).max() / mx.abs(want(x)).max()).item()
     assert err < tiny.f32_tol(), f"lifted vs float q|k|v: {err:.3e}"

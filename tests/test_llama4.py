@@ -25,6 +25,7 @@ from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import llama4_text
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 NAMES = list(tiny.LLAMA4_TEXT_CONFIGS)
 
@@ -50,7 +51,7 @@ def greedy(model, n=64):
 def test_nope_layers_and_no_norm_gain_left(source):
     """RoPE where stock's `no_rope_layers` says; folded, no block norm gain is
     left (the final one only where the head is tied), the head `output`."""
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    model, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     got = [int(l.self_attn._angles.inv_freq.any().item()) for l in model.layers]
     assert got == source.config["no_rope_layers"], got
     names = {k for k, _ in tree_flatten(model.parameters())}
@@ -79,8 +80,8 @@ def test_64_greedy_tokens_identical_to_stock(source, tmp_path, quantized):
         pytest.skip("mlx-lm's llama4_text cannot run its own 4-bit tied head")
     src = tiny.mlx_q4(source.folder, tmp_path / "q4") if quantized else source
     dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
-    flash, _ = build_model(src, "flashnorm", dtype=dtype, engine="eager")
+    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
+    flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine="eager")
     if quantized:
         proj = flash.layers[1].self_attn.qkv_proj
         assert type(proj).__name__ == "QuantizedLinear", type(proj)
@@ -96,13 +97,13 @@ def test_the_reference_sees_what_llama4_text_must_get_right(tmp_path, monkeypatc
     deferred s needs eps * ms (2d)."""
     src = _source(tmp_path, "llama4_text")
     x = mx.array([PROMPT * 2])
-    want = build_model(src, "stock", dtype=mx.float32)[0](x)
+    want = build_model(src, STOCK, dtype=mx.float32)[0](x)
     A = llama4_text.Attention
 
     def err(patch):
         with monkeypatch.context() as m:
             patch(m)
-            flash, _ = build_model(src, "flashnorm", dtype=mx.float32)
+            flash, _ = build_model(src, FLASHNORM, dtype=mx.float32)
             return rel(flash(x), want)
 
     real_init, real_epilogue = A.__init__, kernels.qkv_epilogue
@@ -146,7 +147,7 @@ def test_fold_twice_and_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
         convert(
             source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
         )
-        ours, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
+        ours, _ = build_model(read_source(str(out)), FLASHNORM, dtype=mx.float32)
         theirs, _ = load_model(out)
         assert "scales" in str(tree_flatten(theirs.parameters())), method
         errs[method] = rel(ours(x), theirs(x))
@@ -179,7 +180,7 @@ def test_load_peak_is_stocks(tmp_path):
     over = dict(hidden_size=128, num_hidden_layers=12, vocab_size=2048)
     over["no_rope_layers"] = [1, 1, 1, 0] * 3
     path = tiny.make_llama4_text(tmp_path / "f", tokenizer=False, **over)
-    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
     print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
 
@@ -203,8 +204,8 @@ def _moe_source(tmp_path, name):
 
 
 def test_moe_layers_and_no_norm_gain_left(moe_source):
-    model, _ = build_model(moe_source, "flashnorm", dtype=mx.float32)
-    stock, _ = build_model(moe_source, "stock", dtype=mx.float32)
+    model, _ = build_model(moe_source, FLASHNORM, dtype=mx.float32)
+    stock, _ = build_model(moe_source, STOCK, dtype=mx.float32)
     ours = [type(l.feed_forward).__name__ == "Routed" for l in model.layers]
     theirs = [type(l.feed_forward).__name__ == "MoE" for l in stock.layers]
     assert ours == theirs and any(ours), (ours, theirs)
@@ -245,8 +246,8 @@ def test_moe_64_greedy_tokens_and_every_pick_are_stocks(
     each token's expert at every step (prompt and 32 steps), as stock's."""
     src = tiny.mlx_q4(moe_source.folder, tmp_path / "q4") if quantized else moe_source
     dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
-    flash, _ = build_model(src, "flashnorm", dtype=dtype, engine="eager")
+    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
+    flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine="eager")
     if quantized:
         proj = flash.layers[1].self_attn.qkv_proj
         assert type(proj).__name__ == "QuantizedLinear", type(proj)
@@ -283,13 +284,13 @@ def test_the_reference_sees_what_llama4_must_get_right(tmp_path, monkeypatch):
         src, folder=None, weights={**src.weights, emb: src.weights[emb] * 1e-3}
     )
     x = mx.array([PROMPT * 2])
-    want = build_model(src, "stock", dtype=mx.float32)[0](x)
+    want = build_model(src, STOCK, dtype=mx.float32)[0](x)
     R = llama4.Routed
 
     def err(patch):
         with monkeypatch.context() as m:
             patch(m)
-            flash, _ = build_model(src, "flashnorm", dtype=mx.float32)
+            flash, _ = build_model(src, FLASHNORM, dtype=mx.float32)
             return rel(flash(x), want)
 
     def routed(score_of, on_output):
@@ -354,7 +355,7 @@ def test_moe_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
         convert(
             source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
         )
-        ours, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
+        ours, _ = build_model(read_source(str(out)), FLASHNORM, dtype=mx.float32)
         theirs, _ = load_model(out)
         assert type(theirs).__module__ == "mlx_lm.models.llama4", type(theirs)
         assert "experts.gate_proj.scales" in str(tree_flatten(theirs.parameters()))
@@ -393,7 +394,7 @@ def test_moe_load_peak_is_stocks(tmp_path, quantized):
     if quantized:
         mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
         path = tmp_path / "q"
-    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
     print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
 

@@ -16,6 +16,7 @@ import pytest
 import tiny
 
 from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, STOCK, Mode
 
 # Many thin layers: a build holds one layer's transients at a time (~2% here).
 CFG = dict(
@@ -27,7 +28,7 @@ CFG = dict(
 )
 
 
-def _peak(path, mode: str, quantized: bool, builds: int = 3) -> int:
+def _peak(path, mode: Mode, quantized: bool, builds: int = 3) -> int:
     """Peak memory of reading `path` and building `mode` on it (the source held
     throughout, as `read_for_sampling` and `build_for_sampling` hold it): the
     least of `builds` builds. MLX's CPU backend leaves a built model holding
@@ -37,7 +38,7 @@ def _peak(path, mode: str, quantized: bool, builds: int = 3) -> int:
     return min(_one_peak(path, mode, quantized) for _ in range(builds))
 
 
-def _one_peak(path, mode: str, quantized: bool) -> int:
+def _one_peak(path, mode: Mode, quantized: bool) -> int:
     gc.collect()
     mx.clear_cache()
     base = mx.get_active_memory()  # what the process held before (other tests')
@@ -58,8 +59,8 @@ def _one_peak(path, mode: str, quantized: bool) -> int:
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "as_stored"])
 def test_flashnorm_load_peak_is_stocks(tmp_path, quantized):
     path = tiny.write_model(tmp_path, CFG, tiny.llama_weights(CFG), tokenizer=False)
-    stock = _peak(path, "stock", quantized)
-    flashnorm = _peak(path, "flashnorm", quantized)
+    stock = _peak(path, STOCK, quantized)
+    flashnorm = _peak(path, FLASHNORM, quantized)
     print(f"load peak: flashnorm {flashnorm} B, stock {stock} B")
     assert flashnorm <= 1.03 * stock, (flashnorm, stock)
 
@@ -104,7 +105,7 @@ def test_a_folders_source_holds_nothing_once_its_model_is_gone(tmp_path):
     source = read_source(str(tmp_path / "q"), need_tokenizer=False)
     gc.collect()
     base = mx.get_active_memory()
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    model, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     del model
     gc.collect()
     held = mx.get_active_memory() - base
@@ -117,7 +118,7 @@ def test_a_folders_source_holds_nothing_once_its_model_is_gone(tmp_path):
 GGUF_CFG = dict(CFG, hidden_size=256, intermediate_size=256, vocab_size=512)
 
 
-def _gguf_peak(path, mode: str) -> int:
+def _gguf_peak(path, mode: Mode) -> int:
     """Peak memory of reading the GGUF `path` and building `mode` on it: a
     GGUF is read whole, so the read is part of what a user's load costs."""
     gc.collect()
@@ -155,7 +156,7 @@ def test_gguf_load_peak_is_stocks(tmp_path, default, types):
     from test_gguf_kquant import write_kquant_gguf
 
     path, _ = write_kquant_gguf(tmp_path / "m.gguf", types, default, cfg=GGUF_CFG)
-    stock = min(_gguf_peak(path, "stock") for _ in range(2))
-    flashnorm = min(_gguf_peak(path, "flashnorm") for _ in range(2))
+    stock = min(_gguf_peak(path, STOCK) for _ in range(2))
+    flashnorm = min(_gguf_peak(path, FLASHNORM) for _ in range(2))
     print(f"{default} GGUF load peak: flashnorm {flashnorm} B, stock {stock} B")
     assert flashnorm <= 1.03 * stock, (flashnorm / stock, flashnorm, stock)

@@ -27,6 +27,7 @@ from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import llama, ministral3
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 EVERY = pytest.mark.parametrize("make,cfg", tiny.every_config("ministral3", "mistral3"))
 WRAPPED = pytest.mark.parametrize("cfg", list(tiny.MISTRAL3_WRAPPERS))
@@ -80,11 +81,11 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
     else:
         src = _source(tmp_path, make, cfg)
     dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
     want = greedy(stock)
     got = {}
     for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, "flashnorm", dtype=dtype, engine=engine)
+        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
         if quantized:
             qkv = flash.layers[0].self_attn.qkv_proj
             assert type(qkv).__name__ == "QuantizedLinear", type(qkv)
@@ -97,8 +98,8 @@ def test_folded_model_keeps_no_pre_linear_gain_and_stocks_layers(tmp_path, make,
     """Every pre-linear norm folded (the final one too where the head is
     untied); sliding layers, tie and head as stock's class has them."""
     source = _source(tmp_path, make, cfg)
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     names = [k for k, _ in tree_flatten(flash.parameters())]
     left = [k for k in names if "layernorm" in k or k.startswith("model.norm")]
     tied = source.config.get("tie_word_embeddings", True)
@@ -128,7 +129,7 @@ def test_a_wrapper_is_read_as_its_text_model_and_stock_is_mlx_lms_wrapper(
         k.startswith(("model.layers.", "model.norm", "model.embed", "lm_"))
         for k in source.weights
     ), sorted(source.weights)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     theirs, _ = load_model(path)
     assert type(stock).__module__ == "mlx_lm.models.mistral3"
     x = mx.array([PROMPT])
@@ -197,7 +198,7 @@ def test_taking_the_vision_weights_is_refused_not_run(tmp_path, monkeypatch):
     keep = dict(wrappers.WRAPPERS["mistral3"].__dict__, drop=())
     monkeypatch.setitem(wrappers.WRAPPERS, "mistral3", wrappers.Wrapper(**keep))
     with pytest.raises(Exception, match="vision_tower|multi_modal_projector"):
-        build_model(read_source(str(path)), "flashnorm", dtype=mx.float32)
+        build_model(read_source(str(path)), FLASHNORM, dtype=mx.float32)
 
 
 @EVERY
@@ -234,7 +235,7 @@ def test_convert_loads_in_stock_mlx_lm(tmp_path, make, cfg, q_method):
     assert config["model_type"] == text_type and "text_config" not in config
     assert config["flashnorm"]["quantization_method"]["method"] == q_method
     theirs, _ = load_model(out)
-    ours, _ = build_model(read_source(str(out)), "flashnorm")
+    ours, _ = build_model(read_source(str(out)), FLASHNORM)
     x = mx.array([PROMPT])
     assert rel(ours(x), theirs(x)) < tiny.f32_tol(), rel(ours(x), theirs(x))
 
@@ -256,8 +257,8 @@ def test_flashnorm_load_peak_is_stocks(tmp_path, name):
         w = {f"language_model.{k}": v for k, v in w.items()}
         w["vision_tower.patch_conv.weight"] = np.ones((4096, 512), np.float32)
     path = tiny.write_model(tmp_path / name, config, w, tokenizer=False)
-    stock = test_load_memory._peak(path, "stock", False)
-    flashnorm = test_load_memory._peak(path, "flashnorm", False)
+    stock = test_load_memory._peak(path, STOCK, False)
+    flashnorm = test_load_memory._peak(path, FLASHNORM, False)
     print(f"{name} load peak: flashnorm {flashnorm} B, stock {stock} B")
     assert flashnorm <= 1.03 * stock, (flashnorm, stock)
 

@@ -24,6 +24,7 @@ from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import moe
+from flashnorm_mlx.modes import FLASHNORM, STOCK, STOCK_FUSED
 
 # model_type -> maker, layers with experts, the feed-forward's name, experts,
 # the router's (bits, group) under mlx-lm's convert -q and ours, the router's
@@ -118,8 +119,8 @@ def picks_differ(ls, lf) -> list:
 
 
 def test_layers_experts_and_what_is_left_of_the_norms(qwen):
-    stock, _ = build_model(qwen, "stock", dtype=mx.float32)
-    flash, _ = build_model(qwen, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(qwen, STOCK, dtype=mx.float32)
+    flash, _ = build_model(qwen, FLASHNORM, dtype=mx.float32)
     assert type(stock).__module__ == "mlx_lm.models.qwen3_moe"
     assert type(flash).__module__ == "flashnorm_mlx.models.qwen3_moe"
     kinds = [type(l.mlp).__name__ for l in flash.layers]
@@ -140,8 +141,8 @@ def test_prompt_and_32_cached_steps_and_every_expert_pick_match_stock(source):
     logit row within 1e-4 relative, and at every step, in every sparse layer,
     each token's top-2 experts are the ones stock picks. The routing depends
     on the input: many distinct pairs, every expert used."""
-    stock, _ = build_model(source, "stock", dtype=mx.float32, engine="eager")
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32, engine="eager")
+    stock, _ = build_model(source, STOCK, dtype=mx.float32, engine="eager")
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32, engine="eager")
     ls, lf = record_picks(stock, source), record_picks(flash, source)
     cs, cf = make_prompt_cache(stock), make_prompt_cache(flash)
     a, b = stock(mx.array([PROMPT]), cache=cs), flash(mx.array([PROMPT]), cache=cf)
@@ -184,8 +185,8 @@ def greedy(model, n=64):
 def test_64_greedy_tokens_identical_to_stock(source, stock_q4, quantized, engine):
     src = stock_q4 if quantized else source
     dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, "stock", dtype=dtype, engine=engine)
-    flash, _ = build_model(src, "flashnorm", dtype=dtype, engine=engine)
+    stock, _ = build_model(src, STOCK, dtype=dtype, engine=engine)
+    flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
     if quantized:
         sw = experts_of(flash, src, 0).gate_up_proj
         assert type(sw).__name__ == "QuantizedSwitchLinear", type(sw)
@@ -199,10 +200,10 @@ def test_the_reference_sees_the_router_scale_and_each_experts_gain(source, monke
     """What FlashNorm must get right shows far beyond the tolerance: drop the
     deferred scale on the router's logits (the softmax weights change, the
     picks too), or leave the gain out of one expert's gate and up."""
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT * 3])
     ref = stock(x)
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     assert rel(flash(x), ref) < tiny.f32_tol()
     with monkeypatch.context() as m:
         m.setattr(moe.kernels, "deferred_scale", lambda ms, dt: mx.ones_like(ms))
@@ -232,14 +233,14 @@ def test_fold_twice_equals_fold_once_and_folds_router_and_experts(qwen):
 
 def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
     errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     # Without --compat: `--mode stock` restores the unit gains itself.
     plain = tmp_path / "folded"
     convert(source, plain, progress=False)
     folded = read_source(str(plain))
     assert "model.layers.0.post_attention_layernorm.weight" not in folded.weights
-    stock_on_folded, _ = build_model(folded, "stock", dtype=mx.float32)
+    stock_on_folded, _ = build_model(folded, STOCK, dtype=mx.float32)
     errs["stock on folded"] = rel(stock_on_folded(x), ref(x))
     assert max(errs.values()) < tiny.f32_tol(), errs
 
@@ -265,7 +266,7 @@ def test_convert_q_quantizes_every_expert_and_loads_in_mlx_lm(source, tmp_path, 
     out = tmp_path / f"q4-{method}"
     convert(source, out, quantize=(4, 32), q_method=method, compat=True, progress=False)
     folded = read_source(str(out))
-    ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+    ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
     for i in fam(source)[1]:
         ex, router = experts_of(ours, source, i), router_of(ours, source, i)
         for lin in (ex.gate_up_proj, ex.down_proj):
@@ -281,10 +282,10 @@ def test_convert_q_quantizes_every_expert_and_loads_in_mlx_lm(source, tmp_path, 
     same = mx.array_equal(folded.weights[f"{key}.weight"], rtn_w).item()
     assert same == (method == "rtn"), (method, same)
     theirs, _ = load_model(out)
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     assert rel(ours(x), theirs(x)) < tiny.f32_tol()
-    stock_q, _ = build_model(source, "stock", dtype=mx.float32, quantize=(4, 32))
+    stock_q, _ = build_model(source, STOCK, dtype=mx.float32, quantize=(4, 32))
     errs = {"flashnorm -q": rel(ours(x), ref(x)), "stock -q": rel(stock_q(x), ref(x))}
     assert errs["flashnorm -q"] < 1.5 * errs["stock -q"], errs
 
@@ -329,8 +330,8 @@ def test_stock_fused_stacks_each_experts_gate_and_up_and_is_stock(
     logits are stock's, over a prompt long enough that mlx-lm sorts the rows
     by expert, and a decode step."""
     src = stock_q4 if quantized else source
-    stock, _ = build_model(src, "stock", dtype=mx.float32, engine="eager")
-    fused, _ = build_model(src, "stock_fused", dtype=mx.float32, engine="eager")
+    stock, _ = build_model(src, STOCK, dtype=mx.float32, engine="eager")
+    fused, _ = build_model(src, STOCK_FUSED, dtype=mx.float32, engine="eager")
     sw = experts_of(fused, src, 0)
     assert "gate_up_stacked" in sw and sw.gate_up_stacked.weight.shape[:2] == (
         fam(src)[3],
@@ -469,8 +470,8 @@ def test_llama_cpp_qwen3moe_gguf_runs_as_its_hf_checkpoint(tmp_path, qtype):
         for k, v in src.weights.items():
             assert np.array_equal(np.array(got.weights[k]), np.array(v)), k
         ids = mx.array([PROMPT])
-        ref, _ = build_model(src, "stock", dtype=mx.float32)
-        ours, _ = build_model(got, "flashnorm", dtype=mx.float32)
+        ref, _ = build_model(src, STOCK, dtype=mx.float32)
+        ours, _ = build_model(got, FLASHNORM, dtype=mx.float32)
         assert rel(ours(ids), ref(ids)) < tiny.f32_tol()
     else:
         assert got.weights["model.layers.0.mlp.switch_mlp.up_proj.scales"].ndim == 3

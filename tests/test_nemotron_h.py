@@ -26,6 +26,7 @@ from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import nemotron_h
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 NAMES = list(tiny.NEMOTRON_H_CONFIGS)
 
@@ -58,8 +59,8 @@ def test_blocks_as_stocks_and_no_norm_gain_left(source):
     """Block kinds as stock's pattern; folded, no norm gain is a parameter:
     the block norms in the mixers' input projections, the gated norms in
     out_proj, the final norm in lm_head."""
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    model, _ = build_model(source, FLASHNORM, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     assert [l.kind for l in model.layers] == [l.block_type for l in stock.layers]
     norms = [k for k, _ in tree_flatten(model.parameters()) if "norm" in k]
     assert not norms, norms
@@ -83,8 +84,8 @@ def test_64_greedy_tokens_identical_to_stock(source, stock_q4, quantized):
     stored (its gains kept where the kernels apply them)."""
     src = stock_q4 if quantized else source
     dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
-    flash, _ = build_model(src, "flashnorm", dtype=dtype, engine="eager")
+    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
+    flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine="eager")
     if quantized:
         proj = flash.layers[0].mixer.in_proj
         assert type(proj).__name__ == "QuantizedLinear", type(proj)
@@ -115,10 +116,10 @@ def test_every_tokens_experts_are_stocks_at_every_step(tmp_path, latent):
     over = dict(moe_latent_size=latent, mlp_bias=True) if latent else {}
     src = _source(tmp_path, "nemotron_h_moe", **over)
     logs, logits = {}, {}
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(src, mode, dtype=mx.float32, engine="eager")
-        logits[mode] = model(mx.array([PROMPT * 3]))  # 72 rows: sorted by expert
-        logs[mode] = record_picks(model)
+        logits[mode.name] = model(mx.array([PROMPT * 3]))  # 72 rows: sorted by expert
+        logs[mode.name] = record_picks(model)
         greedy(model, 32)
     ls, lf = logs["stock"], logs["flashnorm"]
     assert ls and set(ls) == set(lf), (ls, lf)
@@ -144,8 +145,8 @@ def test_hugging_face_files_read_as_mlx_lm_reads_them(source):
     theirs, _ = load_model(source.folder)
     x = mx.array([PROMPT])
     errs = {
-        mode: rel(build_model(source, mode, dtype=mx.float32)[0](x), theirs(x))
-        for mode in ("stock", "flashnorm")
+        mode.name: rel(build_model(source, mode, dtype=mx.float32)[0](x), theirs(x))
+        for mode in (STOCK, FLASHNORM)
     }
     assert max(errs.values()) < tiny.f32_tol(), errs
 
@@ -169,7 +170,7 @@ def test_a_block_type_list_without_a_layer_count_reads_as_mlx_lm_reads_it(tmp_pa
     x = mx.array([PROMPT])
     theirs = load_model(path)[0](x)
     errs = {
-        m: rel(build_model(source, m)[0](x), theirs) for m in ("stock", "flashnorm")
+        m.name: rel(build_model(source, m)[0](x), theirs) for m in (STOCK, FLASHNORM)
     }
     assert max(errs.values()) < tiny.f32_tol(), errs
 
@@ -182,7 +183,7 @@ def test_the_reference_sees_what_nemotron_h_must_get_right(tmp_path, monkeypatch
     biases, so that undoing s is a division."""
     src = _source(tmp_path, "nemotron_h_moe")
     x = mx.array([PROMPT * 2])
-    want = build_model(src, "stock", dtype=mx.float32)[0](x)
+    want = build_model(src, STOCK, dtype=mx.float32)[0](x)
     M = nemotron_h.Mamba2
     real_project = M.project
     box = {}
@@ -191,7 +192,7 @@ def test_the_reference_sees_what_nemotron_h_must_get_right(tmp_path, monkeypatch
         with monkeypatch.context() as m:
             for name, fn in patches:
                 m.setattr(M, name, fn)
-            flash, _ = build_model(src, "flashnorm", dtype=mx.float32)
+            flash, _ = build_model(src, FLASHNORM, dtype=mx.float32)
             built(flash)
             return rel(flash(x), want)
 
@@ -264,7 +265,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path, name):
     from mlx_lm.utils import load_model
 
     source = _source(tmp_path, name)
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     key = "backbone.layers.0.mixer.in_proj.weight"
     folded_w, _ = fold.fold_norms(source.weights, source.config)
@@ -276,7 +277,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path, name):
             source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
         )
         folded = read_source(str(out))
-        ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+        ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
         quantized = [
             n for n, m in ours.named_modules() if type(m).__name__ == "QuantizedLinear"
         ]
@@ -286,7 +287,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path, name):
         theirs, _ = load_model(out)
         assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
         errs[method] = rel(ours(x), ref(x))
-    stock8, _ = build_model(source, "stock", dtype=mx.float32, quantize=(8, 32))
+    stock8, _ = build_model(source, STOCK, dtype=mx.float32, quantize=(8, 32))
     errs["stock q8"] = rel(stock8(x), ref(x))
     print(name, errs)
     assert all(e < 1.0 for e in errs.values()), errs
@@ -329,7 +330,7 @@ def test_more_ranks_than_mamba_groups_is_one_line(source):
         def rank(self):
             return 0
 
-    for mode in ("flashnorm", "stock"):
+    for mode in (FLASHNORM, STOCK):
         with pytest.raises(ShardError) as e:
             build_model(source, mode, dtype=mx.float32, group=FourRanks())
         assert "\n" not in str(e.value) and "2 groups" in str(e.value), e.value
@@ -350,6 +351,6 @@ def test_load_peak_is_stocks(tmp_path, quantized):
     if quantized:
         mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
         path = tmp_path / "q"
-    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
     print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks

@@ -16,6 +16,7 @@ from tiny import PROMPT
 from flashnorm_mlx import fold, kernels
 from flashnorm_mlx.loading import Source, build_model, read_source
 from flashnorm_mlx.models import openelm
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 STEPS = 32
 
@@ -54,8 +55,8 @@ def _rel(a, b):
 
 
 def test_stock_is_mlx_lm_and_flashnorm_keeps_only_qk_gains(source):
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     assert type(stock).__module__ == "mlx_lm.models.openelm", type(stock)
     assert type(flash).__module__ == "flashnorm_mlx.models.openelm", type(flash)
     shared = source.config["share_input_output_layers"]
@@ -85,16 +86,16 @@ LOW_PRECISION_MAX = {mx.bfloat16: 0.6, mx.float16: 0.06}
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
 def test_low_precision_no_worse_than_stock(source, dtype):
-    ref_model, _ = build_model(source, "stock", dtype=mx.float32)
+    ref_model, _ = build_model(source, STOCK, dtype=mx.float32)
     ref, tokens = _greedy(ref_model, PROMPT, STEPS)
     scale = mx.abs(ref).max(axis=-1)
     err = {}
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(source, mode, dtype=dtype)
         out = _forced(model, PROMPT, tokens)
         assert mx.isfinite(out).all().item(), f"{mode} {dtype}: inf/NaN logits"
         e = mx.abs(out - ref).max(axis=-1) / scale
-        err[mode] = (e.mean().item(), e.max().item())
+        err[mode.name] = (e.mean().item(), e.max().item())
     msg = (
         f"{dtype} rel err vs float32 (mean, max): stock {err['stock'][0]:.4f}, "
         f"{err['stock'][1]:.4f}; flashnorm {err['flashnorm'][0]:.4f}, "
@@ -127,10 +128,10 @@ def test_no_inf_nan_with_scaled_residuals(source, dtype):
     for factor in (1000.0, 8000.0):
         scaled = _scaled_residuals(source, factor)
         finite, outs = {}, {}
-        for mode in ("stock", "flashnorm"):
+        for mode in (STOCK, FLASHNORM):
             model, _ = build_model(scaled, mode, dtype=dtype)
-            outs[mode] = _forced(model, PROMPT, [9, 200])
-            finite[mode] = mx.isfinite(outs[mode]).all().item()
+            outs[mode.name] = _forced(model, PROMPT, [9, 200])
+            finite[mode.name] = mx.isfinite(outs[mode.name]).all().item()
         print(f"{dtype} x{factor:g}: finite {finite}")
         assert (
             finite["flashnorm"] or not finite["stock"]
@@ -147,8 +148,8 @@ def test_long_prompt_and_decode_past_256_positions(tmp_path):
     """A 300-token prompt, and 250 + 8 cached decode steps, against stock."""
     src = read_source(str(tiny.make_openelm(tmp_path / "m", "odd_unshared", seed=3)))
     prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, 300).tolist()
-    stock, _ = build_model(src, "stock", dtype=mx.float32)
-    flash, _ = build_model(src, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(src, STOCK, dtype=mx.float32)
+    flash, _ = build_model(src, FLASHNORM, dtype=mx.float32)
     ref, tokens = _greedy(stock, prompt[:250], 8)
     out = _forced(flash, prompt[:250], tokens)
     rel1 = _rel(out, ref)
@@ -162,12 +163,12 @@ def test_batched_cache_with_array_offsets_matches_stock(source):
     pad = [0, 3]
     seqs = [PROMPT, [0] * pad[1] + PROMPT[: len(PROMPT) - pad[1]]]
     logits = {}
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(source, mode, dtype=mx.float32)
         cache = [BatchKVCache(pad) for _ in model.layers]
         rows = [model(mx.array(seqs), cache=cache)]
         rows.append(model(mx.array([[8], [21]]), cache=cache))
-        logits[mode] = mx.concatenate(rows, axis=1)
+        logits[mode.name] = mx.concatenate(rows, axis=1)
     # Padded positions are masked out: compare the real ones only.
     rel = max(
         _rel(logits["flashnorm"][b, p:], logits["stock"][b, p:])
@@ -183,10 +184,10 @@ def test_mlx_lm_stream_generate_runs_flashnorm(tmp_path):
     path = tiny.make_openelm(tmp_path / "m", "shared", tokenizer=True)
     src = read_source(str(path))
     texts = {}
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(src, mode, dtype=mx.float32)
         responses = list(stream_generate(model, src.tokenizer, PROMPT, max_tokens=12))
-        texts[mode] = [r.token for r in responses]
+        texts[mode.name] = [r.token for r in responses]
     assert texts["flashnorm"] == texts["stock"], texts
 
 
@@ -321,8 +322,8 @@ def test_epilogue_gains_are_built_once_per_weight():
 
 def test_model_calls_the_qkv_epilogue_once_per_layer(source, monkeypatch):
     """Attention = qkv matmul -> one kernels.qkv_epilogue call -> cache -> sdpa."""
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     calls = []
     real = kernels.qkv_epilogue
 

@@ -10,6 +10,7 @@ import tiny
 from flashnorm_mlx.cli import main
 from flashnorm_mlx.jobs.likelihood import default_text, perplexity, windows
 from flashnorm_mlx.loading import LoadError, build_model, read_source
+from flashnorm_mlx.modes import STOCK
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def test_stock_and_flashnorm_agree_in_float32(model_dir, data_file):
     # Independent reference: mlx-lm's own perplexity loop on the stock model.
     from mlx_lm.perplexity import eval_ppl
 
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     data = windows(source.tokenizer.encode(data_file.read_text()), 48, 6)
     ppl_mlx_lm, _ = eval_ppl(stock, data, batch_size=4)
     for mode in ("stock", "flashnorm"):

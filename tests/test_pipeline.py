@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 from flashnorm_mlx import fold
 from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.loading import build_model, read_source, wrappers
+from flashnorm_mlx.modes import FLASHNORM
 
 ARCHITECTURES = {
     "llama": lambda p: tiny.make_llama(p, "gqa_untied"),
@@ -72,7 +73,7 @@ def test_convert_writes_what_load_builds(tmp_path, arch, way):
     out = tmp_path / "out"
     # A tiny chunk_elements makes every weight go in row chunks.
     convert(source, out, progress=False, chunk_elements=500, q_method="rtn", **flags)
-    model, config = build_model(source, "flashnorm", engine="eager", **flags)
+    model, config = build_model(source, FLASHNORM, engine="eager", **flags)
 
     written = json.loads((out / "config.json").read_text())
     assert written.get("quantization") == config.get("quantization")

@@ -75,14 +75,15 @@ def test_flashnorm_caches_hold_stock_s_keys_and_values(model_dir):
     from mlx_lm.models.cache import make_prompt_cache
 
     from flashnorm_mlx.loading import build_model, read_source
+    from flashnorm_mlx.modes import FLASHNORM, STOCK
 
     source = read_source(str(model_dir))
     ids = mx.array([list(range(3, 40))])
     caches = {}
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(source, mode, dtype=mx.float32)
-        caches[mode] = make_prompt_cache(model)
-        model(ids, cache=caches[mode])
+        caches[mode.name] = make_prompt_cache(model)
+        model(ids, cache=caches[mode.name])
     worst = 0.0
     for s, f in zip(caches["stock"], caches["flashnorm"]):
         for a, b in ((s.keys, f.keys), (s.values, f.values)):

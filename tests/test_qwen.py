@@ -16,6 +16,7 @@ from flashnorm_mlx.jobs import speed
 from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.likelihood import default_text, perplexity
 from flashnorm_mlx.loading import Source, build_model, read_source
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 
 @pytest.fixture(scope="module", params=list(tiny.QWEN_CONFIGS))
@@ -26,8 +27,8 @@ def source(request, tmp_path_factory):
 
 def test_classes_and_what_is_left_of_the_norms(source):
     mt = source.config["model_type"]
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     assert type(stock).__module__ == f"mlx_lm.models.{mt}"
     assert type(flash).__module__ == f"flashnorm_mlx.models.{mt}"
     held = ("RMSNorm", "Gain")  # a norm, or its gain held for the kernels
@@ -44,8 +45,8 @@ def test_epsilon_adjustment_and_biases_matter(source):
     tolerance."""
     from flashnorm_mlx.models import qwen2, qwen3
 
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     ref = stock(x)
     attn = flash.layers[0].self_attn
@@ -64,9 +65,9 @@ def test_epsilon_adjustment_and_biases_matter(source):
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
 def test_low_precision_finite_and_close(source, dtype):
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=dtype)
-    flash, _ = build_model(source, "flashnorm", dtype=dtype)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=dtype)
+    flash, _ = build_model(source, FLASHNORM, dtype=dtype)
     x = mx.array([PROMPT])
     r = ref(x)
     scale = mx.abs(r).max().item()
@@ -86,7 +87,7 @@ def test_no_inf_nan_with_residuals_scaled_by_1000_in_float16(source):
     scaled = Source(
         source.name, source.config, {**source.weights, key: source.weights[key] * 1000}
     )
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(scaled, mode, dtype=mx.float16)
         cache = make_prompt_cache(model)
         outs = [
@@ -94,7 +95,7 @@ def test_no_inf_nan_with_residuals_scaled_by_1000_in_float16(source):
             model(mx.array([[9]]), cache=cache),
         ]
         finite = all(mx.isfinite(o).all().item() for o in outs)
-        if mode == "stock":
+        if mode is STOCK:
             stock_finite = finite
         else:
             assert finite or not stock_finite, "flashnorm inf/NaN where stock is finite"
@@ -122,8 +123,8 @@ def test_converted_checkpoint_loads_and_matches(source, tmp_path):
     folded = read_source(str(out))
     assert fold.is_folded(folded.config)
     x = mx.array([PROMPT])
-    ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     rel = (mx.abs(ours(x) - ref(x)).max() / mx.abs(ref(x)).max()).item()
     assert rel < tiny.f32_tol(), rel
 
@@ -131,7 +132,7 @@ def test_converted_checkpoint_loads_and_matches(source, tmp_path):
 def test_convert_quantized_runs(source, tmp_path):
     out = tmp_path / "q4"
     convert(source, out, quantize=(4, 32), progress=False, q_method="gptq")
-    model, _ = build_model(read_source(str(out)), "flashnorm")
+    model, _ = build_model(read_source(str(out)), FLASHNORM)
     logits = model(mx.array([PROMPT]))
     assert mx.isfinite(logits).all().item()
 

@@ -28,6 +28,7 @@ from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import LoadError, build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
 from flashnorm_mlx.models import qwen3_5
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 # case -> (maker, config): dense untied and tied; qwen3_5_moe on the tied one.
 CASES = {
@@ -71,8 +72,8 @@ def greedy(model, n=64):
 def test_layers_and_what_is_left_of_the_norms(source):
     """Folded: no block norm, final norm (untied) or gated norm gain is left,
     only the QK-norm gains the epilogue reads; layer kinds as stock's."""
-    model, _ = build_model(source, "flashnorm", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
+    model, _ = build_model(source, FLASHNORM, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
     kinds = [type(l).__name__ for l in model.layers]
     assert [l.is_linear for l in stock.layers] == [
         k == "DeltaNetBlock" for k in kinds
@@ -94,15 +95,15 @@ def test_every_expert_pick_matches_stock_over_32_cached_steps(tmp_path, case):
     src = read_source(str(make(tmp_path / "m", case, tokenizer=False)))
     logs, errs = {}, []
     models = {}
-    for mode in ("stock", "flashnorm"):
+    for mode in (STOCK, FLASHNORM):
         model, _ = build_model(src, mode, dtype=mx.float32, engine="eager")
-        logs[mode] = {}
+        logs[mode.name] = {}
         for i, layer in enumerate(model.layers):
             if "switch_mlp" not in layer.mlp:  # a dense layer
                 continue
-            logs[mode][i] = []
-            layer.mlp.switch_mlp = Picks(layer.mlp.switch_mlp, logs[mode][i])
-        models[mode] = (model, make_prompt_cache(model))
+            logs[mode.name][i] = []
+            layer.mlp.switch_mlp = Picks(layer.mlp.switch_mlp, logs[mode.name][i])
+        models[mode.name] = (model, make_prompt_cache(model))
     x = mx.array([PROMPT])
     for step in range(33):
         out = {m: model(x, cache=c) for m, (model, c) in models.items()}
@@ -135,11 +136,11 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
 ):
     src = stock_q4 if quantized else source
     dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, "stock", dtype=dtype, engine="eager")
+    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
     want = greedy(stock)
     got = {}
     for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, "flashnorm", dtype=dtype, engine=engine)
+        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
         if quantized:
             proj = flash.layers[0].linear_attn.in_proj
             assert type(proj).__name__ == "QuantizedLinear", type(proj)
@@ -171,8 +172,8 @@ def test_hugging_face_files_read_as_mlx_lm_reads_them(tmp_path, name, wrapped):
     assert "text_config" not in src.config, src.config
     x = mx.array([PROMPT])
     errs = {
-        mode: rel(build_model(src, mode, dtype=mx.float32)[0](x), theirs(x))
-        for mode in ("stock", "flashnorm")
+        mode.name: rel(build_model(src, mode, dtype=mx.float32)[0](x), theirs(x))
+        for mode in (STOCK, FLASHNORM)
     }
     convert(src, tmp_path / "out", progress=False, compat=True)
     errs["mlx-lm on convert"] = rel(load_model(tmp_path / "out")[0](x), theirs(x))
@@ -185,14 +186,14 @@ def test_the_reference_sees_what_qwen3_5_must_get_right(source, monkeypatch):
     convolution, the gated norm's gain left unfolded, the attention gate's s
     dropped."""
     x = mx.array([PROMPT * 2])
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     want = ref(x)
     real = qwen3_5.GatedDeltaNet.project
 
     def err(patch, built=lambda model: None):
         with monkeypatch.context() as m:
             patch(m)
-            flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+            flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
             built(flash)
             return rel(flash(x), want)
 
@@ -282,7 +283,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(source, tmp_path):
     quality is tests/test_gptq.py's, on real text."""
     from mlx_lm.utils import load_model
 
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
     x = mx.array([PROMPT])
     name = source.config["model_type"]
     key = LAYER0_LINEAR.get(
@@ -297,7 +298,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(source, tmp_path):
             source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
         )
         folded = read_source(str(out))
-        ours, _ = build_model(folded, "flashnorm", dtype=mx.float32)
+        ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
         proj = ours.layers[0].linear_attn.in_proj
         assert type(proj).__name__ == "QuantizedLinear", type(proj)
         same = mx.array_equal(folded.weights[key], rtn_w).item()
@@ -354,7 +355,7 @@ def test_load_peak_is_stocks(tmp_path, quantized):
     if quantized:
         mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
         path = tmp_path / "q"
-    peaks = {m: test_load_memory._peak(path, m, False) for m in ("stock", "flashnorm")}
+    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
     print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
 
@@ -367,12 +368,12 @@ def test_qwen3_next_in_proj_rows_follow_key_heads(tmp_path, monkeypatch):
 
     src = read_source(str(make(tmp_path / "n", "qwen3_next", tokenizer=False)))
     x = mx.array([PROMPT])
-    ref, _ = build_model(src, "stock", dtype=mx.float32)
-    ours, _ = build_model(src, "flashnorm", dtype=mx.float32)
+    ref, _ = build_model(src, STOCK, dtype=mx.float32)
+    ours, _ = build_model(src, FLASHNORM, dtype=mx.float32)
     monkeypatch.setattr(
         qwen3_next, "in_proj_rows", lambda qkvz, ba, args: mx.concatenate([qkvz, ba])
     )
-    wrong, _ = build_model(src, "flashnorm", dtype=mx.float32)
+    wrong, _ = build_model(src, FLASHNORM, dtype=mx.float32)
     errs = {"reordered": rel(ours(x), ref(x)), "as stored": rel(wrong(x), ref(x))}
     print(errs)
     assert errs["reordered"] < tiny.f32_tol() < errs["as stored"] / 10, errs

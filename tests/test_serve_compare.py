@@ -21,13 +21,13 @@ from flashnorm_mlx.serve.compare import Comparer, other_mode
 
 def test_a_stock_server_compares_with_flashnorm_built_once(tmp_path):
     path = str(tiny.make_llama(tmp_path / "m", "gqa_untied"))
-    stock, _ = build_model(read_source(path, need_tokenizer=False), "stock")
+    stock, _ = build_model(read_source(path, need_tokenizer=False), STOCK)
     builds = []
 
     def build_other():
         builds.append(1)
         time.sleep(0.01)  # seconds shows 2 decimals; a warm process may take < 5 ms
-        return build_model(read_source(path, need_tokenizer=False), "flashnorm")[0]
+        return build_model(read_source(path, need_tokenizer=False), FLASHNORM)[0]
 
     c = Comparer(build_other, STOCK)
     worker = SimpleNamespace(model=stock)  # what Worker.call hands the function

@@ -294,9 +294,10 @@ def test_chat_session_gives_the_thought_apart(model_dir):
     from flashnorm_mlx.cli.chat import PlainUI, run_chat
     from flashnorm_mlx.jobs.conversation import ChatSession
     from flashnorm_mlx.loading import build_model, read_source
+    from flashnorm_mlx.modes import FLASHNORM
 
     source = read_source(str(model_dir[0]))
-    model, _ = build_model(source, "flashnorm")
+    model, _ = build_model(source, FLASHNORM)
     f = forced(model_dir[1])
     processors = make_logits_processors(
         {int(k): v for k, v in f["logit_bias"].items()},

@@ -10,6 +10,7 @@ import tiny
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import Source, build_model
 from flashnorm_mlx.loading.stacks import mixed_settings
+from flashnorm_mlx.modes import FLASHNORM
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7]
 
@@ -56,7 +57,7 @@ def test_mixed_stacks_run_in_flashnorm_as_stock(v_spec, way, over):
     source = _mixed(v_spec, mlp, over)
     assert len(mixed_settings(source.weights, source.config)) == 4
     notes = []
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32, notes=notes)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32, notes=notes)
     attn = flash.model.layers[0].self_attn.qkv_proj
     if way == "lifted":
         assert (attn.bits, attn.group_size) == (8, 32), (attn.bits, attn.group_size)

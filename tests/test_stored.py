@@ -21,7 +21,7 @@ from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold
 from flashnorm_mlx.loading import build_model, read_source
-from flashnorm_mlx.modes import STOCK
+from flashnorm_mlx.modes import FLASHNORM, STOCK
 from flashnorm_mlx.quant import has_norm_gains
 
 STEPS = 32
@@ -140,7 +140,7 @@ def test_float32_matches_stock_on_the_same_quantized_files(quantized, arch, quan
         return
     stock, _ = load_model(path)
     source = read_source(str(path), need_tokenizer=False)
-    flash, config = build_model(source, "flashnorm", dtype=mx.float32)
+    flash, config = build_model(source, FLASHNORM, dtype=mx.float32)
     assert has_norm_gains(config), config.get(fold.MARKER)
     # Nothing requantized or cast: every quantized tensor is the file's own.
     params = dict(tree_flatten(flash.parameters()))
@@ -212,9 +212,9 @@ LOW_PRECISION_TOL = {mx.float16: 0.03, mx.bfloat16: 0.12}
 @pytest.mark.parametrize("arch", ["llama-gqa-untied", "qwen3-tied", "openelm-untied"])
 def test_low_precision_close_to_float32_stock(quantized, arch, dtype):
     source = read_source(str(quantized(arch, "4bit-g64")), need_tokenizer=False)
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
-    stock, _ = build_model(source, "stock", dtype=dtype)
-    flash, _ = build_model(source, "flashnorm", dtype=dtype)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=dtype)
+    flash, _ = build_model(source, FLASHNORM, dtype=dtype)
     x = mx.array([PROMPT])
     r = ref(x)
     err_s = rel(stock(x).astype(mx.float32), r)
@@ -235,8 +235,8 @@ def test_float16_survives_residuals_x1000(quantized):
     for s in ("scales", "biases"):  # affine: w = scale * q + bias, so x1000 exactly
         w[f"{emb}.{s}"] = w[f"{emb}.{s}"] * 1000
     big = type(source)(source.name, source.config, w)
-    flash, _ = build_model(big, "flashnorm", dtype=mx.float16)
-    ref, _ = build_model(big, "stock", dtype=mx.float32)
+    flash, _ = build_model(big, FLASHNORM, dtype=mx.float16)
+    ref, _ = build_model(big, STOCK, dtype=mx.float32)
     (lf, lr), _ = _run([flash, ref], steps=4)
     assert mx.isfinite(lf).all().item()
     assert rel(lf, lr) < LOW_PRECISION_TOL[mx.float16], rel(lf, lr)
@@ -247,8 +247,8 @@ def test_same_bytes_and_the_gains_are_the_checkpoints(quantized):
     under their checkpoint names (applied in the kernels, never folded)."""
     path = quantized("llama-gqa-untied", "4bit-g64")
     source = read_source(str(path), need_tokenizer=False)
-    stock, _ = build_model(source, "stock")
-    flash, _ = build_model(source, "flashnorm")
+    stock, _ = build_model(source, STOCK)
+    flash, _ = build_model(source, FLASHNORM)
     nbytes = lambda m: sum(v.nbytes for _, v in tree_flatten(m.parameters()))
     assert nbytes(flash) == nbytes(stock), (nbytes(flash), nbytes(stock))
     g = flash.model.layers[1].input_layernorm.weight
@@ -265,8 +265,8 @@ def test_the_gain_in_the_kernel_is_what_makes_it_exact(quantized, monkeypatch):
     source = read_source(
         str(quantized("llama-gqa-untied", "4bit-g64")), need_tokenizer=False
     )
-    stock, _ = build_model(source, "stock", dtype=mx.float32)
-    flash, _ = build_model(source, "flashnorm", dtype=mx.float32)
+    stock, _ = build_model(source, STOCK, dtype=mx.float32)
+    flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
     real = kernels.block_residual.residual_ops
     monkeypatch.setattr(
         kernels.block_residual,
@@ -310,7 +310,7 @@ def test_quantize_as_mlx_lm_script_makes_a_stored_checkpoint(hf_dirs, tmp_path):
     source = read_source(str(out))
     assert source.config["quantization"]["bits"] == 4, source.config
     stock, _ = load_model(out)
-    flash, config = build_model(source, "flashnorm", dtype=mx.float32)
+    flash, config = build_model(source, FLASHNORM, dtype=mx.float32)
     assert has_norm_gains(config)
     (ls, lf), agree = _run([stock, flash], steps=4)
     assert rel(lf, ls) < tiny.f32_tol() and agree == 4

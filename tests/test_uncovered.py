@@ -18,7 +18,7 @@ from flashnorm_mlx.cli import main
 from flashnorm_mlx.errors import ShardError, UnsupportedModel
 from flashnorm_mlx.jobs import speed
 from flashnorm_mlx.loading import build_model, read_source
-from flashnorm_mlx.modes import FLASHNORM, STOCK
+from flashnorm_mlx.modes import FLASHNORM, NONORM, STOCK, STOCK_FUSED
 from flashnorm_mlx.parallel import sharding
 
 FAMILIES = tuple(tiny_stock.CONFIGS)  # olmo2, granite, starcoder2, olmoe
@@ -73,7 +73,7 @@ def test_the_compiled_engine_asked_runs_eager_and_the_note_says_so(folders, caps
     from flashnorm_mlx import engine
 
     source = read_source(str(folders["olmo2"]), need_tokenizer=False)
-    model, _ = build_model(source, "stock", engine="compiled")
+    model, _ = build_model(source, STOCK, engine="compiled")
     assert engine.engine_of(model) == "eager"
     argv = ["generate", str(folders["olmo2"]), "-p", PROMPT, "-m", "2"]
     assert main([*argv, "--engine", "compiled"]) == 0
@@ -129,7 +129,7 @@ def test_configs_as_checkpoints_write_them_run_where_mlx_lm_loads_them(
     from mlx_lm import load
 
     folder = tiny_stock.make(tmp_path / family, family)
-    model, _ = build_model(read_source(str(folder), need_tokenizer=False), "stock")
+    model, _ = build_model(read_source(str(folder), need_tokenizer=False), STOCK)
     ref, _ = load(str(folder))
     tokens = mx.array([[5, 17, 99, 3, 250, 42]])
     got, want = model(tokens), ref(tokens)
@@ -163,6 +163,22 @@ def test_the_mode_defaults_to_stock_and_flashnorm_asked_is_one_error(folders, ca
     assert all(mt in err for mt in models.ARCHITECTURES), err  # the covered ones
     assert models.run_mode({"model_type": "olmo2"}) is STOCK
     assert models.run_mode({"model_type": "llama"}) is FLASHNORM
+
+
+def test_build_model_takes_a_mode_and_refuses_one_needing_our_cover(folders):
+    """A library caller's build_model: a mode built with FlashNorm's cover of
+    a family it does not cover is models.not_covered's one line, as --mode's;
+    a mode's name is a TypeError naming the fix (names become Modes once,
+    where the model is read: models.run_mode)."""
+    source = read_source(str(folders["olmo2"]), need_tokenizer=False)
+    for mode in (FLASHNORM, NONORM, STOCK_FUSED):
+        with pytest.raises(UnsupportedModel) as e:
+            build_model(source, mode)
+        said = str(e.value)
+        assert said.startswith(f"--mode {mode}: FlashNorm does not cover"), said
+        assert "'olmo2'" in said and "\n" not in said, said
+    with pytest.raises(TypeError, match=r"takes a modes\.Mode .*not 'stock'"):
+        build_model(source, "stock")
 
 
 def test_convert_refuses_in_one_line_and_writes_nothing(folders, tmp_path, capsys):
@@ -244,7 +260,7 @@ def test_mlx_lm_quantized_checkpoint_loads_as_mlx_lm_loads_it(
     want, _ = _mlx_lm_greedy(q)
     capsys.readouterr()  # convert's own lines
     source = read_source(str(q))
-    model, _ = build_model(source, "stock", dtype=mx.float32)
+    model, _ = build_model(source, STOCK, dtype=mx.float32)
     ref, _ = load(str(q))
     ours, theirs = _quantized(model), _quantized(ref)  # experts too, for olmoe
     assert ours == theirs and len(theirs) > 10, (ours ^ theirs, theirs)
@@ -267,7 +283,7 @@ def test_q_quantizes_as_mlx_lm_convert_does(folders, tmp_path, capsys):
     assert main(argv) == 0
     assert _generated(capsys.readouterr().out) == want
     source = read_source(str(folders["granite"]))
-    model, config = build_model(source, "stock", quantize=(4, 64))
+    model, config = build_model(source, STOCK, quantize=(4, 64))
     assert model.lm_head.bits == 8 and model.model.layers[0].mlp.up_proj.bits == 4
     assert config["quantization"]["lm_head"]["bits"] == 8, config["quantization"]
 
@@ -305,10 +321,10 @@ def test_tensor_parallel_uses_mlx_lms_own_shard_or_says_it_has_none(folders):
     group = mx.distributed.init()
     source = read_source(str(folders["granite"]), need_tokenizer=False)
     with pytest.raises(ShardError, match="no tensor-parallel shard"):
-        build_model(source, "stock", group=group)
+        build_model(source, STOCK, group=group)
 
     calls = []
-    model, _ = build_model(source, "stock")
+    model, _ = build_model(source, STOCK)
     model.shard = lambda g: calls.append(g)  # mlx-lm's own, where a class has one
     sharding.shard_model(model, group, "granite", own=True)
     assert calls == [group], calls

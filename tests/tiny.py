@@ -547,11 +547,12 @@ def compat_errors(source, out: Path, prompt) -> dict:
 
     from flashnorm_mlx.jobs.checkpoint import convert
     from flashnorm_mlx.loading import build_model, read_source
+    from flashnorm_mlx.modes import FLASHNORM, STOCK
 
     convert(source, out, compat=True, progress=False)
     stock_on_compat, _ = load_model(out)
-    ref, _ = build_model(source, "stock", dtype=mx.float32)
-    ours, _ = build_model(read_source(str(out)), "flashnorm", dtype=mx.float32)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
+    ours, _ = build_model(read_source(str(out)), FLASHNORM, dtype=mx.float32)
     x = mx.array([prompt])
     return {
         "mlx-lm on --compat": rel(stock_on_compat(x), ref(x)),

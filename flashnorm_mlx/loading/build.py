@@ -9,7 +9,7 @@ makes, the ones `convert` writes.
 import contextlib
 import dataclasses
 import io
-from typing import List, Optional, Set, Tuple, Union
+from typing import List, Optional, Set, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 from .. import engine as engines
 from .. import fold, models, quant
 from ..errors import LoadError
-from ..modes import FLASHNORM, Mode
+from ..modes import Mode
 from ..parallel import sharding
 from . import gguf_kquant, nonorm, stacks, stock_fused
 from .adapters import adapted_quantization
@@ -32,7 +32,7 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 def build_model(
     source: Source,
-    mode: Union[str, Mode] = FLASHNORM,
+    mode: Mode,
     dtype: Optional[mx.Dtype] = None,
     quantize: Optional[Tuple[int, int]] = None,
     quantized_way: str = "stored",
@@ -40,16 +40,17 @@ def build_model(
     group: Optional[mx.distributed.Group] = None,
     engine: Optional[str] = None,
 ) -> Tuple[nn.Module, dict]:
-    """Build the `mode` model (a modes.Mode or its name) on `source`'s weights;
-    returns (model, its config). quantize=(bits, group_size): quantize a float
-    source after folding; quantized_way: how a quantized source is taken
+    """Build the `mode` model on `source`'s weights; returns (model, its
+    config). `mode`: a modes.Mode, settled where the model was read
+    (models.run_mode). quantize=(bits, group_size): quantize a float source
+    after folding; quantized_way: how a quantized source is taken
     (quant/plan.py). `notes` collects a line for the user where the weights
     were not taken as the flags' obvious reading suggests. `group`: split the
     model over it (sharding.shard_model) before its weights are evaluated,
     layer by layer (ShardError where it cannot be split). `engine`: "eager" or
     "compiled" (engine.py; None: `engine.default()`), the same for every mode.
     """
-    mode, engine, covered = _settle(source.config, mode, engine)
+    engine, covered = _settle(source.config, mode, engine)
     # A folder's weights opened again for this build: what it evaluates is freed
     # once in the model, where the caller's Source would keep every source tensor.
     source_weights = _own_handles(source)
@@ -99,21 +100,26 @@ def build_model(
     return engines.run_on(model, engine), config
 
 
-def _settle(config: dict, mode, engine: Optional[str]) -> Tuple[Mode, str, bool]:
-    """(the Mode, the engine, whether FlashNorm covers the model) of a build:
-    a library caller's mode name made a Mode, a family's refusals said, and
-    the eager engine for a model FlashNorm does not cover."""
-    mode = models.run_mode(config, mode)  # a Mode, or a caller's name
-    if mode.needs_cover:  # a family may not run every mode (ARCH.cannot)
+def _settle(config: dict, mode: Mode, engine: Optional[str]) -> Tuple[str, bool]:
+    """(the engine, whether FlashNorm covers the model) of a build: a mode
+    the family cannot run said in one line, and the eager engine for a model
+    FlashNorm does not cover."""
+    if not isinstance(mode, Mode):  # names are settled once: models.run_mode
+        raise TypeError(
+            f"build_model takes a modes.Mode (modes.MODES[name]), not {mode!r}"
+        )
+    covered = models.is_covered(config)
+    if mode.needs_cover:  # a library caller's mode the family cannot run
+        if not covered:
+            raise models.not_covered(config, f"--mode {mode}")
         models.architecture(config).require(mode.name, config["model_type"])
     try:
         engine = engines.resolve(engine)
     except ValueError as e:
         raise LoadError(str(e)) from None
-    covered = models.is_covered(config)
     if not covered:  # the compiled step is traced for the classes it knows
         engine = "eager"  # (models.stock_note says so)
-    return mode, engine, covered
+    return engine, covered
 
 
 def _construct(
