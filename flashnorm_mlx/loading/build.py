@@ -24,7 +24,7 @@ from . import gguf_kquant, nonorm, stacks, stock_fused
 from .adapters import adapted_quantization
 from .recipe import Recipe
 from .shapes import config_name, mismatch, shapes_of
-from .source import Source, open_weights, source_weights
+from .source import Source, folder_weights
 from .wrappers import rewrap
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -233,9 +233,7 @@ def _own_handles(source: Source) -> dict:
     if source.folder is None or not source.files or source.adapter is not None:
         return source.weights  # not the files'
     try:
-        fresh = source_weights(
-            source.config, open_weights(source.files), source.wrapper
-        )
+        fresh = folder_weights(source.files, source.config, source.wrapper)
     except LoadError:
         return source.weights
     same = fresh.keys() == source.weights.keys() and all(

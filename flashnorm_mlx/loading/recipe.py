@@ -78,8 +78,8 @@ class Recipe:
             self.config = plan.config
             self._finish(plan.weights)
         else:
-            arch = models.architecture(config)
-            for norm, linears in fold.norm_pairs(config, weights):
+            arch = self._arch  # folding: a family FlashNorm covers
+            for norm, linears in arch.norm_pairs(config, weights):
                 stored = weights[f"{norm}.weight"]
                 # Stock rounds Gemma's 1 + w at the run's dtype, not at the
                 # checkpoint's (docs/design.md section 2h).

@@ -194,16 +194,8 @@ def _read_folder(path: Path, name: str) -> Source:
     if text is not None:  # a multimodal wrapper: its text model is what folds
         wrapper, config = (None if wrappers.is_flat(config) else config), text
     files = weight_files(path)
-    weights = source_weights(config, open_weights(files), wrapper)
+    weights = folder_weights(files, config, wrapper)
     return Source(name, config, weights, folder=path, files=files, wrapper=wrapper)
-
-
-def source_weights(config: dict, weights: dict, wrapper: Optional[dict]) -> dict:
-    """A folder's weights as a Source holds them: a wrapper's text model's
-    (wrappers.py), as its family reads them (`models.canonical_weights`)."""
-    if wrapper is not None:
-        weights = wrappers.text_weights(wrapper, weights)
-    return models.canonical_weights(config, weights)
 
 
 def weight_files(path: Path) -> Tuple[str, ...]:
@@ -217,15 +209,20 @@ def weight_files(path: Path) -> Tuple[str, ...]:
     return files
 
 
-def open_weights(files: Tuple[str, ...]) -> dict:
-    """The checked files' tensors, opened lazily."""
+def folder_weights(files: Tuple[str, ...], config: dict, wrapper) -> dict:
+    """The checked files' tensors, opened lazily, as a Source holds them: a
+    wrapper's text model's (wrappers.py), as its family reads them
+    (`models.canonical_weights`)."""
     weights = {}
     for f in files:
         try:
             weights.update(mx.load(f))
         except Exception as e:
             raise LoadError(f"{f}: not a readable safetensors file ({e})") from None
-    return {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    if wrapper is not None:
+        weights = wrappers.text_weights(wrapper, weights)
+    return models.canonical_weights(config, weights)
 
 
 def _folder_tokenizer(path: Path, required: bool = False, code: bool = False):

@@ -209,7 +209,7 @@ def canonical_weights(config: dict, weights: dict) -> dict:
     cover is left to its own class's `sanitize`."""
     if not is_covered(config):
         return weights
-    module = model_module(config)
+    module = _family_file(config["model_type"])
     if hasattr(module, "canonical"):
         weights = module.canonical(config, weights)
     moe = module.ARCH.moe
