@@ -214,3 +214,34 @@ def load_peak_is_stocks(tmp_path, make, quantized, builds=3, label="", **over):
     }
     print(f"{label} load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+
+
+def cached_errors(stock, flash, steps=32):
+    """Prefill tiny.PROMPT, then `steps` decode steps on stock's greedy tokens:
+    each call's FlashNorm logits relative to stock's, and FlashNorm's caches."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cs, cf = make_prompt_cache(stock), make_prompt_cache(flash)
+    a, b = stock(mx.array([PROMPT]), cache=cs), flash(mx.array([PROMPT]), cache=cf)
+    errs = [rel(b, a)]
+    for _ in range(steps):
+        t = mx.argmax(a[:, -1], axis=-1)[:, None]
+        a, b = stock(t, cache=cs), flash(t, cache=cf)
+        errs.append(rel(b, a))
+    return errs, cf
+
+
+def compat_and_stock_on_folded(source, tmp_path, gone):
+    """`convert --compat` loads in stock mlx-lm (tiny.compat_errors); without
+    --compat, the folded checkpoint lacks the gain `gone` and `--mode stock`
+    on it restores the unit gains itself: stock's logits, float32."""
+    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
+    ref, _ = build_model(source, STOCK, dtype=mx.float32)
+    x = mx.array([PROMPT])
+    plain = tmp_path / "folded"
+    convert(source, plain, progress=False)
+    folded = read_source(str(plain))
+    assert gone not in folded.weights, gone
+    stock_on_folded, _ = build_model(folded, STOCK, dtype=mx.float32)
+    errs["stock on folded"] = rel(stock_on_folded(x), ref(x))
+    assert max(errs.values()) < tiny.f32_tol(), errs

@@ -11,10 +11,10 @@ interval and by an explicit list.
 
 import json
 
+import family
 import mlx.core as mx
 import pytest
 import tiny
-from mlx_lm.generate import generate_step
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import kernels
@@ -43,14 +43,7 @@ def test_verify_float32_and_quantized_as_stored(tmp_path, make, cfg, engine):
     of mlx-lm's class, and stock's own 4-bit model as stored (our gains then
     in the kernels)."""
     source = _source(tmp_path, make, cfg)
-    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
-    r = compare(tiny.quantized(source), PROMPT, horizon=32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
-
-
-def greedy(model, n=64):
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+    family.verify(source, engine, tiny.quantized(source))
 
 
 @EVERY
@@ -59,18 +52,12 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
     tmp_path, make, cfg, quantized
 ):
     source = _source(tmp_path, make, cfg)
-    src = tiny.quantized(source) if quantized else source
-    dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
-    want = greedy(stock)
-    got = {}
-    for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
-        if quantized:
-            qkv = flash.layers[0].self_attn.qkv_proj
-            assert type(qkv).__name__ == "QuantizedLinear", type(qkv)
-        got[engine] = greedy(flash)
-    assert len(want) == 64 and got == {"eager": want, "compiled": want}, (want, got)
+    family.greedy_is_stocks(
+        tiny.quantized(source) if quantized else source,
+        quantized,
+        lambda flash: flash.layers[0].self_attn.qkv_proj,
+        few=None,
+    )
 
 
 @pytest.mark.parametrize("cfg", list(tiny.PHI3_CONFIGS))
