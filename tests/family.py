@@ -245,3 +245,40 @@ def compat_and_stock_on_folded(source, tmp_path, gone):
     stock_on_folded, _ = build_model(folded, STOCK, dtype=mx.float32)
     errs["stock on folded"] = rel(stock_on_folded(x), ref(x))
     assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def launch_cases(paths, modes=("flashnorm", "stock"), q4=True) -> list:
+    """tests/test_distributed.py's cases for {name: folder}: each of `modes`
+    on each folder, and FlashNorm's own 4-bit on it where `q4`."""
+    cases = []
+    for name, path in paths.items():
+        for mode in modes:
+            cases.append({"name": f"{name}-{mode}", "model": str(path), "mode": mode})
+        if q4:
+            q = {"name": f"{name}-q4", "model": str(path), "mode": "flashnorm"}
+            cases.append({**q, "quantize": [4, 32]})
+    return cases
+
+
+def compat_loads_in_mlx_lm(source, tmp_path, holds="scales", module=None):
+    """`convert --compat`, float (tiny.compat_errors) and -q at 8 bits by RTN
+    and GPTQ: mlx-lm loads each checkpoint (its class from `module` where
+    given, its parameters' names holding `holds`), its logits there ours."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
+    x = mx.array([PROMPT])
+    for method in ("rtn", "gptq"):
+        out = tmp_path / f"q8-{method}"
+        convert(
+            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
+        )
+        ours, _ = build_model(read_source(str(out)), FLASHNORM, dtype=mx.float32)
+        theirs, _ = load_model(out)
+        if module is not None:
+            assert type(theirs).__module__ == module, (method, type(theirs))
+        assert holds in str(tree_flatten(theirs.parameters())), (method, holds)
+        errs[method] = rel(ours(x), theirs(x))
+    print(errs)
+    assert max(errs.values()) < tiny.f32_tol(), errs

@@ -17,10 +17,10 @@ import mlx.core as mx
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from test_glm4_moe import _picks  # GLM's grouped router, the same
+from test_glm4_moe import _picks, router_after  # GLM's grouped router, the same
 from tiny import PROMPT, rel
 
-from flashnorm_mlx import fold, kernels
+from flashnorm_mlx import fold
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import deepseek_v3
 from flashnorm_mlx.modes import FLASHNORM, STOCK
@@ -179,14 +179,6 @@ def test_the_reference_sees_what_mla_must_get_right(tmp_path, monkeypatch):
         q, latent, k_pe = real_latents(self, xs, ms)
         return q, latent, (k_pe * mx.sqrt(ms)[:, None]).astype(k_pe.dtype)
 
-    def router_after(self, xs, ms):  # sigmoid(z) * s in place of sigmoid(s z)
-        w = mx.sigmoid(self.gate(xs)) * kernels.deferred_scale(ms, xs.dtype)
-        pick = w + self.gate.e_score_correction_bias  # one group: no group step
-        inds = mx.argpartition(-pick, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
-        scores = mx.take_along_axis(w, inds, axis=-1)
-        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
-        return inds, scores * self.routed_scaling_factor
-
     errs = {
         "s on the latents": err(
             "deepseek_v3",
@@ -231,13 +223,9 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     process gives it, greedy tokens identical."""
     import test_distributed
 
-    paths = {
-        n: str(tiny.make_deepseek_v3(tmp_path / n, n, tokenizer=False)) for n in NAMES
-    }
-    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
-    main = {"model": paths["deepseek_v3"], "mode": "flashnorm"}
-    cases.append({**main, "name": "stock", "mode": "stock"})
-    cases.append({**main, "name": "q4", "quantize": [4, 32]})
+    paths = {n: tiny.make_deepseek_v3(tmp_path / n, n, tokenizer=False) for n in NAMES}
+    cases = family.launch_cases(paths, ("flashnorm",), q4=False)
+    cases += family.launch_cases({"deepseek_v3": paths["deepseek_v3"]}, ("stock",))
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 

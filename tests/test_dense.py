@@ -154,11 +154,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
         "phi3": tiny.make_phi3(tmp_path / "p", "phi3_longrope"),
         "smollm3": tiny.make_smollm3(tmp_path / "s", "smollm3"),
     }
-    cases = [
-        {"name": f"{fam}-{mode}", "model": str(path), "mode": mode}
-        for fam, path in paths.items()
-        for mode in ("flashnorm", "stock")
-    ]
+    cases = family.launch_cases(paths, q4=False)
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 

@@ -138,6 +138,17 @@ def test_fold_twice_equals_fold_once_and_compat_loads_in_mlx_lm(source, tmp_path
     assert max(errs.values()) < tiny.f32_tol(), errs
 
 
+def router_after(self, xs, ms):
+    """GroupRouted.route (GLM's and DeepSeek V3's, one group) broken on
+    purpose: sigmoid(z) * s in place of sigmoid(s z)."""
+    w = mx.sigmoid(self.gate(xs)) * kernels.deferred_scale(ms, xs.dtype)
+    pick = w + self.gate.e_score_correction_bias  # one group: no group step
+    inds = mx.argpartition(-pick, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+    scores = mx.take_along_axis(w, inds, axis=-1)
+    scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+    return inds, scores * self.routed_scaling_factor
+
+
 def test_the_reference_sees_what_glm_must_get_right(tmp_path, monkeypatch):
     """Each break, made on purpose, moves the logits far past the tolerance:
     the router's s applied after the sigmoid, the correction bias in the
@@ -150,14 +161,6 @@ def test_the_reference_sees_what_glm_must_get_right(tmp_path, monkeypatch):
 
     def err(name, patch):
         return breaks[name](patch)
-
-    def router_after(self, xs, ms):  # sigmoid(z) * s in place of sigmoid(s z)
-        w = mx.sigmoid(self.gate(xs)) * kernels.deferred_scale(ms, xs.dtype)
-        pick = w + self.gate.e_score_correction_bias  # one group: no group step
-        inds = mx.argpartition(-pick, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
-        scores = mx.take_along_axis(w, inds, axis=-1)
-        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
-        return inds, scores * self.routed_scaling_factor
 
     real_route = G.route
 
@@ -226,13 +229,9 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     4-bit): each as one process gives it, greedy tokens identical."""
     import test_distributed
 
-    paths = {
-        n: str(tiny.make_glm4_moe(tmp_path / n, n, tokenizer=False)) for n in NAMES
-    }
-    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
-    main = {"model": paths["glm4_moe"], "mode": "flashnorm"}
-    cases.append({**main, "name": "stock", "mode": "stock"})
-    cases.append({**main, "name": "q4", "quantize": [4, 32]})
+    paths = {n: tiny.make_glm4_moe(tmp_path / n, n, tokenizer=False) for n in NAMES}
+    cases = family.launch_cases(paths, ("flashnorm",), q4=False)
+    cases += family.launch_cases({"glm4_moe": paths["glm4_moe"]}, ("stock",))
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 

@@ -204,14 +204,8 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     4-bit): each as one process gives it, greedy tokens identical."""
     import test_distributed
 
-    cases = []
-    for name in NAMES:
-        path = tiny.make_granite4(tmp_path / name, name, tokenizer=False)
-        for mode in ("flashnorm", "stock"):
-            cases.append({"name": f"{name}-{mode}", "model": str(path), "mode": mode})
-        q4 = {"mode": "flashnorm", "quantize": [4, 32]}
-        cases.append({"name": f"{name}-q4", "model": str(path), **q4})
-    test_distributed.ranks_match_one_process(cases, tmp_path)
+    paths = {n: tiny.make_granite4(tmp_path / n, n, tokenizer=False) for n in NAMES}
+    test_distributed.ranks_match_one_process(family.launch_cases(paths), tmp_path)
 
 
 def test_mamba_layers_alone_and_low_precision(tmp_path):

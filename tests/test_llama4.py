@@ -18,10 +18,9 @@ import mlx.core as mx
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from tiny import PROMPT, rel
+from tiny import PROMPT
 
 from flashnorm_mlx import fold, kernels
-from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import llama4_text
 from flashnorm_mlx.modes import FLASHNORM, STOCK
@@ -106,26 +105,12 @@ def test_the_reference_sees_what_llama4_text_must_get_right(tmp_path, monkeypatc
 def test_fold_twice_and_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
     """Fold is idempotent; `convert --compat` (float, and -q at 8 bits by RTN
     and GPTQ) loads in mlx-lm, whose logits there equal ours."""
-    from mlx_lm.utils import load_model
-
     source = _source(tmp_path, "llama4_text")
     once, c1 = fold.fold_norms(source.weights, source.config)
     twice, c2 = fold.fold_norms(once, c1)
     assert twice is once and c2 == c1
     assert not [k for k in once if k.endswith("layernorm.weight")]
-    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
-    x = mx.array([PROMPT])
-    for method in ("rtn", "gptq"):
-        out = tmp_path / f"q8-{method}"
-        convert(
-            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
-        )
-        ours, _ = build_model(read_source(str(out)), FLASHNORM, dtype=mx.float32)
-        theirs, _ = load_model(out)
-        assert "scales" in str(tree_flatten(theirs.parameters())), method
-        errs[method] = rel(ours(x), theirs(x))
-    print(errs)
-    assert max(errs.values()) < tiny.f32_tol(), errs
+    family.compat_loads_in_mlx_lm(source, tmp_path)
 
 
 def test_bench_counts_fewer_launches(tmp_path):
@@ -137,11 +122,10 @@ def test_two_rank_tensor_parallel_matches_one_process(tmp_path):
     FlashNorm's 4-bit: each as one process gives it, greedy tokens identical."""
     import test_distributed
 
-    paths = {
-        n: str(tiny.make_llama4_text(tmp_path / n, n, tokenizer=False)) for n in NAMES
-    }
-    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
-    cases.append({**cases[0], "name": "q4", "quantize": [4, 32]})
+    make = tiny.make_llama4_text
+    paths = {n: make(tmp_path / n, n, tokenizer=False) for n in NAMES}
+    cases = family.launch_cases(paths, ("flashnorm",), q4=False)
+    cases += family.launch_cases({NAMES[0]: paths[NAMES[0]]}, ())
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 
@@ -275,25 +259,12 @@ def test_the_reference_sees_what_llama4_must_get_right(tmp_path, monkeypatch):
 def test_moe_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
     """--compat (float) and -q at 8 bits by RTN and GPTQ: each checkpoint
     loads in mlx-lm (its llama4 wrapper class), whose logits equal ours."""
-    from mlx_lm.utils import load_model
-
     source = _moe_source(tmp_path, "llama4_interleaved")
     once, c1 = fold.fold_norms(source.weights, source.config)
     assert fold.fold_norms(once, c1)[0] is once
-    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
-    x = mx.array([PROMPT])
-    for method in ("rtn", "gptq"):
-        out = tmp_path / f"q8-{method}"
-        convert(
-            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
-        )
-        ours, _ = build_model(read_source(str(out)), FLASHNORM, dtype=mx.float32)
-        theirs, _ = load_model(out)
-        assert type(theirs).__module__ == "mlx_lm.models.llama4", type(theirs)
-        assert "experts.gate_proj.scales" in str(tree_flatten(theirs.parameters()))
-        errs[method] = rel(ours(x), theirs(x))
-    print(errs)
-    assert max(errs.values()) < tiny.f32_tol(), errs
+    family.compat_loads_in_mlx_lm(
+        source, tmp_path, "experts.gate_proj.scales", "mlx_lm.models.llama4"
+    )
 
 
 def test_moe_bench_counts_fewer_launches(tmp_path):
@@ -305,13 +276,9 @@ def test_moe_two_rank_tensor_parallel_matches_one_process(tmp_path):
     every-layer-MoE one: each as one process gives it."""
     import test_distributed
 
-    paths = {
-        n: str(tiny.make_llama4(tmp_path / n, n, tokenizer=False)) for n in MOE_NAMES
-    }
-    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
-    main = {"model": paths["llama4"], "mode": "flashnorm"}
-    cases.append({**main, "name": "stock", "mode": "stock"})
-    cases.append({**main, "name": "q4", "quantize": [4, 32]})
+    paths = {n: tiny.make_llama4(tmp_path / n, n, tokenizer=False) for n in MOE_NAMES}
+    cases = family.launch_cases(paths, ("flashnorm",), q4=False)
+    cases += family.launch_cases({"llama4": paths["llama4"]}, ("stock",))
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 

@@ -259,11 +259,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
         "ministral3": tiny.make_ministral3(tmp_path / "m", "ministral3_mscale_sliding"),
         "mistral3": tiny.make_mistral3(tmp_path / "w", "mistral3"),
     }
-    cases = [
-        {"name": f"{fam}-{mode}", "model": str(path), "mode": mode}
-        for fam, path in paths.items()
-        for mode in ("flashnorm", "stock")
-    ]
+    cases = family.launch_cases(paths, q4=False)
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 

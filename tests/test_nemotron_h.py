@@ -226,16 +226,14 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     FlashNorm's 4-bit): each as one process gives it, greedy tokens identical."""
     import test_distributed
 
-    cases = []
+    make = tiny.make_nemotron_h
+    paths = {n: make(tmp_path / n, n, tokenizer=False) for n in NAMES}
     latent = dict(moe_latent_size=32, mlp_bias=True)  # its biases once in the sum
-    for name, over in [(n, {}) for n in NAMES] + [("nemotron_h_moe", latent)]:
-        label = f"{name}-latent" if over else name
-        path = tiny.make_nemotron_h(tmp_path / label, name, tokenizer=False, **over)
-        for mode in ("flashnorm", "stock"):
-            cases.append({"name": f"{label}-{mode}", "model": str(path), "mode": mode})
-        if not over:
-            q4 = {"mode": "flashnorm", "quantize": [4, 32]}
-            cases.append({"name": f"{label}-q4", "model": str(path), **q4})
+    label = "nemotron_h_moe-latent"
+    latent = {
+        label: make(tmp_path / label, "nemotron_h_moe", tokenizer=False, **latent)
+    }
+    cases = family.launch_cases(paths) + family.launch_cases(latent, q4=False)
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 

@@ -269,20 +269,8 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     each as one process gives it, greedy tokens identical."""
     import test_distributed
 
-    cases = []
-    for name in NAMES:
-        path = str(make(tmp_path / name, name, tokenizer=False))
-        for mode in ("flashnorm", "stock"):
-            cases.append({"name": f"{name}-{mode}", "model": path, "mode": mode})
-        cases.append(
-            {
-                "name": f"{name}-q4",
-                "model": path,
-                "mode": "flashnorm",
-                "quantize": [4, 32],
-            }
-        )
-    test_distributed.ranks_match_one_process(cases, tmp_path)
+    paths = {n: make(tmp_path / n, n, tokenizer=False) for n in NAMES}
+    test_distributed.ranks_match_one_process(family.launch_cases(paths), tmp_path)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])
