@@ -282,3 +282,19 @@ def compat_loads_in_mlx_lm(source, tmp_path, holds="scales", module=None):
         errs[method] = rel(ours(x), theirs(x))
     print(errs)
     assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def far_off(errs):
+    """Each break made on purpose ({what: FlashNorm's logits relative to
+    stock's}) moves the logits more than 10 times tiny.f32_tol() off."""
+    print(errs)
+    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+
+
+def fold_once(source):
+    """fold_norms of `source`'s weights, asserted idempotent (folding the
+    folded returns it as it is): the folded weights."""
+    once, c1 = fold.fold_norms(source.weights, source.config)
+    twice, c2 = fold.fold_norms(once, c1)
+    assert twice is once and c2 == c1
+    return once

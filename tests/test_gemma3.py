@@ -174,8 +174,7 @@ def test_the_reference_sees_what_gemma_must_get_right(source, monkeypatch):
                 lambda h, y, ms_y, g, eps: real(h, y, None, g, eps),
             )
         )
-    print(errs)
-    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+    family.far_off(errs)
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
