@@ -298,3 +298,10 @@ def fold_once(source):
     twice, c2 = fold.fold_norms(once, c1)
     assert twice is once and c2 == c1
     return once
+
+
+def main_cases(paths, main, modes=("stock",)) -> list:
+    """FlashNorm on every folder of {name: folder}; `modes` and FlashNorm's
+    own 4-bit on `main`'s alone (launch_cases)."""
+    flash = launch_cases(paths, ("flashnorm",), q4=False)
+    return flash + launch_cases({main: paths[main]}, modes)

@@ -17,7 +17,11 @@ import mlx.core as mx
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from test_glm4_moe import _picks, router_after  # GLM's grouped router, the same
+from test_glm4_moe import (  # GLM's grouped router, the same
+    ROUTER_FLOAT,
+    _picks,
+    router_after,
+)
 from tiny import PROMPT, rel
 
 from flashnorm_mlx.loading import build_model, read_source
@@ -200,10 +204,7 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
         _source(tmp_path, "deepseek_v3"),
         tmp_path,
         "model.layers.1.self_attn.q_b_proj.weight",
-        stored={
-            "model.layers.1.mlp.gate.scales": False,
-            "model.layers.1.mlp.switch_mlp.gate_proj.scales": True,
-        },
+        stored=ROUTER_FLOAT,
         stock8=True,
     )
 
@@ -220,8 +221,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     import test_distributed
 
     paths = {n: tiny.make_deepseek_v3(tmp_path / n, n, tokenizer=False) for n in NAMES}
-    cases = family.launch_cases(paths, ("flashnorm",), q4=False)
-    cases += family.launch_cases({"deepseek_v3": paths["deepseek_v3"]}, ("stock",))
+    cases = family.main_cases(paths, "deepseek_v3")
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 

@@ -121,8 +121,7 @@ def test_two_rank_tensor_parallel_matches_one_process(tmp_path):
 
     make = tiny.make_llama4_text
     paths = {n: make(tmp_path / n, n, tokenizer=False) for n in NAMES}
-    cases = family.launch_cases(paths, ("flashnorm",), q4=False)
-    cases += family.launch_cases({NAMES[0]: paths[NAMES[0]]}, ())
+    cases = family.main_cases(paths, NAMES[0], ())
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 
@@ -274,8 +273,7 @@ def test_moe_two_rank_tensor_parallel_matches_one_process(tmp_path):
     import test_distributed
 
     paths = {n: tiny.make_llama4(tmp_path / n, n, tokenizer=False) for n in MOE_NAMES}
-    cases = family.launch_cases(paths, ("flashnorm",), q4=False)
-    cases += family.launch_cases({"llama4": paths["llama4"]}, ("stock",))
+    cases = family.main_cases(paths, "llama4")
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 
