@@ -307,3 +307,22 @@ def main_cases(paths, main, modes=("stock",)) -> list:
     own 4-bit on `main`'s alone (launch_cases)."""
     flash = launch_cases(paths, ("flashnorm",), q4=False)
     return flash + launch_cases({main: paths[main]}, modes)
+
+
+def picks_on(folder, quantized, tmp_path_factory, path, every=False):
+    """Stock's and FlashNorm's Picks logs (record_picks at `path`; on every
+    layer where `every`) over the prompt and 32 greedy steps, on `folder` in
+    float32 or (`quantized`) mlx-lm's own 4-bit of it as stored."""
+    if quantized:
+        src = tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
+    else:
+        src = read_source(str(folder))
+    logs = {}
+    for mode in (STOCK, FLASHNORM):
+        dtype = None if quantized else mx.float32
+        model, _ = build_model(src, mode, dtype=dtype, engine="eager")
+        logs[mode.name] = record_picks(model, path)
+        if every:
+            assert set(logs[mode.name]) == set(range(len(model.layers))), path
+        greedy(model, 32)
+    return logs["stock"], logs["flashnorm"]

@@ -286,18 +286,10 @@ def test_every_tokens_experts_are_stocks_at_every_step(
 ):
     """The experts each token picks equal stock's (mlx-lm's class), prompt and
     32 greedy steps, float32 and mlx-lm's 4-bit as stored; and they vary."""
-    if quantized:
-        src = tiny.mlx_q4(moe_folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
-    else:
-        src = read_source(str(moe_folder))
-    dtype = None if quantized else mx.float32
-    logs = {}
-    for mode in (STOCK, FLASHNORM):
-        model, _ = build_model(src, mode, dtype=dtype, engine="eager")
-        logs[mode.name] = family.record_picks(model, "experts.switch_glu")
-        assert set(logs[mode.name]) == set(range(len(model.layers)))  # every layer's
-        family.greedy(model, 32)
-    family.picks_are_stocks(logs["stock"], logs["flashnorm"], 2)
+    ls, lf = family.picks_on(
+        moe_folder, quantized, tmp_path_factory, "experts.switch_glu", every=True
+    )
+    family.picks_are_stocks(ls, lf, 2)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])

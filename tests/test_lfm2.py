@@ -102,17 +102,10 @@ def test_every_tokens_experts_are_stocks_at_every_step(
 ):
     """The experts each token picks (the expert bias choosing, the sigmoid
     weights not) equal stock's, prompt and 32 greedy steps; and they vary."""
-    if quantized:
-        src = tiny.mlx_q4(moe_folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
-    else:
-        src = read_source(str(moe_folder))
-    dtype = None if quantized else mx.float32
-    logs = {}
-    for mode in (STOCK, FLASHNORM):
-        model, _ = build_model(src, mode, dtype=dtype, engine="eager")
-        logs[mode.name] = family.record_picks(model, "feed_forward.switch_mlp")
-        family.greedy(model, 32)
-    family.picks_are_stocks(logs["stock"], logs["flashnorm"], 2)
+    ls, lf = family.picks_on(
+        moe_folder, quantized, tmp_path_factory, "feed_forward.switch_mlp"
+    )
+    family.picks_are_stocks(ls, lf, 2)
 
 
 def test_hugging_face_files_read_as_mlx_lm_reads_them(source):
