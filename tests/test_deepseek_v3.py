@@ -12,46 +12,27 @@ routers with large weights and a correction bias that changes picks:
 Every token's experts are compared with stock's at every step.
 """
 
+import family
 import mlx.core as mx
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
-from test_glm4_moe import _differ, _picks  # GLM's grouped router, the same
+from test_glm4_moe import (  # GLM's grouped router, the same
+    ROUTER_FLOAT,
+    _picks,
+    router_after,
+)
 from tiny import PROMPT, rel
 
-from flashnorm_mlx import fold, kernels
-from flashnorm_mlx.jobs.checkpoint import convert
-from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import deepseek_v3
 from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 NAMES = list(tiny.DEEPSEEK_V3_CONFIGS)
 
-
-@pytest.fixture(scope="module", params=NAMES)
-def folder(request, tmp_path_factory):
-    return tiny.make_deepseek_v3(tmp_path_factory.mktemp(request.param), request.param)
-
-
-@pytest.fixture(scope="module")
-def source(folder):
-    return read_source(str(folder))
-
-
-@pytest.fixture(scope="module")
-def stock_q4(folder, tmp_path_factory):
-    """mlx-lm's own `convert -q` (its router left float: MoEGate is no Linear)."""
-    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
-
-
-def _source(tmp_path, name):
-    return read_source(str(tiny.make_deepseek_v3(tmp_path / name, name)))
-
-
-def greedy(model, n=64):
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+# stock_q4: mlx-lm's own `convert -q` (its router left float: MoEGate is no Linear).
+folder, source, stock_q4 = family.fixtures(tiny.make_deepseek_v3, NAMES)
+_source = family.sources(tiny.make_deepseek_v3)
 
 
 def test_layers_and_no_norm_gain_left(source):
@@ -73,28 +54,18 @@ def test_verify_float32_on_the_compiled_engine(tmp_path):
     engine, both configs: tests/test_architectures.py; Kimi K2's compiled
     step: tests/test_engine.py; 4-bit as stored: greedy and picks)."""
     source = _source(tmp_path, "deepseek_v3")
-    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine="compiled")
-    print("compiled float32", r["max_rel_logit_diff"])
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    family.verify(source, "compiled")
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
 def test_64_greedy_tokens_identical_to_stock_on_both_engines(
     source, stock_q4, quantized
 ):
-    src = stock_q4 if quantized else source
-    dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
-    want = greedy(stock)
-    got = {}
-    for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
-        if quantized:
-            proj = flash.layers[1].self_attn.q_kv_a_proj
-            assert type(proj).__name__ == "QuantizedLinear", type(proj)
-        got[engine] = greedy(flash)
-    assert len(set(want)) >= 4, want  # a text that shows a wrong step
-    assert len(want) == 64 and got == {"eager": want, "compiled": want}, (want, got)
+    family.greedy_is_stocks(
+        stock_q4 if quantized else source,
+        quantized,
+        lambda flash: flash.layers[1].self_attn.q_kv_a_proj,
+    )
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
@@ -105,15 +76,9 @@ def test_every_tokens_experts_are_stocks_at_every_step(source, stock_q4, quantiz
     src = stock_q4 if quantized else source
     dtype = None if quantized else mx.float32
     ls, lf = (_picks(src, mode, dtype) for mode in (STOCK, FLASHNORM))
-    assert ls and set(ls) == set(lf), (ls, lf)
-    assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls  # prompt + steps
-    bad = _differ(ls, lf)
-    assert not bad, bad
-    k = source.config["num_experts_per_tok"]
-    first = next(iter(ls.values()))[0].reshape(-1, k).tolist()
-    assert len({tuple(p) for p in first}) >= 3, first  # routing reads the input
+    family.picks_are_stocks(ls, lf, source.config["num_experts_per_tok"])
     if not quantized:
-        moved = _differ(ls, _picks(src, STOCK, dtype, unbiased=True))
+        moved = family.differ(ls, _picks(src, STOCK, dtype, unbiased=True))
         assert moved, "the correction bias changes no pick"
 
 
@@ -186,9 +151,7 @@ def test_hugging_face_kv_b_proj_and_per_expert_files(tmp_path):
 
 
 def test_fold_twice_equals_fold_once_and_compat_loads_in_mlx_lm(source, tmp_path):
-    once, c1 = fold.fold_norms(source.weights, source.config)
-    twice, c2 = fold.fold_norms(once, c1)
-    assert twice is once and c2 == c1
+    once = family.fold_once(source)
     left = [k for k in once if k.endswith("norm.weight")]
     assert not left, left
     errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
@@ -200,16 +163,12 @@ def test_the_reference_sees_what_mla_must_get_right(tmp_path, monkeypatch):
     """Each break, made on purpose, moves the logits far past the tolerance:
     s left on the kv latent past its norm (where the norm cancels it), s
     missing from the rotary key part, the router's s after the sigmoid."""
-    srcs = {n: _source(tmp_path, n) for n in NAMES}
     x = mx.array([PROMPT * 2])
-    want = {n: build_model(s, STOCK, dtype=mx.float32)[0](x) for n, s in srcs.items()}
+    breaks = {n: family.breaker(monkeypatch, _source(tmp_path, n), x) for n in NAMES}
     A, G = deepseek_v3.Attention, deepseek_v3.GroupRouted
 
     def err(name, patch):
-        with monkeypatch.context() as m:
-            patch(m)
-            flash, _ = build_model(srcs[name], FLASHNORM, dtype=mx.float32)
-            return rel(flash(x), want[name])
+        return breaks[name](patch)
 
     real_latents = A.latents
 
@@ -220,14 +179,6 @@ def test_the_reference_sees_what_mla_must_get_right(tmp_path, monkeypatch):
     def k_pe_without_s(self, xs, ms):
         q, latent, k_pe = real_latents(self, xs, ms)
         return q, latent, (k_pe * mx.sqrt(ms)[:, None]).astype(k_pe.dtype)
-
-    def router_after(self, xs, ms):  # sigmoid(z) * s in place of sigmoid(s z)
-        w = mx.sigmoid(self.gate(xs)) * kernels.deferred_scale(ms, xs.dtype)
-        pick = w + self.gate.e_score_correction_bias  # one group: no group step
-        inds = mx.argpartition(-pick, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
-        scores = mx.take_along_axis(w, inds, axis=-1)
-        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
-        return inds, scores * self.routed_scaling_factor
 
     errs = {
         "s on the latents": err(
@@ -241,8 +192,7 @@ def test_the_reference_sees_what_mla_must_get_right(tmp_path, monkeypatch):
             "kimi_k2", lambda m: m.setattr(G, "route", router_after)
         ),
     }
-    print(errs)
-    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+    family.far_off(errs)
 
 
 def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
@@ -250,33 +200,13 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
     quantized, the router left float as mlx-lm's -q leaves it; each --compat
     checkpoint loads in mlx-lm, whose logits there equal ours. At 8 bits; no
     ratio to stock's error is asserted (tiny random models: chaotic)."""
-    from mlx_lm.utils import load_model
-
-    source = _source(tmp_path, "deepseek_v3")
-    ref, _ = build_model(source, STOCK, dtype=mx.float32)
-    x = mx.array([PROMPT])
-    key = "model.layers.1.self_attn.q_b_proj.weight"
-    folded_w, _ = fold.fold_norms(source.weights, source.config)
-    rtn_w = mx.quantize(folded_w[key], group_size=32, bits=8)[0]
-    errs = {}
-    for method in ("rtn", "gptq"):
-        out = tmp_path / f"q8-{method}"
-        convert(
-            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
-        )
-        folded = read_source(str(out))
-        assert "model.layers.1.mlp.gate.scales" not in folded.weights, method
-        assert "model.layers.1.mlp.switch_mlp.gate_proj.scales" in folded.weights
-        same = mx.array_equal(folded.weights[key], rtn_w).item()
-        assert same == (method == "rtn"), (method, same)
-        ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
-        theirs, _ = load_model(out)
-        assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
-        errs[method] = rel(ours(x), ref(x))
-    stock8, _ = build_model(source, STOCK, dtype=mx.float32, quantize=(8, 32))
-    errs["stock q8"] = rel(stock8(x), ref(x))
-    print(errs)
-    assert all(e < 1.0 for e in errs.values()), errs
+    family.convert_q_loads_in_mlx_lm(
+        _source(tmp_path, "deepseek_v3"),
+        tmp_path,
+        "model.layers.1.self_attn.q_b_proj.weight",
+        stored=ROUTER_FLOAT,
+        stock8=True,
+    )
 
 
 def test_bench_counts_fewer_launches(tmp_path):
@@ -290,13 +220,8 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     process gives it, greedy tokens identical."""
     import test_distributed
 
-    paths = {
-        n: str(tiny.make_deepseek_v3(tmp_path / n, n, tokenizer=False)) for n in NAMES
-    }
-    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
-    main = {"model": paths["deepseek_v3"], "mode": "flashnorm"}
-    cases.append({**main, "name": "stock", "mode": "stock"})
-    cases.append({**main, "name": "q4", "quantize": [4, 32]})
+    paths = {n: tiny.make_deepseek_v3(tmp_path / n, n, tokenizer=False) for n in NAMES}
+    cases = family.main_cases(paths, "deepseek_v3")
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 
@@ -305,16 +230,5 @@ def test_load_peak_is_stocks(tmp_path, quantized):
     """Reading and building FlashNorm peaks within 3% of stock on the same
     12-layer folder, float32 and mlx-lm's 4-bit as stored
     (tests/test_load_memory.py's measure)."""
-    import test_load_memory
-    from mlx_lm.convert import convert as mlx_convert
-
     over = dict(hidden_size=128, num_hidden_layers=12, vocab_size=2048)
-    path = tiny.make_deepseek_v3(
-        tmp_path / "f", "deepseek_v3", tokenizer=quantized, **over
-    )
-    if quantized:
-        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
-        path = tmp_path / "q"
-    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
-    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
-    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+    family.load_peak_is_stocks(tmp_path, tiny.make_deepseek_v3, quantized, **over)

@@ -11,10 +11,10 @@ interval and by an explicit list.
 
 import json
 
+import family
 import mlx.core as mx
 import pytest
 import tiny
-from mlx_lm.generate import generate_step
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import kernels
@@ -43,14 +43,7 @@ def test_verify_float32_and_quantized_as_stored(tmp_path, make, cfg, engine):
     of mlx-lm's class, and stock's own 4-bit model as stored (our gains then
     in the kernels)."""
     source = _source(tmp_path, make, cfg)
-    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
-    r = compare(tiny.quantized(source), PROMPT, horizon=32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
-
-
-def greedy(model, n=64):
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+    family.verify(source, engine, tiny.quantized(source))
 
 
 @EVERY
@@ -59,18 +52,12 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
     tmp_path, make, cfg, quantized
 ):
     source = _source(tmp_path, make, cfg)
-    src = tiny.quantized(source) if quantized else source
-    dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
-    want = greedy(stock)
-    got = {}
-    for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
-        if quantized:
-            qkv = flash.layers[0].self_attn.qkv_proj
-            assert type(qkv).__name__ == "QuantizedLinear", type(qkv)
-        got[engine] = greedy(flash)
-    assert len(want) == 64 and got == {"eager": want, "compiled": want}, (want, got)
+    family.greedy_is_stocks(
+        tiny.quantized(source) if quantized else source,
+        quantized,
+        lambda flash: flash.layers[0].self_attn.qkv_proj,
+        few=None,
+    )
 
 
 @pytest.mark.parametrize("cfg", list(tiny.PHI3_CONFIGS))
@@ -138,8 +125,7 @@ def test_the_reference_sees_what_phi3_and_smollm3_must_get_right(tmp_path, monke
             ),
         ),
     }
-    print(errs)
-    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+    family.far_off(errs)
 
 
 def test_smollm3_nope_layers_are_those_stock_reads(tmp_path):
@@ -167,11 +153,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
         "phi3": tiny.make_phi3(tmp_path / "p", "phi3_longrope"),
         "smollm3": tiny.make_smollm3(tmp_path / "s", "smollm3"),
     }
-    cases = [
-        {"name": f"{fam}-{mode}", "model": str(path), "mode": mode}
-        for fam, path in paths.items()
-        for mode in ("flashnorm", "stock")
-    ]
+    cases = family.launch_cases(paths, q4=False)
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 

@@ -11,6 +11,7 @@ import io
 import re
 import sys
 
+import family
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -71,13 +72,7 @@ def test_prompt_and_32_cached_steps_across_the_window_match_stock(source):
     greedy tokens; every float32 logit row within 1e-4 relative."""
     stock, _ = build_model(source, STOCK, dtype=mx.float32)
     flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
-    cs, cf = make_prompt_cache(stock), make_prompt_cache(flash)
-    a, b = stock(mx.array([PROMPT]), cache=cs), flash(mx.array([PROMPT]), cache=cf)
-    errs = [rel(b, a)]
-    for _ in range(32):
-        t = mx.argmax(a[:, -1], axis=-1)[:, None]
-        a, b = stock(t, cache=cs), flash(t, cache=cf)
-        errs.append(rel(b, a))
+    errs, cf = family.cached_errors(stock, flash)
     assert cf[0].offset == len(PROMPT) + 32 > 4 * source.config["sliding_window"]
     assert max(errs) < tiny.f32_tol(), f"max rel logit diff {max(errs):.3e}: {errs}"
 
@@ -86,10 +81,7 @@ def test_prompt_and_32_cached_steps_across_the_window_match_stock(source):
 def test_verify_float32_and_quantized_as_stored(source, engine):
     """`verify`'s comparison: float32, and stock's own 4-bit model as stored
     (the gains then applied in the kernels, 1 + w)."""
-    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
-    r = compare(tiny.quantized(source), PROMPT, horizon=32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    family.verify(source, engine, tiny.quantized(source))
 
 
 def test_bfloat16_checkpoint_verified_in_float32(tmp_path):
@@ -182,8 +174,7 @@ def test_the_reference_sees_what_gemma_must_get_right(source, monkeypatch):
                 lambda h, y, ms_y, g, eps: real(h, y, None, g, eps),
             )
         )
-    print(errs)
-    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+    family.far_off(errs)
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
@@ -247,17 +238,11 @@ def test_fold_twice_equals_fold_once_and_compat_writes_unit_gains(tied):
 
 
 def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
-    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
-    ref, _ = build_model(source, STOCK, dtype=mx.float32)
-    x = mx.array([PROMPT])
-    # Without --compat: `--mode stock` restores the unit gains (w = 0) itself.
-    plain = tmp_path / "folded"
-    convert(source, plain, progress=False)
-    folded = read_source(str(plain))
-    assert "model.layers.0.input_layernorm.weight" not in folded.weights
-    stock_on_folded, _ = build_model(folded, STOCK, dtype=mx.float32)
-    errs["stock on folded"] = rel(stock_on_folded(x), ref(x))
-    assert max(errs.values()) < tiny.f32_tol(), errs
+    """`convert --compat` loads in stock mlx-lm; without --compat, `--mode
+    stock` on the folded checkpoint restores the unit gains (w = 0) itself."""
+    family.compat_and_stock_on_folded(
+        source, tmp_path, "model.layers.0.input_layernorm.weight"
+    )
 
 
 def test_convert_quantized_runs(tied, tmp_path):

@@ -14,6 +14,7 @@ v projections).
 
 import json
 
+import family
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -25,7 +26,6 @@ from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold, kernels, models
 from flashnorm_mlx.errors import LoadError
-from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
@@ -33,15 +33,10 @@ from flashnorm_mlx.models import gemma4_text
 from flashnorm_mlx.models.arch import Architecture
 from flashnorm_mlx.modes import FLASHNORM, STOCK
 
-
-@pytest.fixture(scope="module", params=[*tiny.GEMMA4_CONFIGS, *tiny.GEMMA4_PARTS])
-def folder(request, tmp_path_factory):
-    return tiny.make_gemma4(tmp_path_factory.mktemp(request.param), request.param)
-
-
-@pytest.fixture(scope="module")
-def source(folder):
-    return read_source(str(folder))
+# stock_q4: mlx-lm's own `convert -q` of the tiny model, read back as stored.
+folder, source, stock_q4 = family.fixtures(
+    tiny.make_gemma4, [*tiny.GEMMA4_CONFIGS, *tiny.GEMMA4_PARTS]
+)
 
 
 @pytest.fixture(scope="module", params=list(tiny.GEMMA4_CONFIGS))
@@ -49,12 +44,6 @@ def dense_source(request, tmp_path_factory):
     """The dense configs alone (the parts' are `verify`'s over the same steps)."""
     path = tiny.make_gemma4(tmp_path_factory.mktemp(request.param), request.param)
     return read_source(str(path))
-
-
-@pytest.fixture(scope="module")
-def stock_q4(folder, tmp_path_factory):
-    """mlx-lm's own `convert -q` of the tiny model, read back as stored."""
-    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
 
 
 def test_classes_and_what_is_left_of_the_norms(source):
@@ -98,13 +87,7 @@ def test_prompt_and_32_cached_steps_across_the_window_match_stock(dense_source):
     source = dense_source
     stock, _ = build_model(source, STOCK, dtype=mx.float32)
     flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
-    cs, cf = make_prompt_cache(stock), make_prompt_cache(flash)
-    a, b = stock(mx.array([PROMPT]), cache=cs), flash(mx.array([PROMPT]), cache=cf)
-    errs = [rel(b, a)]
-    for _ in range(32):
-        t = mx.argmax(a[:, -1], axis=-1)[:, None]
-        a, b = stock(t, cache=cs), flash(t, cache=cf)
-        errs.append(rel(b, a))
+    errs, cf = family.cached_errors(stock, flash)
     assert cf[0].offset == len(PROMPT) + 32 > 4 * source.config["sliding_window"]
     assert max(errs) < tiny.f32_tol(), f"max rel logit diff {max(errs):.3e}: {errs}"
 
@@ -113,10 +96,7 @@ def test_prompt_and_32_cached_steps_across_the_window_match_stock(dense_source):
 def test_verify_float32_and_stock_quantized_as_stored(source, stock_q4, engine):
     """`verify`'s comparison: float32, and mlx-lm's own 4-bit output as stored
     (the gains then applied in the kernels)."""
-    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
-    r = compare(stock_q4, PROMPT, horizon=32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    family.verify(source, engine, stock_q4)
 
 
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
@@ -139,18 +119,7 @@ def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
     layers' partial RoPE made full, the embedding scale dropped, and (where
     eps is large) Gemma 4's input 1/RMS applied twice (the q, k and v norms
     then see its epsilon wrong: it must cancel, not be applied)."""
-    stock, _ = build_model(source, STOCK, dtype=mx.float32)
-    x = mx.array([PROMPT])
-    ref = stock(x)
-
-    def broken(patch=None, edit=None):
-        with monkeypatch.context() as m:
-            if patch:
-                patch(m)
-            flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
-            if edit:
-                edit(flash)
-            return rel(flash(x), ref)
+    broken = family.breaker(monkeypatch, source, mx.array([PROMPT]))
 
     real_heads = gemma4_text.Attention.heads
 
@@ -179,9 +148,9 @@ def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
         "no v norm": broken(
             lambda m: m.setattr(gemma4_text.Attention, "heads", plain_heads)
         ),
-        "no layer scalar": broken(edit=no_scalar),
-        "no softcap": broken(edit=no_softcap),
-        "full RoPE on global layers": broken(edit=full_rope),
+        "no layer scalar": broken(built=no_scalar),
+        "no softcap": broken(built=no_softcap),
+        "full RoPE on global layers": broken(built=full_rope),
         "no embedding scale": broken(
             lambda m: m.setattr(Architecture, "embedding_scale", lambda s, c: 1)
         ),
@@ -214,7 +183,7 @@ def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
             ]
             flash.layers[0].self_attn.shares = True
 
-        errs["KV sharing from the wrong layer"] = broken(edit=wrong_source)
+        errs["KV sharing from the wrong layer"] = broken(built=wrong_source)
     if cfg.get("hidden_size_per_layer_input"):
 
         def unit_projection_norm(flash):
@@ -230,10 +199,10 @@ def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
             flash.model.hidden_size_per_layer_input = 0
 
         errs["per-layer projection norm's gain dropped"] = broken(
-            edit=unit_projection_norm
+            built=unit_projection_norm
         )
-        errs["per-layer input post-norm's gain dropped"] = broken(edit=unit_post_norm)
-        errs["no per-layer inputs"] = broken(edit=no_per_layer_inputs)
+        errs["per-layer input post-norm's gain dropped"] = broken(built=unit_post_norm)
+        errs["no per-layer inputs"] = broken(built=no_per_layer_inputs)
     if cfg.get("enable_moe_block"):
 
         def s_after_softmax(self, xs, ms):  # s on the weights, not the logits
@@ -250,8 +219,7 @@ def test_the_reference_sees_what_gemma4_must_get_right(source, monkeypatch):
             lambda m: m.setattr(gemma4_text.Router, "__call__", s_after_softmax)
         )
         errs["router's gain unfolded"] = broken(router_gain_unfolded)
-    print(errs)
-    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+    family.far_off(errs)
 
 
 def test_fold_twice_equals_fold_once_and_compat_writes_unit_gains(source):
@@ -276,30 +244,9 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(source, tmp_path):
     """-q, both methods (RTN: mx.quantize of the folded weight; GPTQ: not);
     each --compat checkpoint loads in mlx-lm, whose logits there equal ours,
     and both are near stock at 8 bits."""
-    from mlx_lm.utils import load_model
-
-    ref, _ = build_model(source, STOCK, dtype=mx.float32)
-    x = mx.array([PROMPT])
     key = "model.layers.0.self_attn.q_proj.weight"
-    folded_w, _ = fold.fold_norms(source.weights, source.config)
-    rtn_w = mx.quantize(folded_w[key], group_size=32, bits=8)[0]
-    errs = {}
-    for method in ("rtn", "gptq"):
-        out = tmp_path / f"q8-{method}"
-        convert(
-            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
-        )
-        folded = read_source(str(out))
-        ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
-        qkv = ours.layers[0].self_attn.qkv_proj
-        assert type(qkv).__name__ == "QuantizedLinear", type(qkv)
-        same = mx.array_equal(folded.weights[key], rtn_w).item()
-        assert same == (method == "rtn"), (method, same)
-        theirs, _ = load_model(out)
-        assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
-        errs[method] = rel(ours(x), ref(x))
-    print(errs)
-    assert all(e < 0.1 for e in errs.values()), errs
+    linear = "layers.0.self_attn.qkv_proj"
+    family.convert_q_loads_in_mlx_lm(source, tmp_path, key, linear=linear, bound=0.1)
 
 
 def test_the_wrapper_is_read_as_its_text_model_and_stock_is_mlx_lms(tmp_path):
@@ -333,47 +280,16 @@ def moe_folder(tmp_path_factory):
     return tiny.make_gemma4(tmp_path_factory.mktemp("gemma4_moe"), "gemma4_moe")
 
 
-def record_picks(model):
-    """tests/test_moe.py's Picks on every layer's experts: {layer: picks}."""
-    from test_moe import Picks
-
-    logs = {}
-    for i, layer in enumerate(model.layers):
-        logs[i] = []
-        layer.experts.switch_glu = Picks(layer.experts.switch_glu, logs[i])
-    return logs
-
-
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
 def test_every_tokens_experts_are_stocks_at_every_step(
     moe_folder, tmp_path_factory, quantized
 ):
     """The experts each token picks equal stock's (mlx-lm's class), prompt and
     32 greedy steps, float32 and mlx-lm's 4-bit as stored; and they vary."""
-    from mlx_lm.generate import generate_step
-
-    if quantized:
-        src = tiny.mlx_q4(moe_folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
-    else:
-        src = read_source(str(moe_folder))
-    dtype = None if quantized else mx.float32
-    logs = {}
-    for mode in (STOCK, FLASHNORM):
-        model, _ = build_model(src, mode, dtype=dtype, engine="eager")
-        logs[mode.name] = record_picks(model)
-        for _ in generate_step(mx.array(PROMPT), model, max_tokens=32):
-            pass
-    ls, lf = logs["stock"], logs["flashnorm"]
-    assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls  # prompt + steps
-    bad = [
-        (i, step)
-        for i in ls
-        for step, (a, b) in enumerate(zip(ls[i], lf[i]))
-        if not mx.array_equal(a, b).item()
-    ]
-    assert not bad, bad
-    first = ls[0][0].reshape(-1, 2).tolist()
-    assert len({tuple(p) for p in first}) >= 3, first  # routing reads the input
+    ls, lf = family.picks_on(
+        moe_folder, quantized, tmp_path_factory, "experts.switch_glu", every=True
+    )
+    family.picks_are_stocks(ls, lf, 2)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])
@@ -382,21 +298,14 @@ def test_load_peak_is_stocks(tmp_path, name, quantized):
     """Reading and building FlashNorm peaks within 3% of stock on the same
     12-layer folder, float32 and mlx-lm's 4-bit as stored
     (tests/test_load_memory.py's measure)."""
-    import test_load_memory
-    from mlx_lm.convert import convert as mlx_convert
-
     over = dict(hidden_size=128, num_hidden_layers=12, vocab_size=2048)
     over.update(vocab_size_per_layer_input=2048, intermediate_size=256)
     over["layer_types"] = tiny.GEMMA4_BASE["layer_types"] * 2
     if name == "gemma4_e":
         over["num_kv_shared_layers"] = 6
-    path = tiny.make_gemma4(tmp_path / "f", name, tokenizer=quantized, **over)
-    if quantized:
-        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
-        path = tmp_path / "q"
-    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
-    print(f"{name} load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
-    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+    family.load_peak_is_stocks(
+        tmp_path, tiny.make_gemma4, quantized, label=name, name=name, **over
+    )
 
 
 def test_two_rank_tensor_parallel_matches_one_process(tmp_path):

@@ -12,46 +12,31 @@ changes picks:
 Every token's experts are compared with stock's at every step.
 """
 
+import family
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
 from tiny import PROMPT, rel
 
-from flashnorm_mlx import fold, kernels
-from flashnorm_mlx.jobs.checkpoint import convert
-from flashnorm_mlx.jobs.equivalence import compare
-from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx import kernels
+from flashnorm_mlx.loading import build_model
 from flashnorm_mlx.models import glm4_moe
 from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 NAMES = list(tiny.GLM4_MOE_CONFIGS)
+# What mlx-lm's convert -q leaves float (its router: MoEGate is no Linear) and
+# quantizes (the experts), in a -q checkpoint of GLM's or DeepSeek V3's.
+ROUTER_FLOAT = {
+    "model.layers.1.mlp.gate.scales": False,
+    "model.layers.1.mlp.switch_mlp.gate_proj.scales": True,
+}
 
-
-@pytest.fixture(scope="module", params=NAMES)
-def folder(request, tmp_path_factory):
-    return tiny.make_glm4_moe(tmp_path_factory.mktemp(request.param), request.param)
-
-
-@pytest.fixture(scope="module")
-def source(folder):
-    return read_source(str(folder))
-
-
-@pytest.fixture(scope="module")
-def stock_q4(folder, tmp_path_factory):
-    """mlx-lm's own `convert -q` (its router left float: MoEGate is no Linear)."""
-    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
-
-
-def _source(tmp_path, name):
-    return read_source(str(tiny.make_glm4_moe(tmp_path / name, name)))
-
-
-def greedy(model, n=64):
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+# stock_q4: mlx-lm's own `convert -q` (its router left float: MoEGate is no Linear).
+folder, source, stock_q4 = family.fixtures(tiny.make_glm4_moe, NAMES)
+_source = family.sources(tiny.make_glm4_moe)
+greedy = family.greedy
 
 
 def test_layers_and_no_norm_gain_left(source):
@@ -72,40 +57,18 @@ def test_verify_float32_on_the_compiled_engine(source):
     """`verify`: a prompt and 32 cached steps within 1e-4 relative of mlx-lm's
     class in float32 on the compiled engine (the eager one: every config's
     test in tests/test_architectures.py; 4-bit as stored: greedy and picks)."""
-    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine="compiled")
-    print("compiled float32", r["max_rel_logit_diff"])
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    family.verify(source, "compiled")
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
 def test_64_greedy_tokens_identical_to_stock_on_both_engines(
     source, stock_q4, quantized
 ):
-    src = stock_q4 if quantized else source
-    dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
-    want = greedy(stock)
-    got = {}
-    for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
-        if quantized:
-            proj = flash.layers[1].self_attn.qkv_proj
-            assert type(proj).__name__ == "QuantizedLinear", type(proj)
-        got[engine] = greedy(flash)
-    assert len(set(want)) >= 4, want  # a text that shows a wrong step
-    assert len(want) == 64 and got == {"eager": want, "compiled": want}, (want, got)
-
-
-def record_picks(model):
-    """tests/test_moe.py's Picks on every layer with experts: {layer: picks}."""
-    from test_moe import Picks
-
-    logs = {}
-    for i, layer in enumerate(model.layers):
-        if "switch_mlp" in layer.mlp:
-            logs[i] = []
-            layer.mlp.switch_mlp = Picks(layer.mlp.switch_mlp, logs[i])
-    return logs
+    family.greedy_is_stocks(
+        stock_q4 if quantized else source,
+        quantized,
+        lambda flash: flash.layers[1].self_attn.qkv_proj,
+    )
 
 
 def _picks(src, mode, dtype, unbiased=False):
@@ -115,18 +78,9 @@ def _picks(src, mode, dtype, unbiased=False):
             if "switch_mlp" in layer.mlp:
                 bias = layer.mlp.gate.e_score_correction_bias
                 layer.mlp.gate.e_score_correction_bias = mx.zeros_like(bias)
-    logs = record_picks(model)
+    logs = family.record_picks(model, "mlp.switch_mlp")
     greedy(model, 32)
     return logs
-
-
-def _differ(ls, lf) -> list:
-    return [
-        (i, step)
-        for i in ls
-        for step, (a, b) in enumerate(zip(ls[i], lf[i]))
-        if not mx.array_equal(a, b).item()
-    ]
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
@@ -137,15 +91,9 @@ def test_every_tokens_experts_are_stocks_at_every_step(source, stock_q4, quantiz
     src = stock_q4 if quantized else source
     dtype = None if quantized else mx.float32
     ls, lf = (_picks(src, mode, dtype) for mode in (STOCK, FLASHNORM))
-    assert ls and set(ls) == set(lf), (ls, lf)
-    assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls  # prompt + steps
-    bad = _differ(ls, lf)
-    assert not bad, bad
-    k = source.config["num_experts_per_tok"]
-    first = next(iter(ls.values()))[0].reshape(-1, k).tolist()
-    assert len({tuple(p) for p in first}) >= 3, first  # routing reads the input
+    family.picks_are_stocks(ls, lf, source.config["num_experts_per_tok"])
     if not quantized:
-        moved = _differ(ls, _picks(src, STOCK, dtype, unbiased=True))
+        moved = family.differ(ls, _picks(src, STOCK, dtype, unbiased=True))
         assert moved, "the correction bias changes no pick"
 
 
@@ -186,14 +134,23 @@ def test_hugging_face_files_read_as_mlx_lm_reads_them(source):
 
 
 def test_fold_twice_equals_fold_once_and_compat_loads_in_mlx_lm(source, tmp_path):
-    once, c1 = fold.fold_norms(source.weights, source.config)
-    twice, c2 = fold.fold_norms(once, c1)
-    assert twice is once and c2 == c1
+    once = family.fold_once(source)
     left = [k for k in once if k.endswith("layernorm.weight")]
     assert not left, left
     errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
     print(errs)
     assert max(errs.values()) < tiny.f32_tol(), errs
+
+
+def router_after(self, xs, ms):
+    """GroupRouted.route (GLM's and DeepSeek V3's, one group) broken on
+    purpose: sigmoid(z) * s in place of sigmoid(s z)."""
+    w = mx.sigmoid(self.gate(xs)) * kernels.deferred_scale(ms, xs.dtype)
+    pick = w + self.gate.e_score_correction_bias  # one group: no group step
+    inds = mx.argpartition(-pick, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+    scores = mx.take_along_axis(w, inds, axis=-1)
+    scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+    return inds, scores * self.routed_scaling_factor
 
 
 def test_the_reference_sees_what_glm_must_get_right(tmp_path, monkeypatch):
@@ -202,24 +159,12 @@ def test_the_reference_sees_what_glm_must_get_right(tmp_path, monkeypatch):
     experts' weights, the shared experts run without s, the partial
     rotary's pass-through dims rotated, and the bias before the QK-norm added
     as b where the QK-norm form needs b / s."""
-    srcs = {n: _source(tmp_path, n) for n in NAMES}
     x = mx.array([PROMPT * 2])
-    want = {n: build_model(s, STOCK, dtype=mx.float32)[0](x) for n, s in srcs.items()}
+    breaks = {n: family.breaker(monkeypatch, _source(tmp_path, n), x) for n in NAMES}
     G = glm4_moe.GroupRouted
 
     def err(name, patch):
-        with monkeypatch.context() as m:
-            patch(m)
-            flash, _ = build_model(srcs[name], FLASHNORM, dtype=mx.float32)
-            return rel(flash(x), want[name])
-
-    def router_after(self, xs, ms):  # sigmoid(z) * s in place of sigmoid(s z)
-        w = mx.sigmoid(self.gate(xs)) * kernels.deferred_scale(ms, xs.dtype)
-        pick = w + self.gate.e_score_correction_bias  # one group: no group step
-        inds = mx.argpartition(-pick, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
-        scores = mx.take_along_axis(w, inds, axis=-1)
-        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
-        return inds, scores * self.routed_scaling_factor
+        return breaks[name](patch)
 
     real_route = G.route
 
@@ -256,8 +201,7 @@ def test_the_reference_sees_what_glm_must_get_right(tmp_path, monkeypatch):
             "glm4_moe", lambda m: m.setattr(glm4_moe, "bias_over_s", plain_bias)
         ),
     }
-    print(errs)
-    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+    family.far_off(errs)
 
 
 def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
@@ -265,33 +209,13 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
     quantized, the router left float as mlx-lm's -q leaves it; each --compat
     checkpoint loads in mlx-lm, whose logits there equal ours. At 8 bits; no
     ratio to stock's error is asserted (tiny random models: chaotic)."""
-    from mlx_lm.utils import load_model
-
-    source = _source(tmp_path, "glm4_moe")
-    ref, _ = build_model(source, STOCK, dtype=mx.float32)
-    x = mx.array([PROMPT])
-    key = "model.layers.1.self_attn.q_proj.weight"
-    folded_w, _ = fold.fold_norms(source.weights, source.config)
-    rtn_w = mx.quantize(folded_w[key], group_size=32, bits=8)[0]
-    errs = {}
-    for method in ("rtn", "gptq"):
-        out = tmp_path / f"q8-{method}"
-        convert(
-            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
-        )
-        folded = read_source(str(out))
-        assert "model.layers.1.mlp.gate.scales" not in folded.weights, method
-        assert "model.layers.1.mlp.switch_mlp.gate_proj.scales" in folded.weights
-        same = mx.array_equal(folded.weights[key], rtn_w).item()
-        assert same == (method == "rtn"), (method, same)
-        ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
-        theirs, _ = load_model(out)
-        assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
-        errs[method] = rel(ours(x), ref(x))
-    stock8, _ = build_model(source, STOCK, dtype=mx.float32, quantize=(8, 32))
-    errs["stock q8"] = rel(stock8(x), ref(x))
-    print(errs)
-    assert all(e < 1.0 for e in errs.values()), errs
+    family.convert_q_loads_in_mlx_lm(
+        _source(tmp_path, "glm4_moe"),
+        tmp_path,
+        "model.layers.1.self_attn.q_proj.weight",
+        stored=ROUTER_FLOAT,
+        stock8=True,
+    )
 
 
 def test_bench_counts_fewer_launches(tmp_path):
@@ -305,13 +229,8 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     4-bit): each as one process gives it, greedy tokens identical."""
     import test_distributed
 
-    paths = {
-        n: str(tiny.make_glm4_moe(tmp_path / n, n, tokenizer=False)) for n in NAMES
-    }
-    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
-    main = {"model": paths["glm4_moe"], "mode": "flashnorm"}
-    cases.append({**main, "name": "stock", "mode": "stock"})
-    cases.append({**main, "name": "q4", "quantize": [4, 32]})
+    paths = {n: tiny.make_glm4_moe(tmp_path / n, n, tokenizer=False) for n in NAMES}
+    cases = family.main_cases(paths, "glm4_moe")
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 
@@ -320,14 +239,5 @@ def test_load_peak_is_stocks(tmp_path, quantized):
     """Reading and building FlashNorm peaks within 3% of stock on the same
     12-layer folder, float32 and mlx-lm's 4-bit as stored
     (tests/test_load_memory.py's measure)."""
-    import test_load_memory
-    from mlx_lm.convert import convert as mlx_convert
-
     over = dict(hidden_size=128, num_hidden_layers=12, vocab_size=2048)
-    path = tiny.make_glm4_moe(tmp_path / "f", "glm4_moe", tokenizer=quantized, **over)
-    if quantized:
-        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
-        path = tmp_path / "q"
-    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
-    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
-    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+    family.load_peak_is_stocks(tmp_path, tiny.make_glm4_moe, quantized, **over)

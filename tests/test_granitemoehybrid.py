@@ -12,46 +12,25 @@ in [0.25, 4] (the gated norms' too), multipliers far from 1:
   out_proj biases.
 """
 
+import family
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold
-from flashnorm_mlx.jobs.checkpoint import convert
-from flashnorm_mlx.jobs.equivalence import compare
-from flashnorm_mlx.loading import build_model, read_source
+from flashnorm_mlx.loading import build_model
 from flashnorm_mlx.models import granitemoehybrid as granite
 from flashnorm_mlx.modes import FLASHNORM, STOCK
 
 NAMES = list(tiny.GRANITE4_CONFIGS)
 
 
-@pytest.fixture(scope="module", params=NAMES)
-def folder(request, tmp_path_factory):
-    return tiny.make_granite4(tmp_path_factory.mktemp(request.param), request.param)
-
-
-@pytest.fixture(scope="module")
-def source(folder):
-    return read_source(str(folder))
-
-
-@pytest.fixture(scope="module")
-def stock_q4(folder, tmp_path_factory):
-    """mlx-lm's own `convert -q` of the folder, read back as stored."""
-    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
-
-
-def _source(tmp_path, name, **over):
-    return read_source(str(tiny.make_granite4(tmp_path / name, name, **over)))
-
-
-def greedy(model, n=64):
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+# stock_q4: mlx-lm's own `convert -q` of the folder, read back as stored.
+folder, source, stock_q4 = family.fixtures(tiny.make_granite4, NAMES)
+_source = family.sources(tiny.make_granite4)
 
 
 def test_layers_as_stocks_and_no_pre_linear_norm_gain_left(source):
@@ -74,9 +53,7 @@ def test_verify_float32(source, engine):
     class in float32 (the compiled engine on the MoE config alone)."""
     if engine == "compiled" and not source.config["num_local_experts"]:
         pytest.skip("one config on the compiled engine (its trace is the cost)")
-    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
-    print(source.config["num_local_experts"], engine, r["max_rel_logit_diff"])
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    family.verify(source, engine)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
@@ -84,16 +61,12 @@ def test_64_greedy_tokens_identical_to_stock(source, stock_q4, quantized):
     """64 greedy tokens as stock's, float32 and mlx-lm's 4-bit checkpoint as
     stored (its gains kept where the kernels apply them, the multipliers in
     the quantized scales)."""
-    src = stock_q4 if quantized else source
-    dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
-    flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine="eager")
-    if quantized:
-        proj = flash.layers[0].mamba.in_proj
-        assert type(proj).__name__ == "QuantizedLinear", type(proj)
-    want, got = greedy(stock), greedy(flash)
-    assert len(set(want)) >= 4, want  # a text that shows a wrong step
-    assert got == want, (want, got)
+    family.greedy_is_stocks(
+        stock_q4 if quantized else source,
+        quantized,
+        lambda flash: flash.layers[0].mamba.in_proj,
+        engines=("eager",),
+    )
 
 
 def test_every_tokens_experts_are_stocks_at_every_step(tmp_path):
@@ -101,30 +74,15 @@ def test_every_tokens_experts_are_stocks_at_every_step(tmp_path):
     picked ones before their softmax) equal stock's, prompt and 32 greedy
     steps; they vary; the logits of a prompt long enough for the
     expert-sorted path too."""
-    from test_moe import Picks
-
     src = _source(tmp_path, "granitemoehybrid")
     logs, logits = {}, {}
     for mode in (STOCK, FLASHNORM):
         model, _ = build_model(src, mode, dtype=mx.float32, engine="eager")
         logits[mode.name] = model(mx.array([PROMPT * 3]))  # 36 rows x 2: sorted
-        logs[mode.name] = {}
-        for i, layer in enumerate(model.layers):
-            moe = layer.block_sparse_moe
-            logs[mode.name][i] = []
-            moe.switch_mlp = Picks(moe.switch_mlp, logs[mode.name][i])
-        greedy(model, 32)
-    ls, lf = logs["stock"], logs["flashnorm"]
-    assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls
-    bad = [
-        (i, step)
-        for i in ls
-        for step, (a, b) in enumerate(zip(ls[i], lf[i]))
-        if not mx.array_equal(a, b).item()
-    ]
-    assert not bad, bad
-    first = ls[0][0].reshape(-1, 2).tolist()
-    assert len({tuple(p) for p in first}) >= 3, first  # routing reads the input
+        logs[mode.name] = family.record_picks(model, "block_sparse_moe.switch_mlp")
+        assert set(logs[mode.name]) == set(range(len(model.layers)))  # every layer's
+        family.greedy(model, 32)
+    family.picks_are_stocks(logs["stock"], logs["flashnorm"], 2)
     err = rel(logits["flashnorm"], logits["stock"])
     assert err < tiny.f32_tol(), err
 
@@ -135,15 +93,8 @@ def test_the_reference_sees_what_granite_must_get_right(tmp_path, monkeypatch):
     (exact were s the same on every token), the gated norm's gain left out of
     out_proj. On the MoE config (no in_proj bias: undoing s is a division)."""
     src = _source(tmp_path, "granitemoehybrid")
-    x = mx.array([PROMPT * 2])
-    want = build_model(src, STOCK, dtype=mx.float32)[0](x)
+    err = family.breaker(monkeypatch, src, mx.array([PROMPT * 2]))
     box = {}
-
-    def err(built=lambda model: None):
-        flash, _ = build_model(src, FLASHNORM, dtype=mx.float32)
-        built(flash)
-        return rel(flash(x), want)
-
     errs = {}
     for key in ("residual_multiplier", "embedding_multiplier", "logits_scaling"):
         real = granite.multipliers
@@ -151,9 +102,9 @@ def test_the_reference_sees_what_granite_must_get_right(tmp_path, monkeypatch):
         def dropped(config, weights, key=key):
             return real({**config, key: 1.0}, weights)
 
-        with monkeypatch.context() as m:
-            m.setattr(granite, "multipliers", dropped)
-            errs[f"{key} dropped"] = err()
+        errs[f"{key} dropped"] = err(
+            lambda m: m.setattr(granite, "multipliers", dropped)
+        )
     real_scaled = granite.kernels.scaled
 
     class LateConv(nn.Module):  # s * (conv(x) - b) + b: exact were s one scalar
@@ -174,36 +125,33 @@ def test_the_reference_sees_what_granite_must_get_right(tmp_path, monkeypatch):
     I, N = c["mamba_n_heads"] * c["mamba_d_head"], c["mamba_d_state"]
     C = I + 2 * N
 
-    with monkeypatch.context() as m:
-        # s on z and dt as before, x|B|C's s after the convolution instead.
-        def scaled(y, ms, bias=None, **kw):
-            out = real_scaled(y, ms, bias, **kw)
-            if y.shape[-1] == 2 * I + 2 * N + c["mamba_n_heads"]:  # in_proj's
-                s = mx.rsqrt(ms)
-                box["s"] = s
-                mid = out[..., I : I + C] / s
-                out = mx.concatenate([out[..., :I], mid, out[..., I + C :]], -1)
-            return out
+    # s on z and dt as before, x|B|C's s after the convolution instead.
+    def scaled(y, ms, bias=None, **kw):
+        out = real_scaled(y, ms, bias, **kw)
+        if y.shape[-1] == 2 * I + 2 * N + c["mamba_n_heads"]:  # in_proj's
+            s = mx.rsqrt(ms)
+            box["s"] = s
+            mid = out[..., I : I + C] / s
+            out = mx.concatenate([out[..., :I], mid, out[..., I + C :]], -1)
+        return out
 
-        m.setattr(granite.kernels, "scaled", scaled)
-        errs["s past the convolution"] = err(late_conv)
+    errs["s past the convolution"] = err(
+        lambda m: m.setattr(granite.kernels, "scaled", scaled), late_conv
+    )
     folded = fold.fold_gain
 
     def unfolded_out_proj(weights, gain, linear):
         skip = linear.endswith("mamba.out_proj")
         return weights if skip else folded(weights, gain, linear)
 
-    with monkeypatch.context() as m:
-        m.setattr(fold, "fold_gain", unfolded_out_proj)
-        errs["gated norm's gain not in out_proj"] = err()
-    print(errs)
-    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+    errs["gated norm's gain not in out_proj"] = err(
+        lambda m: m.setattr(fold, "fold_gain", unfolded_out_proj)
+    )
+    family.far_off(errs)
 
 
 def test_fold_twice_equals_fold_once_and_folds_the_gated_norms(source):
-    once, c1 = fold.fold_norms(source.weights, source.config)
-    twice, c2 = fold.fold_norms(once, c1)
-    assert twice is once and c2 == c1
+    once = family.fold_once(source)
     tied = source.config["tie_word_embeddings"]
     left = [k for k in once if "norm" in k]
     assert left == (["model.norm.weight"] if tied else []), left
@@ -220,26 +168,13 @@ def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
 def test_convert_q_loads_in_mlx_lm(tmp_path, method):
     """-q (8 bits, RTN: mx.quantize of the folded in_proj; GPTQ: not), --compat:
     loads in mlx-lm, whose logits there equal ours; near stock's."""
-    from mlx_lm.utils import load_model
-
-    source = _source(tmp_path, "granitemoehybrid")
-    ref, _ = build_model(source, STOCK, dtype=mx.float32)
-    x = mx.array([PROMPT])
-    key = "model.layers.0.mamba.in_proj.weight"
-    folded_w, _ = fold.fold_norms(source.weights, source.config)
-    rtn_w = mx.quantize(folded_w[key], group_size=32, bits=8)[0]
-    out = tmp_path / f"q8-{method}"
-    convert(source, out, quantize=(8, 32), q_method=method, compat=True, progress=False)
-    folded = read_source(str(out))
-    ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
-    assert type(ours.layers[0].mamba.in_proj).__name__ == "QuantizedLinear"
-    same = mx.array_equal(folded.weights[key], rtn_w).item()
-    assert same == (method == "rtn"), (method, same)
-    theirs, _ = load_model(out)
-    assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
-    err = rel(ours(x), ref(x))
-    print(method, err)
-    assert err < 1.0, err
+    family.convert_q_loads_in_mlx_lm(
+        _source(tmp_path, "granitemoehybrid"),
+        tmp_path,
+        "model.layers.0.mamba.in_proj.weight",
+        methods=(method,),
+        linear="layers.0.mamba.in_proj",
+    )
 
 
 def test_bench_counts_fewer_launches(source):
@@ -251,24 +186,11 @@ def test_load_peak_is_stocks(tmp_path, quantized):
     """Reading and building FlashNorm peaks within 3% of stock on the same
     32-layer MoE folder, float32 and mlx-lm's 4-bit as stored
     (tests/test_load_memory.py's measure)."""
-    import test_load_memory
-    from mlx_lm.convert import convert as mlx_convert
-
     over = dict(layer_types=["mamba", "mamba", "attention", "mamba"] * 8)
     over["num_hidden_layers"] = 32
-    path = tiny.make_granite4(
-        tmp_path / "f", "granitemoehybrid", tokenizer=quantized, **over
-    )
-    if quantized:
-        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
-        path = tmp_path / "q"
     # The least of 5 builds: MLX's CPU allocator leaves 0-4% over a build's
     # parameters, differently each time (1.034x once in a loaded run of 3).
-    peaks = {
-        m.name: test_load_memory._peak(path, m, False, 5) for m in (STOCK, FLASHNORM)
-    }
-    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
-    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+    family.load_peak_is_stocks(tmp_path, tiny.make_granite4, quantized, 5, **over)
 
 
 @pytest.mark.slow
@@ -279,14 +201,8 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     4-bit): each as one process gives it, greedy tokens identical."""
     import test_distributed
 
-    cases = []
-    for name in NAMES:
-        path = tiny.make_granite4(tmp_path / name, name, tokenizer=False)
-        for mode in ("flashnorm", "stock"):
-            cases.append({"name": f"{name}-{mode}", "model": str(path), "mode": mode})
-        q4 = {"mode": "flashnorm", "quantize": [4, 32]}
-        cases.append({"name": f"{name}-q4", "model": str(path), **q4})
-    test_distributed.ranks_match_one_process(cases, tmp_path)
+    paths = {n: tiny.make_granite4(tmp_path / n, n, tokenizer=False) for n in NAMES}
+    test_distributed.ranks_match_one_process(family.launch_cases(paths), tmp_path)
 
 
 def test_mamba_layers_alone_and_low_precision(tmp_path):

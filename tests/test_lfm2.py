@@ -15,19 +15,18 @@ Routers have large weights, so the experts picked depend on the token; every
 token's picks are compared with stock's at every step.
 """
 
+import family
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
 from test_gguf import _u32, gguf_runs_as_folder, tiny_metadata, write_gguf
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold, kernels
 from flashnorm_mlx.errors import UnsupportedModel
-from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.loading.gguf import read_gguf
@@ -45,21 +44,9 @@ def make(path, name, **kw):
     return MAKERS[name](path, name, **kw)
 
 
-@pytest.fixture(scope="module", params=NAMES)
-def folder(request, tmp_path_factory):
-    return make(tmp_path_factory.mktemp(request.param), request.param)
-
-
-@pytest.fixture(scope="module")
-def source(folder):
-    return read_source(str(folder))
-
-
-@pytest.fixture(scope="module")
-def stock_q4(folder, tmp_path_factory):
-    """mlx-lm's own `convert -q` (the MoE's router at 8 bits, as its
-    quant_predicate says)."""
-    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
+# stock_q4: mlx-lm's own `convert -q` (the MoE's router at 8 bits, as its
+# quant_predicate says).
+folder, source, stock_q4 = family.fixtures(make, NAMES)
 
 
 @pytest.fixture(scope="module", params=list(tiny.LFM2_MOE_CONFIGS))
@@ -67,12 +54,7 @@ def moe_folder(request, tmp_path_factory):
     return make(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def _source(tmp_path, name):
-    return read_source(str(make(tmp_path / name, name)))
-
-
-def greedy(model, n=64):
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+_source = family.sources(make)
 
 
 def test_layers_and_what_is_left_of_the_norms(source):
@@ -99,45 +81,19 @@ def test_layers_and_what_is_left_of_the_norms(source):
 def test_verify_float32_and_stock_quantized_as_stored(source, stock_q4, engine):
     """`verify`: a prompt and 32 cached steps within 1e-4 relative of mlx-lm's
     class in float32, and on mlx-lm's 4-bit checkpoint as stored."""
-    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
-    r = compare(stock_q4, PROMPT, horizon=32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    family.verify(source, engine, stock_q4)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
 def test_64_greedy_tokens_identical_to_stock_on_both_engines(
     source, stock_q4, quantized
 ):
-    src = stock_q4 if quantized else source
-    dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
-    want = greedy(stock)
-    got = {}
-    for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
-        if quantized:
-            mixer = flash.layers[1][
-                "conv" if "conv" in flash.layers[1] else "self_attn"
-            ]
-            proj = mixer["in_proj" if "in_proj" in mixer else "qkv_proj"]
-            assert type(proj).__name__ == "QuantizedLinear", type(proj)
-        got[engine] = greedy(flash)
-    assert len(set(want)) >= 4, want  # a text that shows a wrong step
-    assert len(want) == 64 and got == {"eager": want, "compiled": want}, (want, got)
 
+    def proj(flash):
+        mixer = flash.layers[1]["conv" if "conv" in flash.layers[1] else "self_attn"]
+        return mixer["in_proj" if "in_proj" in mixer else "qkv_proj"]
 
-def record_picks(model):
-    """tests/test_moe.py's Picks on every layer with experts: {layer: picks}."""
-    from test_moe import Picks
-
-    logs = {}
-    for i, layer in enumerate(model.layers):
-        if "switch_mlp" in layer.feed_forward:
-            logs[i] = []
-            ff = layer.feed_forward
-            ff.switch_mlp = Picks(ff.switch_mlp, logs[i])
-    return logs
+    family.greedy_is_stocks(stock_q4 if quantized else source, quantized, proj)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
@@ -146,28 +102,10 @@ def test_every_tokens_experts_are_stocks_at_every_step(
 ):
     """The experts each token picks (the expert bias choosing, the sigmoid
     weights not) equal stock's, prompt and 32 greedy steps; and they vary."""
-    if quantized:
-        src = tiny.mlx_q4(moe_folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
-    else:
-        src = read_source(str(moe_folder))
-    dtype = None if quantized else mx.float32
-    logs = {}
-    for mode in (STOCK, FLASHNORM):
-        model, _ = build_model(src, mode, dtype=dtype, engine="eager")
-        logs[mode.name] = record_picks(model)
-        greedy(model, 32)
-    ls, lf = logs["stock"], logs["flashnorm"]
-    assert ls and set(ls) == set(lf), (ls, lf)
-    assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls  # prompt + steps
-    bad = [
-        (i, step)
-        for i in ls
-        for step, (a, b) in enumerate(zip(ls[i], lf[i]))
-        if not mx.array_equal(a, b).item()
-    ]
-    assert not bad, bad
-    first = next(iter(ls.values()))[0].reshape(-1, 2).tolist()
-    assert len({tuple(p) for p in first}) >= 3, first  # routing reads the input
+    ls, lf = family.picks_on(
+        moe_folder, quantized, tmp_path_factory, "feed_forward.switch_mlp"
+    )
+    family.picks_are_stocks(ls, lf, 2)
 
 
 def test_hugging_face_files_read_as_mlx_lm_reads_them(source):
@@ -190,17 +128,15 @@ def test_the_reference_sees_what_lfm2_must_get_right(tmp_path, monkeypatch):
     dropped, the conv's in_proj bias added before s, the operator norm's gain
     left out of in_proj, the LFM2 router's s applied after the sigmoid, and the
     expert bias in the experts' weights."""
-    srcs = {n: _source(tmp_path, n) for n in ("lfm2", "lfm2_bias", "lfm2_moe")}
     x = mx.array([PROMPT * 2])
-    want = {n: build_model(s, STOCK, dtype=mx.float32)[0](x) for n, s in srcs.items()}
+    breaks = {
+        n: family.breaker(monkeypatch, _source(tmp_path, n), x)
+        for n in ("lfm2", "lfm2_bias", "lfm2_moe")
+    }
     real = lfm2.ShortConv.gated
 
     def err(name, patch, built=lambda model: None):
-        with monkeypatch.context() as m:
-            patch(m)
-            flash, _ = build_model(srcs[name], FLASHNORM, dtype=mx.float32)
-            built(flash)
-            return rel(flash(x), want[name])
+        return breaks[name](patch, built)
 
     box = {}
 
@@ -279,14 +215,11 @@ def test_the_reference_sees_what_lfm2_must_get_right(tmp_path, monkeypatch):
             "lfm2_moe", lambda m: m.setattr(R, "route", biased_weights)
         ),
     }
-    print(errs)
-    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+    family.far_off(errs)
 
 
 def test_fold_twice_equals_fold_once(source):
-    once, c1 = fold.fold_norms(source.weights, source.config)
-    twice, c2 = fold.fold_norms(once, c1)
-    assert twice is once and c2 == c1
+    once = family.fold_once(source)
     left = [k for k in once if k.endswith(("operator_norm.weight", "ffn_norm.weight"))]
     assert not left and "model.embedding_norm.weight" in once, left
 
@@ -315,37 +248,13 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path, name):
     logits there equal ours. At 8 bits; no ratio to stock's error is asserted:
     on these tiny random models quantization noise is chaotic (measured and
     printed: see the report)."""
-    from mlx_lm.utils import load_model
-
     source = _source(tmp_path, name)
-    ref, _ = build_model(source, STOCK, dtype=mx.float32)
-    x = mx.array([PROMPT])
     key = "model.layers.1.conv.in_proj.weight"
     if key not in source.weights:
         key = "model.layers.0.conv.in_proj.weight"
-    folded_w, _ = fold.fold_norms(source.weights, source.config)
-    rtn_w = mx.quantize(folded_w[key], group_size=32, bits=8)[0]
-    errs = {}
-    for method in ("rtn", "gptq"):
-        out = tmp_path / f"q8-{method}"
-        convert(
-            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
-        )
-        folded = read_source(str(out))
-        ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
-        quantized = [
-            n for n, m in ours.named_modules() if type(m).__name__ == "QuantizedLinear"
-        ]
-        assert any(n.endswith("conv.in_proj") for n in quantized), quantized
-        same = mx.array_equal(folded.weights[key], rtn_w).item()
-        assert same == (method == "rtn"), (method, same)
-        theirs, _ = load_model(out)
-        assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
-        errs[method] = rel(ours(x), ref(x))
-    stock8, _ = build_model(source, STOCK, dtype=mx.float32, quantize=(8, 32))
-    errs["stock q8"] = rel(stock8(x), ref(x))
-    print(name, errs)
-    assert all(e < 1.0 for e in errs.values()), errs
+    family.convert_q_loads_in_mlx_lm(
+        source, tmp_path, key, linear="conv.in_proj", stock8=True
+    )
 
 
 @pytest.mark.parametrize("name", ["lfm2", "lfm2_moe"])
@@ -364,20 +273,8 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     process gives it, greedy tokens identical."""
     import test_distributed
 
-    cases = []
-    for name in NAMES:
-        path = str(make(tmp_path / name, name, tokenizer=False))
-        for mode in ("flashnorm", "stock"):
-            cases.append({"name": f"{name}-{mode}", "model": path, "mode": mode})
-        cases.append(
-            {
-                "name": f"{name}-q4",
-                "model": path,
-                "mode": "flashnorm",
-                "quantize": [4, 32],
-            }
-        )
-    test_distributed.ranks_match_one_process(cases, tmp_path)
+    paths = {n: make(tmp_path / n, n, tokenizer=False) for n in NAMES}
+    test_distributed.ranks_match_one_process(family.launch_cases(paths), tmp_path)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])
@@ -386,20 +283,11 @@ def test_load_peak_is_stocks(tmp_path, name, quantized):
     """Reading and building FlashNorm peaks within 3% of stock on the same
     16-layer folder, float32 and mlx-lm's 4-bit as stored
     (tests/test_load_memory.py's measure)."""
-    import test_load_memory
-    from mlx_lm.convert import convert as mlx_convert
-
     over = dict(hidden_size=128, num_hidden_layers=16, vocab_size=2048)
     over["layer_types"] = ["conv", "conv", "full_attention", "conv"] * 4
     if name == "lfm2":
         over.update(block_dim=128, block_ff_dim=576)
-    path = make(tmp_path / "f", name, tokenizer=quantized, **over)
-    if quantized:
-        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
-        path = tmp_path / "q"
-    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
-    print(f"{name} load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
-    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+    family.load_peak_is_stocks(tmp_path, make, quantized, label=name, name=name, **over)
 
 
 # --- LFM2 (lfm2, lfm2moe) ----------------------------------------------------------

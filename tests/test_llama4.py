@@ -13,16 +13,14 @@ The `llama4` wrapper (experts, chunked attention) runs as stock
 
 import dataclasses
 
+import family
 import mlx.core as mx
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
-from tiny import PROMPT, rel
+from tiny import PROMPT
 
 from flashnorm_mlx import fold, kernels
-from flashnorm_mlx.jobs.checkpoint import convert
-from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import llama4_text
 from flashnorm_mlx.modes import FLASHNORM, STOCK
@@ -30,22 +28,9 @@ from flashnorm_mlx.modes import FLASHNORM, STOCK
 NAMES = list(tiny.LLAMA4_TEXT_CONFIGS)
 
 
-@pytest.fixture(scope="module", params=NAMES)
-def folder(request, tmp_path_factory):
-    return tiny.make_llama4_text(tmp_path_factory.mktemp(request.param), request.param)
-
-
-@pytest.fixture(scope="module")
-def source(folder):
-    return read_source(str(folder))
-
-
-def _source(tmp_path, name):
-    return read_source(str(tiny.make_llama4_text(tmp_path / name, name)))
-
-
-def greedy(model, n=64):
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+folder, source = family.fixtures(tiny.make_llama4_text, NAMES)[:2]
+_source = family.sources(tiny.make_llama4_text)
+greedy = family.greedy
 
 
 def test_nope_layers_and_no_norm_gain_left(source):
@@ -67,9 +52,7 @@ def test_verify_float32(source, engine):
     class in float32 (compiled: the QK-norm config only)."""
     if engine == "compiled" and not source.config["use_qk_norm"]:
         pytest.skip("the compiled engine on one config")
-    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
-    print(engine, r["max_rel_logit_diff"])
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    family.verify(source, engine)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
@@ -78,16 +61,12 @@ def test_64_greedy_tokens_identical_to_stock(source, tmp_path, quantized):
     only: stock's tied head multiplies by the embedding's packed weight)."""
     if quantized and source.config["tie_word_embeddings"]:
         pytest.skip("mlx-lm's llama4_text cannot run its own 4-bit tied head")
-    src = tiny.mlx_q4(source.folder, tmp_path / "q4") if quantized else source
-    dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
-    flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine="eager")
-    if quantized:
-        proj = flash.layers[1].self_attn.qkv_proj
-        assert type(proj).__name__ == "QuantizedLinear", type(proj)
-    want, got = greedy(stock), greedy(flash)
-    assert len(set(want)) >= 4, want  # a text that shows a wrong step
-    assert len(want) == 64 and got == want, (want, got)
+    family.greedy_is_stocks(
+        tiny.mlx_q4(source.folder, tmp_path / "q4") if quantized else source,
+        quantized,
+        lambda flash: flash.layers[1].self_attn.qkv_proj,
+        engines=("eager",),
+    )
 
 
 def test_the_reference_sees_what_llama4_text_must_get_right(tmp_path, monkeypatch):
@@ -96,15 +75,8 @@ def test_the_reference_sees_what_llama4_text_must_get_right(tmp_path, monkeypatc
     q's and k's rows reordered, and the QK-norm's epsilon left eps where the
     deferred s needs eps * ms (2d)."""
     src = _source(tmp_path, "llama4_text")
-    x = mx.array([PROMPT * 2])
-    want = build_model(src, STOCK, dtype=mx.float32)[0](x)
+    err = family.breaker(monkeypatch, src, mx.array([PROMPT * 2]))
     A = llama4_text.Attention
-
-    def err(patch):
-        with monkeypatch.context() as m:
-            patch(m)
-            flash, _ = build_model(src, FLASHNORM, dtype=mx.float32)
-            return rel(flash(x), want)
 
     real_init, real_epilogue = A.__init__, kernels.qkv_epilogue
 
@@ -126,33 +98,16 @@ def test_the_reference_sees_what_llama4_text_must_get_right(tmp_path, monkeypatc
             lambda m: m.setattr(kernels, "qkv_epilogue", eps_kept)
         ),
     }
-    print(errs)
-    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+    family.far_off(errs)
 
 
 def test_fold_twice_and_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
     """Fold is idempotent; `convert --compat` (float, and -q at 8 bits by RTN
     and GPTQ) loads in mlx-lm, whose logits there equal ours."""
-    from mlx_lm.utils import load_model
-
     source = _source(tmp_path, "llama4_text")
-    once, c1 = fold.fold_norms(source.weights, source.config)
-    twice, c2 = fold.fold_norms(once, c1)
-    assert twice is once and c2 == c1
+    once = family.fold_once(source)
     assert not [k for k in once if k.endswith("layernorm.weight")]
-    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
-    x = mx.array([PROMPT])
-    for method in ("rtn", "gptq"):
-        out = tmp_path / f"q8-{method}"
-        convert(
-            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
-        )
-        ours, _ = build_model(read_source(str(out)), FLASHNORM, dtype=mx.float32)
-        theirs, _ = load_model(out)
-        assert "scales" in str(tree_flatten(theirs.parameters())), method
-        errs[method] = rel(ours(x), theirs(x))
-    print(errs)
-    assert max(errs.values()) < tiny.f32_tol(), errs
+    family.compat_loads_in_mlx_lm(source, tmp_path)
 
 
 def test_bench_counts_fewer_launches(tmp_path):
@@ -164,25 +119,18 @@ def test_two_rank_tensor_parallel_matches_one_process(tmp_path):
     FlashNorm's 4-bit: each as one process gives it, greedy tokens identical."""
     import test_distributed
 
-    paths = {
-        n: str(tiny.make_llama4_text(tmp_path / n, n, tokenizer=False)) for n in NAMES
-    }
-    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
-    cases.append({**cases[0], "name": "q4", "quantize": [4, 32]})
+    make = tiny.make_llama4_text
+    paths = {n: make(tmp_path / n, n, tokenizer=False) for n in NAMES}
+    cases = family.main_cases(paths, NAMES[0], ())
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 
 def test_load_peak_is_stocks(tmp_path):
     """Reading and building FlashNorm peaks within 3% of stock on the same
     12-layer folder (tests/test_load_memory.py's measure)."""
-    import test_load_memory
-
     over = dict(hidden_size=128, num_hidden_layers=12, vocab_size=2048)
     over["no_rope_layers"] = [1, 1, 1, 0] * 3
-    path = tiny.make_llama4_text(tmp_path / "f", tokenizer=False, **over)
-    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
-    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
-    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+    family.load_peak_is_stocks(tmp_path, tiny.make_llama4_text, False, **over)
 
 
 # --- the llama4 wrapper: top-1 sigmoid experts, chunked attention --------------------
@@ -199,8 +147,7 @@ def moe_source(request, tmp_path_factory):
     return read_source(str(tiny.make_llama4(path, request.param)))
 
 
-def _moe_source(tmp_path, name):
-    return read_source(str(tiny.make_llama4(tmp_path / name, name)))
+_moe_source = family.sources(tiny.make_llama4)
 
 
 def test_moe_layers_and_no_norm_gain_left(moe_source):
@@ -220,22 +167,7 @@ def test_moe_verify_float32(moe_source, engine):
     mlx-lm's llama4 class in float32 (compiled: the every-layer-MoE config)."""
     if engine == "compiled" and moe_source.config["interleave_moe_layer_step"] > 1:
         pytest.skip("the compiled engine on one config")
-    r = compare(moe_source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
-    print(engine, r["max_rel_logit_diff"])
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
-
-
-def record_picks(model):
-    """tests/test_moe.py's Picks on every layer with experts: {layer: picks}."""
-    from test_moe import Picks
-
-    logs = {}
-    for i, layer in enumerate(model.layers):
-        ff = layer.feed_forward
-        if "experts" in ff:
-            logs[i] = []
-            ff.experts = Picks(ff.experts, logs[i])
-    return logs
+    family.verify(moe_source, engine)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
@@ -244,29 +176,16 @@ def test_moe_64_greedy_tokens_and_every_pick_are_stocks(
 ):
     """Float32 and mlx-lm's own `convert -q` as stored: 64 greedy tokens, and
     each token's expert at every step (prompt and 32 steps), as stock's."""
-    src = tiny.mlx_q4(moe_source.folder, tmp_path / "q4") if quantized else moe_source
-    dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
-    flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine="eager")
-    if quantized:
-        proj = flash.layers[1].self_attn.qkv_proj
-        assert type(proj).__name__ == "QuantizedLinear", type(proj)
-    want, got = greedy(stock), greedy(flash)
-    assert len(set(want)) >= 4, want
-    assert len(want) == 64 and got == want, (want, got)
-    ls, lf = record_picks(stock), record_picks(flash)
+    stock, flash = family.greedy_is_stocks(
+        tiny.mlx_q4(moe_source.folder, tmp_path / "q4") if quantized else moe_source,
+        quantized,
+        lambda flash: flash.layers[1].self_attn.qkv_proj,
+        engines=("eager",),
+    )
+    ls = family.record_picks(stock, "feed_forward.experts")
+    lf = family.record_picks(flash, "feed_forward.experts")
     greedy(stock, 32), greedy(flash, 32)
-    assert ls and set(ls) == set(lf), (ls, lf)
-    assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls
-    bad = [
-        (i, step)
-        for i in ls
-        for step, (a, b) in enumerate(zip(ls[i], lf[i]))
-        if not mx.array_equal(a, b).item()
-    ]
-    assert not bad, bad
-    first = next(iter(ls.values()))[0].reshape(-1).tolist()
-    assert len(set(first)) >= 3, first  # routing reads the input
+    family.picks_are_stocks(ls, lf, 1)  # top-1
 
 
 def test_the_reference_sees_what_llama4_must_get_right(tmp_path, monkeypatch):
@@ -283,15 +202,8 @@ def test_the_reference_sees_what_llama4_must_get_right(tmp_path, monkeypatch):
     src = dataclasses.replace(
         src, folder=None, weights={**src.weights, emb: src.weights[emb] * 1e-3}
     )
-    x = mx.array([PROMPT * 2])
-    want = build_model(src, STOCK, dtype=mx.float32)[0](x)
+    err = family.breaker(monkeypatch, src, mx.array([PROMPT * 2]))
     R = llama4.Routed
-
-    def err(patch):
-        with monkeypatch.context() as m:
-            patch(m)
-            flash, _ = build_model(src, FLASHNORM, dtype=mx.float32)
-            return rel(flash(x), want)
 
     def routed(score_of, on_output):
         def call(self, xs, ms):
@@ -343,25 +255,12 @@ def test_the_reference_sees_what_llama4_must_get_right(tmp_path, monkeypatch):
 def test_moe_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path):
     """--compat (float) and -q at 8 bits by RTN and GPTQ: each checkpoint
     loads in mlx-lm (its llama4 wrapper class), whose logits equal ours."""
-    from mlx_lm.utils import load_model
-
     source = _moe_source(tmp_path, "llama4_interleaved")
     once, c1 = fold.fold_norms(source.weights, source.config)
     assert fold.fold_norms(once, c1)[0] is once
-    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
-    x = mx.array([PROMPT])
-    for method in ("rtn", "gptq"):
-        out = tmp_path / f"q8-{method}"
-        convert(
-            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
-        )
-        ours, _ = build_model(read_source(str(out)), FLASHNORM, dtype=mx.float32)
-        theirs, _ = load_model(out)
-        assert type(theirs).__module__ == "mlx_lm.models.llama4", type(theirs)
-        assert "experts.gate_proj.scales" in str(tree_flatten(theirs.parameters()))
-        errs[method] = rel(ours(x), theirs(x))
-    print(errs)
-    assert max(errs.values()) < tiny.f32_tol(), errs
+    family.compat_loads_in_mlx_lm(
+        source, tmp_path, "experts.gate_proj.scales", "mlx_lm.models.llama4"
+    )
 
 
 def test_moe_bench_counts_fewer_launches(tmp_path):
@@ -373,30 +272,18 @@ def test_moe_two_rank_tensor_parallel_matches_one_process(tmp_path):
     every-layer-MoE one: each as one process gives it."""
     import test_distributed
 
-    paths = {
-        n: str(tiny.make_llama4(tmp_path / n, n, tokenizer=False)) for n in MOE_NAMES
-    }
-    cases = [{"name": n, "model": p, "mode": "flashnorm"} for n, p in paths.items()]
-    main = {"model": paths["llama4"], "mode": "flashnorm"}
-    cases.append({**main, "name": "stock", "mode": "stock"})
-    cases.append({**main, "name": "q4", "quantize": [4, 32]})
+    paths = {n: tiny.make_llama4(tmp_path / n, n, tokenizer=False) for n in MOE_NAMES}
+    cases = family.main_cases(paths, "llama4")
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])
 def test_moe_load_peak_is_stocks(tmp_path, quantized):
-    import test_load_memory
-    from mlx_lm.convert import convert as mlx_convert
-
     over = dict(hidden_size=128, num_hidden_layers=12, vocab_size=2048)
     over["no_rope_layers"] = [1, 1, 1, 0] * 3
-    path = tiny.make_llama4(tmp_path / "f", "llama4", tokenizer=quantized, **over)
-    if quantized:
-        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
-        path = tmp_path / "q"
-    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
-    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
-    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+    family.load_peak_is_stocks(
+        tmp_path, tiny.make_llama4, quantized, name="llama4", **over
+    )
 
 
 def test_what_no_llama4_checkpoint_has_runs_as_stock():

@@ -13,12 +13,12 @@ wrapper class, as `mlx_lm.load` builds the folder.
 
 import json
 
+import family
 import mlx.core as mx
 import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
 from test_gguf import _u32, gguf_runs_as_folder, tiny_metadata, write_gguf
 from tiny import PROMPT, rel
 
@@ -59,16 +59,9 @@ def test_verify_float32_and_quantized_as_stored(tmp_path, make, cfg, engine):
     of mlx-lm's class, and of its 4-bit model as stored (our gains then in the
     kernels; a wrapper's quantized as mlx-lm's convert writes it)."""
     source = _source(tmp_path, make, cfg)
-    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
     stored = read_source(str(quantized_folder(tmp_path, make, cfg)))
     assert stored.config["quantization"]["bits"] == 4
-    r = compare(stored, PROMPT, horizon=32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
-
-
-def greedy(model, n=64):
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+    family.verify(source, engine, stored)
 
 
 @EVERY
@@ -80,17 +73,9 @@ def test_64_greedy_tokens_identical_to_stock_on_both_engines(
         src = read_source(str(quantized_folder(tmp_path, make, cfg)))
     else:
         src = _source(tmp_path, make, cfg)
-    dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
-    want = greedy(stock)
-    got = {}
-    for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
-        if quantized:
-            qkv = flash.layers[0].self_attn.qkv_proj
-            assert type(qkv).__name__ == "QuantizedLinear", type(qkv)
-        got[engine] = greedy(flash)
-    assert len(want) == 64 and got == {"eager": want, "compiled": want}, (want, got)
+    family.greedy_is_stocks(
+        src, quantized, lambda flash: flash.layers[0].self_attn.qkv_proj, few=None
+    )
 
 
 @EVERY
@@ -185,8 +170,7 @@ def test_the_reference_sees_what_ministral3_must_get_right(tmp_path, monkeypatch
         ),
         "yarn mscale dropped": err(mscale, no_mscale),
     }
-    print(errs)
-    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+    family.far_off(errs)
 
 
 def test_taking_the_vision_weights_is_refused_not_run(tmp_path, monkeypatch):
@@ -274,11 +258,7 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
         "ministral3": tiny.make_ministral3(tmp_path / "m", "ministral3_mscale_sliding"),
         "mistral3": tiny.make_mistral3(tmp_path / "w", "mistral3"),
     }
-    cases = [
-        {"name": f"{fam}-{mode}", "model": str(path), "mode": mode}
-        for fam, path in paths.items()
-        for mode in ("flashnorm", "stock")
-    ]
+    cases = family.launch_cases(paths, q4=False)
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 

@@ -11,6 +11,7 @@ and a wrong router scale changes them:
 at every step and compared (docs/design.md section 2j).
 """
 
+import family
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -144,13 +145,7 @@ def test_prompt_and_32_cached_steps_and_every_expert_pick_match_stock(source):
     stock, _ = build_model(source, STOCK, dtype=mx.float32, engine="eager")
     flash, _ = build_model(source, FLASHNORM, dtype=mx.float32, engine="eager")
     ls, lf = record_picks(stock, source), record_picks(flash, source)
-    cs, cf = make_prompt_cache(stock), make_prompt_cache(flash)
-    a, b = stock(mx.array([PROMPT]), cache=cs), flash(mx.array([PROMPT]), cache=cf)
-    errs = [rel(b, a)]
-    for _ in range(32):
-        t = mx.argmax(a[:, -1], axis=-1)[:, None]
-        a, b = stock(t, cache=cs), flash(t, cache=cf)
-        errs.append(rel(b, a))
+    errs, _ = family.cached_errors(stock, flash)
     bad = picks_differ(ls, lf)
     first, n = fam(source)[1][0], fam(source)[3]
     assert len(ls[first]) == len(lf[first]) == 33
@@ -232,17 +227,11 @@ def test_fold_twice_equals_fold_once_and_folds_router_and_experts(qwen):
 
 
 def test_convert_compat_loads_in_stock_mlx_lm(source, tmp_path):
-    errs = tiny.compat_errors(source, tmp_path / "compat", PROMPT)
-    ref, _ = build_model(source, STOCK, dtype=mx.float32)
-    x = mx.array([PROMPT])
-    # Without --compat: `--mode stock` restores the unit gains itself.
-    plain = tmp_path / "folded"
-    convert(source, plain, progress=False)
-    folded = read_source(str(plain))
-    assert "model.layers.0.post_attention_layernorm.weight" not in folded.weights
-    stock_on_folded, _ = build_model(folded, STOCK, dtype=mx.float32)
-    errs["stock on folded"] = rel(stock_on_folded(x), ref(x))
-    assert max(errs.values()) < tiny.f32_tol(), errs
+    """`convert --compat` loads in stock mlx-lm; without --compat, `--mode
+    stock` on the folded checkpoint restores the unit gains itself."""
+    family.compat_and_stock_on_folded(
+        source, tmp_path, "model.layers.0.post_attention_layernorm.weight"
+    )
 
 
 def test_perplexity_agrees_in_float32(source):

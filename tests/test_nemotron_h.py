@@ -12,18 +12,16 @@ gated norms' too), embeddings of RMS 4 so that s is far from 1:
   changes picks, a shared expert, no biases (as shipped).
 """
 
+import family
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
 from tiny import PROMPT, rel
 
 from flashnorm_mlx import fold
 from flashnorm_mlx.errors import ShardError
-from flashnorm_mlx.jobs.checkpoint import convert
-from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import build_model, read_source
 from flashnorm_mlx.models import nemotron_h
 from flashnorm_mlx.modes import FLASHNORM, STOCK
@@ -31,28 +29,9 @@ from flashnorm_mlx.modes import FLASHNORM, STOCK
 NAMES = list(tiny.NEMOTRON_H_CONFIGS)
 
 
-@pytest.fixture(scope="module", params=NAMES)
-def folder(request, tmp_path_factory):
-    return tiny.make_nemotron_h(tmp_path_factory.mktemp(request.param), request.param)
-
-
-@pytest.fixture(scope="module")
-def source(folder):
-    return read_source(str(folder))
-
-
-@pytest.fixture(scope="module")
-def stock_q4(folder, tmp_path_factory):
-    """mlx-lm's own `convert -q` of the folder, read back as stored."""
-    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
-
-
-def _source(tmp_path, name, **over):
-    return read_source(str(tiny.make_nemotron_h(tmp_path / name, name, **over)))
-
-
-def greedy(model, n=64):
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+# stock_q4: mlx-lm's own `convert -q` of the folder, read back as stored.
+folder, source, stock_q4 = family.fixtures(tiny.make_nemotron_h, NAMES)
+_source = family.sources(tiny.make_nemotron_h)
 
 
 def test_blocks_as_stocks_and_no_norm_gain_left(source):
@@ -73,37 +52,19 @@ def test_verify_float32(source, engine):
     every block kind, at a fraction of the compile cost)."""
     if engine == "compiled" and source.config["hybrid_override_pattern"] != "M*-M-":
         pytest.skip("one config on the compiled engine (its trace is the cost)")
-    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
-    print(source.config["hybrid_override_pattern"], engine, r["max_rel_logit_diff"])
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
+    family.verify(source, engine)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
 def test_64_greedy_tokens_identical_to_stock(source, stock_q4, quantized):
     """64 greedy tokens as stock's, float32 and mlx-lm's 4-bit checkpoint as
     stored (its gains kept where the kernels apply them)."""
-    src = stock_q4 if quantized else source
-    dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
-    flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine="eager")
-    if quantized:
-        proj = flash.layers[0].mixer.in_proj
-        assert type(proj).__name__ == "QuantizedLinear", type(proj)
-    want, got = greedy(stock), greedy(flash)
-    assert len(set(want)) >= 4, want  # a text that shows a wrong step
-    assert got == want, (want, got)
-
-
-def record_picks(model):
-    """tests/test_moe.py's Picks on every MoE block: {layer: picks}."""
-    from test_moe import Picks
-
-    logs = {}
-    for i, layer in enumerate(model.layers):
-        if "switch_mlp" in layer.mixer:
-            logs[i] = []
-            layer.mixer.switch_mlp = Picks(layer.mixer.switch_mlp, logs[i])
-    return logs
+    family.greedy_is_stocks(
+        stock_q4 if quantized else source,
+        quantized,
+        lambda flash: flash.layers[0].mixer.in_proj,
+        engines=("eager",),
+    )
 
 
 @pytest.mark.parametrize("latent", [None, 32], ids=["direct", "latent"])
@@ -119,20 +80,9 @@ def test_every_tokens_experts_are_stocks_at_every_step(tmp_path, latent):
     for mode in (STOCK, FLASHNORM):
         model, _ = build_model(src, mode, dtype=mx.float32, engine="eager")
         logits[mode.name] = model(mx.array([PROMPT * 3]))  # 72 rows: sorted by expert
-        logs[mode.name] = record_picks(model)
-        greedy(model, 32)
-    ls, lf = logs["stock"], logs["flashnorm"]
-    assert ls and set(ls) == set(lf), (ls, lf)
-    assert all(len(ls[i]) == len(lf[i]) >= 32 for i in ls), ls
-    bad = [
-        (i, step)
-        for i in ls
-        for step, (a, b) in enumerate(zip(ls[i], lf[i]))
-        if not mx.array_equal(a, b).item()
-    ]
-    assert not bad, bad
-    first = next(iter(ls.values()))[0].reshape(-1, 2).tolist()
-    assert len({tuple(p) for p in first}) >= 3, first  # routing reads the input
+        logs[mode.name] = family.record_picks(model, "mixer.switch_mlp")
+        family.greedy(model, 32)
+    family.picks_are_stocks(logs["stock"], logs["flashnorm"], 2)
     err = rel(logits["flashnorm"], logits["stock"])
     print("latent", latent, "logits", err)
     assert err < tiny.f32_tol(), err
@@ -182,19 +132,13 @@ def test_the_reference_sees_what_nemotron_h_must_get_right(tmp_path, monkeypatch
     gain left out of out_proj, dt without s. On the config without in_proj
     biases, so that undoing s is a division."""
     src = _source(tmp_path, "nemotron_h_moe")
-    x = mx.array([PROMPT * 2])
-    want = build_model(src, STOCK, dtype=mx.float32)[0](x)
+    breaks = family.breaker(monkeypatch, src, mx.array([PROMPT * 2]))
     M = nemotron_h.Mamba2
     real_project = M.project
     box = {}
 
     def err(*patches, built=lambda model: None):
-        with monkeypatch.context() as m:
-            for name, fn in patches:
-                m.setattr(M, name, fn)
-            flash, _ = build_model(src, FLASHNORM, dtype=mx.float32)
-            built(flash)
-            return rel(flash(x), want)
+        return breaks(lambda m: [m.setattr(M, n, fn) for n, fn in patches], built)
 
     def unscaled(part):  # project with `part` (1: x|B|C, 2: dt) lacking s
         def project(self, xs, ms):
@@ -228,23 +172,18 @@ def test_the_reference_sees_what_nemotron_h_must_get_right(tmp_path, monkeypatch
         skip = linear.endswith("mixer.out_proj")
         return weights if skip else folded(weights, gain, linear)
 
-    with monkeypatch.context() as m:
-        m.setattr(fold, "fold_gain", unfolded_out_proj)
-        gain_left = err()
+    gain_left = breaks(lambda m: m.setattr(fold, "fold_gain", unfolded_out_proj))
     errs = {
         "s past the convolution": err(("project", unscaled(1)), built=late_conv),
         "gated norm's 1/RMS over the whole vector": err(("gated_norm", whole_vector)),
         "gated norm's gain not in out_proj": gain_left,
         "dt without s": err(("project", unscaled(2))),
     }
-    print(errs)
-    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+    family.far_off(errs)
 
 
 def test_fold_twice_equals_fold_once_and_folds_the_gated_norms(source):
-    once, c1 = fold.fold_norms(source.weights, source.config)
-    twice, c2 = fold.fold_norms(once, c1)
-    assert twice is once and c2 == c1
+    once = family.fold_once(source)
     left = [k for k in once if "norm" in k]
     assert not left, left
     gated = nemotron_h.ARCH.gated_norms(source.config)
@@ -262,35 +201,13 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(tmp_path, name):
     weight; GPTQ: not); each --compat checkpoint loads in mlx-lm, whose logits
     there equal ours. At 8 bits; tiny random models' quantization noise is
     chaotic, so no ratio to stock's error is asserted (printed)."""
-    from mlx_lm.utils import load_model
-
-    source = _source(tmp_path, name)
-    ref, _ = build_model(source, STOCK, dtype=mx.float32)
-    x = mx.array([PROMPT])
-    key = "backbone.layers.0.mixer.in_proj.weight"
-    folded_w, _ = fold.fold_norms(source.weights, source.config)
-    rtn_w = mx.quantize(folded_w[key], group_size=32, bits=8)[0]
-    errs = {}
-    for method in ("rtn", "gptq"):
-        out = tmp_path / f"q8-{method}"
-        convert(
-            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
-        )
-        folded = read_source(str(out))
-        ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
-        quantized = [
-            n for n, m in ours.named_modules() if type(m).__name__ == "QuantizedLinear"
-        ]
-        assert any(n.endswith("mixer.in_proj") for n in quantized), quantized
-        same = mx.array_equal(folded.weights[key], rtn_w).item()
-        assert same == (method == "rtn"), (method, same)
-        theirs, _ = load_model(out)
-        assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
-        errs[method] = rel(ours(x), ref(x))
-    stock8, _ = build_model(source, STOCK, dtype=mx.float32, quantize=(8, 32))
-    errs["stock q8"] = rel(stock8(x), ref(x))
-    print(name, errs)
-    assert all(e < 1.0 for e in errs.values()), errs
+    family.convert_q_loads_in_mlx_lm(
+        _source(tmp_path, name),
+        tmp_path,
+        "backbone.layers.0.mixer.in_proj.weight",
+        linear="mixer.in_proj",
+        stock8=True,
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -306,16 +223,14 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     FlashNorm's 4-bit): each as one process gives it, greedy tokens identical."""
     import test_distributed
 
-    cases = []
+    make = tiny.make_nemotron_h
+    paths = {n: make(tmp_path / n, n, tokenizer=False) for n in NAMES}
     latent = dict(moe_latent_size=32, mlp_bias=True)  # its biases once in the sum
-    for name, over in [(n, {}) for n in NAMES] + [("nemotron_h_moe", latent)]:
-        label = f"{name}-latent" if over else name
-        path = tiny.make_nemotron_h(tmp_path / label, name, tokenizer=False, **over)
-        for mode in ("flashnorm", "stock"):
-            cases.append({"name": f"{label}-{mode}", "model": str(path), "mode": mode})
-        if not over:
-            q4 = {"mode": "flashnorm", "quantize": [4, 32]}
-            cases.append({"name": f"{label}-q4", "model": str(path), **q4})
+    label = "nemotron_h_moe-latent"
+    latent = {
+        label: make(tmp_path / label, "nemotron_h_moe", tokenizer=False, **latent)
+    }
+    cases = family.launch_cases(paths) + family.launch_cases(latent, q4=False)
     test_distributed.ranks_match_one_process(cases, tmp_path)
 
 
@@ -341,16 +256,7 @@ def test_load_peak_is_stocks(tmp_path, quantized):
     """Reading and building FlashNorm peaks within 3% of stock on the same
     16-layer MoE folder, float32 and mlx-lm's 4-bit as stored
     (tests/test_load_memory.py's measure)."""
-    import test_load_memory
-    from mlx_lm.convert import convert as mlx_convert
-
     over = dict(hybrid_override_pattern="ME*-" * 4, num_hidden_layers=16)
-    path = tiny.make_nemotron_h(
-        tmp_path / "f", "nemotron_h_moe", tokenizer=quantized, **over
+    family.load_peak_is_stocks(
+        tmp_path, tiny.make_nemotron_h, quantized, name="nemotron_h_moe", **over
     )
-    if quantized:
-        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
-        path = tmp_path / "q"
-    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
-    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
-    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks

@@ -12,17 +12,17 @@ the same layers, the DeltaNet's inputs in two linears whose rows run per key
 head, a dense layer between sparse ones, per-expert Hugging Face weights.
 """
 
+import family
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 import tiny
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
 from test_gguf import _u32, gguf_runs_as_folder, tiny_metadata, write_gguf
 from tiny import PROMPT, rel
 
-from flashnorm_mlx import fold, kernels, models
+from flashnorm_mlx import kernels, models
 from flashnorm_mlx.jobs.checkpoint import convert
 from flashnorm_mlx.jobs.equivalence import compare
 from flashnorm_mlx.loading import LoadError, build_model, read_source
@@ -49,24 +49,8 @@ def make(path, case, **kw):
     return maker(path, name, **kw)
 
 
-@pytest.fixture(scope="module", params=NAMES)
-def folder(request, tmp_path_factory):
-    return make(tmp_path_factory.mktemp(request.param), request.param)
-
-
-@pytest.fixture(scope="module")
-def source(folder):
-    return read_source(str(folder))
-
-
-@pytest.fixture(scope="module")
-def stock_q4(folder, tmp_path_factory):
-    """mlx-lm's own `convert -q` of the tiny model, read back as a checkpoint."""
-    return tiny.mlx_q4(folder, tmp_path_factory.mktemp("q4") / "mlx-q4")
-
-
-def greedy(model, n=64):
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n)]
+# stock_q4: mlx-lm's own `convert -q` of the tiny model, read back as a checkpoint.
+folder, source, stock_q4 = family.fixtures(make, NAMES)
 
 
 def test_layers_and_what_is_left_of_the_norms(source):
@@ -120,32 +104,22 @@ def test_verify_float32_and_stock_quantized_as_stored(source, stock_q4, engine):
     """`verify`: a prompt and 32 cached steps within 1e-4 relative of mlx-lm's
     class in float32, and on mlx-lm's 4-bit checkpoint as stored (the gains,
     gated norms' included, then in the model)."""
-    r = compare(source, PROMPT, horizon=32, dtype=mx.float32, engine=engine)
-    assert r["max_rel_logit_diff"] < tiny.f32_tol() and r["greedy_match"] == 32, r
-    r = compare(stock_q4, PROMPT, horizon=32, engine=engine)
-    # Rounding grown over 32 steps: OpenBLAS (blas.py) sums the float32 matmuls
-    # in another order than the reference BLAS (1.08e-4 seen there, under 1e-4
-    # without it); a break is off by 1e-2 or more.
-    assert r["max_rel_logit_diff"] < tiny.f32_tol(2e-4), r
-    assert r["greedy_match"] == 32, r
+    # As stored, rounding grown over 32 steps: OpenBLAS (blas.py) sums the
+    # float32 matmuls in another order than the reference BLAS (1.08e-4 seen
+    # there, under 1e-4 without it); a break is off by 1e-2 or more.
+    family.verify(source, engine, stock_q4, tiny.f32_tol(2e-4))
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "q4_stored"])
 def test_64_greedy_tokens_identical_to_stock_on_both_engines(
     source, stock_q4, quantized
 ):
-    src = stock_q4 if quantized else source
-    dtype = None if quantized else mx.float32
-    stock, _ = build_model(src, STOCK, dtype=dtype, engine="eager")
-    want = greedy(stock)
-    got = {}
-    for engine in ("eager", "compiled"):
-        flash, _ = build_model(src, FLASHNORM, dtype=dtype, engine=engine)
-        if quantized:
-            proj = flash.layers[0].linear_attn.in_proj
-            assert type(proj).__name__ == "QuantizedLinear", type(proj)
-        got[engine] = greedy(flash)
-    assert len(want) == 64 and got == {"eager": want, "compiled": want}, (want, got)
+    family.greedy_is_stocks(
+        stock_q4 if quantized else source,
+        quantized,
+        lambda flash: flash.layers[0].linear_attn.in_proj,
+        few=None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -185,17 +159,8 @@ def test_the_reference_sees_what_qwen3_5_must_get_right(source, monkeypatch):
     s left out of one DeltaNet projection (beta's), s moved past the token
     convolution, the gated norm's gain left unfolded, the attention gate's s
     dropped."""
-    x = mx.array([PROMPT * 2])
-    ref, _ = build_model(source, STOCK, dtype=mx.float32)
-    want = ref(x)
+    err = family.breaker(monkeypatch, source, mx.array([PROMPT * 2]))
     real = qwen3_5.GatedDeltaNet.project
-
-    def err(patch, built=lambda model: None):
-        with monkeypatch.context() as m:
-            patch(m)
-            flash, _ = build_model(source, FLASHNORM, dtype=mx.float32)
-            built(flash)
-            return rel(flash(x), want)
 
     def unscaled_beta(self, y, ms):
         qkv, z, b, a = real(self, y, ms)
@@ -248,14 +213,11 @@ def test_the_reference_sees_what_qwen3_5_must_get_right(source, monkeypatch):
             )
         ),
     }
-    print(errs)
-    assert all(e > 10 * tiny.f32_tol() for e in errs.values()), errs
+    family.far_off(errs)
 
 
 def test_fold_twice_equals_fold_once_and_folds_the_gated_norms(source):
-    once, c1 = fold.fold_norms(source.weights, source.config)
-    twice, c2 = fold.fold_norms(once, c1)
-    assert twice is once and c2 == c1
+    once = family.fold_once(source)
     gated = models.architecture(source.config).gated_norms(source.config)
     assert gated and all(f"{n}.weight" not in once for n in gated), list(gated)
     out, _ = next(iter(gated.values()))
@@ -281,33 +243,14 @@ def test_convert_q_rtn_and_gptq_load_in_mlx_lm(source, tmp_path):
     4-bit error exceeds the logits' scale; at 8 bits it is 0.06 on one config
     and 0.62 on another, and GPTQ beats RTN on some and not others); GPTQ's
     quality is tests/test_gptq.py's, on real text."""
-    from mlx_lm.utils import load_model
-
-    ref, _ = build_model(source, STOCK, dtype=mx.float32)
-    x = mx.array([PROMPT])
     name = source.config["model_type"]
     key = LAYER0_LINEAR.get(
         name, "language_model.model.layers.0.linear_attn.in_proj_z.weight"
     )
-    folded_w, _ = fold.fold_norms(source.weights, source.config)
-    rtn_w = mx.quantize(folded_w[key], group_size=32, bits=8)[0]
-    errs = {}
-    for method in ("rtn", "gptq"):
-        out = tmp_path / f"q8-{method}"
-        convert(
-            source, out, quantize=(8, 32), q_method=method, compat=True, progress=False
-        )
-        folded = read_source(str(out))
-        ours, _ = build_model(folded, FLASHNORM, dtype=mx.float32)
-        proj = ours.layers[0].linear_attn.in_proj
-        assert type(proj).__name__ == "QuantizedLinear", type(proj)
-        same = mx.array_equal(folded.weights[key], rtn_w).item()
-        assert same == (method == "rtn"), (method, same)
-        theirs, _ = load_model(out)
-        assert rel(ours(x), theirs(x)) < tiny.f32_tol(), method
-        errs[method] = rel(ours(x), ref(x))
-    print(errs)
-    assert all(e < 10 for e in errs.values()), errs  # finite, logits' scale
+    linear = "layers.0.linear_attn.in_proj"
+    family.convert_q_loads_in_mlx_lm(  # bound: finite, the logits scale
+        source, tmp_path, key, linear=linear, bound=10
+    )
 
 
 def test_bench_counts_fewer_launches_and_nonorm_runs(source):
@@ -323,20 +266,8 @@ def test_two_rank_tensor_parallel_matches_one_process_and_stock(tmp_path):
     each as one process gives it, greedy tokens identical."""
     import test_distributed
 
-    cases = []
-    for name in NAMES:
-        path = str(make(tmp_path / name, name, tokenizer=False))
-        for mode in ("flashnorm", "stock"):
-            cases.append({"name": f"{name}-{mode}", "model": path, "mode": mode})
-        cases.append(
-            {
-                "name": f"{name}-q4",
-                "model": path,
-                "mode": "flashnorm",
-                "quantize": [4, 32],
-            }
-        )
-    test_distributed.ranks_match_one_process(cases, tmp_path)
+    paths = {n: make(tmp_path / n, n, tokenizer=False) for n in NAMES}
+    test_distributed.ranks_match_one_process(family.launch_cases(paths), tmp_path)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "q4_as_stored"])
@@ -347,17 +278,9 @@ def test_load_peak_is_stocks(tmp_path, quantized):
     parted gate rows and the folded out_proj free their sources as they go.
     A folder, as this family ships (llama.cpp files, read whole, are not read
     for it): a build reads its own lazy handles of the files."""
-    import test_load_memory
-    from mlx_lm.convert import convert as mlx_convert
-
     over = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=16)
-    path = tiny.make_qwen3_5(tmp_path / "f", vocab_size=2048, tokenizer=False, **over)
-    if quantized:
-        mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
-        path = tmp_path / "q"
-    peaks = {m.name: test_load_memory._peak(path, m, False) for m in (STOCK, FLASHNORM)}
-    print(f"load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
-    assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
+    over.update(vocab_size=2048, tokenizer=False)
+    family.load_peak_is_stocks(tmp_path, tiny.make_qwen3_5, quantized, **over)
 
 
 def test_qwen3_next_in_proj_rows_follow_key_heads(tmp_path, monkeypatch):

@@ -563,6 +563,17 @@ def test_the_function_length_rule_catches_each_way_to_break_it(
     assert got == ([want.replace("::f", "::C.f")] if want else []), got
 
 
+def _defined(path: Path) -> set:
+    """The functions a test file defines, and the names it assigns at module
+    level: fixtures tests/family.py makes (`folder, source, stock_q4 = ...`)."""
+    tree = ast.parse(path.read_text())
+    names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    for n in tree.body:
+        for target in n.targets if isinstance(n, ast.Assign) else ():
+            names |= {t.id for t in ast.walk(target) if isinstance(t, ast.Name)}
+    return names
+
+
 def test_the_slow_record_and_launches_name_tests_and_fixtures_that_exist():
     """tests/durations.json's slow entries (the developer loop leaves them
     out): a renamed test or fixture would silently rejoin the loop, until the
@@ -584,15 +595,7 @@ def test_the_slow_record_and_launches_name_tests_and_fixtures_that_exist():
     for file, defined in names.items():
         path = ROOT.parent / "tests" / file
         stale += [] if path.exists() else [file]
-        defs = (
-            {
-                n.name
-                for n in ast.walk(ast.parse(path.read_text()))
-                if isinstance(n, ast.FunctionDef)
-            }
-            if path.exists()
-            else set()
-        )
+        defs = _defined(path) if path.exists() else set()
         stale += [f"{file}::{n}" for n in defined if n not in defs]
     assert not stale, stale
 
