@@ -64,8 +64,18 @@ def _files(path: Path) -> dict:
 
 
 @pytest.mark.parametrize("way", list(WAYS))
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_convert_writes_what_load_builds_for_llama(tmp_path, way):
+    """Every way on Llama alone: the developer loop's case (`-m "not slow"`)."""
+    _convert_and_load_agree(tmp_path, "llama", way)
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "llama"])
 def test_convert_writes_what_load_builds(tmp_path, arch, way):
+    _convert_and_load_agree(tmp_path, arch, way)
+
+
+def _convert_and_load_agree(tmp_path, arch: str, way: str) -> None:
     quantized_source, flags = WAYS[way]
     source = read_source(str(ARCHITECTURES[arch](tmp_path / "src")))
     if quantized_source:

@@ -21,6 +21,39 @@ pytestmark = pytest.mark.skipif(
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 
+# SmolLM2-135M-Instruct's config.json on the Hugging Face hub.
+SMOLLM2_135M = dict(
+    model_type="llama",
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
+
+
+def test_the_embedded_file_reads_as_smollm2_135m_instruct():
+    """The GGUF reader on the real file (no model run): its metadata as the
+    checkpoint's own config.json, its vocabulary round-tripping text, and
+    its chat template SmolLM2's ChatML."""
+    source = read_source(None)
+    got = {k: source.config.get(k) for k in SMOLLM2_135M}
+    assert got == SMOLLM2_135M, got
+    tok = source.tokenizer
+    assert tok.decode(tok.encode(QUESTION)) == QUESTION
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text.endswith(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ), text
+
+
 @pytest.mark.parametrize("mode", ["flashnorm", "stock"])
 def test_generate_answers_paris(capsys, mode):
     # The default path: the stored 4-bit weights, FlashNorm's gains in its kernels.
