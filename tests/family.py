@@ -201,7 +201,7 @@ def load_peak_is_stocks(tmp_path, make, quantized, builds=3, label="", **over):
     """Reading and building FlashNorm peaks within 3% of stock on the same
     folder, `make(path, tokenizer=..., **over)`'s, float32 or (`quantized`)
     mlx-lm's own 4-bit as stored (tests/test_load_memory.py's measure, the
-    least of `builds` builds)."""
+    least of `builds` alternating builds each)."""
     import test_load_memory
     from mlx_lm.convert import convert as mlx_convert
 
@@ -210,10 +210,7 @@ def load_peak_is_stocks(tmp_path, make, quantized, builds=3, label="", **over):
     if quantized:
         mlx_convert(str(path), str(tmp_path / "q"), quantize=True, q_group_size=32)
         path = tmp_path / "q"
-    peaks = {
-        m.name: test_load_memory._peak(path, m, False, builds)
-        for m in (STOCK, FLASHNORM)
-    }
+    peaks = test_load_memory.peaks(path, False, builds)
     print(f"{label} load peak {peaks}, x{peaks['flashnorm'] / peaks['stock']:.3f}")
     assert peaks["flashnorm"] <= 1.03 * peaks["stock"], peaks
 

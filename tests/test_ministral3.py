@@ -241,8 +241,8 @@ def test_flashnorm_load_peak_is_stocks(tmp_path, name):
         w = {f"language_model.{k}": v for k, v in w.items()}
         w["vision_tower.patch_conv.weight"] = np.ones((4096, 512), np.float32)
     path = tiny.write_model(tmp_path / name, config, w, tokenizer=False)
-    stock = test_load_memory._peak(path, STOCK, False)
-    flashnorm = test_load_memory._peak(path, FLASHNORM, False)
+    got = test_load_memory.peaks(path, False)
+    stock, flashnorm = got["stock"], got["flashnorm"]
     print(f"{name} load peak: flashnorm {flashnorm} B, stock {stock} B")
     assert flashnorm <= 1.03 * stock, (flashnorm, stock)
 
