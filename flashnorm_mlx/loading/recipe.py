@@ -297,9 +297,8 @@ def fold_checkpoint(
     q_method = gptq.resolve(q_method)
     recipe = _recipe(source, weights, dtype, quantize, quantized_way, compat, q_method)
     slow = None  # GPTQ's column loop is minutes where RTN is seconds on the CPU
-    if q_method == "gptq" and recipe.qspec and mx.default_device() == mx.cpu:
-        slow = _Slow(on_slow)
     if q_method == "gptq" and recipe.qspec:
+        slow = _Slow(on_slow) if mx.default_device() == mx.cpu else None
         _calibrate(recipe, source, calibration, bar, progress, step, stage, slow)
     recipe.drop_calibration_source()  # source tensors go as modules are done
     # Nothing is folded in a quantized checkpoint kept as stored: it is copied.
