@@ -641,7 +641,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call(tokenizer):
     from flashnorm_mlx.serve.split import reply_split
 
     settings = Settings(max_context=512)
-    service = Service(None, "m", "flashnorm", settings, worker=lambda *a: None)
+    service = Service(None, "m", settings, worker=lambda *a: None)
     service.tokenizer, service.vocab_size = tokenizer, tiny.VOCAB
     service.bytes_per_token = bytes_per_token(tokenizer)
     text = "".join(SCRIPT) + "".join(SCRIPT[1:])

@@ -217,7 +217,7 @@ def _attach(server, args, api_key) -> None:
     from ..chat_template import set_template
     from ..decode_options import KVOptions
     from ..loading.source import default_model_path
-    from ..serve import Comparer, Decoding, Service, Settings, other_mode
+    from ..serve import Comparer, Decoding, Service, Settings
     from .common import build, read_model
 
     decoding = Decoding(
@@ -226,25 +226,21 @@ def _attach(server, args, api_key) -> None:
     if decoding.sequential:
         print(f"flashnorm-mlx serve: {decoding.why()}", file=sys.stderr, flush=True)
 
-    settled = {}  # the Mode load() settles for the model, once
-
-    def load():
-        source, tokenizer, settled["mode"] = read_model(args)
+    def load():  # the Mode read_model settles travels with the model
+        source, tokenizer, mode = read_model(args)
         set_template(  # mlx-lm's template flags, for every chat request
             tokenizer,
             chat_template=args.chat_template,
             use_default=args.use_default_chat_template,
             template_args=args.chat_template_args,
         )
-        model, config = build(source, settled["mode"], args)
-        serve_with_draft(
-            decoding, args, model, tokenizer, config, source.name, settled["mode"]
-        )
-        return model, tokenizer, config
+        model, config = build(source, mode, args)
+        serve_with_draft(decoding, args, model, tokenizer, config, source.name, mode)
+        return model, tokenizer, config, mode
 
-    def load_other():  # the page's Compare: the other mode, built on its first use
+    def load_other(mode):  # the page's Compare: the other mode, on its first use
         source, _, _ = read_model(args)
-        return build(source, other_mode(settled["mode"]), args)[0]
+        return build(source, mode, args)[0]
 
     # Every Settings field is a flag of the same name (the key: flag or env).
     held = (f.name for f in dataclasses.fields(Settings) if f.name != "api_key")
@@ -254,10 +250,8 @@ def _attach(server, args, api_key) -> None:
     if args.model and Path(args.model).exists():
         model_id = Path(args.model).resolve().name
     comparer = Comparer(load_other)
-    service = Service(load, model_id, args.mode, settings, decoding.worker(), comparer)
-    server.attach(service)  # builds: load() settled --mode for the model
-    service.mode = settled["mode"].name
-    comparer.settle(settled["mode"])
+    service = Service(load, model_id, settings, decoding.worker(), comparer)
+    server.attach(service)  # builds: load() settles --mode for the model
     print(
         f"flashnorm-mlx serve: {model_id} ({service.mode}) on "
         f"{server.url}/v1{' (API key required)' if api_key else ''}, chat page "

@@ -36,7 +36,7 @@ FlashNorm builder), answers errors as {"error": "text"}, and has no API key.
 
 # What the CLI (cli/serve.py) uses: this face alone, never a module below it.
 from .auth import API_KEY_ENV, bind_warning, key_matches
-from .compare import Comparer, other_mode
+from .compare import Comparer
 from .connections import run_until_signal
 from .http import ApiServer
 from .log import set_level
@@ -56,7 +56,6 @@ __all__ = [
     "Worker",
     "bind_warning",
     "key_matches",
-    "other_mode",
     "run_until_signal",
     "set_level",
 ]

@@ -115,11 +115,11 @@ def timed_run(model, prompt: List[int], n: int, stream) -> Iterator[None]:
 
 class Comparer:
     """The server's model against the other mode on the same weights.
-    build_other() -> that model, called once, on the generation thread;
-    `settle` gives the server's mode once the model is read (serve's --mode
-    defaults by family)."""
+    build_other(the other Mode) -> that model, called once, on the generation
+    thread; `settle` gives the server's mode once the model is read (serve's
+    --mode defaults by family)."""
 
-    def __init__(self, build_other: Callable[[], object], mode: Mode = FLASHNORM):
+    def __init__(self, build_other: Callable[[Mode], object], mode: Mode = FLASHNORM):
         self.build_other = build_other
         self.settle(mode)
         self.model = None  # the other model, once built
@@ -127,7 +127,8 @@ class Comparer:
 
     def settle(self, mode: Mode) -> None:
         """The server's Mode, once its model is read: rows are named by mode."""
-        self.mode, self.other = mode.name, other_mode(mode).name
+        self._other = other_mode(mode)
+        self.mode, self.other = mode.name, self._other.name
 
     def steps(self, worker, prompt: List[int], n: int) -> Iterator[None]:
         """On the generation thread, a slice per next(): both models' decode
@@ -136,7 +137,7 @@ class Comparer:
         if self.model is None:
             start = time.perf_counter()
             try:
-                self.model = self.build_other()
+                self.model = self.build_other(self._other)
             except UnsupportedModel as e:  # a family FlashNorm does not cover
                 raise RequestError(f"nothing to compare: {e}") from None
             # Never 0 once built: 0 says "built before" to the page and the log.

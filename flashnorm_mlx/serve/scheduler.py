@@ -97,7 +97,8 @@ class Worker:
 
     def __init__(self, build: Callable, settings: Settings, tokenizer_lock):
         self.build, self.settings = build, settings
-        self.model = self.tokenizer = self.config = self.build_error = None
+        self.model = self.tokenizer = self.config = self.mode = None
+        self.build_error = None
         self.ready = threading.Event()
         self.lock = tokenizer_lock
         self.pace = PrefillPace(
@@ -144,7 +145,7 @@ class Worker:
 
     def _main(self):
         try:
-            self.model, self.tokenizer, self.config = self.build()
+            self.model, self.tokenizer, self.config, self.mode = self.build()
             self.decoder = copy.deepcopy(self.tokenizer)  # this thread's alone
         except BaseException as e:  # handed to Service.start on the main thread
             self.build_error = e

@@ -21,7 +21,8 @@ from .structured import constrain
 class Service:
     """What the HTTP threads share: the model's tokenizer, settings and worker.
 
-    build() -> (model, tokenizer, config) runs on the generation thread: MLX
+    build() -> (model, tokenizer, config, its modes.Mode) runs on the
+    generation thread: MLX
     streams are per thread, and arrays still lazy from another thread (weights
     read with mx.load, constants a model caches) cannot be evaluated there.
     """
@@ -30,13 +31,12 @@ class Service:
         self,
         build: Callable,
         model_id: str,
-        mode: str,
         settings: Settings,
         worker: Callable = Worker,
         comparer=None,
     ):
-        self.tokenizer = None  # set by start()
-        self.model_id, self.mode, self.settings = model_id, mode, settings
+        self.tokenizer = self.mode = None  # set by start(): what the build settled
+        self.model_id, self.settings = model_id, settings
         self.started = int(time.time())
         # HF fast tokenizers refuse concurrent use ("Already borrowed"): HTTP
         # threads tokenize under this lock; the worker decodes with a copy of
@@ -75,7 +75,9 @@ class Service:
         if w.build_error is not None:
             w.thread.join()
             raise w.build_error
-        self.tokenizer = w.tokenizer
+        self.tokenizer, self.mode = w.tokenizer, w.mode.name
+        if self.comparer is not None:  # rows named by the server's mode
+            self.comparer.settle(w.mode)
         # What the chat page's header names (routes.props).
         self.engine, self.device = engine_of(w.model), device_info()["name"]
         self.vocab_size = len(self.tokenizer.get_vocab())
